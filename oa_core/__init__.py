@@ -1,0 +1,21 @@
+"""OpenAttention: sparse decode attention that reads a few percent of the KV cache exactly and approximates the rest
+with one count-aware proxy per cluster of keys.
+
+    import oa_core as oa
+    pipe = oa.build({"clusterer": "qgc", "selector": "qgs", "budget": {"density": 0.03}})
+"""
+
+from oa_core.hookspecs import hookimpl
+from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Component, Kernel,
+                                PooledClusters, Selection, Selector)
+from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_spec
+from oa_core.registry import available
+from oa_core.pipeline import AttendStats, Pipeline, PipelineState, build
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllocationInput", "Allocator", "AttendStats", "Budget", "Clusterer", "Clusters", "Component", "ComponentSpec",
+    "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector", "SpecError",
+    "available", "build", "hookimpl", "load_spec",
+]

@@ -1,0 +1,183 @@
+"""The four component kinds and the plain-tensor records that pass between them.
+
+Shapes follow transformers: ``[B, H, N, D]`` (batch, heads, tokens, head dim). ``Hkv`` is the number of KV heads,
+``Hq = g * Hkv`` the number of query heads, ``T`` the number of decode queries and ``C`` the number of clusters.
+Selection runs per *selection head*: ``Gs = g`` heads per KV head (``gqa: per_head``) or ``Gs = 1`` shared by the
+group (``gqa: shared``), so every per-query tensor below is ``[B, Hkv, Gs, T, ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Component:
+    """Base of every component: a registered ``name`` and a pydantic ``Config`` holding its parameters."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[BaseModel]] = NoParams
+
+    def __init__(self, config: BaseModel | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config.model_dump().items())
+        return f"{type(self).__name__}({params})"
+
+
+@dataclass
+class Clusters:
+    """A clusterer's output for the clusterable region R of one layer.
+
+    ``assignment``: ``[B, Hkv, n]`` cluster ids in ``[0, num_clusters)`` for the n tokens of R.
+    ``basis``: ``[B, Hkv, D, r]`` query-geometry basis U_r when the clusterer computed one (QGS reuses it).
+    ``space``: whatever the clusterer's ``assign`` needs to place new tokens (projection, centroids).
+    """
+
+    assignment: Tensor
+    num_clusters: int
+    basis: Tensor | None = None
+    space: Any = None
+
+
+class Clusterer(Component):
+    """Partitions the clusterable keys of each (batch row, KV head) into clusters, once per request."""
+
+    def fit(self, keys: Tensor, queries: Tensor | None, generator: torch.Generator) -> Clusters:
+        """keys ``[B, Hkv, n, D]``, prefill queries ``[B, Hq, M, D]`` or None → Clusters."""
+        raise NotImplementedError
+
+    def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:
+        """New keys ``[B, Hkv, t, D]`` leaving the local window → their cluster ids ``[B, Hkv, t]``."""
+        raise NotImplementedError
+
+
+@dataclass
+class AllocationInput:
+    """What an allocator sees for one attend call.
+
+    ``mean_logit``, ``logit_var``: ``[B, Hkv, g, T, C]`` per query head: z̄_b = s·q·k̄_b, σ̂_b² = s²Σ_d q_d² Var_b(k_d).
+    ``counts``: ``[B, Hkv, C]`` cluster sizes n_b.
+    ``scores``: ``[B, Hkv, Gs, T, N]`` selector scores, -inf outside the clusterable region.
+    ``assignment``: ``[B, Hkv, N]`` cluster id per position, ``C`` outside the clusterable region.
+    ``budget``: E_sel, exact rows to spread over the clusters.
+    """
+
+    mean_logit: Tensor
+    logit_var: Tensor
+    counts: Tensor
+    scores: Tensor
+    assignment: Tensor
+    budget: int
+
+    @property
+    def shared(self) -> bool:
+        return self.scores.shape[2] != self.mean_logit.shape[2]
+
+    def combine_heads(self, log_priority: Tensor) -> Tensor:
+        """``[B, Hkv, g, T, C]`` per-head log priorities → ``[B, Hkv, Gs, T, C]``: summed over the group when shared."""
+        return torch.logsumexp(log_priority, dim=2, keepdim=True) if self.shared else log_priority
+
+
+class Allocator(Component):
+    """Splits the selectable budget E_sel over clusters (DESIGN.md §1 step 5)."""
+
+    def allocate(self, inputs: AllocationInput) -> Tensor:
+        """→ quotas q_b, integer ``[B, Hkv, Gs, T, C]`` with q_b ≤ n_b and Σ_b q_b = min(E_sel, Σ_b n_b)."""
+        raise NotImplementedError
+
+
+class Selector(Component):
+    """Scores keys cheaply and reads, inside each cluster, its q_b best (DESIGN.md §1 steps 3 and 6)."""
+
+    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters) -> Any:
+        """Once per request: keys ``[B, Hkv, N, D]`` → an index (plain tensors)."""
+        return None
+
+    def extend(self, index: Any, keys: Tensor) -> Any:
+        """Decode-time growth: index the new keys ``[B, Hkv, t, D]`` appended after the old ones."""
+        return index
+
+    def score(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor:
+        """query ``[B, Hq, T, D]`` → approximate logits ``[B, Hq, T, N]`` (float32)."""
+        raise NotImplementedError
+
+    def select(self, scores: Tensor, assignment: Tensor, quotas: Tensor) -> Tensor:
+        """Per-cluster top-q_b by score.
+
+        scores ``[B, Hkv, Gs, T, N]`` (-inf outside R), assignment ``[B, Hkv, N]`` (C outside R), quotas
+        ``[..., C]`` → positions ``[B, Hkv, Gs, T, K]`` with K = max Σ_b q_b, padded with -1.
+        """
+        num_tokens = scores.shape[-1]
+        num_clusters = quotas.shape[-1]
+        # Order positions by score, then (stably) by cluster: each cluster's tokens become one run, best first.
+        by_score = scores.argsort(dim=-1, descending=True, stable=True)
+        cluster = assignment[:, :, None, None, :].expand_as(scores).gather(-1, by_score)
+        by_cluster = cluster.argsort(dim=-1, stable=True)
+        ranked = by_score.gather(-1, by_cluster)
+        cluster = cluster.gather(-1, by_cluster)
+        sizes = torch.zeros(*assignment.shape[:2], num_clusters + 1, dtype=torch.long, device=scores.device)
+        sizes.scatter_add_(-1, assignment, torch.ones_like(assignment))
+        starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
+        rank = torch.arange(num_tokens, device=scores.device) - starts.gather(-1, cluster)
+        quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1).gather(-1, cluster)
+        take = rank < quota
+        width = int(quotas.sum(-1).max()) if quotas.numel() else 0
+        # Bring the taken positions to the front (stable), keep the first `width`.
+        first = (~take).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
+        chosen = ranked.gather(-1, first)
+        return torch.where(take.gather(-1, first), chosen, torch.full_like(chosen, -1))
+
+
+@dataclass
+class Selection:
+    """The exact rows a kernel reads: ``index`` ``[B, Hkv, Gs, T, K]`` (-1 = padding) and ``log_weight`` (same
+    shape): 0 for exact rows, ln η for rows standing in for others (sampled tail rows)."""
+
+    index: Tensor
+    log_weight: Tensor
+
+    @property
+    def valid(self) -> Tensor:
+        return self.index >= 0
+
+
+@dataclass
+class PooledClusters:
+    """Per-cluster pooled sums the proxies are made of: ``count`` ``[B, Hkv, C]``, ``key_sum``, ``value_sum``
+    ``[B, Hkv, C, D]`` (float32) and the cluster ``assignment`` ``[B, Hkv, N]`` (C outside R), used to subtract the
+    rows the kernel reads exactly."""
+
+    count: Tensor
+    key_sum: Tensor
+    value_sum: Tensor
+    assignment: Tensor
+
+
+class Kernel(Component):
+    """Attention over the exact rows plus one count-aware proxy per cluster (DESIGN.md §1 step 7)."""
+
+    def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
+               proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
+        """query ``[B, Hq, T, D]``, keys/values ``[B, Hkv, N, D]``; ``selection`` None means every row (dense).
+
+        → (output ``[B, Hq, T, D]`` in the query's dtype, number of proxies used ``[B, Hkv, Gs, T]`` or None).
+        """
+        raise NotImplementedError
+
+
+KINDS: dict[str, type[Component]] = {
+    "clusterer": Clusterer,
+    "selector": Selector,
+    "allocator": Allocator,
+    "kernel": Kernel,
+}

@@ -1,0 +1,112 @@
+"""The pipeline spec: a pydantic model that YAML files, dicts and instances all become.
+
+A component is a name or a mapping ``{name: ..., <params>}``; its params are validated by the component's own
+``Config`` when the pipeline is built (``oa_core.pipeline.build``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """An invalid spec or input; the message names the offending field."""
+
+
+def describe(error: ValidationError, prefix: str = "") -> str:
+    """One line per pydantic error: ``field.path: message``."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"] if part != "params")
+        field = ".".join(part for part in (prefix, loc) if part)
+        lines.append(f"{field or '<spec>'}: {item['msg']}")
+    return "; ".join(lines)
+
+
+class ComponentSpec(BaseModel):
+    """A component by registered name, with the parameters its own Config validates."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_or_mapping(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"name": value}
+        if isinstance(value, Mapping) and "params" not in value:
+            params = dict(value)
+            return {"name": params.pop("name", None), "params": params}
+        return value
+
+
+class Budget(BaseModel):
+    """Exact rows read per query and KV row set, sink and local included: a density of the context or a count."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    density: float | None = Field(default=None, gt=0, le=1)
+    tokens: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Budget:
+        if (self.density is None) == (self.tokens is None):
+            raise ValueError("give exactly one of density or tokens")
+        return self
+
+    def rows(self, num_tokens: int) -> int:
+        """The budget E in rows for a context of ``num_tokens`` (rounded down: the measured density stays within)."""
+        return self.tokens if self.tokens is not None else math.floor(self.density * num_tokens)
+
+
+class PipelineSpec(BaseModel):
+    """A whole OpenAttention pipeline (DESIGN.md §3)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    clusterer: ComponentSpec = ComponentSpec(name="qgc")
+    selector: ComponentSpec = ComponentSpec(name="qgs")
+    allocator: ComponentSpec = ComponentSpec(name="errorgate")
+    kernel: ComponentSpec = ComponentSpec(name="auto")
+    tail: Literal["proxy", "discard", "sample"] = "proxy"
+    tail_samples: float = Field(default=0.5, gt=0, le=1, description="tail=sample: share of the selectable "
+                                "budget spent on uniform tail samples (1: sampling only, no selector)")
+    budget: Budget = Budget(density=0.03)
+    sink: int = Field(default=4, ge=0)
+    local: int = Field(default=64, ge=0)
+    gqa: Literal["per_head", "shared"] = Field(
+        default="per_head", description="select per query head, or once per KV head for the whole GQA group")
+    seed: int = 0
+
+
+def load_spec(spec: PipelineSpec | Mapping | str | Path) -> PipelineSpec:
+    """A spec model from a model, a mapping or a YAML file path (read with ``yaml.safe_load``)."""
+    if isinstance(spec, PipelineSpec):
+        return spec
+    if isinstance(spec, (str, Path)):
+        path = Path(spec)
+        if not path.is_file():
+            raise SpecError(f"spec file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise SpecError(f"{path}: invalid YAML: {exc}") from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{path}: a spec is a YAML mapping, got {type(data).__name__}")
+        spec = data
+    if not isinstance(spec, Mapping):
+        raise SpecError(f"a spec is a PipelineSpec, a mapping or a YAML path, got {type(spec).__name__}")
+    try:
+        return PipelineSpec.model_validate(dict(spec))
+    except ValidationError as exc:
+        raise SpecError(describe(exc)) from None

@@ -1,0 +1,34 @@
+"""Global allocation: no per-cluster split — the E_sel best selector scores over the whole clusterable region.
+
+This is how top-k methods (Quest, oracle top-k, HashAttention) allocate. Expressed as per-cluster quotas (how many
+of the global top E_sel fall in each cluster), it runs through the same per-cluster selection as every allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from oa_core import hookimpl
+from oa_core.components import AllocationInput, Allocator
+
+
+class GlobalTopK(Allocator):
+    """One budget over the whole clusterable region, taken by selector score (top-k methods)."""
+
+    name = "global"
+
+    def allocate(self, inputs: AllocationInput) -> Tensor:
+        scores = inputs.scores
+        num_clusters = inputs.counts.shape[-1]
+        width = min(inputs.budget, scores.shape[-1])
+        top_scores, top = scores.topk(width, dim=-1)
+        assignment = inputs.assignment[:, :, None, None, :].expand_as(scores)
+        clusters = assignment.gather(-1, top).masked_fill(top_scores == float("-inf"), num_clusters)
+        quotas = torch.zeros(*scores.shape[:-1], num_clusters + 1, dtype=torch.long, device=scores.device)
+        return quotas.scatter_add_(-1, clusters, torch.ones_like(clusters))[..., :num_clusters]
+
+
+@hookimpl
+def register_allocators(register):
+    register(GlobalTopK)

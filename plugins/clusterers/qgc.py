@@ -1,0 +1,111 @@
+"""QGC — Query-Geometry Clustering (OpenAttention paper, §3.2, Eq. 4).
+
+Keys whose logits move together under the queries belong together: since E_q(z_i − z_j)² = s²(k_i − k_j)ᵀM(k_i − k_j)
+with M the queries' second moment, k-means on Φ = K U_r Λ_r^{1/2} (top-r eigenpairs of M) minimises the
+within-cluster logit variance, in r ≪ D dimensions.
+
+M here is M̄_q, the second moment of this request's last ``query_window`` prefill queries of the KV group. The
+design's static half M̄_st (a running mean over earlier requests) needs requests, which the transformers integration
+has; without it the paper's M = ½M̄_st + ½M̄_q reduces to M̄_q. Without any queries, M falls back to the keys' own
+second moment (key-PCA k-means).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from oa_core import hookimpl
+from oa_core.components import Clusterer, Clusters
+
+
+class QGCConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_clusters: int = Field(default=64, ge=1, description="clusters per (batch row, KV head)")
+    rank: int = Field(default=16, ge=1, description="r: dimensions of the query-geometry projection")
+    query_window: int = Field(default=256, ge=1, description="last prefill queries that estimate M̄_q")
+    iterations: int = Field(default=20, ge=0, description="Lloyd iterations at most (stops earlier at a fixed point)")
+
+
+def query_geometry(keys: Tensor, queries: Tensor | None, rank: int, window: int) -> tuple[Tensor, Tensor]:
+    """Top-``rank`` eigenpairs of the query second moment per KV head.
+
+    keys ``[B, Hkv, n, D]``, queries ``[B, Hq, M, D]`` or None → (U_r ``[B, Hkv, D, r]``, Λ_r ``[B, Hkv, r]``), float32.
+    """
+    B, Hkv, _, D = keys.shape
+    if queries is None:
+        samples = keys.double()
+    else:
+        q = queries[:, :, -window:].double()
+        samples = q.reshape(B, Hkv, -1, D)  # the GQA group's heads share one geometry
+    moment = samples.transpose(-1, -2) @ samples / samples.shape[2]
+    eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
+    r = min(rank, D)
+    top = eigenvectors[..., -r:].flip(-1)
+    return top.float(), eigenvalues[..., -r:].flip(-1).clamp_min(0).float()
+
+
+def lloyd(points: Tensor, num_clusters: int, iterations: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Seeded k-means++ initialisation, then Lloyd iterations, batched over leading dims.
+
+    points ``[..., n, r]`` → (assignment ``[..., n]``, centroids ``[..., C, r]``).
+    """
+    *lead, n, r = points.shape
+    flat = points.reshape(-1, n, r)
+    rows = torch.arange(flat.shape[0], device=points.device)
+    first = torch.randint(n, (flat.shape[0],), generator=generator, device=points.device)
+    centroids = [flat[rows, first]]
+    nearest = ((flat - centroids[0][:, None]) ** 2).sum(-1)
+    for _ in range(num_clusters - 1):
+        # An all-zero row (every point already a centre) falls back to uniform.
+        weights = nearest + (nearest.sum(-1, keepdim=True) <= 0)
+        pick = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+        centroids.append(flat[rows, pick])
+        nearest = torch.minimum(nearest, ((flat - centroids[-1][:, None]) ** 2).sum(-1))
+    centroids = torch.stack(centroids, dim=1)
+
+    assignment = _nearest(flat, centroids)
+    for _ in range(iterations):
+        sums = torch.zeros_like(centroids).scatter_add_(1, assignment[..., None].expand_as(flat), flat)
+        counts = torch.zeros(centroids.shape[:2], device=points.device).scatter_add_(
+            1, assignment, torch.ones_like(flat[..., 0]))
+        # An emptied cluster keeps its old centre.
+        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
+        updated = _nearest(flat, centroids)
+        if torch.equal(updated, assignment):
+            break
+        assignment = updated
+    return assignment.reshape(*lead, n), centroids.reshape(*lead, num_clusters, r)
+
+
+def _nearest(points: Tensor, centroids: Tensor) -> Tensor:
+    """points ``[..., n, r]``, centroids ``[..., C, r]`` → index of the nearest centroid ``[..., n]``."""
+    distance = (centroids * centroids).sum(-1)[..., None, :] - 2 * points @ centroids.transpose(-1, -2)
+    return distance.argmin(-1)
+
+
+class QueryGeometryClusterer(Clusterer):
+    """QGC: k-means in the top-r query-geometry subspace (paper Eq. 4)."""
+
+    name = "qgc"
+    Config = QGCConfig
+
+    def fit(self, keys: Tensor, queries: Tensor | None, generator: torch.Generator) -> Clusters:
+        cfg = self.config
+        basis, eigenvalues = query_geometry(keys, queries, cfg.rank, cfg.query_window)
+        projection = basis * eigenvalues.sqrt()[..., None, :]  # U_r Λ_r^{1/2}, [B, Hkv, D, r]
+        points = keys.float() @ projection
+        num_clusters = min(cfg.num_clusters, keys.shape[2])
+        assignment, centroids = lloyd(points, num_clusters, cfg.iterations, generator)
+        return Clusters(assignment, num_clusters, basis=basis, space=(projection, centroids))
+
+    def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:
+        projection, centroids = clusters.space
+        return _nearest(keys.float() @ projection, centroids)
+
+
+@hookimpl
+def register_clusterers(register):
+    register(QueryGeometryClusterer)

@@ -1,0 +1,75 @@
+"""The torch reference kernel: DESIGN.md §1 step 7 written plainly, in float32, for any device.
+
+Output = (Σ_X e^{z_i} v_i + Σ_b e^{ℓ_b} v̄_T) / (Σ_X e^{z_i} + Σ_b e^{ℓ_b}), one max-subtracted softmax over the
+exact rows X and one proxy per cluster whose tail T_b = b \\ X is not empty. The proxy is built from the pooled sums
+minus the rows read: n_T = n_b − |X∩b|, k̄_T = (Σk_b − Σ_{X∩b} k_i)/n_T, v̄_T likewise, ℓ_b = s·q·k̄_T + ln n_T.
+Nothing is recomputed over the tail. Rows carry a log weight (ln η for sampled tail rows, 0 otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from oa_core import hookimpl
+from oa_core.components import Kernel, PooledClusters, Selection
+
+
+class TorchKernel(Kernel):
+    """Reference kernel in plain torch (float32 accumulation, any device)."""
+
+    name = "torch"
+
+    def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
+               proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
+        B, Hq, T, D = query.shape
+        Hkv = keys.shape[1]
+        g = Hq // Hkv
+        q = query.float().reshape(B, Hkv, g, T, 1, D)
+        if selection is None:
+            logits = scale * torch.einsum("bhgtxd,bhnd->bhgtn", q, keys.float())
+            out = torch.softmax(logits, dim=-1) @ values.float()[:, :, None]
+            return out.reshape(B, Hq, T, D).to(query.dtype), None
+
+        index = selection.index.clamp_min(0)  # [B, Hkv, Gs, T, K]
+        rows = index.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, D)
+        k = keys.float().gather(2, rows).reshape(*index.shape, D)
+        v = values.float().gather(2, rows).reshape(*index.shape, D)
+        # q [B,Hkv,g,T,1,D] @ k [B,Hkv,Gs,T,D,K]: a shared selection (Gs = 1) broadcasts over the group.
+        logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2) + selection.log_weight
+        logits = logits.masked_fill(~selection.valid, float("-inf"))
+        if proxies is None:
+            weights = torch.softmax(logits, dim=-1)
+            out = (weights.unsqueeze(-2) @ v).squeeze(-2)
+            return out.reshape(B, Hq, T, D).to(query.dtype), None
+
+        tail_count, tail_key, tail_value = self._tails(selection, k, v, proxies)
+        has_tail = tail_count > 0.5
+        n = tail_count.clamp_min(1).unsqueeze(-1)
+        proxy_logits = (scale * q @ (tail_key / n).transpose(-1, -2)).squeeze(-2) + torch.log(tail_count.clamp_min(1))
+        proxy_logits = proxy_logits.masked_fill(~has_tail, float("-inf"))
+        weights = torch.softmax(torch.cat([logits, proxy_logits], dim=-1), dim=-1)
+        out = (weights.unsqueeze(-2) @ torch.cat([v, tail_value / n], dim=-2)).squeeze(-2)
+        return out.reshape(B, Hq, T, D).to(query.dtype), has_tail.sum(-1)
+
+    @staticmethod
+    def _tails(selection: Selection, k: Tensor, v: Tensor, pooled: PooledClusters):
+        """Pooled sums minus the rows read: (n_T ``[B,Hkv,Gs,T,C]``, Σ_T k and Σ_T v ``[B,Hkv,Gs,T,C,D]``)."""
+        C = pooled.count.shape[-1]
+        B, Hkv = pooled.assignment.shape[:2]
+        cluster = pooled.assignment.gather(-1, selection.index.clamp_min(0).reshape(B, Hkv, -1))
+        cluster = cluster.reshape(selection.index.shape).masked_fill(~selection.valid, C)  # slot C: not a cluster
+        read_count = torch.zeros(*cluster.shape[:-1], C + 1, device=k.device)
+        read_count.scatter_add_(-1, cluster, torch.ones_like(k[..., 0]))
+        slots = cluster.unsqueeze(-1).expand_as(k)
+        read_key = torch.zeros(*cluster.shape[:-1], C + 1, k.shape[-1], device=k.device).scatter_add_(-2, slots, k)
+        read_value = torch.zeros_like(read_key).scatter_add_(-2, slots, v)
+        expand = (slice(None), slice(None), None, None)
+        return (pooled.count[expand] - read_count[..., :C],
+                pooled.key_sum[expand] - read_key[..., :C, :],
+                pooled.value_sum[expand] - read_value[..., :C, :])
+
+
+@hookimpl
+def register_kernels(register):
+    register(TorchKernel)
