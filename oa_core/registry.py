@@ -18,6 +18,7 @@ from oa_core import hookspecs
 from oa_core.components import KINDS, Component
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT
+BUILT_IN = "openattention"  # the distribution that ships oa_core and oa_plugins
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class Registry:
             self._packages[ep.name] = package
         for kind in KINDS:
             hook = getattr(self._manager.hook, f"register_{kind}s")
-            for impl in hook.get_hookimpls():
+            # This distribution's own components first, then by plugin name: a plugin can't shadow a built-in.
+            for impl in sorted(hook.get_hookimpls(), key=lambda i: (self._packages.get(i.plugin_name) != BUILT_IN,
+                                                                    i.plugin_name)):
                 self._call(kind, impl)
 
     def _call(self, kind: str, impl) -> None:

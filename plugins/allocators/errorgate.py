@@ -42,15 +42,14 @@ def water_fill(log_priority: Tensor, capacity: Tensor, budget: int) -> Tensor:
     target = torch.minimum(torch.full_like(top, budget), capacity.sum(-1, keepdim=True))
 
     # Σ_b min(n_b, λ p_b) is piecewise linear in λ with breakpoints n_b / p_b: find the segment holding the target.
+    # With breakpoints sorted, at the j-th the first j clusters are full and the rest grow with slope Σ_{i>j} p_i;
+    # suffix sums are accumulated from the small end so that tiny priorities are not lost to cancellation.
     breaks, order = torch.where(capacity > 0, capacity / p, torch.zeros_like(p)).sort(-1)
-    full = capacity.gather(-1, order).cumsum(-1)
-    slope = p.sum(-1, keepdim=True) - p.gather(-1, order).cumsum(-1)
-    filled_at_break = full + breaks * slope
-    segment = (filled_at_break < target).sum(-1, keepdim=True)
-    prev = (segment - 1).clamp_min(0)
-    full_before = torch.where(segment > 0, full.gather(-1, prev), torch.zeros_like(target))
-    slope_before = torch.where(segment > 0, slope.gather(-1, prev), p.sum(-1, keepdim=True))
-    lam = (target - full_before) / slope_before.clamp_min(1e-300)
+    edge = torch.zeros_like(top)
+    full = torch.cat([edge, capacity.gather(-1, order).cumsum(-1)], dim=-1)  # Σ_{i<j} n_i
+    slope = torch.cat([p.gather(-1, order).flip(-1).cumsum(-1).flip(-1), edge], dim=-1)  # Σ_{i≥j} p_i
+    segment = (full[..., 1:] + breaks * slope[..., 1:] < target).sum(-1, keepdim=True)
+    lam = (target - full.gather(-1, segment)) / slope.gather(-1, segment).clamp_min(1e-300)
     quotas = torch.minimum(capacity, lam * p)
 
     floor = quotas.floor().clamp_max(capacity)

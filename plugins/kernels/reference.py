@@ -36,7 +36,7 @@ class TorchKernel(Kernel):
         k = keys.float().gather(2, rows).reshape(*index.shape, D)
         v = values.float().gather(2, rows).reshape(*index.shape, D)
         # q [B,Hkv,g,T,1,D] @ k [B,Hkv,Gs,T,D,K]: a shared selection (Gs = 1) broadcasts over the group.
-        logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2) + selection.log_weight
+        logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2) + selection.log_weight.float()
         logits = logits.masked_fill(~selection.valid, float("-inf"))
         if proxies is None:
             weights = torch.softmax(logits, dim=-1)

@@ -1,0 +1,83 @@
+import math
+
+import pytest
+import torch
+
+from oa_core.components import AllocationInput
+from oa_plugins.allocators.errorgate import ErrorGate, log_error_estimate, water_fill
+
+
+def allocation(mean_logit, logit_var, counts, budget, shared=False):
+    """AllocationInput for one batch row and KV head, one query: [C] tensors."""
+    shape = (1, 1, 1, 1, -1)
+    scores = torch.zeros(1, 1, 1, 1, int(counts.sum()))
+    return AllocationInput(mean_logit.view(shape), logit_var.view(shape), counts.view(1, 1, -1), scores,
+                           torch.zeros(1, 1, int(counts.sum()), dtype=torch.long), budget)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("budget", [1, 17, 100, 399])
+def test_quotas_sum_to_the_budget_and_respect_cluster_sizes(seed, budget):
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.randint(1, 30, (3, 24), generator=gen).float()
+    log_priority = torch.randn(3, 24, generator=gen) * 10
+    quotas = water_fill(log_priority, counts, budget)
+    assert torch.equal(quotas.sum(-1), torch.minimum(torch.tensor(budget), counts.sum(-1).long()))
+    assert (quotas >= 0).all() and (quotas <= counts).all()
+
+
+def test_quotas_are_proportional_to_the_estimate_until_a_cluster_is_full():
+    counts = torch.tensor([100.0, 100.0, 100.0, 2.0])
+    priority = torch.log(torch.tensor([4.0, 2.0, 1.0, 8.0]))
+    quotas = water_fill(priority, counts, 30)
+    # Cluster 3 caps at 2; the rest (28) splits 4:2:1 → 16, 8, 4.
+    assert quotas.tolist() == [16, 8, 4, 2]
+
+
+def test_quotas_are_monotone_in_the_estimated_error():
+    counts = torch.full((40,), 50.0)
+    mean_logit = torch.linspace(-3, 3, 40)
+    logit_var = torch.full((40,), 0.5)
+    quotas = ErrorGate().allocate(allocation(mean_logit, logit_var, counts, 300)).flatten()
+    log_error, _ = log_error_estimate(mean_logit, logit_var, counts)
+    order = log_error.argsort()
+    assert (quotas[order].diff() >= 0).all()
+    assert quotas[-1] > quotas[0]
+
+
+def test_extreme_logits_do_not_overflow():
+    counts = torch.full((8,), 20.0)
+    mean_logit = torch.tensor([1e4, -1e4, 9990.0, 0.0, 1e4, -5e3, 3.0, 9999.0])
+    logit_var = torch.tensor([1.0, 4.0, 1.0, 2.0, 0.5, 1.0, 1.0, 1.0])
+    quotas = ErrorGate().allocate(allocation(mean_logit, logit_var, counts, 37)).flatten()
+    assert int(quotas.sum()) == 37
+    assert quotas[1] == 0 and quotas[0] > 0 and quotas[4] > 0  # only the clusters near the top logit get reads
+
+
+def test_clusters_with_identical_logits_get_budget_last():
+    counts = torch.tensor([10.0, 10.0, 10.0])
+    quotas = ErrorGate().allocate(allocation(torch.zeros(3), torch.tensor([0.0, 1.0, 0.0]), counts, 15)).flatten()
+    assert quotas[1] == 10 and int(quotas.sum()) == 15  # the only cluster with spread fills first
+    none = ErrorGate().allocate(allocation(torch.zeros(3), torch.zeros(3), counts, 7)).flatten()
+    assert int(none.sum()) == 7 and (none <= counts).all()
+
+
+def test_error_estimate_matches_the_gaussian_formula():
+    mean_logit, logit_var, counts = torch.tensor([0.3]), torch.tensor([1.7]), torch.tensor([12.0])
+    log_error, log_mass = log_error_estimate(mean_logit, logit_var, counts)
+    sigma = math.sqrt(1.7)
+    phi = 0.5 * (1 + math.erf(sigma / math.sqrt(2)))
+    expected = 12 * math.exp(0.3) * math.exp(1.7 / 2) * (2 * phi - 1)  # paper Eq. 6
+    assert math.isclose(float(log_error.exp()), expected, rel_tol=1e-5)
+    assert math.isclose(float(log_mass.exp()), 12 * math.exp(0.3 + 0.85), rel_tol=1e-5)
+
+
+def test_shared_selection_sums_each_heads_relative_error():
+    counts = torch.full((1, 1, 4), 10.0)
+    # Head 0 wants cluster 0, head 1 wants cluster 3, equally strongly: the shared split is symmetric.
+    mean_logit = torch.tensor([[5.0, 0, 0, 0], [0, 0, 0, 5.0]]).view(1, 1, 2, 1, 4)
+    inputs = AllocationInput(mean_logit, torch.ones_like(mean_logit), counts, torch.zeros(1, 1, 1, 1, 40),
+                             torch.zeros(1, 1, 40, dtype=torch.long), 12)
+    quotas = ErrorGate().allocate(inputs)
+    assert quotas.shape == (1, 1, 1, 1, 4)
+    assert quotas.flatten().tolist()[0] == quotas.flatten().tolist()[3] and int(quotas.sum()) == 12

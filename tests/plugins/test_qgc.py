@@ -1,0 +1,67 @@
+import torch
+
+from oa_plugins.clusterers.qgc import QGCConfig, QueryGeometryClusterer, _nearest, lloyd, query_geometry
+
+
+def test_lloyd_converges_to_a_fixed_point():
+    gen = torch.Generator().manual_seed(0)
+    points = torch.randn(2, 3, 500, 4, generator=gen)
+    assignment, centroids = lloyd(points, 10, iterations=100, generator=gen)
+    # Every point is nearest its own centroid, and every centroid is its members' mean.
+    assert torch.equal(_nearest(points, centroids), assignment)
+    one_hot = torch.nn.functional.one_hot(assignment, 10).float()
+    means = one_hot.transpose(-1, -2) @ points / one_hot.sum(-2)[..., None].clamp_min(1)
+    assert torch.allclose(means, centroids, atol=1e-5)
+
+
+def test_separated_blobs_are_recovered():
+    gen = torch.Generator().manual_seed(1)
+    centres = torch.tensor([[0.0, 0], [20, 0], [0, 20], [20, 20]])
+    labels = torch.arange(400) % 4
+    points = (centres[labels] + torch.randn(400, 2, generator=gen)).view(1, 1, 400, 2)
+    assignment, _ = lloyd(points, 4, iterations=50, generator=torch.Generator().manual_seed(0))
+    # Same partition up to relabelling: each found cluster holds exactly one true label.
+    pairs = set(zip(assignment.flatten().tolist(), labels.tolist()))
+    assert len(pairs) == 4
+
+
+def test_query_geometry_finds_the_query_subspace():
+    gen = torch.Generator().manual_seed(2)
+    queries = torch.zeros(1, 2, 100, 8)
+    queries[..., :2] = torch.randn(1, 2, 100, 2, generator=gen) * torch.tensor([3.0, 1.0])
+    basis, eigenvalues = query_geometry(torch.randn(1, 1, 50, 8, generator=gen), queries, rank=2, window=100)
+    # Both query heads share the KV head: the basis spans the first two axes, largest variance first.
+    assert basis[0, 0, 2:].abs().max() < 1e-6  # nothing outside the span of the queries
+    assert torch.allclose(basis[0, 0].T @ basis[0, 0], torch.eye(2), atol=1e-5)
+    assert basis[0, 0, 0, 0].abs() > 0.99  # the wider query axis comes first
+    assert eigenvalues[0, 0, 0] > eigenvalues[0, 0, 1] > 0
+
+
+def test_keys_that_differ_only_outside_the_query_subspace_share_a_cluster():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 1, 200, 8, generator=gen) * 5
+    keys[..., 0] = torch.tensor([-10.0, 10.0]).repeat(100)  # the only axis queries see
+    queries = torch.zeros(1, 1, 64, 8)
+    queries[..., 0] = torch.randn(1, 1, 64, generator=gen)
+    clusters = QueryGeometryClusterer(QGCConfig(num_clusters=2, rank=1)).fit(keys, queries,
+                                                                            torch.Generator().manual_seed(0))
+    assert clusters.assignment[0, 0, ::2].unique().numel() == 1
+    assert clusters.assignment[0, 0, 1::2].unique().numel() == 1
+    assert clusters.assignment[0, 0, 0] != clusters.assignment[0, 0, 1]
+
+
+def test_new_keys_join_their_nearest_cluster():
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(1, 2, 300, 16, generator=gen)
+    clusterer = QueryGeometryClusterer(QGCConfig(num_clusters=8, rank=4))
+    clusters = clusterer.fit(keys, None, torch.Generator().manual_seed(0))
+    # A key equal to an existing one lands where that one is.
+    assert torch.equal(clusterer.assign(clusters, keys[:, :, :20]), clusters.assignment[:, :, :20])
+
+
+def test_fit_is_deterministic_for_a_seed():
+    keys = torch.randn(2, 2, 256, 16, generator=torch.Generator().manual_seed(5))
+    clusterer = QueryGeometryClusterer(QGCConfig(num_clusters=12))
+    first = clusterer.fit(keys, None, torch.Generator().manual_seed(7)).assignment
+    second = clusterer.fit(keys, None, torch.Generator().manual_seed(7)).assignment
+    assert torch.equal(first, second)

@@ -1,0 +1,83 @@
+import math
+
+import torch
+
+from oa_core.components import PooledClusters, Selection
+from oa_plugins.kernels.reference import TorchKernel
+
+
+def pooled(keys, values, assignment, clusters):
+    one_hot = torch.nn.functional.one_hot(assignment, clusters + 1)[..., :clusters].float()
+    return PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys.float(), one_hot.transpose(-1, -2) @ values.float(),
+                          assignment)
+
+
+def by_hand(q, keys, values, rows, log_weights, assignment, clusters, scale, proxies=True):
+    """DESIGN.md §1 step 7 for one query vector, written token by token in float64."""
+    terms = [(scale * float(q @ keys[i]) + w, values[i]) for i, w in zip(rows, log_weights) if i >= 0]
+    read = {i for i in rows if i >= 0}
+    for b in range(clusters) if proxies else ():
+        tail = [i for i in range(len(keys)) if assignment[i] == b and i not in read]
+        if tail:
+            k_mean = keys[tail].mean(0)
+            terms.append((scale * float(q @ k_mean) + math.log(len(tail)), values[tail].mean(0)))
+    logits = torch.tensor([t[0] for t in terms], dtype=torch.float64)
+    weights = torch.softmax(logits, 0)
+    return sum(w * v for w, (_, v) in zip(weights, terms))
+
+
+def test_matches_the_formula_with_ragged_clusters_full_reads_and_empty_selections():
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, g, T, N, D, C = 2, 2, 2, 2, 24, 8, 4
+    keys = torch.randn(B, Hkv, N, D, generator=gen, dtype=torch.float64)
+    values = torch.randn(B, Hkv, N, D, generator=gen, dtype=torch.float64)
+    query = torch.randn(B, Hkv * g, T, D, generator=gen, dtype=torch.float64)
+    assignment = torch.randint(C, (B, Hkv, N), generator=gen)
+    assignment[..., :2] = C  # sink
+    assignment[0, 0, 2:7] = 0  # cluster 0 of row (0,0) will be read completely
+    assignment[0, 0, 7:] = 1 + assignment[0, 0, 7:] % (C - 1)
+    index = torch.full((B, Hkv, g, T, 6), -1)
+    index[..., 0] = 0
+    index[0, 0, :, :, 1:6] = torch.arange(2, 7)
+    index[1, 1, 1, 1, :] = -1  # an empty selection: proxies only
+    index[1, 0, 0, 0, 1:4] = torch.tensor([9, 10, 11])
+    log_weight = torch.zeros(index.shape, dtype=torch.float64)
+    out, proxies = TorchKernel().attend(query, keys, values, Selection(index, log_weight),
+                                        pooled(keys, values, assignment, C), 0.3)
+    assert out.shape == query.shape and torch.isfinite(out).all()
+    for b, h, j, t in torch.cartesian_prod(*(torch.arange(s) for s in (B, Hkv, g, T))).tolist():
+        expected = by_hand(query[b, h * g + j, t], keys[b, h], values[b, h], index[b, h, j, t].tolist(),
+                           log_weight[b, h, j, t].tolist(), assignment[b, h].tolist(), C, 0.3)
+        assert torch.allclose(out[b, h * g + j, t].double(), expected, rtol=1e-5, atol=1e-6)
+    full_cluster_rows = proxies[0, 0]
+    assert (full_cluster_rows <= C - 1).all()  # the fully read cluster has no proxy
+
+
+def test_shared_selection_serves_the_whole_group():
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 2, 30, 8, generator=gen), torch.randn(1, 2, 30, 8, generator=gen)
+    query = torch.randn(1, 6, 1, 8, generator=gen)
+    shared = torch.randint(30, (1, 2, 1, 1, 5), generator=gen)
+    kernel = TorchKernel()
+    out, _ = kernel.attend(query, keys, values, Selection(shared, torch.zeros(shared.shape)), None, 0.5)
+    per_head = shared.expand(1, 2, 3, 1, 5)
+    again, _ = kernel.attend(query, keys, values, Selection(per_head, torch.zeros(per_head.shape)), None, 0.5)
+    assert torch.allclose(out, again)
+
+
+def test_log_weight_multiplies_a_rows_weight():
+    keys, values = torch.zeros(1, 1, 2, 4), torch.eye(4)[:2].view(1, 1, 2, 4)
+    index = torch.tensor([0, 1]).view(1, 1, 1, 1, 2)
+    out, _ = TorchKernel().attend(torch.zeros(1, 1, 1, 4), keys, values,
+                                  Selection(index, torch.tensor([0.0, math.log(3)]).view(1, 1, 1, 1, 2)), None, 1.0)
+    assert torch.allclose(out.flatten()[:2], torch.tensor([0.25, 0.75]))
+
+
+def test_dense_path_matches_softmax_attention():
+    gen = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(2, 3, 40, 16, generator=gen), torch.randn(2, 3, 40, 16, generator=gen)
+    query = torch.randn(2, 12, 3, 16, generator=gen)
+    out, proxies = TorchKernel().attend(query, keys, values, None, None, 0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys.repeat_interleave(4, 1),
+                                                                values.repeat_interleave(4, 1), scale=0.25)
+    assert proxies is None and torch.allclose(out, expected, atol=1e-5)

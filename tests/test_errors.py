@@ -1,0 +1,119 @@
+"""Every bad input of DEVELOPERS.md's list gets a clear error naming what is wrong (spec fields: test_spec.py)."""
+
+import math
+
+import pytest
+import torch
+
+import oa_core as oa
+from conftest import make_inputs
+
+SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 4, "local": 16, "budget": {"density": 0.2}}
+
+
+@pytest.fixture
+def pipe():
+    return oa.build(SPEC)
+
+
+def test_budget_smaller_than_sink_and_local(inputs):
+    keys, values, prefill, _ = inputs
+    with pytest.raises(oa.SpecError, match=r"budget: 3 rows .* is smaller than sink \+ local = 20"):
+        oa.build({**SPEC, "budget": {"density": 0.01}}).prepare(keys, values, prefill)
+    with pytest.raises(oa.SpecError, match=r"smaller than sink \+ local = 20"):
+        oa.build({**SPEC, "budget": {"tokens": 19}}).prepare(keys, values, prefill)
+
+
+@pytest.mark.parametrize("where", ["keys", "values"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nan_or_inf_in_the_cache(pipe, inputs, where, bad):
+    keys, values, prefill, _ = inputs
+    tensors = {"keys": keys.clone(), "values": values.clone()}
+    tensors[where][1, 0, 17, 3] = bad
+    with pytest.raises(ValueError, match=rf"{where}: the cache contains NaN or Inf"):
+        pipe.prepare(tensors["keys"], tensors["values"], prefill)
+
+
+def test_nan_in_appended_rows(pipe, inputs):
+    keys, values, prefill, _ = inputs
+    state = pipe.prepare(keys, values, prefill)
+    new = keys[:, :, :2].clone()
+    new[0, 0, 0, 0] = math.nan
+    with pytest.raises(ValueError, match="appended keys: the cache contains NaN or Inf"):
+        state.append(new, values[:, :, :2])
+
+
+def test_nan_in_the_query(pipe, inputs):
+    keys, values, prefill, decode = inputs
+    state = pipe.prepare(keys, values, prefill)
+    decode = decode.clone()
+    decode[0, 0, 0, 0] = math.nan
+    with pytest.raises(ValueError, match="query: contains NaN or Inf"):
+        pipe.attend(decode, state)
+
+
+def test_cache_shapes(pipe, inputs):
+    keys, values, prefill, _ = inputs
+    with pytest.raises(ValueError, match=r"keys: expected shape \[B, Hkv, N, D\], got \(2, 300, 32\)"):
+        pipe.prepare(keys[:, 0], values[:, 0])
+    with pytest.raises(ValueError, match="keys and values differ in shape"):
+        pipe.prepare(keys, values[:, :, :100])
+    with pytest.raises(TypeError, match="keys: expected a floating dtype, got torch.int64"):
+        pipe.prepare(keys.long(), values)
+    with pytest.raises(TypeError, match="values: expected a torch.Tensor, got ndarray"):
+        pipe.prepare(keys, values.numpy())
+
+
+def test_cache_dtype_or_device_mismatch(pipe, inputs):
+    keys, values, prefill, _ = inputs
+    with pytest.raises(ValueError, match="must share dtype and device"):
+        pipe.prepare(keys, values.half())
+    with pytest.raises(ValueError, match="must share dtype and device"):
+        pipe.prepare(keys, values.to("meta"))
+
+
+def test_query_mismatches(pipe, inputs):
+    keys, values, prefill, decode = inputs
+    with pytest.raises(ValueError, match="queries: 5 query heads is not a multiple of 2 KV heads"):
+        pipe.prepare(keys, values, prefill[:, :5])
+    state = pipe.prepare(keys, values, prefill)
+    with pytest.raises(ValueError, match=r"query: expected shape \[B, Hq, T, D\]"):
+        pipe.attend(decode[0], state)
+    with pytest.raises(ValueError, match="query: batch and head dim"):
+        pipe.attend(decode[..., :16], state)
+    with pytest.raises(ValueError, match="query: batch and head dim"):
+        pipe.attend(decode[:1], state)
+    with pytest.raises(ValueError, match="query: dtype/device torch.bfloat16/cpu differ from the cache's "
+                                         "torch.float32/cpu"):
+        pipe.attend(decode.bfloat16(), state)
+    with pytest.raises(ValueError, match="query: dtype/device .*meta"):
+        pipe.attend(decode.to("meta"), state)
+
+
+def test_appended_rows_must_match_the_cache(pipe, inputs):
+    keys, values, prefill, _ = inputs
+    state = pipe.prepare(keys, values, prefill)
+    with pytest.raises(ValueError, match="appended keys .* do not match the cache"):
+        state.append(keys[:, :1, :2], values[:, :1, :2])
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.nan, math.inf, "0.1"])
+def test_invalid_scale(pipe, inputs, scale):
+    keys, values, prefill, _ = inputs
+    with pytest.raises(ValueError, match="scale: expected a positive finite number"):
+        pipe.prepare(keys, values, prefill, scale=scale)
+
+
+def test_state_from_another_pipeline(pipe, inputs):
+    keys, values, prefill, decode = inputs
+    state = oa.build(SPEC).prepare(keys, values, prefill)
+    with pytest.raises(ValueError, match="state: pass the PipelineState this pipeline's prepare"):
+        pipe.attend(decode, state)
+
+
+def test_short_context_runs_dense_and_says_so():
+    keys, values, prefill, decode = make_inputs(tokens=60)
+    pipe = oa.build({**SPEC, "budget": {"tokens": 64}})
+    out, stats = pipe.attend(decode, pipe.prepare(keys, values, prefill), return_stats=True)
+    assert stats.dense and stats.reason == "dense: budget of 64 rows >= context of 60 tokens"
+    assert stats.density == 1.0 and torch.isfinite(out).all()

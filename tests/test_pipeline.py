@@ -1,0 +1,144 @@
+import math
+
+import pytest
+import torch
+
+import oa_core as oa
+from conftest import dense_attention, make_inputs, relative_error
+
+SMALL = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16}
+
+
+def run(spec, keys, values, prefill, decode):
+    pipe = oa.build(spec)
+    return pipe.attend(decode, pipe.prepare(keys, values, prefill), return_stats=True)
+
+
+@pytest.mark.parametrize("budget", [{"density": 1.0}, {"tokens": 300}, {"tokens": 10_000}])
+def test_budget_covering_the_context_is_dense_and_says_so(inputs, budget):
+    keys, values, prefill, decode = inputs
+    out, stats = run({**SMALL, "budget": budget}, keys, values, prefill, decode)
+    assert relative_error(out, dense_attention(decode, keys, values)) < 1e-5
+    assert stats.dense and stats.reason.startswith("dense: budget of") and stats.density == 1.0
+
+
+def test_clusters_of_one_token_give_dense_attention(inputs):
+    keys, values, prefill, decode = inputs
+    spec = {"clusterer": {"name": "qgc", "num_clusters": 300}, "sink": 4, "local": 16, "budget": {"tokens": 28}}
+    out, stats = run(spec, keys, values, prefill, decode)
+    assert not stats.dense and stats.density == pytest.approx(28 / 300)
+    assert int(stats.proxies.min()) == 300 - 20 - 8  # every unread token is its own proxy
+    assert relative_error(out, dense_attention(decode, keys, values)) < 1e-5
+
+
+def oracle_topk(decode, keys, values, sink, local, budget, shared):
+    """Attention over sink ∪ local ∪ the top (budget − sink − local) exact logits of the middle, computed directly."""
+    group = decode.shape[1] // keys.shape[1]
+    n = keys.shape[2]
+    logits = decode.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(keys.shape[-1])
+    middle = logits[..., sink:n - local]
+    if shared:
+        b, h, t, m = middle.shape
+        middle = middle.view(b, h // group, group, t, m).amax(2, keepdim=True).expand(-1, -1, group, -1, -1)
+        middle = middle.reshape(b, h, t, m)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[..., :sink] = True
+    keep[..., n - local:] = True
+    keep[..., sink:n - local].scatter_(-1, middle.topk(budget - sink - local, dim=-1).indices, True)
+    weights = torch.softmax(logits.masked_fill(~keep, -math.inf), dim=-1)
+    return weights @ values.double().repeat_interleave(group, 1)
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_discard_with_oracle_selection_and_global_allocation_is_oracle_topk(inputs, gqa):
+    keys, values, prefill, decode = inputs
+    spec = {**SMALL, "selector": "oracle", "allocator": "global", "tail": "discard", "budget": {"tokens": 60},
+            "gqa": gqa}
+    out, stats = run(spec, keys, values, prefill, decode)
+    expected = oracle_topk(decode, keys, values, 4, 16, 60, shared=gqa == "shared")
+    assert relative_error(out, expected) < 1e-5
+    assert int(stats.reads.min()) == int(stats.reads.max()) == 60
+
+
+@pytest.mark.parametrize("tail", ["proxy", "discard", "sample"])
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+@pytest.mark.parametrize("density", [0.1, 0.25, 0.5])
+def test_measured_density_stays_within_the_budget(inputs, tail, gqa, density):
+    keys, values, prefill, decode = inputs
+    out, stats = run({**SMALL, "tail": tail, "gqa": gqa, "budget": {"density": density}}, keys, values, prefill,
+                     decode)
+    budget = math.floor(density * 300)
+    assert int(stats.reads.max()) <= budget and stats.density <= budget / 300
+    assert int(stats.reads.min()) == budget  # the whole budget is spent: Σ q_b = E_sel
+    assert stats.reads.shape == (2, 2, 3 if gqa == "per_head" else 1, 2)
+    assert torch.isfinite(out).all()
+
+
+def test_proxies_beat_discarding_on_clustered_keys(inputs):
+    keys, values, prefill, decode = inputs
+    dense = dense_attention(decode, keys, values)
+    errors = {tail: relative_error(run({**SMALL, "tail": tail, "budget": {"density": 0.12}}, keys, values, prefill,
+                                       decode)[0], dense) for tail in ("proxy", "discard")}
+    assert errors["proxy"] < errors["discard"]
+
+
+@pytest.mark.parametrize("group", [3, 4])
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_gqa_batch_rows_are_independent(group, gqa):
+    keys, values, prefill, decode = make_inputs(batch=3, kv_heads=2, group=group, seed=group)
+    spec = {**SMALL, "gqa": gqa, "budget": {"density": 0.2}}
+    out, _ = run(spec, keys, values, prefill, decode)
+    assert out.shape == decode.shape
+    for row in range(3):
+        alone, _ = run(spec, *(t[row:row + 1] for t in (keys, values, prefill, decode)))
+        assert relative_error(out[row:row + 1], alone) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_half_precision_inputs_match_float32_on_the_same_values(dtype, tolerance):
+    low = make_inputs(dtype=dtype, seed=3)
+    spec = {**SMALL, "budget": {"density": 0.2}}
+    out, stats = run(spec, *low)
+    reference, _ = run(spec, *(t.float() for t in low))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert relative_error(out, reference) < tolerance
+
+
+def test_results_are_deterministic_for_a_fixed_seed(inputs):
+    spec = {**SMALL, "budget": {"density": 0.2}, "tail": "sample"}
+    first, _ = run(spec, *inputs)
+    again, _ = run(spec, *inputs)
+    assert torch.equal(first, again)
+    other, _ = run({**spec, "seed": 1}, *inputs)
+    assert not torch.equal(first, other)
+
+
+def test_custom_scale_is_used(inputs):
+    keys, values, prefill, decode = inputs
+    pipe = oa.build({**SMALL, "budget": {"density": 1.0}})
+    out = pipe.attend(decode, pipe.prepare(keys, values, prefill, scale=0.05))
+    assert relative_error(out, dense_attention(decode, keys, values, scale=0.05)) < 1e-5
+
+
+def test_append_pools_tokens_leaving_the_local_window():
+    keys, values, prefill, decode = make_inputs(tokens=340, seed=5)
+    pipe = oa.build({**SMALL, "budget": {"tokens": 40}})
+    state = pipe.prepare(keys[:, :, :300], values[:, :, :300], prefill)
+    for start in range(300, 340, 8):  # grow in steps, as decoding does
+        state.append(keys[:, :, start:start + 8], values[:, :, start:start + 8])
+    assert state.num_tokens == 340 and state.clustered_end == 340 - 16
+    assignment = state.pooled.assignment
+    clustered = assignment < state.num_clusters
+    assert clustered[..., 4:324].all() and not clustered[..., :4].any() and not clustered[..., 324:].any()
+    # The pooled sums are exactly the sums over each cluster's current members.
+    one_hot = torch.nn.functional.one_hot(assignment, state.num_clusters + 1)[..., :-1].float()
+    assert torch.allclose(state.pooled.count, one_hot.sum(2))
+    assert torch.allclose(state.pooled.key_sum, one_hot.transpose(-1, -2) @ keys.float(), atol=1e-4)
+    assert torch.allclose(state.pooled.value_sum, one_hot.transpose(-1, -2) @ values.float(), atol=1e-4)
+    out, stats = pipe.attend(decode, state, return_stats=True)
+    assert stats.num_tokens == 340 and int(stats.reads.max()) == 40
+    # A dense state attends to the appended rows too.
+    dense = oa.build({**SMALL, "budget": {"density": 1.0}})
+    state = dense.prepare(keys[:, :, :300], values[:, :, :300], prefill)
+    state.append(keys[:, :, 300:], values[:, :, 300:])
+    assert relative_error(dense.attend(decode, state), dense_attention(decode, keys, values)) < 1e-5

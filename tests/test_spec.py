@@ -1,0 +1,74 @@
+import pytest
+import yaml
+
+import oa_core as oa
+
+
+def test_dict_yaml_and_model_are_equivalent(tmp_path):
+    data = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": "oracle", "budget": {"tokens": 100},
+            "tail": "discard", "sink": 2, "local": 8, "gqa": "shared"}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    from_dict, from_yaml = oa.build(data), oa.build(path)
+    from_model = oa.build(oa.PipelineSpec.model_validate(data))
+    assert from_dict.spec == from_yaml.spec == from_model.spec
+    assert from_dict.clusterer.config.num_clusters == 8
+    assert from_dict.selector.name == "oracle"
+
+
+def test_defaults_are_the_paper_pipeline():
+    pipe = oa.build({})
+    assert (pipe.clusterer.name, pipe.selector.name, pipe.allocator.name) == ("qgc", "qgs", "errorgate")
+    assert pipe.spec.kernel.name == "auto" and pipe.kernel.name == "torch"  # no flash kernel yet
+    assert pipe.spec.tail == "proxy"
+
+
+@pytest.mark.parametrize("budget, message", [
+    ({"density": 0.0}, "budget.density"),
+    ({"density": 1.5}, "budget.density"),
+    ({"tokens": 0}, "budget.tokens"),
+    ({"density": 0.1, "tokens": 10}, "exactly one of density or tokens"),
+    ({}, "exactly one of density or tokens"),
+])
+def test_invalid_budget_names_the_field(budget, message):
+    with pytest.raises(oa.SpecError, match=message):
+        oa.build({"budget": budget})
+
+
+def test_unknown_component_lists_the_known_ones():
+    with pytest.raises(oa.SpecError, match=r"selector: unknown selector 'nope'; known: .*oracle.*qgs"):
+        oa.build({"selector": "nope"})
+
+
+def test_invalid_component_parameter_names_the_field():
+    with pytest.raises(oa.SpecError, match=r"clusterer\.num_clusters"):
+        oa.build({"clusterer": {"name": "qgc", "num_clusters": 0}})
+    with pytest.raises(oa.SpecError, match=r"selector\.bits: Extra inputs are not permitted"):
+        oa.build({"selector": {"name": "qgs", "bits": 4}})
+
+
+@pytest.mark.parametrize("spec, field", [({"tail": "drop"}, "tail"), ({"sink": -1}, "sink"),
+                                         ({"gqa": "grouped"}, "gqa"), ({"bugdet": {"density": 0.1}}, "bugdet")])
+def test_invalid_spec_field_is_named(spec, field):
+    with pytest.raises(oa.SpecError, match=rf"^{field}: "):
+        oa.build(spec)
+
+
+def test_spec_error_is_a_value_error():
+    assert issubclass(oa.SpecError, ValueError)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("clusterer: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(oa.SpecError, match="invalid YAML"):
+        oa.build(path)
+
+
+def test_missing_or_non_mapping_yaml(tmp_path):
+    with pytest.raises(oa.SpecError, match="spec file not found"):
+        oa.build(tmp_path / "absent.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- qgc\n")
+    with pytest.raises(oa.SpecError, match="a spec is a YAML mapping"):
+        oa.build(path)
