@@ -30,6 +30,10 @@ METHODS = {
     "openattention-oracle-selection": {"clusterer": "qgc", "selector": "oracle", "allocator": "errorgate",
                                        "tail": "proxy", "gqa": "per_head"},
     "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "gqa": "per_head"},
+    # The allocator isolated: global top scores instead of ErrorGate, with QGS and with the oracle selector.
+    "openattention-global-allocation": {"clusterer": "qgc", "selector": "qgs", "allocator": "global", "tail": "proxy",
+                                        "gqa": "per_head"},
+    "oracle-topk-proxy": {"selector": "oracle", "allocator": "global", "tail": "proxy", "gqa": "per_head"},
 }
 # The targets: OpenAttention's mean error at most this fraction of oracle top-k's, at these densities.
 TARGETS = {0.01: 0.6, 0.03: 0.8}

@@ -53,7 +53,8 @@ class Clusterer(Component):
     """Partitions the clusterable keys of each (batch row, KV head) into clusters, once per request."""
 
     def fit(self, keys: Tensor, queries: Tensor | None, generator: torch.Generator) -> Clusters:
-        """keys ``[B, Hkv, n, D]``, prefill queries ``[B, Hq, M, D]`` or None → Clusters."""
+        """keys ``[B, Hkv, n, D]``, prefill queries ``[B, Hq, M, D]`` or None → Clusters. ``generator``: a CPU
+        generator seeded from the spec (draw on the CPU, move to the device: a seed means the same on every device)."""
         raise NotImplementedError
 
     def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:

@@ -173,13 +173,12 @@ class Pipeline:
         scale = _check_scale(scale, keys.shape[-1])
         state = PipelineState(self, keys, values, scale)
         n = keys.shape[2]
-        budget = self._budget_rows(n)
-        state.dense_reason = self._dense_reason(n, budget)
+        state.dense_reason = self._dense_reason(n, self.spec.budget.rows(n))
         if state.dense_reason is not None:
             return state
 
         sink, local = self.spec.sink, self.spec.local
-        generator = torch.Generator(device=keys.device).manual_seed(self.spec.seed)
+        generator = torch.Generator().manual_seed(self.spec.seed)  # on the CPU: the same clusters on every device
         clusters = self.clusterer.fit(keys[:, :, sink:n - local], queries, generator)
         C = clusters.num_clusters
         assignment = torch.full(keys.shape[:3], C, dtype=torch.long, device=keys.device)
@@ -193,9 +192,6 @@ class Pipeline:
         state.clustered_end = n - local
         state.index = self.selector.build(keys, queries, clusters)
         return state
-
-    def _budget_rows(self, num_tokens: int) -> int:
-        return self.spec.budget.rows(num_tokens)
 
     def _dense_reason(self, num_tokens: int, budget: int) -> str | None:
         fixed = self.spec.sink + self.spec.local
@@ -218,9 +214,10 @@ class Pipeline:
         _check_query(query, state.keys, "query")
         keys, values, scale = state.keys, state.values, state.scale
         n = state.num_tokens
-        budget = self._budget_rows(n)
+        budget = self.spec.budget.rows(n)
         reason = state.dense_reason or self._dense_reason(n, budget)
-        if reason is not None:
+        dense = reason is not None
+        if dense:
             out, proxies = self.kernel.attend(query, keys, values, None, None, scale)
             reads = torch.full((*keys.shape[:2], 1, query.shape[2]), n, device=query.device)
         else:
@@ -232,7 +229,7 @@ class Pipeline:
         if not return_stats:
             return out
         stats = AttendStats(density=float(reads.float().mean()) / n, num_tokens=n, budget=min(budget, n),
-                            reads=reads, proxies=proxies, dense=state.dense_reason is not None or budget >= n,
+                            reads=reads, proxies=proxies, dense=dense,
                             reason=reason, kernel=f"{self.kernel.name} ({self.kernel_note})")
         return out, stats
 

@@ -55,13 +55,16 @@ def lloyd(points: Tensor, num_clusters: int, iterations: int, generator: torch.G
     *lead, n, r = points.shape
     flat = points.reshape(-1, n, r)
     rows = torch.arange(flat.shape[0], device=points.device)
-    first = torch.randint(n, (flat.shape[0],), generator=generator, device=points.device)
+    # The draws come from the (CPU) generator and are moved to the points' device, so a seed gives the same
+    # initial centres on every device; each k-means++ pick inverts the CDF of the squared distances.
+    draws = torch.rand(num_clusters, flat.shape[0], 1, generator=generator, dtype=torch.float64).to(points.device)
+    first = (draws[0, :, 0] * n).long().clamp_max(n - 1)
     centroids = [flat[rows, first]]
     nearest = ((flat - centroids[0][:, None]) ** 2).sum(-1)
-    for _ in range(num_clusters - 1):
+    for draw in draws[1:]:
         # An all-zero row (every point already a centre) falls back to uniform.
-        weights = nearest + (nearest.sum(-1, keepdim=True) <= 0)
-        pick = torch.multinomial(weights, 1, generator=generator).squeeze(-1)
+        cdf = (nearest + (nearest.sum(-1, keepdim=True) <= 0)).double().cumsum(-1)
+        pick = torch.searchsorted(cdf, draw * cdf[:, -1:]).squeeze(-1).clamp_max(n - 1)
         centroids.append(flat[rows, pick])
         nearest = torch.minimum(nearest, ((flat - centroids[-1][:, None]) ** 2).sum(-1))
     centroids = torch.stack(centroids, dim=1)
