@@ -38,7 +38,7 @@ class Component:
 class Clusters:
     """A clusterer's output for the clusterable region R of one layer.
 
-    ``assignment``: ``[B, Hkv, n]`` cluster ids in ``[0, num_clusters)`` for the n tokens of R.
+    ``assignment``: ``[B, Hkv, N]`` cluster ids in ``[0, num_clusters)`` on R, ``num_clusters`` elsewhere.
     ``basis``: ``[B, Hkv, D, r]`` query-geometry basis U_r when the clusterer computed one (QGS reuses it).
     ``space``: whatever the clusterer's ``assign`` needs to place new tokens (projection, centroids).
     """
@@ -52,9 +52,10 @@ class Clusters:
 class Clusterer(Component):
     """Partitions the clusterable keys of each (batch row, KV head) into clusters, once per request."""
 
-    def fit(self, keys: Tensor, queries: Tensor | None, generator: torch.Generator) -> Clusters:
-        """keys ``[B, Hkv, n, D]``, prefill queries ``[B, Hq, M, D]`` or None → Clusters. ``generator``: a CPU
-        generator seeded from the spec (draw on the CPU, move to the device: a seed means the same on every device)."""
+    def fit(self, keys: Tensor, queries: Tensor | None, mask: Tensor, generator: torch.Generator) -> Clusters:
+        """keys ``[B, Hkv, N, D]``, prefill queries ``[B, Hq, M, D]`` or None, ``mask`` ``[B, N]``: the clusterable
+        region R (rows may differ: padding, sink and local are outside it) → Clusters. ``generator``: a CPU generator
+        seeded from the spec (draw on the CPU, move to the device: a seed means the same on every device)."""
         raise NotImplementedError
 
     def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:
@@ -70,7 +71,7 @@ class AllocationInput:
     ``counts``: ``[B, Hkv, C]`` cluster sizes n_b.
     ``scores``: ``[B, Hkv, Gs, T, N]`` selector scores, -inf outside the clusterable region.
     ``assignment``: ``[B, Hkv, N]`` cluster id per position, ``C`` outside the clusterable region.
-    ``budget``: E_sel, exact rows to spread over the clusters.
+    ``budget``: E_sel, exact rows to spread over the clusters, ``[B, Hkv, 1, 1]`` (rows of a batch may differ).
     """
 
     mean_logit: Tensor
@@ -78,7 +79,7 @@ class AllocationInput:
     counts: Tensor
     scores: Tensor
     assignment: Tensor
-    budget: int
+    budget: Tensor
 
     @property
     def shared(self) -> bool:
@@ -154,14 +155,15 @@ class Selection:
 
 @dataclass
 class PooledClusters:
-    """Per-cluster pooled sums the proxies are made of: ``count`` ``[B, Hkv, C]``, ``key_sum``, ``value_sum``
-    ``[B, Hkv, C, D]`` (float32) and the cluster ``assignment`` ``[B, Hkv, N]`` (C outside R), used to subtract the
-    rows the kernel reads exactly."""
+    """Per-cluster pooled sums: ``count`` ``[B, Hkv, C]``, ``key_sum``, ``value_sum``, ``key_square_sum``
+    ``[B, Hkv, C, D]`` (float32), and the cluster ``assignment`` ``[B, Hkv, N]`` (C outside R) with which a kernel
+    subtracts the rows it reads exactly."""
 
     count: Tensor
     key_sum: Tensor
     value_sum: Tensor
     assignment: Tensor
+    key_square_sum: Tensor | None = None
 
 
 class Kernel(Component):

@@ -61,11 +61,11 @@ def _instantiate(kind: str, component: ComponentSpec):
 
 @dataclass
 class AttendStats:
-    """What one attend call read. ``reads``/``proxies``: ``[B, Hkv, Gs, T]`` exact rows read and proxies used."""
+    """What one attend call read. ``reads``/``proxies``: ``[B, Hkv, Gs, T]`` exact rows read and proxies used;
+    ``density``: reads over each row's valid context length, averaged."""
 
     density: float
     num_tokens: int
-    budget: int
     reads: Tensor
     proxies: Tensor | None
     dense: bool
@@ -77,18 +77,20 @@ class AttendStats:
 class PipelineState:
     """One layer's per-request state: the cache, its clusters with pooled sums, and the selector's index.
 
-    keys/values ``[B, Hkv, N, D]``; ``assignment`` ``[B, Hkv, N]`` cluster per position, C for sink, local and
-    positions not clustered; pooled sums in float32.
+    keys/values ``[B, Hkv, N, D]``; ``valid`` ``[B, N]`` (False: padding, never read, never clustered);
+    ``dense_rows`` ``[B]``: rows read in full because the budget covers them; ``pooled.assignment`` ``[B, Hkv, N]``
+    gives each position's cluster, C for the rows read exactly every time (sink, local window, dense rows) and for
+    padding. Pooled sums are float32. ``clusters`` is None when every row is dense.
     """
 
     pipeline: Pipeline
     keys: Tensor
     values: Tensor
+    valid: Tensor
     scale: float
-    dense_reason: str | None = None
+    dense_rows: Tensor
     clusters: Clusters | None = None
     pooled: PooledClusters | None = None
-    key_square_sum: Tensor | None = None
     index: Any = None
     clustered_end: int = 0
     _moments: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
@@ -101,29 +103,38 @@ class PipelineState:
     def num_clusters(self) -> int:
         return self.clusters.num_clusters if self.clusters is not None else 0
 
+    def exact_rows(self) -> Tensor:
+        """``[B, Hkv, N]``: the valid positions read exactly at every step (sink, local window, dense rows)."""
+        fixed = self.valid[:, None, :].expand(*self.keys.shape[:3])
+        return fixed if self.clusters is None else fixed & (self.pooled.assignment == self.num_clusters)
+
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
         if self._moments is None:
             n = self.pooled.count.clamp_min(1).unsqueeze(-1)
             mean = self.pooled.key_sum / n
-            self._moments = mean, (self.key_square_sum / n - mean * mean).clamp_min(0)
+            self._moments = mean, (self.pooled.key_square_sum / n - mean * mean).clamp_min(0)
         return self._moments
 
     def append(self, keys: Tensor, values: Tensor) -> None:
-        """Decode-time growth: add ``[B, Hkv, t, D]`` rows; rows leaving the local window join their nearest cluster."""
+        """Decode-time growth: add ``[B, Hkv, t, D]`` rows; rows leaving the local window join their nearest cluster
+        (rows of dense batch rows stay exact)."""
         _check_cache(keys, values, like=self.keys, what="appended ")
         self.keys = torch.cat([self.keys, keys], dim=2)
         self.values = torch.cat([self.values, values], dim=2)
+        self.valid = torch.cat([self.valid, self.valid.new_ones(keys.shape[0], keys.shape[2])], dim=1)
         if self.clusters is None:
             return
         pipe = self.pipeline
         self.index = pipe.selector.extend(self.index, keys)
-        pad = torch.full(keys.shape[:3], self.num_clusters, dtype=torch.long, device=keys.device)
-        assignment = torch.cat([self.pooled.assignment, pad], dim=2)
+        C = self.num_clusters
+        assignment = torch.cat([self.pooled.assignment, torch.full(keys.shape[:3], C, dtype=torch.long,
+                                                                   device=keys.device)], dim=2)
         leaving_end = self.num_tokens - pipe.spec.local
         if leaving_end > self.clustered_end:
             leaving = slice(self.clustered_end, leaving_end)
             ids = pipe.clusterer.assign(self.clusters, self.keys[:, :, leaving])
+            ids = ids.masked_fill(self.dense_rows[:, None, None], C)
             assignment[:, :, leaving] = ids
             self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])
             self.clustered_end = leaving_end
@@ -131,13 +142,19 @@ class PipelineState:
         self._moments = None
 
     def _pool(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
-        """Add rows ``[B, Hkv, n, D]`` with cluster ids ``[B, Hkv, n]`` to the pooled sums."""
-        k, v = keys.float(), values.float()
-        rows = ids.unsqueeze(-1).expand_as(k)
-        self.pooled.count.scatter_add_(-1, ids, torch.ones_like(ids, dtype=torch.float32))
-        self.pooled.key_sum.scatter_add_(-2, rows, k)
-        self.pooled.value_sum.scatter_add_(-2, rows, v)
-        self.key_square_sum.scatter_add_(-2, rows, k * k)
+        """Add rows ``[B, Hkv, n, D]`` with cluster ids ``[B, Hkv, n]`` (C: not clustered) to the pooled sums."""
+        k, v, pooled = keys.float(), values.float(), self.pooled
+        pooled.count = _add_by_cluster(pooled.count, ids, torch.ones_like(k[..., 0]))
+        pooled.key_sum = _add_by_cluster(pooled.key_sum, ids, k)
+        pooled.value_sum = _add_by_cluster(pooled.value_sum, ids, v)
+        pooled.key_square_sum = _add_by_cluster(pooled.key_square_sum, ids, k * k)
+
+
+def _add_by_cluster(total: Tensor, ids: Tensor, rows: Tensor) -> Tensor:
+    """total ``[B, H, C(, D)]`` plus ``rows`` ``[B, H, n(, D)]`` summed by cluster id ``[B, H, n]``; id C is dropped."""
+    extended = torch.cat([total, torch.zeros_like(total[:, :, :1])], dim=2)
+    index = ids if rows.dim() == 3 else ids.unsqueeze(-1).expand_as(rows)
+    return extended.scatter_add_(2, index, rows)[:, :, :-1]
 
 
 class Pipeline:
@@ -160,118 +177,146 @@ class Pipeline:
 
     # -- once per request -------------------------------------------------------------------------------------
 
-    def prepare(self, keys: Tensor, values: Tensor, queries: Tensor | None = None,
-                scale: float | None = None) -> PipelineState:
+    def prepare(self, keys: Tensor, values: Tensor, queries: Tensor | None = None, scale: float | None = None,
+                mask: Tensor | None = None) -> PipelineState:
         """Cluster the context and build the selector index.
 
         keys/values ``[B, Hkv, N, D]``; queries ``[B, Hq, M, D]``: prefill queries of this request (QGC's query
-        geometry), optional; scale: the logit scale s, default 1/√D.
+        geometry), optional; scale: the logit scale s, default 1/√D; mask ``[B, N]`` bool: False marks padding
+        (left padding of a batch), which is never read or clustered.
         """
         _check_cache(keys, values)
         if queries is not None:
             _check_query(queries, keys, "queries")
         scale = _check_scale(scale, keys.shape[-1])
-        state = PipelineState(self, keys, values, scale)
-        n = keys.shape[2]
-        state.dense_reason = self._dense_reason(n, self.spec.budget.rows(n))
-        if state.dense_reason is not None:
+        valid = _check_mask(mask, keys)
+        dense_rows = self._dense_rows(valid.sum(-1))
+        state = PipelineState(self, keys, values, valid, scale, dense_rows)
+        if bool(dense_rows.all()):
             return state
 
         sink, local = self.spec.sink, self.spec.local
+        from_start = valid.cumsum(-1)
+        from_end = valid.flip(-1).cumsum(-1).flip(-1)
+        clusterable = valid & ~dense_rows[:, None] & (from_start > sink) & (from_end > local)
         generator = torch.Generator().manual_seed(self.spec.seed)  # on the CPU: the same clusters on every device
-        clusters = self.clusterer.fit(keys[:, :, sink:n - local], queries, generator)
+        clusters = self.clusterer.fit(keys, queries, clusterable, generator)
         C = clusters.num_clusters
-        assignment = torch.full(keys.shape[:3], C, dtype=torch.long, device=keys.device)
-        assignment[:, :, sink:n - local] = clusters.assignment
-        B, H, _, D = keys.shape
+        B, H, n, D = keys.shape
         zeros = keys.new_zeros(B, H, C, D, dtype=torch.float32)
         state.clusters = clusters
-        state.pooled = PooledClusters(keys.new_zeros(B, H, C, dtype=torch.float32), zeros, zeros.clone(), assignment)
-        state.key_square_sum = zeros.clone()
-        state._pool(clusters.assignment, keys[:, :, sink:n - local], values[:, :, sink:n - local])
+        state.pooled = PooledClusters(keys.new_zeros(B, H, C, dtype=torch.float32), zeros, zeros.clone(),
+                                      clusters.assignment, zeros.clone())
+        state._pool(clusters.assignment, keys, values)
         state.clustered_end = n - local
         state.index = self.selector.build(keys, queries, clusters)
         return state
 
-    def _dense_reason(self, num_tokens: int, budget: int) -> str | None:
+    def _dense_rows(self, lengths: Tensor) -> Tensor:
+        """``[B]`` valid lengths → rows the budget covers (read in full); a clear error for a budget below sink +
+        local on the others."""
+        budget = self.spec.budget.rows(lengths)
         fixed = self.spec.sink + self.spec.local
-        if budget >= num_tokens:
-            return f"dense: budget of {budget} rows >= context of {num_tokens} tokens"
-        if budget < fixed:
-            raise SpecError(f"budget: {budget} rows ({self.spec.budget.model_dump(exclude_none=True)} of "
-                            f"{num_tokens} tokens) is smaller than sink + local = {fixed}")
-        return None
+        dense = (budget >= lengths) | (lengths <= fixed)
+        short = ~dense & (budget < fixed)
+        if bool(short.any()):
+            row = int(short.nonzero()[0, 0])
+            raise SpecError(f"budget: {int(budget[row])} rows ({self.spec.budget.model_dump(exclude_none=True)} of "
+                            f"{int(lengths[row])} tokens) is smaller than sink + local = {fixed}")
+        return dense
 
     # -- per decode query -------------------------------------------------------------------------------------
 
-    def attend(self, query: Tensor, state: PipelineState, return_stats: bool = False):
+    def attend(self, query: Tensor, state: PipelineState, return_stats: bool = False, causal: bool = False):
         """query ``[B, Hq, T, D]`` → output ``[B, Hq, T, D]`` (and AttendStats when ``return_stats``).
 
-        Every one of the T queries sees all N cached rows.
+        Without ``causal`` every one of the T queries sees all N cached rows. With ``causal`` the queries are the
+        cache's last T positions (already appended) and query t sees positions up to its own; T must fit the local
+        window, so that rows a query must not see are never inside a cluster's proxy.
         """
         if not isinstance(state, PipelineState) or state.pipeline is not self:
             raise ValueError("state: pass the PipelineState this pipeline's prepare() returned")
         _check_query(query, state.keys, "query")
-        keys, values, scale = state.keys, state.values, state.scale
-        n = state.num_tokens
-        budget = self.spec.budget.rows(n)
-        reason = state.dense_reason or self._dense_reason(n, budget)
-        dense = reason is not None
-        if dense:
-            out, proxies = self.kernel.attend(query, keys, values, None, None, scale)
-            reads = torch.full((*keys.shape[:2], 1, query.shape[2]), n, device=query.device)
+        T, n = query.shape[2], state.num_tokens
+        if causal and T > max(self.spec.local, 1) and state.clusters is not None:
+            raise ValueError(f"query: {T} causal queries do not fit the local window of {self.spec.local}; "
+                             "attend them in blocks of at most local tokens")
+        lengths = state.valid.sum(-1)
+        dense = bool(state.dense_rows.all())
+        if dense and not causal and bool(state.valid.all()):
+            out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
+            reads = torch.full((*state.keys.shape[:2], 1, T), n, device=query.device)
         else:
-            selection = self._select(query, state, budget)
-            proxies_in = state.pooled if self.spec.tail == "proxy" else None
-            out, proxies = self.kernel.attend(query, keys, values, selection, proxies_in, scale)
+            selection = self._select(query, state, causal)
+            proxies_in = state.pooled if self.spec.tail == "proxy" and not dense else None
+            out, proxies = self.kernel.attend(query, state.keys, state.values, selection, proxies_in, state.scale)
             reads = selection.valid.sum(-1)
-            reason = f"sparse: {self.spec.tail} tail"
         if not return_stats:
             return out
-        stats = AttendStats(density=float(reads.float().mean()) / n, num_tokens=n, budget=min(budget, n),
-                            reads=reads, proxies=proxies, dense=dense,
-                            reason=reason, kernel=f"{self.kernel.name} ({self.kernel_note})")
+        density = float((reads.double() / lengths.view(-1, 1, 1, 1)).mean())
+        stats = AttendStats(density=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
+                            reason=self._reason(state, lengths), kernel=f"{self.kernel.name} ({self.kernel_note})")
         return out, stats
 
-    def _select(self, query: Tensor, state: PipelineState, budget: int) -> Selection:
+    def _reason(self, state: PipelineState, lengths: Tensor) -> str:
+        budget = self.spec.budget.rows(lengths)
+        dense = int(state.dense_rows.sum())
+        if dense == len(lengths):
+            if bool((lengths == lengths[0]).all()) and bool((budget == budget[0]).all()):
+                return f"dense: budget of {int(budget[0])} rows >= context of {int(lengths[0])} tokens"
+            return "dense: every row's budget covers its context"
+        suffix = f"; {dense} of {len(lengths)} rows dense (budget >= context)" if dense else ""
+        return f"sparse: {self.spec.tail} tail{suffix}"
+
+    def _select(self, query: Tensor, state: PipelineState, causal: bool) -> Selection:
         """Steps 4–6 of DESIGN.md §1, plus tail samples: the exact rows of every (query, selection head)."""
         spec = self.spec
         B, Hq, T, D = query.shape
         Hkv, n = state.keys.shape[1], state.num_tokens
         g = Hq // Hkv
-        q = query.float().reshape(B, Hkv, g, T, D)
-
-        key_mean, key_var = state.cluster_moments()
-        mean_logit = state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean)
-        logit_var = state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)
-
-        scores = self.selector.score(query, state.index, state.keys, state.scale).view(B, Hkv, g, T, n)
-        if spec.gqa == "shared":
-            scores = scores.amax(dim=2, keepdim=True)
-        assignment = state.pooled.assignment
-        clusterable = (assignment < state.num_clusters)[:, :, None, None, :]
-        scores = scores.masked_fill(~clusterable, -math.inf)
-
-        selectable = budget - spec.sink - spec.local
-        samples = round(spec.tail_samples * selectable) if spec.tail == "sample" else 0
-        inputs = AllocationInput(mean_logit, logit_var, state.pooled.count, scores, assignment, selectable - samples)
-        quotas = self.allocator.allocate(inputs)
-        chosen = self.selector.select(scores, assignment, quotas)
-
-        fixed = torch.cat([torch.arange(spec.sink), torch.arange(state.clustered_end, n)]).to(query.device)
-        index = torch.cat([fixed.expand(*chosen.shape[:-1], -1), chosen], dim=-1)
+        Gs = 1 if spec.gqa == "shared" else g
+        fixed = state.exact_rows()
+        index = _positions(fixed)[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
         log_weight = torch.zeros(index.shape, device=query.device)
-        if samples:
-            drawn, log_eta = self._sample_tail(clusterable, index, samples, state)
-            index = torch.cat([index, drawn], dim=-1)
-            log_weight = torch.cat([log_weight, log_eta.expand_as(drawn)], dim=-1)
+        if state.clusters is not None:
+            selectable = (self.spec.budget.rows(state.valid.sum(-1))[:, None] - fixed.sum(-1)).clamp_min(0)
+            selectable = selectable.masked_fill(state.dense_rows[:, None], 0)[:, :, None, None]  # [B, Hkv, 1, 1]
+            samples = (spec.tail_samples * selectable).round().long() if spec.tail == "sample" else 0 * selectable
+            scores = self._scores(query, state)
+            assignment = state.pooled.assignment
+            q = query.float().reshape(B, Hkv, g, T, D)
+            key_mean, key_var = state.cluster_moments()
+            inputs = AllocationInput(
+                mean_logit=state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
+                logit_var=state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var),
+                counts=state.pooled.count, scores=scores, assignment=assignment, budget=selectable - samples)
+            chosen = self.selector.select(scores, assignment, self.allocator.allocate(inputs))
+            index = torch.cat([index, chosen], dim=-1)
+            log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
+            if bool((samples > 0).any()):
+                drawn, log_eta = self._sample_tail(scores > -math.inf, index, samples, state)
+                index = torch.cat([index, drawn], dim=-1)
+                log_weight = torch.cat([log_weight, log_eta.expand_as(drawn)], dim=-1)
+        if causal:
+            own = torch.arange(n - T, n, device=query.device)[:, None]  # query t sits at position n − T + t
+            index = index.masked_fill(index > own, -1)
         return Selection(index, log_weight)
 
-    def _sample_tail(self, clusterable: Tensor, index: Tensor, samples: int, state: PipelineState):
-        """m uniform samples without replacement from the unread clusterable rows, each weighted η = N_T/m."""
+    def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
+        """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""
+        B, Hq, T, _ = query.shape
+        Hkv = state.keys.shape[1]
+        scores = self.selector.score(query, state.index, state.keys, state.scale).view(B, Hkv, Hq // Hkv, T, -1)
+        if self.spec.gqa == "shared":
+            scores = scores.amax(dim=2, keepdim=True)
+        clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
+        return scores.masked_fill(~clustered, -math.inf)
+
+    def _sample_tail(self, clusterable: Tensor, index: Tensor, samples: Tensor, state: PipelineState):
+        """m_b uniform samples (``samples`` ``[B, Hkv, 1, 1]``) without replacement from the unread clusterable rows,
+        each weighted η = N_T/m."""
         n = state.num_tokens
-        unread = torch.cat([clusterable.expand(*index.shape[:-1], n), clusterable.new_zeros(1).expand(
-            *index.shape[:-1], 1)], dim=-1)
+        unread = torch.cat([clusterable, clusterable.new_zeros(*clusterable.shape[:-1], 1)], dim=-1)
         unread.scatter_(-1, index.masked_fill(index < 0, n), False)  # padding goes to the spare column n
         unread = unread[..., :n]
         # A stream of its own per (seed, context length): clustering uses `seed` itself, and each decode step
@@ -279,11 +324,34 @@ class Pipeline:
         stream = hashlib.sha256(f"tail-sample:{self.spec.seed}:{n}".encode()).digest()
         generator = torch.Generator(device=index.device).manual_seed(int.from_bytes(stream[:4], "little"))
         noise = torch.rand(unread.shape, generator=generator, device=index.device).masked_fill(~unread, -1.0)
-        noise, drawn = noise.topk(samples, dim=-1)
-        drawn = drawn.masked_fill(noise < 0, -1)
+        noise, drawn = noise.topk(int(samples.max()), dim=-1)
+        rank = torch.arange(drawn.shape[-1], device=index.device)
+        drawn = drawn.masked_fill((noise < 0) | (rank >= samples[..., None]), -1)
         tail = unread.sum(-1, keepdim=True).float()
         taken = (drawn >= 0).sum(-1, keepdim=True).clamp_min(1).float()
         return drawn, torch.log(tail / taken)
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """``[..., N]`` bool → the True positions in order ``[..., K]``, K the largest count, padded with -1."""
+    width = int(mask.sum(-1).max()) if mask.numel() else 0
+    order = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
+    return order.masked_fill(~mask.gather(-1, order), -1)
+
+
+def _check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:
+    B, _, N, _ = keys.shape
+    if mask is None:
+        return torch.ones(B, N, dtype=torch.bool, device=keys.device)
+    if not isinstance(mask, Tensor) or mask.shape != (B, N):
+        raise ValueError(f"mask: expected a [B, N] = [{B}, {N}] tensor, got "
+                         f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
+    if mask.device != keys.device:
+        raise ValueError(f"mask: device {mask.device} differs from the cache's {keys.device}")
+    mask = mask.bool()
+    if not bool(mask.any(-1).all()):
+        raise ValueError("mask: every batch row needs at least one valid position")
+    return mask
 
 
 def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "") -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -62,8 +63,13 @@ class Budget(BaseModel):
             raise ValueError("give exactly one of density or tokens")
         return self
 
-    def rows(self, num_tokens: int) -> int:
-        """The budget E in rows for a context of ``num_tokens`` (rounded down: the measured density stays within)."""
+    def rows(self, num_tokens: int | torch.Tensor) -> int | torch.Tensor:
+        """The budget E in rows for a context of ``num_tokens`` (an int, or a long tensor of per-row lengths);
+        rounded down, so the measured density stays within."""
+        if isinstance(num_tokens, torch.Tensor):
+            if self.tokens is not None:
+                return torch.full_like(num_tokens, self.tokens)
+            return torch.floor(num_tokens.double() * self.density).long()
         return self.tokens if self.tokens is not None else math.floor(self.density * num_tokens)
 
 

@@ -117,3 +117,15 @@ def test_short_context_runs_dense_and_says_so():
     out, stats = pipe.attend(decode, pipe.prepare(keys, values, prefill), return_stats=True)
     assert stats.dense and stats.reason == "dense: budget of 64 rows >= context of 60 tokens"
     assert stats.density == 1.0 and torch.isfinite(out).all()
+
+
+def test_bad_masks(pipe, inputs):
+    keys, values, prefill, _ = inputs
+    with pytest.raises(ValueError, match=r"mask: expected a \[B, N\] = \[2, 300\] tensor, got \(2, 299\)"):
+        pipe.prepare(keys, values, prefill, mask=torch.ones(2, 299, dtype=torch.bool))
+    empty = torch.ones(2, 300, dtype=torch.bool)
+    empty[1] = False
+    with pytest.raises(ValueError, match="mask: every batch row needs at least one valid position"):
+        pipe.prepare(keys, values, prefill, mask=empty)
+    with pytest.raises(ValueError, match="mask: device meta differs from the cache's cpu"):
+        pipe.prepare(keys, values, prefill, mask=torch.ones(2, 300, dtype=torch.bool, device="meta"))

@@ -142,3 +142,89 @@ def test_append_pools_tokens_leaving_the_local_window():
     state = dense.prepare(keys[:, :, :300], values[:, :, :300], prefill)
     state.append(keys[:, :, 300:], values[:, :, 300:])
     assert relative_error(dense.attend(decode, state), dense_attention(decode, keys, values)) < 1e-5
+
+
+def left_pad(rows):
+    """Left-pad a list of [1, H, n_i, D] tensors to one batch with wild values in the padding, and the mask."""
+    n = max(r.shape[2] for r in rows)
+    batch = torch.full((len(rows), rows[0].shape[1], n, rows[0].shape[3]), 1e4)
+    mask = torch.zeros(len(rows), n, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        batch[i, :, n - r.shape[2]:] = r[0]
+        mask[i, n - r.shape[2]:] = True
+    return batch, mask
+
+
+# (tail: sample is left out: its random draws are laid out over positions, which padding shifts.)
+@pytest.mark.parametrize("spec", [{}, {"gqa": "shared"}, {"selector": "oracle", "allocator": "global", "tail": "discard"}])
+def test_a_left_padded_row_matches_the_row_alone(spec):
+    short = make_inputs(batch=1, tokens=220, seed=8)
+    long = make_inputs(batch=1, tokens=300, seed=9)
+    keys, mask = left_pad([short[0], long[0]])
+    values, _ = left_pad([short[1], long[1]])
+    prefill, decode = torch.cat([short[2], long[2]]), torch.cat([short[3], long[3]])
+    spec = {**SMALL, **spec, "budget": {"density": 0.15}}
+    pipe = oa.build(spec)
+    state = pipe.prepare(keys, values, prefill, mask=mask)
+    assert (state.pooled.assignment[0, :, :80] == state.num_clusters).all()  # padding is never clustered
+    out, stats = pipe.attend(decode, state, return_stats=True)
+    for row, alone in enumerate((short, long)):
+        expected, alone_stats = run(spec, *alone)
+        assert relative_error(out[row:row + 1], expected) < 1e-4
+        assert torch.equal(stats.reads[row], alone_stats.reads[0])  # 15% of each row's own length
+    assert torch.isfinite(out).all()  # the 1e4 padding is never read
+
+
+def test_rows_whose_budget_covers_them_are_read_in_full():
+    short = make_inputs(batch=1, tokens=40, seed=10)
+    long = make_inputs(batch=1, tokens=300, seed=11)
+    keys, mask = left_pad([short[0], long[0]])
+    values, _ = left_pad([short[1], long[1]])
+    prefill, decode = torch.cat([short[2], long[2]]), torch.cat([short[3], long[3]])
+    pipe = oa.build({**SMALL, "budget": {"tokens": 60}})
+    state = pipe.prepare(keys, values, prefill, mask=mask)
+    out, stats = pipe.attend(decode, state, return_stats=True)
+    assert state.dense_rows.tolist() == [True, False]
+    assert stats.reason == "sparse: proxy tail; 1 of 2 rows dense (budget >= context)"
+    assert relative_error(out[:1], dense_attention(*(t[:, :, -40:] if t.dim() == 4 and t is not decode else t
+                                                    for t in (decode[:1], keys[:1], values[:1])))) < 1e-5
+    assert (stats.reads[0] == 40).all() and (stats.reads[1] == 60).all()
+    state.append(keys[:, :, -20:], values[:, :, -20:])  # the dense row stays exact as it grows
+    assert (state.pooled.assignment[0] == state.num_clusters).all()
+
+
+def test_causal_queries_never_see_later_positions():
+    keys, values, prefill, decode = make_inputs(tokens=310, seed=12)
+    pipe = oa.build({**SMALL, "budget": {"density": 0.2}})
+    queries = keys[:, torch.arange(6) // 3, 300:] * 0.5  # the 10 new tokens query the cache, causally
+    outputs = []
+    for last_value in (values[:, :, -1:], values[:, :, -1:] + 10):  # change only the newest row
+        state = pipe.prepare(keys[:, :, :300], values[:, :, :300], prefill)
+        state.append(keys[:, :, 300:], torch.cat([values[:, :, 300:-1], last_value], dim=2))
+        outputs.append(pipe.attend(queries, state, causal=True))
+    assert torch.equal(outputs[0][:, :, :-1], outputs[1][:, :, :-1])  # the first 9 queries don't see it
+    assert not torch.allclose(outputs[0][:, :, -1], outputs[1][:, :, -1])  # the last one does
+    # Without the mask every query would have seen it.
+    state = pipe.prepare(keys[:, :, :300], values[:, :, :300], prefill)
+    state.append(keys[:, :, 300:], values[:, :, 300:])
+    assert not torch.allclose(pipe.attend(queries, state)[:, :, 0], outputs[0][:, :, 0])
+
+
+def test_causal_block_longer_than_the_local_window_is_refused(inputs):
+    keys, values, prefill, decode = inputs
+    pipe = oa.build({**SMALL, "budget": {"density": 0.2}})
+    state = pipe.prepare(keys, values, prefill)
+    with pytest.raises(ValueError, match="17 causal queries do not fit the local window of 16"):
+        pipe.attend(keys[:, torch.arange(6) // 3, -17:], state, causal=True)
+
+
+def test_causal_dense_state_is_causal_attention():
+    keys, values, prefill, _ = make_inputs(tokens=120, seed=13)
+    pipe = oa.build({**SMALL, "budget": {"density": 1.0}})
+    queries = keys[:, torch.arange(6) // 3, -8:] * 0.5
+    out, stats = pipe.attend(queries, pipe.prepare(keys, values, prefill), return_stats=True, causal=True)
+    allowed = torch.ones(8, 120, dtype=torch.bool).tril(diagonal=112)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        queries.double(), keys.double().repeat_interleave(3, 1), values.double().repeat_interleave(3, 1),
+        attn_mask=allowed)
+    assert stats.dense and relative_error(out, expected) < 1e-5

@@ -92,7 +92,7 @@ def _blocked_gaussian_run(tail: str, sigma: float, seed: int):
                   sink=SINK, local=LOCAL)
     state = pipe.prepare(keys, values, query, scale=1.0)
     out = pipe.attend(query, state)  # [blocks, 1, 1, BLOCK]
-    assert not state.dense_reason
+    assert not bool(state.dense_rows.any())
     o_hat = out[:, 0, 0, :].reshape(-1)  # block b, coordinate j ↦ token b·BLOCK + j
     w_hat, w, z_hat, z_true = _recover(o_hat, z, _exact_positions(n, SINK, LOCAL))
     return w_hat, w, z_hat, z_true, z

@@ -27,10 +27,10 @@ def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) ->
     return log_mass + torch.log(torch.erf(sigma / math.sqrt(2))), log_mass
 
 
-def water_fill(log_priority: Tensor, capacity: Tensor, budget: int) -> Tensor:
+def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:
     """Integer q_b = min(n_b, λ p_b) with Σ q_b = min(budget, Σ n_b), p_b = e^{log_priority_b − max}.
 
-    log_priority ``[..., C]``, capacity ``[..., C]`` (broadcastable) → quotas ``[..., C]`` (long). Clusters of zero
+    log_priority ``[..., C]``, capacity ``[..., C]`` and budget ``[...]`` (broadcastable) → quotas ``[..., C]`` (long). Clusters of zero
     priority take budget only once every other cluster is full. Rounding: floor, then the largest remainders.
     """
     log_priority = log_priority.double()
@@ -39,7 +39,8 @@ def water_fill(log_priority: Tensor, capacity: Tensor, budget: int) -> Tensor:
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     # The 1e-200 floor (float64) keeps λ finite when every estimate is zero, and orders zero-priority clusters last.
     p = torch.exp(log_priority - top) + 1e-200 * capacity
-    target = torch.minimum(torch.full_like(top, budget), capacity.sum(-1, keepdim=True))
+    budget = torch.as_tensor(budget, dtype=torch.float64, device=top.device).unsqueeze(-1)
+    target = torch.minimum(budget, capacity.sum(-1, keepdim=True))
 
     # Σ_b min(n_b, λ p_b) is piecewise linear in λ with breakpoints n_b / p_b: find the segment holding the target.
     # With breakpoints sorted, at the j-th the first j clusters are full and the rest grow with slope Σ_{i>j} p_i;

@@ -21,10 +21,11 @@ class GlobalTopK(Allocator):
     def allocate(self, inputs: AllocationInput) -> Tensor:
         scores = inputs.scores
         num_clusters = inputs.counts.shape[-1]
-        width = min(inputs.budget, scores.shape[-1])
+        width = min(int(inputs.budget.max()), scores.shape[-1])
         top_scores, top = scores.topk(width, dim=-1)
         assignment = inputs.assignment[:, :, None, None, :].expand_as(scores)
-        clusters = assignment.gather(-1, top).masked_fill(top_scores == float("-inf"), num_clusters)
+        beyond = torch.arange(width, device=scores.device) >= inputs.budget[..., None]  # a row's own budget
+        clusters = assignment.gather(-1, top).masked_fill((top_scores == float("-inf")) | beyond, num_clusters)
         quotas = torch.zeros(*scores.shape[:-1], num_clusters + 1, dtype=torch.long, device=scores.device)
         return quotas.scatter_add_(-1, clusters, torch.ones_like(clusters))[..., :num_clusters]
 

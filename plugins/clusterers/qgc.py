@@ -29,51 +29,63 @@ class QGCConfig(BaseModel):
     iterations: int = Field(default=20, ge=0, description="Lloyd iterations at most (stops earlier at a fixed point)")
 
 
-def query_geometry(keys: Tensor, queries: Tensor | None, rank: int, window: int) -> tuple[Tensor, Tensor]:
+def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int,
+                   window: int) -> tuple[Tensor, Tensor]:
     """Top-``rank`` eigenpairs of the query second moment per KV head.
 
-    keys ``[B, Hkv, n, D]``, queries ``[B, Hq, M, D]`` or None → (U_r ``[B, Hkv, D, r]``, Λ_r ``[B, Hkv, r]``), float32.
+    keys ``[B, Hkv, N, D]``, queries ``[B, Hq, M, D]`` or None (then the second moment of the keys ``mask`` ``[B, N]``
+    selects) → (U_r ``[B, Hkv, D, r]``, Λ_r ``[B, Hkv, r]``), float32.
     """
     B, Hkv, _, D = keys.shape
     if queries is None:
-        samples = keys.double()
+        samples = keys.double() * mask[:, None, :, None]
+        count = mask.sum(-1).clamp_min(1).view(B, 1, 1, 1)
     else:
-        q = queries[:, :, -window:].double()
-        samples = q.reshape(B, Hkv, -1, D)  # the GQA group's heads share one geometry
-    moment = samples.transpose(-1, -2) @ samples / samples.shape[2]
+        samples = queries[:, :, -window:].double().reshape(B, Hkv, -1, D)  # the group's heads share one geometry
+        count = samples.shape[2]
+    moment = samples.transpose(-1, -2) @ samples / count
     eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
     r = min(rank, D)
     top = eigenvectors[..., -r:].flip(-1)
     return top.float(), eigenvalues[..., -r:].flip(-1).clamp_min(0).float()
 
 
-def lloyd(points: Tensor, num_clusters: int, iterations: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Seeded k-means++ initialisation, then Lloyd iterations, batched over leading dims.
+def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
+          generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Seeded k-means++ initialisation, then Lloyd iterations, batched over leading dims, on the points ``mask``
+    selects.
 
-    points ``[..., n, r]`` → (assignment ``[..., n]``, centroids ``[..., C, r]``).
+    points ``[..., n, r]``, mask ``[..., n]`` → (assignment ``[..., n]``, where ``mask`` is False too; centroids
+    ``[..., C, r]``). A row with fewer points than C leaves some clusters empty.
     """
     *lead, n, r = points.shape
     flat = points.reshape(-1, n, r)
+    weight = mask.reshape(-1, n).to(flat.dtype)
     rows = torch.arange(flat.shape[0], device=points.device)
     # The draws come from the (CPU) generator and are moved to the points' device, so a seed gives the same
-    # initial centres on every device; each k-means++ pick inverts the CDF of the squared distances.
-    draws = torch.rand(num_clusters, flat.shape[0], 1, generator=generator, dtype=torch.float64).to(points.device)
-    first = (draws[0, :, 0] * n).long().clamp_max(n - 1)
-    centroids = [flat[rows, first]]
-    nearest = ((flat - centroids[0][:, None]) ** 2).sum(-1)
+    # initial centres on every device; they are shared by the first leading dim (the batch), so a row clusters the
+    # same alone or in a padded batch. Each pick inverts the CDF of its weights (k-means++: squared distances).
+    draws = torch.rand(num_clusters, 1, *lead[1:], generator=generator, dtype=torch.float64)
+    draws = draws.expand(num_clusters, *lead).reshape(num_clusters, -1, 1).to(points.device)
+
+    def pick(weights: Tensor, draw: Tensor) -> Tensor:
+        cdf = weights.double().cumsum(-1)
+        return torch.searchsorted(cdf, draw * cdf[:, -1:]).squeeze(-1).clamp_max(n - 1)
+
+    centroids = [flat[rows, pick(weight, draws[0])]]
+    nearest = ((flat - centroids[0][:, None]) ** 2).sum(-1) * weight
     for draw in draws[1:]:
-        # An all-zero row (every point already a centre) falls back to uniform.
-        cdf = (nearest + (nearest.sum(-1, keepdim=True) <= 0)).double().cumsum(-1)
-        pick = torch.searchsorted(cdf, draw * cdf[:, -1:]).squeeze(-1).clamp_max(n - 1)
-        centroids.append(flat[rows, pick])
-        nearest = torch.minimum(nearest, ((flat - centroids[-1][:, None]) ** 2).sum(-1))
+        # A row whose points are all centres already falls back to uniform over its points.
+        centroids.append(flat[rows, pick(nearest + weight * (nearest.sum(-1, keepdim=True) <= 0), draw)])
+        nearest = torch.minimum(nearest, ((flat - centroids[-1][:, None]) ** 2).sum(-1) * weight)
     centroids = torch.stack(centroids, dim=1)
 
     assignment = _nearest(flat, centroids)
     for _ in range(iterations):
-        sums = torch.zeros_like(centroids).scatter_add_(1, assignment[..., None].expand_as(flat), flat)
-        counts = torch.zeros(centroids.shape[:2], device=points.device).scatter_add_(
-            1, assignment, torch.ones_like(flat[..., 0]))
+        slot = assignment.masked_fill(weight == 0, num_clusters)  # slot C collects the unselected points
+        sums = flat.new_zeros(flat.shape[0], num_clusters + 1, r).scatter_add_(1, slot[..., None].expand_as(flat), flat)
+        counts = weight.new_zeros(flat.shape[0], num_clusters + 1).scatter_add_(1, slot, weight)
+        sums, counts = sums[:, :num_clusters], counts[:, :num_clusters]
         # An emptied cluster keeps its old centre.
         centroids = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
         updated = _nearest(flat, centroids)
@@ -95,14 +107,16 @@ class QueryGeometryClusterer(Clusterer):
     name = "qgc"
     Config = QGCConfig
 
-    def fit(self, keys: Tensor, queries: Tensor | None, generator: torch.Generator) -> Clusters:
+    def fit(self, keys: Tensor, queries: Tensor | None, mask: Tensor, generator: torch.Generator) -> Clusters:
         cfg = self.config
-        basis, eigenvalues = query_geometry(keys, queries, cfg.rank, cfg.query_window)
+        basis, eigenvalues = query_geometry(keys, queries, mask, cfg.rank, cfg.query_window)
         projection = basis * eigenvalues.sqrt()[..., None, :]  # U_r Λ_r^{1/2}, [B, Hkv, D, r]
         points = keys.float() @ projection
-        num_clusters = min(cfg.num_clusters, keys.shape[2])
-        assignment, centroids = lloyd(points, num_clusters, cfg.iterations, generator)
-        return Clusters(assignment, num_clusters, basis=basis, space=(projection, centroids))
+        num_clusters = max(1, min(cfg.num_clusters, int(mask.sum(-1).max())))
+        mask = mask[:, None, :].expand(points.shape[:3])
+        assignment, centroids = lloyd(points, mask, num_clusters, cfg.iterations, generator)
+        return Clusters(assignment.masked_fill(~mask, num_clusters), num_clusters, basis=basis,
+                        space=(projection, centroids))
 
     def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:
         projection, centroids = clusters.space

@@ -50,7 +50,8 @@ class QuerySubspaceSelector(Selector):
         if clusters.basis is not None and clusters.basis.shape[-1] >= rank:
             basis = clusters.basis[..., :rank]
         else:
-            basis, _ = query_geometry(keys, queries, rank, self.config.query_window)
+            basis, _ = query_geometry(keys, queries, clusters.assignment[:, 0] < clusters.num_clusters, rank,
+                                      self.config.query_window)
         codes, scales = quantize(keys.float() @ basis)
         return QGSIndex(basis, codes, scales)
 

@@ -12,7 +12,7 @@ def allocation(mean_logit, logit_var, counts, budget, shared=False):
     shape = (1, 1, 1, 1, -1)
     scores = torch.zeros(1, 1, 1, 1, int(counts.sum()))
     return AllocationInput(mean_logit.view(shape), logit_var.view(shape), counts.view(1, 1, -1), scores,
-                           torch.zeros(1, 1, int(counts.sum()), dtype=torch.long), budget)
+                           torch.zeros(1, 1, int(counts.sum()), dtype=torch.long), torch.tensor(budget).view(1, 1, 1, 1))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -24,6 +24,12 @@ def test_quotas_sum_to_the_budget_and_respect_cluster_sizes(seed, budget):
     quotas = water_fill(log_priority, counts, budget)
     assert torch.equal(quotas.sum(-1), torch.minimum(torch.tensor(budget), counts.sum(-1).long()))
     assert (quotas >= 0).all() and (quotas <= counts).all()
+
+
+def test_each_row_gets_its_own_budget():
+    counts = torch.full((3, 10), 8.0)
+    quotas = water_fill(torch.zeros(3, 10), counts, torch.tensor([5, 0, 200]))
+    assert quotas.sum(-1).tolist() == [5, 0, 80]
 
 
 def test_quotas_are_proportional_to_the_estimate_until_a_cluster_is_full():
@@ -77,7 +83,7 @@ def test_shared_selection_sums_each_heads_relative_error():
     # Head 0 wants cluster 0, head 1 wants cluster 3, equally strongly: the shared split is symmetric.
     mean_logit = torch.tensor([[5.0, 0, 0, 0], [0, 0, 0, 5.0]]).view(1, 1, 2, 1, 4)
     inputs = AllocationInput(mean_logit, torch.ones_like(mean_logit), counts, torch.zeros(1, 1, 1, 1, 40),
-                             torch.zeros(1, 1, 40, dtype=torch.long), 12)
+                             torch.zeros(1, 1, 40, dtype=torch.long), torch.tensor(12).view(1, 1, 1, 1))
     quotas = ErrorGate().allocate(inputs)
     assert quotas.shape == (1, 1, 1, 1, 4)
     assert quotas.flatten().tolist()[0] == quotas.flatten().tolist()[3] and int(quotas.sum()) == 12

@@ -29,8 +29,11 @@ def test_global_quotas_select_the_global_top_k():
     scores = torch.randn(1, 2, 2, 3, 80, generator=gen)
     assignment = torch.randint(6, (1, 2, 80), generator=gen)
     counts = torch.nn.functional.one_hot(assignment, 6).sum(2).float()
-    inputs = AllocationInput(torch.zeros(1, 2, 2, 3, 6), torch.zeros(1, 2, 2, 3, 6), counts, scores, assignment, 17)
+    inputs = AllocationInput(torch.zeros(1, 2, 2, 3, 6), torch.zeros(1, 2, 2, 3, 6), counts, scores, assignment,
+                             torch.tensor([17, 9]).view(1, 2, 1, 1))
     quotas = GlobalTopK().allocate(inputs)
-    assert (quotas.sum(-1) == 17).all()
+    assert (quotas[:, 0].sum(-1) == 17).all() and (quotas[:, 1].sum(-1) == 9).all()  # each KV head its own budget
     chosen = Selector().select(scores, assignment, quotas)
-    assert torch.equal(chosen.sort(-1).values, scores.topk(17, dim=-1).indices.sort(-1).values)
+    assert torch.equal(chosen[:, 0].sort(-1).values, scores[:, 0].topk(17, dim=-1).indices.sort(-1).values)
+    top9 = scores[:, 1].topk(9, dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen[:, 1, ..., :9].sort(-1).values, top9) and (chosen[:, 1, ..., 9:] == -1).all()

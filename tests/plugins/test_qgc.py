@@ -6,7 +6,8 @@ from oa_plugins.clusterers.qgc import QGCConfig, QueryGeometryClusterer, _neares
 def test_lloyd_converges_to_a_fixed_point():
     gen = torch.Generator().manual_seed(0)
     points = torch.randn(2, 3, 500, 4, generator=gen)
-    assignment, centroids = lloyd(points, 10, iterations=100, generator=gen)
+    assignment, centroids = lloyd(points, torch.ones(points.shape[:-1], dtype=torch.bool), 10, iterations=100,
+                                  generator=gen)
     # Every point is nearest its own centroid, and every centroid is its members' mean.
     assert torch.equal(_nearest(points, centroids), assignment)
     one_hot = torch.nn.functional.one_hot(assignment, 10).float()
@@ -19,7 +20,8 @@ def test_separated_blobs_are_recovered():
     centres = torch.tensor([[0.0, 0], [20, 0], [0, 20], [20, 20]])
     labels = torch.arange(400) % 4
     points = (centres[labels] + torch.randn(400, 2, generator=gen)).view(1, 1, 400, 2)
-    assignment, _ = lloyd(points, 4, iterations=50, generator=torch.Generator().manual_seed(0))
+    assignment, _ = lloyd(points, torch.ones(1, 1, 400, dtype=torch.bool), 4, iterations=50,
+                          generator=torch.Generator().manual_seed(0))
     # Same partition up to relabelling: each found cluster holds exactly one true label.
     pairs = set(zip(assignment.flatten().tolist(), labels.tolist()))
     assert len(pairs) == 4
@@ -29,7 +31,8 @@ def test_query_geometry_finds_the_query_subspace():
     gen = torch.Generator().manual_seed(2)
     queries = torch.zeros(1, 2, 100, 8)
     queries[..., :2] = torch.randn(1, 2, 100, 2, generator=gen) * torch.tensor([3.0, 1.0])
-    basis, eigenvalues = query_geometry(torch.randn(1, 1, 50, 8, generator=gen), queries, rank=2, window=100)
+    basis, eigenvalues = query_geometry(torch.randn(1, 1, 50, 8, generator=gen), queries, torch.ones(1, 50, dtype=torch.bool),
+                                        rank=2, window=100)
     # Both query heads share the KV head: the basis spans the first two axes, largest variance first.
     assert basis[0, 0, 2:].abs().max() < 1e-6  # nothing outside the span of the queries
     assert torch.allclose(basis[0, 0].T @ basis[0, 0], torch.eye(2), atol=1e-5)
@@ -43,8 +46,8 @@ def test_keys_that_differ_only_outside_the_query_subspace_share_a_cluster():
     keys[..., 0] = torch.tensor([-10.0, 10.0]).repeat(100)  # the only axis queries see
     queries = torch.zeros(1, 1, 64, 8)
     queries[..., 0] = torch.randn(1, 1, 64, generator=gen)
-    clusters = QueryGeometryClusterer(QGCConfig(num_clusters=2, rank=1)).fit(keys, queries,
-                                                                            torch.Generator().manual_seed(0))
+    clusters = QueryGeometryClusterer(QGCConfig(num_clusters=2, rank=1)).fit(
+        keys, queries, torch.ones(1, 200, dtype=torch.bool), torch.Generator().manual_seed(0))
     assert clusters.assignment[0, 0, ::2].unique().numel() == 1
     assert clusters.assignment[0, 0, 1::2].unique().numel() == 1
     assert clusters.assignment[0, 0, 0] != clusters.assignment[0, 0, 1]
@@ -54,7 +57,7 @@ def test_new_keys_join_their_nearest_cluster():
     gen = torch.Generator().manual_seed(4)
     keys = torch.randn(1, 2, 300, 16, generator=gen)
     clusterer = QueryGeometryClusterer(QGCConfig(num_clusters=8, rank=4))
-    clusters = clusterer.fit(keys, None, torch.Generator().manual_seed(0))
+    clusters = clusterer.fit(keys, None, torch.ones(1, 300, dtype=torch.bool), torch.Generator().manual_seed(0))
     # A key equal to an existing one lands where that one is.
     assert torch.equal(clusterer.assign(clusters, keys[:, :, :20]), clusters.assignment[:, :, :20])
 
@@ -62,6 +65,20 @@ def test_new_keys_join_their_nearest_cluster():
 def test_fit_is_deterministic_for_a_seed():
     keys = torch.randn(2, 2, 256, 16, generator=torch.Generator().manual_seed(5))
     clusterer = QueryGeometryClusterer(QGCConfig(num_clusters=12))
-    first = clusterer.fit(keys, None, torch.Generator().manual_seed(7)).assignment
-    second = clusterer.fit(keys, None, torch.Generator().manual_seed(7)).assignment
+    mask = torch.ones(2, 256, dtype=torch.bool)
+    first = clusterer.fit(keys, None, mask, torch.Generator().manual_seed(7)).assignment
+    second = clusterer.fit(keys, None, mask, torch.Generator().manual_seed(7)).assignment
     assert torch.equal(first, second)
+
+
+def test_points_outside_the_mask_are_never_clustered():
+    gen = torch.Generator().manual_seed(6)
+    keys = torch.randn(2, 2, 100, 8, generator=gen)
+    keys[0, :, :30] = 1e3  # padding with wild values must not pull any centre
+    mask = torch.ones(2, 100, dtype=torch.bool)
+    mask[0, :30] = False
+    clusters = QueryGeometryClusterer(QGCConfig(num_clusters=5, rank=4)).fit(keys, None, mask,
+                                                                            torch.Generator().manual_seed(0))
+    assert (clusters.assignment[0, :, :30] == 5).all() and (clusters.assignment[mask[:, None].expand(2, 2, 100)] < 5).all()
+    _, centroids = clusters.space
+    assert centroids.abs().max() < 100
