@@ -11,6 +11,8 @@ from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters,
 from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_spec
 from oa_core.registry import available
 from oa_core.pipeline import AttendStats, Pipeline, PipelineState, build
+from oa_core.integration import (Context, GenerationStats, OpenAttentionHandle, answer_logprob, generate_from_context,
+                                 patch, prefill_context, unpatch)
 
 __version__ = "0.1.0"
 
@@ -18,4 +20,6 @@ __all__ = [
     "AllocationInput", "Allocator", "AttendStats", "Budget", "Clusterer", "Clusters", "Component", "ComponentSpec",
     "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector", "SpecError",
     "available", "build", "hookimpl", "load_spec",
+    "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "generate_from_context", "patch",
+    "prefill_context", "unpatch",
 ]

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping
@@ -115,6 +116,11 @@ class PipelineState:
             mean = self.pooled.key_sum / n
             self._moments = mean, (self.pooled.key_square_sum / n - mean * mean).clamp_min(0)
         return self._moments
+
+    def fork(self) -> PipelineState:
+        """A copy that grows independently (``append`` replaces tensors, never writes into shared ones)."""
+        pooled = dataclasses.replace(self.pooled) if self.pooled is not None else None
+        return dataclasses.replace(self, pooled=pooled)
 
     def append(self, keys: Tensor, values: Tensor) -> None:
         """Decode-time growth: add ``[B, Hkv, t, D]`` rows; rows leaving the local window join their nearest cluster

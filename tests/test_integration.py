@@ -1,0 +1,190 @@
+"""OpenAttention inside transformers: a tiny random Llama built from a config (the offline model: slow tests)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+import oa_core as oa
+from oa_core.offline_model import capture_attention
+
+SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 2, "local": 8, "budget": {"density": 0.2}}
+DENSE_BUDGET = {**SPARSE, "budget": {"tokens": 100_000}}
+
+
+def tiny_llama(seed=0, layers=2, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def prompt(length, seed=1, batch=1):
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, mask=None, tokens=12):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                             max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_budget_covering_the_context_generates_exactly_like_sdpa(dtype):
+    model, ids = tiny_llama(dtype=dtype), prompt(150)
+    expected = greedy(model, ids)
+    with oa.patch(model, DENSE_BUDGET) as handle:
+        got = greedy(model, ids)
+        stats = handle.stats
+    assert torch.equal(got, expected)
+    decode = [r for r in stats.records if r.phase == "decode"]
+    assert decode and all(r.dense and r.reason == "dense: budget >= context" for r in decode)
+
+
+def test_budget_covering_the_context_matches_eager_too():
+    model, ids = tiny_llama(), prompt(120)
+    model.set_attn_implementation("eager")
+    expected = greedy(model, ids)
+    with oa.patch(model, DENSE_BUDGET):
+        assert torch.equal(greedy(model, ids), expected)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_sparse_generation_reads_the_budget_and_reports_it():
+    model, ids = tiny_llama(), prompt(300)
+    with oa.patch(model, SPARSE) as handle:
+        out = greedy(model, ids, tokens=6)
+    stats = handle.stats
+    decode = [r for r in stats.records if r.phase == "decode"]
+    assert out.shape == (1, 6) and len(decode) == 2 * 5  # 2 layers × 5 decode steps after the prefill
+    assert all(not r.dense and 0.19 <= r.density <= 0.2 for r in decode)  # ⌊0.2·N⌋ rows of N
+    assert all(r.proxies > 0 for r in decode) and stats.prepare_seconds > 0
+    assert "prepare" in stats.summary() and set(stats.density_by_layer()) == {0, 1}
+
+
+def test_logits_at_the_first_sparse_step_match_a_direct_attend():
+    model, ids = tiny_llama(), prompt(201)
+    context, step = ids[:, :200], ids[:, 200:]
+    prefill_queries = {layer: q[:, :, -256:] for layer, (q, _, _, _) in capture_attention(model, context, [0, 1]).items()}
+    pipe = oa.build(SPARSE)
+
+    def direct(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if key.shape[2] == query.shape[2]:
+            return AttentionInterface()["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        past = key.shape[2] - query.shape[2]
+        state = pipe.prepare(key[:, :, :past], value[:, :, :past], prefill_queries[module.layer_idx], scaling)
+        state.append(key[:, :, past:], value[:, :, past:])
+        return pipe.attend(query, state, causal=True).transpose(1, 2), None
+
+    AttentionInterface.register("oa_test_direct", direct)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("oa_test_direct")
+    with torch.no_grad():
+        cache = oa.prefill_context(reference, context).cache
+        expected = reference(step, use_cache=True, **oa.integration.cache_kwargs(reference, cache)).logits
+        with oa.patch(model, SPARSE):
+            cached = oa.prefill_context(model, context)
+            got = model(step, use_cache=True, **oa.integration.cache_kwargs(model, copy.deepcopy(cached.cache))).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def snapshot(model):
+    return (copy.deepcopy(model.config.to_dict()), model.config._attn_implementation,
+            {k: v.clone() for k, v in model.state_dict().items()},
+            [(name, sorted(vars(m))) for name, m in model.named_modules()])
+
+
+def test_patch_and_unpatch_leave_the_model_as_it_was():
+    model, ids = tiny_llama(), prompt(120)
+    before, expected = snapshot(model), greedy(model, ids)
+    handle = oa.patch(model, SPARSE)
+    assert model.config._attn_implementation == "openattention"
+    greedy(model, ids)
+    oa.unpatch(model)
+    after = snapshot(model)
+    assert after[0] == before[0] and after[1] == before[1] and after[3] == before[3]
+    assert all(torch.equal(after[2][k], v) for k, v in before[2].items())
+    assert torch.equal(greedy(model, ids), expected)
+    handle.unpatch()  # a second unpatch is harmless
+
+
+def test_two_models_with_different_specs_do_not_interfere():
+    first, second, ids = tiny_llama(seed=0), tiny_llama(seed=1), prompt(200)
+    with oa.patch(second, SPARSE):
+        second_alone = greedy(second, ids)
+    first_dense = greedy(first, ids)
+    with oa.patch(first, DENSE_BUDGET) as a, oa.patch(second, SPARSE) as b:
+        assert torch.equal(greedy(first, ids), first_dense)
+        assert torch.equal(greedy(second, ids), second_alone)
+        assert all(r.dense for r in a.stats.records) and any(not r.dense for r in b.stats.records)
+
+
+def test_left_padded_batch_answers_like_each_prompt_alone():
+    model = tiny_llama()
+    prompts = [prompt(180, seed=3), prompt(260, seed=4)]
+    with oa.patch(model, SPARSE):
+        alone = [greedy(model, p) for p in prompts]
+        ids = torch.zeros(2, 260, dtype=torch.long)
+        mask = torch.zeros(2, 260, dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
+        batched = greedy(model, ids, mask)
+    for row in range(2):
+        assert torch.equal(batched[row], alone[row][0])
+
+
+@pytest.mark.parametrize("setup", ["A", "B"])
+def test_context_prefilled_once_serves_every_question(setup):
+    model, context, question = tiny_llama(), prompt(240, seed=5), prompt(20, seed=6)
+    with oa.patch(model, SPARSE, setup=setup) as handle:
+        ctx = oa.prefill_context(model, context)
+        handle.reset_stats()
+        first = oa.generate_from_context(model, ctx, question, max_new_tokens=5, pad_token_id=0)
+        again = oa.generate_from_context(model, ctx, question, max_new_tokens=5, pad_token_id=0)
+        records = handle.stats.records
+    assert torch.equal(first, again)  # the context's cache and state are copied, never consumed
+    assert not any(r.phase == "prefill" for r in records)  # the context was not prefilled again
+    question_calls = [r for r in records if r.phase == "question"]
+    assert question_calls and all(r.dense == (setup == "A") for r in question_calls)
+    # Whole prompt at once (dense prefill) vs context + question: setup A's only sparse parts are the decode steps.
+    assert all(not r.dense for r in records if r.phase == "decode")
+
+
+def test_answer_logprob_is_the_teacher_forced_likelihood():
+    model, context, question, answer = tiny_llama(), prompt(100, seed=7), prompt(5, seed=8), prompt(4, seed=9)
+    with oa.patch(model, DENSE_BUDGET):
+        got = oa.answer_logprob(model, oa.prefill_context(model, context), question, answer)
+    ids = torch.cat([context, question, answer], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, -5:-1].log_softmax(-1)
+    assert torch.allclose(got, logits.gather(-1, answer[..., None]).sum((1, 2)), atol=1e-4)
+
+
+def test_dense_layers_and_layer_specs():
+    model, ids = tiny_llama(layers=3), prompt(300)
+    with oa.patch(model, SPARSE, dense_layers=[0], layer_specs={2: {**SPARSE, "budget": {"density": 0.5}}}) as h:
+        greedy(model, ids, tokens=3)
+    density = {layer: [r.density for r in h.stats.records if r.layer == layer and r.phase == "decode"]
+               for layer in range(3)}
+    assert all(d == 1.0 for d in density[0])
+    assert all(0.19 <= d <= 0.2 for d in density[1]) and all(0.49 <= d <= 0.5 for d in density[2])
+    with pytest.raises(oa.SpecError, match="layers: layer 7 does not exist"):
+        oa.patch(model, SPARSE, dense_layers=[7])
+    with pytest.raises(oa.SpecError, match="setup: expected 'A'"):
+        oa.patch(model, SPARSE, setup="C")
+
+
+def test_attn_implementation_route_uses_the_config_spec():
+    model, ids = tiny_llama(), prompt(300)
+    oa.integration.register()
+    model.config.openattention = SPARSE
+    expected_dense = greedy(model, ids)
+    model.set_attn_implementation("openattention")
+    out = greedy(model, ids)
+    assert out.shape == expected_dense.shape
+    runtimes = [oa.integration._RUNTIMES[m] for m in model.modules() if m in oa.integration._RUNTIMES]
+    assert len(runtimes) == 2 and all(r.pipeline.spec.budget.density == 0.2 for r in runtimes)
+    assert any(not r.dense for rt in runtimes for r in rt.records)
