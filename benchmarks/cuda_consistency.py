@@ -1,8 +1,9 @@
-"""The reference pipeline on CUDA against the same pipeline on the CPU, at Llama-3.1-8B decode shapes.
+"""The reference pipeline on CUDA against the same pipeline on the CPU, at Llama-3.1-8B decode shapes, and the
+transformers integration on CUDA (a small random Llama in fp32/bf16/fp16).
 
 Not a speed benchmark (the flash kernel's is): it checks that every stage runs on the GPU and gives the CPU's
-answer — same clusters, same selection, outputs within float32 / bf16 rounding — with no NaN. Writes
-benchmarks/results/cuda_consistency.json.
+answer — same clusters, same selection, outputs within float32 / bf16 rounding — with no NaN, and that generate()
+through OpenAttention behaves on the GPU as the CPU tests require. Writes benchmarks/results/cuda_consistency.json.
 
     python benchmarks/cuda_consistency.py          # needs a CUDA device
 """
@@ -36,6 +37,51 @@ def inputs(dtype: torch.dtype, seed: int = 0):
     return [t.to(dtype) for t in (keys, values, prefill, decode)]
 
 
+def integration_checks() -> list[dict]:
+    """generate() through oa.patch on CUDA: a covering budget is token-identical to sdpa; a sparse one stays finite
+    and within its budget; a left-padded batch answers like each prompt alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    records = []
+    sparse = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "budget": {"density": 0.1}}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                             attn_implementation="sdpa")
+        model = LlamaForCausalLM(config).eval().to("cuda", dtype)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 256, (1, n), generator=gen).cuda() for n in (700, 1000)]
+
+        def greedy(ids, mask=None):
+            mask = torch.ones_like(ids) if mask is None else mask
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                     pad_token_id=0)
+            return out[:, ids.shape[1]:]
+
+        expected = greedy(prompts[1])
+        with oa.patch(model, {**sparse, "budget": {"tokens": 100_000}}):
+            same = torch.equal(greedy(prompts[1]), expected)
+        with oa.patch(model, sparse) as handle:
+            alone = [greedy(p) for p in prompts]
+            decode = [r for r in handle.stats.records if r.phase == "decode"]
+            ids = torch.zeros(2, 1000, dtype=torch.long, device="cuda")
+            mask = torch.zeros_like(ids)
+            for row, p in enumerate(prompts):
+                ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
+            batched = greedy(ids, mask)
+        padded_same = all(torch.equal(batched[row], alone[row][0]) for row in range(2))
+        within = all(not r.dense and r.density <= 0.1 for r in decode)
+        record = {"check": "integration", "dtype": str(dtype), "covering_budget_equals_sdpa": same,
+                  "sparse_density_within_budget": within, "left_padded_equals_alone": padded_same,
+                  "mean_sparse_density": sum(r.density for r in decode) / len(decode),
+                  "ok": same and within and (padded_same or dtype != torch.float32)}
+        records.append(record)
+        print(json.dumps(record))
+    return records
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -66,8 +112,12 @@ def main() -> int:
                       "ok": bool(torch.isfinite(out_gpu).all()) and (error < tolerance or not comparable)}
             records.append(record)
             print(json.dumps(record))
+    records += integration_checks()
+    import transformers
+
     result = {"benchmark": "cuda_consistency", "shape": SHAPE, "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "records": records, "all_ok": all(r["ok"] for r in records)}
+              "torch": torch.__version__, "transformers": transformers.__version__, "records": records,
+              "all_ok": all(r["ok"] for r in records)}
     out = Path("benchmarks/results/cuda_consistency.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

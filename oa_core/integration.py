@@ -100,7 +100,7 @@ class LayerRuntime:
             return out, weights
 
         start = time.perf_counter()
-        state = self._state_for(key, value, past, scale)
+        state = self._state_for(key, value, past, scale, attention_mask)
         prepare_s = _elapsed(start, key)
         phase = "question" if T > 1 else "decode"
         start = time.perf_counter()
@@ -131,7 +131,7 @@ class LayerRuntime:
         self.context = ContextRecord(key, value, queries, mask, scale)
         self.live = None
 
-    def _state_for(self, key: Tensor, value: Tensor, past: int, scale: float) -> PipelineState:
+    def _state_for(self, key: Tensor, value: Tensor, past: int, scale: float, attention_mask) -> PipelineState:
         """The state this call continues: the live one, a fork of the recorded context's, or a new one."""
         if self.live is not None and self.live.pipeline is self.pipeline and _same_prefix(self.live.keys, key, past):
             return self.live
@@ -143,8 +143,10 @@ class LayerRuntime:
                                               mask=context.mask)
                 context.prepared[id(self.pipeline)] = state
             return state.fork()
-        # A cache this runtime never saw prefilled (e.g. built before patching): no prefill queries to use.
-        return self.pipeline.prepare(key[:, :, :past], value[:, :, :past], None, scale)
+        # A cache this runtime never saw prefilled (e.g. built before patching): no prefill queries to use; the
+        # padding comes from this call's mask.
+        return self.pipeline.prepare(key[:, :, :past], value[:, :, :past], None, scale,
+                                     mask=_key_mask(attention_mask, key)[:, :past])
 
     def _log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare_s: float = 0.0,
              attend_s: float = 0.0, density: float = 1.0, proxies: float = 0.0) -> None:
@@ -247,24 +249,35 @@ class OpenAttentionHandle:
             raise SpecError(f"setup: expected 'A' (question dense) or 'B' (question sparse), got {setup!r}")
         self.model = model
         self.previous_implementation = model.config._attn_implementation
-        self.runtimes: dict[int, LayerRuntime] = {}
         attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
         if not attention:
             raise TypeError(f"{type(model).__name__}: no attention layers with layer_idx found; OpenAttention patches "
                             "decoder models whose attention goes through transformers' AttentionInterface")
-        num_layers = len(attention)
-        dense_layers = set(dense_layers)
+        self.num_layers = len(attention)
+        self.dense_layers = set(dense_layers)
+        for layer in self.dense_layers:
+            self._check_layer(layer)
+        self.runtimes = {module.layer_idx: LayerRuntime(module.layer_idx, None, setup) for module in attention}
+        self.use(spec, layer_specs)  # validates the specs before anything is registered
+        for module in attention:
+            _RUNTIMES[module] = self.runtimes[module.layer_idx]
+        self._modules = attention
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise SpecError(f"layers: layer {layer} does not exist (the model has {self.num_layers})")
+
+    def use(self, spec: PipelineSpec | Mapping | str | None = None, layer_specs: Mapping[int, Any] | None = None) -> None:
+        """Switch to another spec (and per-layer overrides), keeping the recorded contexts: a context prefilled once
+        serves every spec."""
         layer_specs = dict(layer_specs or {})
-        for layer in dense_layers | set(layer_specs):
-            if not 0 <= layer < num_layers:
-                raise SpecError(f"layers: layer {layer} does not exist (the model has {num_layers})")
+        for layer in layer_specs:
+            self._check_layer(layer)
         default = build(spec)
         pipelines = {layer: build(s) for layer, s in layer_specs.items()}
-        for module in attention:
-            layer = module.layer_idx
-            pipeline = None if layer in dense_layers else pipelines.get(layer, default)
-            self.runtimes[layer] = _RUNTIMES[module] = LayerRuntime(layer, pipeline, setup)
-        self._modules = attention
+        for layer, runtime in self.runtimes.items():
+            runtime.pipeline = None if layer in self.dense_layers else pipelines.get(layer, default)
+            runtime.live = None
 
     @property
     def stats(self) -> GenerationStats:

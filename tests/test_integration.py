@@ -188,3 +188,38 @@ def test_attn_implementation_route_uses_the_config_spec():
     runtimes = [oa.integration._RUNTIMES[m] for m in model.modules() if m in oa.integration._RUNTIMES]
     assert len(runtimes) == 2 and all(r.pipeline.spec.budget.density == 0.2 for r in runtimes)
     assert any(not r.dense for rt in runtimes for r in rt.records)
+
+
+@pytest.mark.slow
+def test_offline_model_with_a_covering_budget_generates_like_sdpa():
+    from oa_core.needle import make_samples
+    from oa_core.offline_model import load_offline_model
+
+    model, tokenizer = load_offline_model()
+    sample = make_samples(tokenizer, 1, 600, seed=3)[0]
+    ids = torch.cat([sample.context_ids, sample.question_ids], dim=1)
+    expected = greedy(model, ids, tokens=10)
+    with oa.patch(model, {"budget": {"tokens": 100_000}}):
+        assert torch.equal(greedy(model, ids, tokens=10), expected)
+        context = oa.prefill_context(model, sample.context_ids)
+        again = oa.generate_from_context(model, context, sample.question_ids, max_new_tokens=10,
+                                         pad_token_id=tokenizer.eos_token_id)
+    assert torch.equal(again, expected)
+
+
+def test_a_cache_prefilled_before_patching_is_prepared_on_first_use():
+    model = tiny_llama()
+    prompts = [prompt(150, seed=10), prompt(220, seed=11)]
+    ids = torch.zeros(2, 220, dtype=torch.long)
+    mask = torch.zeros(2, 220, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
+    context = oa.prefill_context(model, ids, mask)  # unpatched: no runtime saw it
+    with oa.patch(model, SPARSE) as handle:
+        out = oa.generate_from_context(model, context, prompt(3, seed=12).expand(2, 3), max_new_tokens=4,
+                                       pad_token_id=0)
+        first = [r for r in handle.stats.records if r.phase == "question"]
+    assert out.shape == (2, 4) and first and all(not r.dense for r in first)
+    # Each row's budget comes from its own length: the padding was recognised from the attention mask.
+    state = handle.runtimes[0].live
+    assert state.valid.sum(-1).tolist() == [150 + 3 + 3, 220 + 3 + 3]
