@@ -13,6 +13,7 @@ from oa_core.registry import available
 from oa_core.pipeline import AttendStats, Pipeline, PipelineState, build
 from oa_core.integration import (Context, GenerationStats, OpenAttentionHandle, answer_logprob, generate_from_context,
                                  patch, prefill_context, unpatch)
+from oa_core.integration import register as register_attention
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,5 @@ __all__ = [
     "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector", "SpecError",
     "available", "build", "hookimpl", "load_spec",
     "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "generate_from_context", "patch",
-    "prefill_context", "unpatch",
+    "prefill_context", "register_attention", "unpatch",
 ]
