@@ -247,12 +247,12 @@ class OpenAttentionHandle:
                  setup: Literal["A", "B"]) -> None:
         if setup not in ("A", "B"):
             raise SpecError(f"setup: expected 'A' (question dense) or 'B' (question sparse), got {setup!r}")
-        self.model = model
-        self.previous_implementation = model.config._attn_implementation
         attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
-        if not attention:
+        if not attention or not hasattr(model, "config"):
             raise TypeError(f"{type(model).__name__}: no attention layers with layer_idx found; OpenAttention patches "
                             "decoder models whose attention goes through transformers' AttentionInterface")
+        self.model = model
+        self.previous_implementation = model.config._attn_implementation
         self.num_layers = len(attention)
         self.dense_layers = set(dense_layers)
         for layer in self.dense_layers:

@@ -223,3 +223,16 @@ def test_a_cache_prefilled_before_patching_is_prepared_on_first_use():
     # Each row's budget comes from its own length: the padding was recognised from the attention mask.
     state = handle.runtimes[0].live
     assert state.valid.sum(-1).tolist() == [150 + 3 + 3, 220 + 3 + 3]
+
+
+def test_patching_a_model_without_attention_layers_is_refused():
+    with pytest.raises(TypeError, match="Linear: no attention layers with layer_idx found"):
+        oa.patch(torch.nn.Linear(2, 2))
+
+
+def test_an_invalid_spec_leaves_the_model_unpatched():
+    model = tiny_llama()
+    with pytest.raises(oa.SpecError, match="budget.density"):
+        oa.patch(model, {"budget": {"density": 2}})
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(m in oa.integration._RUNTIMES for m in model.modules())
