@@ -32,7 +32,7 @@ def greedy(model, ids, mask=None, tokens=12):
     return out[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_budget_covering_the_context_generates_exactly_like_sdpa(dtype):
     model, ids = tiny_llama(dtype=dtype), prompt(150)
     expected = greedy(model, ids)
@@ -53,8 +53,9 @@ def test_budget_covering_the_context_matches_eager_too():
     assert model.config._attn_implementation == "eager"
 
 
-def test_sparse_generation_reads_the_budget_and_reports_it():
-    model, ids = tiny_llama(), prompt(300)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sparse_generation_reads_the_budget_and_reports_it(dtype):
+    model, ids = tiny_llama(dtype=dtype), prompt(300)
     with oa.patch(model, SPARSE) as handle:
         out = greedy(model, ids, tokens=6)
     stats = handle.stats
