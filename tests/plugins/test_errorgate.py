@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from oa_core.components import AllocationInput
-from oa_plugins.allocators.errorgate import ErrorGate, log_error_estimate, water_fill
+from oa_plugins.allocators.errorgate import ErrorGate, log_error_estimate
+from oa_plugins.allocators.water_filling import water_fill
 
 
 def allocation(mean_logit, logit_var, counts, budget, shared=False):
