@@ -132,12 +132,15 @@ class Selector(Component):
         starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
         rank = torch.arange(num_tokens, device=scores.device) - starts.gather(-1, cluster)
         quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1).gather(-1, cluster)
-        take = rank < quota
-        width = int(quotas.sum(-1).max()) if quotas.numel() else 0
-        # Bring the taken positions to the front (stable), keep the first `width`.
-        first = (~take).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
-        chosen = ranked.gather(-1, first)
-        return torch.where(take.gather(-1, first), chosen, torch.full_like(chosen, -1))
+        taken = positions(rank < quota)
+        return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
+
+
+def positions(mask: Tensor) -> Tensor:
+    """``[..., N]`` bool → the True positions in order ``[..., K]``, K the largest count, padded with -1."""
+    width = int(mask.sum(-1).max()) if mask.numel() else 0
+    order = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
+    return order.masked_fill(~mask.gather(-1, order), -1)
 
 
 @dataclass

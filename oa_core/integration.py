@@ -56,10 +56,6 @@ class ContextRecord:
     scale: float
     prepared: dict[int, PipelineState] = field(default_factory=dict)  # id(pipeline) → state
 
-    @property
-    def num_tokens(self) -> int:
-        return self.keys.shape[2]
-
 
 @dataclass
 class StepRecord:

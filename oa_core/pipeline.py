@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Kernel, PooledClusters,
-                                Selection, Selector)
+                                Selection, Selector, positions)
 from oa_core.registry import default_registry
 from oa_core.spec import ComponentSpec, PipelineSpec, SpecError, describe, load_spec
 
@@ -282,7 +282,7 @@ class Pipeline:
         g = Hq // Hkv
         Gs = 1 if spec.gqa == "shared" else g
         fixed = state.exact_rows()
-        index = _positions(fixed)[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
+        index = positions(fixed)[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
         log_weight = torch.zeros(index.shape, device=query.device)
         if state.clusters is not None:
             selectable = (self.spec.budget.rows(state.valid.sum(-1))[:, None] - fixed.sum(-1)).clamp_min(0)
@@ -336,13 +336,6 @@ class Pipeline:
         tail = unread.sum(-1, keepdim=True).float()
         taken = (drawn >= 0).sum(-1, keepdim=True).clamp_min(1).float()
         return drawn, torch.log(tail / taken)
-
-
-def _positions(mask: Tensor) -> Tensor:
-    """``[..., N]`` bool → the True positions in order ``[..., K]``, K the largest count, padded with -1."""
-    width = int(mask.sum(-1).max()) if mask.numel() else 0
-    order = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
-    return order.masked_fill(~mask.gather(-1, order), -1)
 
 
 def _check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:
