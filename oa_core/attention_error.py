@@ -60,11 +60,14 @@ def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Ten
 
 
 def measure(methods: dict[str, dict], densities: list[float], model: str | None = None, tokens: int = 4096,
-            decode: int = 64, layers: list[int] | None = None, seed: int = 0, progress: bool = True) -> dict:
+            decode: int = 64, layers: list[int] | None = None, seed: int = 0, progress: bool = True,
+            diagnostics: bool = False) -> dict:
     """Mean and p90 relative error and measured density of every spec in ``methods`` at every density.
 
-    ``methods``: name → spec mapping without ``budget`` (each is run at ``{"density": d}``). Returns a JSON-ready
-    record: the setting, ``results[density][method]`` and timings.
+    ``methods``: name → spec mapping; a spec without ``budget`` is run at ``{"density": d}``, one with a budget keeps
+    it (the dense reference). ``diagnostics``: also the weight discrepancy E, the selector's top-32 recall and
+    ErrorGate's Spearman (``oa_core.metrics``). Returns a JSON-ready record: the setting, ``results[density][method]``
+    and timings.
     """
     if tokens < PREFILL_QUERIES or decode < 1:
         raise ValueError(f"tokens must be at least {PREFILL_QUERIES} and decode at least 1")
@@ -82,6 +85,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
 
     mark = time.perf_counter()
     errors = {d: {m: {} for m in methods} for d in densities}  # density → method → layer → [Hq, P]
+    extra = {d: {m: {} for m in methods} for d in densities}  # density → method → metric → [per layer [Hq, P]]
     read = {d: {m: [] for m in methods} for d in densities}
     specs, kernels = {}, set()
     bar = tqdm(total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline",
@@ -94,10 +98,15 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
         reference = dense_attention(queries, keys, values, scale)
         for density in densities:
             for method, spec in methods.items():
-                pipe = oa.build({**spec, "seed": seed, "budget": {"density": density}})
-                specs.setdefault(method, pipe.spec.model_dump(mode="json", exclude={"budget"}))
-                out, stats = pipe.attend(queries, pipe.prepare(keys, values, prefill, scale=scale), return_stats=True)
+                pipe = oa.build({"budget": {"density": density}, **spec, "seed": seed})
+                specs.setdefault(method, pipe.spec.model_dump(mode="json", exclude=set() if "budget" in spec
+                                                              else {"budget"}))
+                state = pipe.prepare(keys, values, prefill, scale=scale)
+                out, stats = pipe.attend(queries, state, return_stats=True)
                 errors[density][method][layer] = relative_error(out, reference)[0]
+                if diagnostics:
+                    for name, value in _diagnostics(pipe, state, queries).items():
+                        extra[density][method].setdefault(name, []).append(value)
                 read[density][method].append(stats.density)
                 kernels.add(stats.kernel)
                 bar.update()
@@ -118,6 +127,8 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
                 "budget_rows": oa.Budget(density=density).rows(tokens),
                 "per_layer_mean_error": {str(layer): e.mean().item() for layer, e in per_layer.items()},
             }
+            for name, values in extra[density][method].items():
+                results[str(density)][method][name] = torch.cat([v.flatten() for v in values]).mean().item()
     import transformers
 
     return {
@@ -140,6 +151,21 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
                     "transformers": transformers.__version__, "openattention": oa.__version__},
         "timings": {k: round(v, 1) for k, v in timings.items()},
     }
+
+
+def _diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
+    """E, top-32 recall and ErrorGate's Spearman per (query head, query) for one attend (None where they do not
+    apply: recall and Spearman need clusters)."""
+    from oa_core import metrics
+
+    out = {"weight_discrepancy": metrics.weight_discrepancy(pipe, state, queries)[0]}
+    recall = metrics.topk_recall(pipe, state, queries, k=32)
+    if recall is not None:
+        out["top32_recall"] = recall[0]
+    spearman = metrics.errorgate_spearman(state, queries)
+    if spearman is not None:
+        out["errorgate_spearman"], out["errorgate_spearman_full_variance"] = (s[0] for s in spearman)
+    return out
 
 
 def format_table(result: dict) -> str:

@@ -101,8 +101,9 @@ class Allocator(Component):
 class Selector(Component):
     """Scores keys cheaply and reads, inside each cluster, its q_b best (DESIGN.md §1 steps 3 and 6)."""
 
-    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters) -> Any:
-        """Once per request: keys ``[B, Hkv, N, D]`` → an index (plain tensors)."""
+    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator) -> Any:
+        """Once per request: keys ``[B, Hkv, N, D]`` → an index (plain tensors). ``generator``: a CPU generator
+        seeded from the spec, for selectors that draw (LSH hyperplanes)."""
         return None
 
     def extend(self, index: Any, keys: Tensor) -> Any:
@@ -112,6 +113,14 @@ class Selector(Component):
     def score(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor:
         """query ``[B, Hq, T, D]`` → approximate logits ``[B, Hq, T, N]`` (float32)."""
         raise NotImplementedError
+
+    def sample_pool(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor | None:
+        """``tail: sample``: ln p_i, the log probability that token i is in the pool the tail samples are drawn
+        from, ``[B, Hq, T, N]`` (-inf: not in the pool). None: every unread token, p = 1 (uniform sampling).
+
+        The pipeline draws m tokens uniformly from the unread part of the pool and weights each η_i = |pool|/m · 1/p_i
+        (Horvitz–Thompson), so the estimate stays unbiased when the pool is itself random (LSH candidates)."""
+        return None
 
     def select(self, scores: Tensor, assignment: Tensor, quotas: Tensor) -> Tensor:
         """Per-cluster top-q_b by score.

@@ -30,10 +30,14 @@ def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
     """A Pipeline from a spec model, a mapping, or a YAML file path. Raises SpecError naming the field."""
     spec = load_spec(spec if spec is not None else {})
     kernel_spec, kernel_note = _resolve_kernel(spec.kernel)
+    selector = _instantiate("selector", spec.selector)
+    if spec.tail == "sample" and spec.gqa == "shared" and type(selector).sample_pool is not Selector.sample_pool:
+        raise SpecError(f"gqa: tail: sample with selector {selector.name!r} draws a pool per query head; "
+                        "use gqa: per_head")
     return Pipeline(
         spec,
         clusterer=_instantiate("clusterer", spec.clusterer),
-        selector=_instantiate("selector", spec.selector),
+        selector=selector,
         allocator=_instantiate("allocator", spec.allocator),
         kernel=_instantiate("kernel", kernel_spec),
         kernel_note=kernel_note,
@@ -43,9 +47,13 @@ def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
 def _resolve_kernel(kernel: ComponentSpec) -> tuple[ComponentSpec, str]:
     if kernel.name != "auto":
         return kernel, f"kernel {kernel.name!r} requested"
-    if default_registry().get("kernel", "flash") is not None and torch.cuda.is_available():
+    if default_registry().get("kernel", "flash") is None:
+        why = "no flash kernel registered (triton missing)"
+    elif not torch.cuda.is_available():
+        why = "no CUDA device"
+    else:
         return ComponentSpec(name="flash", params=kernel.params), "auto: flash (CUDA available)"
-    return ComponentSpec(name="torch", params=kernel.params), "auto: torch reference (no flash kernel on this machine)"
+    return ComponentSpec(name="torch", params=kernel.params), f"auto: torch reference ({why})"
 
 
 def _instantiate(kind: str, component: ComponentSpec):
@@ -178,7 +186,7 @@ class Pipeline:
     def __repr__(self) -> str:
         s = self.spec
         return (f"Pipeline({self.clusterer!r}, {self.selector!r}, {self.allocator!r}, {self.kernel!r}, "
-                f"tail={s.tail}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
+                f"tail={s.tail}{f' ({s.tail_samples:g} sampled)' if s.tail == 'sample' else ''}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
                 f"gqa={s.gqa})")
 
     # -- once per request -------------------------------------------------------------------------------------
@@ -215,7 +223,8 @@ class Pipeline:
                                       clusters.assignment, zeros.clone())
         state._pool(clusters.assignment, keys, values)
         state.clustered_end = n - local
-        state.index = self.selector.build(keys, queries, clusters)
+        state.index = self.selector.build(keys, queries, clusters, torch.Generator().manual_seed(
+            _stream(f"selector:{self.spec.seed}")))
         return state
 
     def _dense_rows(self, lengths: Tensor) -> Tensor:
@@ -261,8 +270,13 @@ class Pipeline:
             return out
         density = float((reads.double() / lengths.view(-1, 1, 1, 1)).mean())
         stats = AttendStats(density=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
-                            reason=self._reason(state, lengths), kernel=f"{self.kernel.name} ({self.kernel_note})")
+                            reason=self._reason(state, lengths), kernel=self._kernel_description())
         return out, stats
+
+    def _kernel_description(self) -> str:
+        """The kernel, why it was picked, and what it did on the last call (e.g. a fallback and its reason)."""
+        note = getattr(self.kernel, "note", "")
+        return f"{self.kernel.name} ({self.kernel_note}{'; ' + note if note else ''})"
 
     def _reason(self, state: PipelineState, lengths: Tensor) -> str:
         budget = self.spec.budget.rows(lengths)
@@ -277,7 +291,7 @@ class Pipeline:
     def _select(self, query: Tensor, state: PipelineState, causal: bool) -> Selection:
         """Steps 4–6 of DESIGN.md §1, plus tail samples: the exact rows of every (query, selection head)."""
         spec = self.spec
-        B, Hq, T, D = query.shape
+        B, Hq, T, _ = query.shape
         Hkv, n = state.keys.shape[1], state.num_tokens
         g = Hq // Hkv
         Gs = 1 if spec.gqa == "shared" else g
@@ -289,24 +303,30 @@ class Pipeline:
             selectable = selectable.masked_fill(state.dense_rows[:, None], 0)[:, :, None, None]  # [B, Hkv, 1, 1]
             samples = (spec.tail_samples * selectable).round().long() if spec.tail == "sample" else 0 * selectable
             scores = self._scores(query, state)
-            assignment = state.pooled.assignment
-            q = query.float().reshape(B, Hkv, g, T, D)
-            key_mean, key_var = state.cluster_moments()
-            inputs = AllocationInput(
-                mean_logit=state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
-                logit_var=state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var),
-                counts=state.pooled.count, scores=scores, assignment=assignment, budget=selectable - samples)
-            chosen = self.selector.select(scores, assignment, self.allocator.allocate(inputs))
+            inputs = self._allocation_inputs(query, state, scores, selectable - samples)
+            chosen = self.selector.select(scores, inputs.assignment, self.allocator.allocate(inputs))
             index = torch.cat([index, chosen], dim=-1)
             log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
             if bool((samples > 0).any()):
-                drawn, log_eta = self._sample_tail(scores > -math.inf, index, samples, state)
+                drawn, log_eta = self._sample_tail(query, scores > -math.inf, index, samples, state)
                 index = torch.cat([index, drawn], dim=-1)
-                log_weight = torch.cat([log_weight, log_eta.expand_as(drawn)], dim=-1)
+                log_weight = torch.cat([log_weight, log_eta], dim=-1)
         if causal:
             own = torch.arange(n - T, n, device=query.device)[:, None]  # query t sits at position n − T + t
             index = index.masked_fill(index > own, -1)
         return Selection(index, log_weight)
+
+    def _allocation_inputs(self, query: Tensor, state: PipelineState, scores: Tensor,
+                           budget: Tensor) -> AllocationInput:
+        """Step 4: cluster statistics z̄_b = s·q·k̄_b and σ̂_b² = s²Σ_d q_d² Var_b(k_d), with what else allocators see."""
+        B, Hq, T, D = query.shape
+        Hkv = state.keys.shape[1]
+        q = query.float().reshape(B, Hkv, Hq // Hkv, T, D)
+        key_mean, key_var = state.cluster_moments()
+        return AllocationInput(
+            mean_logit=state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
+            logit_var=state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var),
+            counts=state.pooled.count, scores=scores, assignment=state.pooled.assignment, budget=budget)
 
     def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
         """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""
@@ -318,24 +338,37 @@ class Pipeline:
         clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
         return scores.masked_fill(~clustered, -math.inf)
 
-    def _sample_tail(self, clusterable: Tensor, index: Tensor, samples: Tensor, state: PipelineState):
-        """m_b uniform samples (``samples`` ``[B, Hkv, 1, 1]``) without replacement from the unread clusterable rows,
-        each weighted η = N_T/m."""
+    def _sample_tail(self, query: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor,
+                     state: PipelineState) -> tuple[Tensor, Tensor]:
+        """m uniform draws without replacement (``samples`` ``[B, Hkv, 1, 1]``) from the unread clusterable rows of
+        the selector's sampling pool, each weighted ln η_i = ln(|pool|/m) − ln p_i (p_i = 1 for uniform sampling:
+        η = N_T/m). → (positions, log weights), both ``[B, Hkv, Gs, T, m]``, -1 padded."""
         n = state.num_tokens
         unread = torch.cat([clusterable, clusterable.new_zeros(*clusterable.shape[:-1], 1)], dim=-1)
         unread.scatter_(-1, index.masked_fill(index < 0, n), False)  # padding goes to the spare column n
-        unread = unread[..., :n]
+        pool = unread[..., :n]
+        log_p = self.selector.sample_pool(query, state.index, state.keys, state.scale)
+        if log_p is not None:
+            log_p = log_p.view(*pool.shape[:2], -1, *pool.shape[3:])  # [B, Hkv, g, T, N]
+            pool = pool & (log_p > -math.inf)
         # A stream of its own per (seed, context length): clustering uses `seed` itself, and each decode step
-        # resamples. Hashed to 32 bits, since the CPU generator ignores higher seed bits.
-        stream = hashlib.sha256(f"tail-sample:{self.spec.seed}:{n}".encode()).digest()
-        generator = torch.Generator(device=index.device).manual_seed(int.from_bytes(stream[:4], "little"))
-        noise = torch.rand(unread.shape, generator=generator, device=index.device).masked_fill(~unread, -1.0)
+        # resamples.
+        generator = torch.Generator(device=index.device).manual_seed(_stream(f"tail-sample:{self.spec.seed}:{n}"))
+        noise = torch.rand(pool.shape, generator=generator, device=index.device).masked_fill(~pool, -1.0)
         noise, drawn = noise.topk(int(samples.max()), dim=-1)
         rank = torch.arange(drawn.shape[-1], device=index.device)
         drawn = drawn.masked_fill((noise < 0) | (rank >= samples[..., None]), -1)
-        tail = unread.sum(-1, keepdim=True).float()
+        size = pool.sum(-1, keepdim=True).float()
         taken = (drawn >= 0).sum(-1, keepdim=True).clamp_min(1).float()
-        return drawn, torch.log(tail / taken)
+        log_eta = torch.log(size / taken).expand(drawn.shape)
+        if log_p is not None:
+            log_eta = log_eta - log_p.gather(-1, drawn.clamp_min(0))
+        return drawn, log_eta.masked_fill(drawn < 0, 0.0)
+
+
+def _stream(label: str) -> int:
+    """A 32-bit seed of its own for each use of the spec's seed (the CPU generator ignores higher seed bits)."""
+    return int.from_bytes(hashlib.sha256(label.encode()).digest()[:4], "little")
 
 
 def _check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:

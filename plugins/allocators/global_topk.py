@@ -22,7 +22,8 @@ class GlobalTopK(Allocator):
         scores = inputs.scores
         num_clusters = inputs.counts.shape[-1]
         width = min(int(inputs.budget.max()), scores.shape[-1])
-        top_scores, top = scores.topk(width, dim=-1)
+        # A stable sort, not topk: tied scores (a Quest page) go to the earliest positions, on every device.
+        top_scores, top = (t[..., :width] for t in scores.sort(dim=-1, descending=True, stable=True))
         assignment = inputs.assignment[:, :, None, None, :].expand_as(scores)
         beyond = torch.arange(width, device=scores.device) >= inputs.budget[..., None]  # a row's own budget
         clusters = assignment.gather(-1, top).masked_fill((top_scores == float("-inf")) | beyond, num_clusters)

@@ -45,7 +45,8 @@ class QuerySubspaceSelector(Selector):
     name = "qgs"
     Config = QGSConfig
 
-    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters) -> QGSIndex:
+    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
+              generator: torch.Generator | None = None) -> QGSIndex:
         rank = self.config.rank
         if clusters.basis is not None and clusters.basis.shape[-1] >= rank:
             basis = clusters.basis[..., :rank]

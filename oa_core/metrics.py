@@ -1,0 +1,144 @@
+"""Diagnostics of one attend call beyond the output error (BENCHMARKS.md, Metrics; DESIGN.md §1).
+
+- ``estimator_weights``: the estimator's unnormalised per-token weights ŵ_i (exact and sampled rows e^{z_i}·η_i, a
+  proxy's tail tokens g_T = e^{s·q·k̄_T}, discarded or unsampled tokens 0) beside the true w_i = e^{z_i}; the output
+  is Σŵ_i v_i / Σŵ_i, and E = Σ|ŵ_i − w_i| / Σw_i is the weight discrepancy of the paper's Eq. 2.
+- ``topk_recall``: the share of the true top-k logits of the clusterable region that the selector ranks within its
+  E_sel best scores (paper Table 2: top-32 recall at a read fraction).
+- ``errorgate_spearman``: rank agreement of ErrorGate's per-cluster estimate ε̂_b (Eq. 6, diagonal variance) with
+  the true discrepancy of each cluster's proxy, ε_b = Σ_{i∈b} |w_i − e^{z̄_b}|, and with the same estimate from the
+  full covariance (the paper's 0.92).
+
+Every function takes a pipeline, the state its ``prepare`` returned and decode queries ``[B, Hq, T, D]`` that see
+the whole cache, and returns per (batch row, query head, query) values ``[B, Hq, T]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from oa_core.pipeline import Pipeline, PipelineState
+
+
+def _logits(query: Tensor, state: PipelineState) -> Tensor:
+    """s·q·k over every row, float64 ``[B, Hkv, g, T, N]``; padding -inf."""
+    B, Hq, T, D = query.shape
+    Hkv = state.keys.shape[1]
+    q = query.double().reshape(B, Hkv, Hq // Hkv, T, D)
+    logits = state.scale * torch.einsum("bhgtd,bhnd->bhgtn", q, state.keys.double())
+    return logits.masked_fill(~state.valid[:, None, None, None, :], -math.inf)
+
+
+def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tuple[Tensor, Tensor]:
+    """(ŵ, w), float64 ``[B, Hkv, g, T, N]``, both relative to e^{max z} per query."""
+    logits = _logits(query, state)
+    top = logits.amax(-1, keepdim=True)
+    w = torch.exp(logits - top)
+    if state.clusters is None and bool(state.valid.all()):
+        return w.clone(), w
+    selection = pipe._select(query, state, causal=False)
+    B, Hkv, g, T, N = w.shape
+    index = selection.index.clamp_min(0).expand(B, Hkv, g, T, -1)
+    valid = selection.valid.expand_as(index)
+    read = torch.exp(logits.gather(-1, index) - top + selection.log_weight.double()).masked_fill(~valid, 0)
+    w_hat = torch.zeros_like(w).scatter_add_(-1, index, read)
+    if pipe.spec.tail != "proxy" or state.clusters is None:
+        return w_hat, w
+
+    # Proxies: the pooled sums minus the rows read, the reference kernel's way.
+    C = state.num_clusters
+    assignment = state.pooled.assignment  # [B, Hkv, N]
+    cluster = assignment.gather(-1, index.reshape(B, Hkv, -1)).view_as(index).masked_fill(~valid, C)
+    read_count = torch.zeros(B, Hkv, g, T, C + 1, dtype=torch.float64).scatter_add_(-1, cluster,
+                                                                                     valid.double())
+    rows = index.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, state.keys.shape[-1])
+    keys_read = state.keys.double().gather(2, rows).view(*index.shape, -1) * valid.unsqueeze(-1)
+    read_key = torch.zeros(B, Hkv, g, T, C + 1, keys_read.shape[-1], dtype=torch.float64)
+    read_key.scatter_add_(-2, cluster.unsqueeze(-1).expand_as(keys_read), keys_read)
+    tail_count = state.pooled.count.double()[:, :, None, None] - read_count[..., :C]
+    tail_key = (state.pooled.key_sum.double()[:, :, None, None] - read_key[..., :C, :]) / tail_count.clamp_min(
+        1).unsqueeze(-1)
+    q = query.double().reshape(B, Hkv, g, T, -1)
+    per_token = torch.exp(state.scale * torch.einsum("bhgtd,bhgtcd->bhgtc", q, tail_key) - top)  # g_T per cluster
+    per_token = torch.cat([per_token, torch.zeros_like(per_token[..., :1])], -1)  # slot C: not in a cluster
+    tokens = per_token.gather(-1, assignment[:, :, None, None, :].expand(B, Hkv, g, T, N))
+    was_read = torch.zeros_like(w).scatter_add_(-1, index, valid.double()) > 0
+    unread = ~was_read & (assignment < C)[:, :, None, None, :]
+    return torch.where(unread, tokens, w_hat), w
+
+
+def weight_discrepancy(pipe: Pipeline, state: PipelineState, query: Tensor) -> Tensor:
+    """E = Σ_i |ŵ_i − w_i| / Σ_i w_i, ``[B, Hq, T]``."""
+    w_hat, w = estimator_weights(pipe, state, query)
+    return ((w_hat - w).abs().sum(-1) / w.sum(-1)).flatten(1, 2)
+
+
+def topk_recall(pipe: Pipeline, state: PipelineState, query: Tensor, k: int = 32) -> Tensor | None:
+    """Share of the true top-``k`` logits of the clusterable region that the selector ranks within its E_sel best
+    scores (E_sel = budget − sink − local of each row), ``[B, Hq, T]``; None when every row is dense."""
+    if state.clusters is None:
+        return None
+    scores = pipe._scores(query, state)  # [B, Hkv, Gs, T, N], -inf outside the clusters
+    logits = _logits(query, state)
+    clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
+    truth = logits.masked_fill(~clustered, -math.inf).topk(min(k, logits.shape[-1]), dim=-1).indices
+    exact = state.exact_rows().sum(-1)  # [B, Hkv]
+    budget = (pipe.spec.budget.rows(state.valid.sum(-1))[:, None] - exact).clamp_min(0)
+    ranked = scores.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(ranked).scatter_(-1, ranked, torch.arange(ranked.shape[-1]).expand_as(ranked))
+    chosen = rank < budget[:, :, None, None, None]
+    hit = chosen.expand(*logits.shape).gather(-1, truth)
+    return hit.double().mean(-1).flatten(1, 2)
+
+
+def _ranks(values: Tensor) -> Tensor:
+    return values.argsort(dim=-1, stable=True).argsort(dim=-1).double()
+
+
+def _masked_correlation(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
+    n = mask.sum(-1, keepdim=True).clamp_min(1)
+    a = a - (a * mask).sum(-1, keepdim=True) / n
+    b = b - (b * mask).sum(-1, keepdim=True) / n
+    return (a * b * mask).sum(-1) / ((a * a * mask).sum(-1) * (b * b * mask).sum(-1)).sqrt().clamp_min(1e-300)
+
+
+def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(Spearman of ε̂_b with the true ε_b, Spearman of ε̂_b with the full-covariance ε̂_b), each ``[B, Hq, T]``,
+    over the non-empty clusters of the state's clustering; None when every row is dense."""
+    from oa_plugins.allocators.errorgate import log_error_estimate
+
+    if state.clusters is None:
+        return None
+    B, Hq, T, D = query.shape
+    Hkv, C = state.keys.shape[1], state.num_clusters
+    g = Hq // Hkv
+    logits = _logits(query, state)
+    top = logits.amax(-1, keepdim=True)
+    q = query.double().reshape(B, Hkv, g, T, D)
+    mean, var = (m.double() for m in state.cluster_moments())
+    counts = state.pooled.count.double()[:, :, None, None]
+    mean_logit = state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean)
+    estimate, _ = log_error_estimate(mean_logit, state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, var),
+                                     counts)
+
+    assignment = state.pooled.assignment[:, :, None, None, :].expand(*logits.shape)
+    proxy = torch.cat([torch.exp(mean_logit - top), torch.zeros_like(top)], -1).gather(-1, assignment)
+    gap = (torch.exp(logits - top) - proxy).abs().masked_fill(assignment == C, 0).nan_to_num()
+    truth = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64).scatter_add_(-1, assignment, gap)[..., :C]
+
+    # The full covariance's σ_b² = s²·qᵀΣ_b q is the variance of the logits inside the cluster: taken from them.
+    spare = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64)
+    z = logits.masked_fill(assignment == C, 0)
+    sums = spare.scatter_add(-1, assignment, z)[..., :C] / counts.clamp_min(1)
+    squares = spare.scatter_add(-1, assignment, z * z)[..., :C] / counts.clamp_min(1)
+    full, _ = log_error_estimate(mean_logit, (squares - sums * sums).clamp_min(0), counts)
+
+    nonempty = (counts > 0).expand_as(truth).double()
+    low = torch.finfo(torch.float64).min
+    ranked = [_ranks(x.nan_to_num(nan=low, neginf=low).masked_fill(nonempty == 0, low))
+              for x in (estimate, truth, full)]
+    return (_masked_correlation(ranked[0], ranked[1], nonempty).flatten(1, 2),
+            _masked_correlation(ranked[0], ranked[2], nonempty).flatten(1, 2))
