@@ -1,4 +1,5 @@
 import pytest
+import torch
 import yaml
 
 import oa_core as oa
@@ -19,7 +20,11 @@ def test_dict_yaml_and_model_are_equivalent(tmp_path):
 def test_defaults_are_the_paper_pipeline():
     pipe = oa.build({})
     assert (pipe.clusterer.name, pipe.selector.name, pipe.allocator.name) == ("qgc", "qgs", "errorgate")
-    assert pipe.spec.kernel.name == "auto" and pipe.kernel.name == "torch"  # no flash kernel yet
+    # auto: flash on CUDA, the torch reference elsewhere, with the reason.
+    expected = "flash" if torch.cuda.is_available() else "torch"
+    assert pipe.spec.kernel.name == "auto" and pipe.kernel.name == expected
+    assert pipe.kernel_note == ("auto: flash (CUDA available)" if expected == "flash"
+                                else "auto: torch reference (no CUDA device)")
     assert pipe.spec.tail == "proxy"
 
 

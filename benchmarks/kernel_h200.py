@@ -1,0 +1,206 @@
+"""Decode-attention speed on the GPU: the whole sparse stage against dense SDPA (BENCHMARKS.md, GPU).
+
+Shapes of Llama-3.1-8B decode (32 query / 8 KV heads, head dim 128, bf16, one query per row), batch × context ×
+density. Per configuration, timed with ``triton.testing.do_bench`` (median) in one run:
+- dense: ``scaled_dot_product_attention(..., enable_gqa=True)`` over the whole cache;
+- the sparse stage's parts, each the pipeline's own code: scores (selector), allocation (cluster statistics and the
+  allocator), selection (per-cluster top-q), kernel (flash); and ``attend`` end to end;
+- bytes: what dense reads (K and V), what the sparse stage must read at least (exact rows, int8 codes, a 1-byte
+  cluster id per token, pooled sums) and the floor time of those bytes at the bandwidth dense reached in this run.
+Also prepare (clustering + index) per layer against the layer's dense causal prefill attention.
+
+Correctness first: at every shape flash is checked against the torch reference (relative error) on a fresh,
+NaN-poisoned output. Writes benchmarks/results/kernel_h200.json and prints a table.
+
+    python benchmarks/kernel_h200.py                                # the full grid (on the device)
+    python benchmarks/kernel_h200.py --batch 32 --context 32768 --density 0.01 0.03
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import oa_core as oa
+from oa_core.pipeline import Pipeline
+from oa_plugins.kernels.reference import TorchKernel
+
+HQ, HKV, D = 32, 8, 128
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    parser.add_argument("--density", type=float, nargs="+", default=[0.1, 0.05, 0.03, 0.01])
+    parser.add_argument("--gqa", nargs="+", default=["shared"], choices=["shared", "per_head"])
+    parser.add_argument("--clusters", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_h200.json"))
+    return parser.parse_args(argv)
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median"))
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph → its replay: GPU time without the host's launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def sparse_bytes(batch: int, context: int, rows: int, clusters: int, rank: int) -> int:
+    """The least the sparse stage reads per step: exact K and V rows (bf16), int8 codes + a float32 scale and a
+    one-byte cluster id per token, pooled Σk, Σv, Σk⊙k (float32) and counts per cluster; per KV head."""
+    per_head = rows * D * 2 * 2 + context * (rank + 4 + 1) + clusters * (3 * D + 1) * 4
+    return batch * HKV * per_head
+
+
+def run_config(pipe_for, state, query, density, dense_ms, dense_bandwidth, batch, context, gqa):
+    pipe: Pipeline = pipe_for(density)
+    state = dataclasses.replace(state, pipeline=pipe)
+    rows = pipe.spec.budget.rows(context)
+
+    # Correctness on this shape: flash against the reference, output poisoned first.
+    selection = pipe._select(query, state, causal=False)
+    reference, _ = TorchKernel().attend(query.float(), state.keys.float(), state.values.float(), selection,
+                                        state.pooled, state.scale)
+    pipe.kernel.poison = True  # every buffer NaN first: the output must be fully written
+    out, _ = pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled, state.scale)
+    pipe.kernel.poison = False
+    out_full = pipe.attend(query, state)
+    error = float((out.float() - reference).norm() / reference.norm())
+    finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(out_full).all())
+
+    scores = pipe._scores(query, state)
+    exact = state.exact_rows().sum(-1)
+    selectable = (rows - exact).clamp_min(0)[:, :, None, None]
+    inputs = pipe._allocation_inputs(query, state, scores, selectable)
+    quotas = pipe.allocator.allocate(inputs)
+    times = {
+        "scores_ms": bench(lambda: pipe._scores(query, state)),
+        "allocation_ms": bench(lambda: pipe.allocator.allocate(pipe._allocation_inputs(query, state, scores,
+                                                                                       selectable))),
+        "selection_ms": bench(lambda: pipe.selector.select(scores, inputs.assignment, quotas)),
+        "kernel_ms": bench(lambda: pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled,
+                                                      state.scale)),
+        "attend_ms": bench(lambda: pipe.attend(query, state)),
+        "kernel_graph_ms": bench(graphed(lambda: pipe.kernel.attend(query, state.keys, state.values, selection,
+                                                                    state.pooled, state.scale))),
+    }
+    floor_bytes = sparse_bytes(batch, context, rows, state.num_clusters, 16)
+    floor_ms = floor_bytes / dense_bandwidth * 1e3
+    return {
+        "batch": batch, "context": context, "density": density, "gqa": gqa, "rows": rows,
+        "flash_vs_reference_rel_error": error, "finite": finite,
+        **{k: round(v, 4) for k, v in times.items()},
+        "dense_ms": round(dense_ms, 4),
+        "speedup_attend": dense_ms / times["attend_ms"],
+        "speedup_kernel_only": dense_ms / times["kernel_ms"],
+        "speedup_kernel_graph": dense_ms / times["kernel_graph_ms"],
+        "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 4),
+        "attend_over_floor": times["attend_ms"] / floor_ms,
+        "kernel_note": pipe.kernel.note,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    results, prepare = [], []
+    for batch in args.batch:
+        for context in args.context:
+            gen = torch.Generator(device=device).manual_seed(0)
+            keys = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
+            values = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
+            prefill = torch.randn(batch, HQ, 256, D, device=device, generator=gen, dtype=torch.bfloat16)
+            # A decode query near some keys, so that attention is peaked as in a real model.
+            query = (keys[:, torch.arange(HQ, device=device) // (HQ // HKV), -7] * 1.5).unsqueeze(2).contiguous()
+            dense = lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
+            dense_ms = bench(dense)
+            dense_graph_ms = bench(graphed(dense))
+            dense_bytes = 2 * keys.numel() * keys.element_size()
+            bandwidth = dense_bytes / (dense_ms * 1e-3)
+            for gqa in args.gqa:
+                base = {"clusterer": {"name": "qgc", "num_clusters": args.clusters}, "kernel": "flash", "gqa": gqa,
+                        "budget": {"density": args.density[0]}}
+                first = oa.build(base)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                state = first.prepare(keys, values, prefill)
+                torch.cuda.synchronize()
+                prepare_ms = (time.perf_counter() - start) * 1e3
+
+                def pipe_for(density, first=first, base=base):
+                    spec = first.spec.model_copy(update={"budget": oa.Budget(density=density)})
+                    return Pipeline(spec, first.clusterer, first.selector, first.allocator, first.kernel,
+                                    first.kernel_note)
+
+                for density in args.density:
+                    row = run_config(pipe_for, state, query, density, dense_ms, bandwidth, batch, context, gqa)
+                    row.update(dense_bandwidth_TBps=round(bandwidth / 1e12, 3), dense_graph_ms=round(dense_graph_ms, 4))
+                    results.append(row)
+                    print(f"B={batch:>2} N={context:>6} {gqa:8s} {density:>5.0%}: attend {row['attend_ms']:.3f} ms "
+                          f"(scores {row['scores_ms']:.3f}, alloc {row['allocation_ms']:.3f}, select "
+                          f"{row['selection_ms']:.3f}, kernel {row['kernel_ms']:.3f}) dense {dense_ms:.3f} ms → "
+                          f"{row['speedup_attend']:.2f}× (kernel alone {row['speedup_kernel_only']:.1f}×, "
+                          f"in a CUDA graph {row['kernel_graph_ms']:.3f} ms = {row['speedup_kernel_graph']:.1f}×), floor "
+                          f"{row['floor_ms']:.3f} ms, err {row['flash_vs_reference_rel_error']:.1e}", flush=True)
+                if batch == 1 and gqa == args.gqa[0]:
+                    q_prefill = torch.randn(1, HQ, context, D, device=device, dtype=torch.bfloat16)
+                    causal_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q_prefill, keys, values, is_causal=True, enable_gqa=True))
+                    prepare.append({"context": context, "prepare_ms_first_call": round(prepare_ms, 3),
+                                    "prepare_ms": round(bench(lambda: first.prepare(keys, values, prefill)), 3),
+                                    "dense_prefill_attention_ms": round(causal_ms, 3)})
+                    print(f"prepare at N={context}: {prepare[-1]}", flush=True)
+                del state
+            del keys, values
+            torch.cuda.empty_cache()
+            write(args, results, prepare)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def write(args, results, prepare) -> None:
+    """The record so far (written after every batch × context, so that a run cut short keeps what it measured)."""
+    import triton
+
+    record = {
+        "benchmark": "kernel_h200",
+        "shapes": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "decode_queries": 1},
+        "data": "random bf16 keys/values/prefill queries (seed 0); each query is 1.5× one of its KV head's keys",
+        "clusters": args.clusters,
+        "results": results,
+        "prepare": prepare,
+        "machine": {"gpu": torch.cuda.get_device_name(), "python": platform.python_version(),
+                    "torch": torch.__version__, "triton": triton.__version__, "openattention": oa.__version__},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

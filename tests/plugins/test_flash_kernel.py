@@ -1,0 +1,112 @@
+"""OpenAttention.flash against the torch reference, under the Triton interpreter on the CPU (issue: flash kernel).
+
+Each case builds a real selection and real pooled sums with the pipeline, then feeds the same inputs to both
+kernels. Shapes are small: the interpreter runs every program in Python.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import oa_core as oa  # noqa: E402
+from conftest import make_inputs  # noqa: E402  (conftest sets TRITON_INTERPRET=1 before any kernel is defined)
+from oa_core.components import Selection  # noqa: E402
+from oa_plugins.kernels import flash  # noqa: E402
+from oa_plugins.kernels.flash import FlashKernel  # noqa: E402
+from oa_plugins.kernels.reference import TorchKernel  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the CPU run of the Triton kernels needs TRITON_INTERPRET=1 from the start")
+
+
+def _case(tokens=203, batch=2, kv_heads=2, group=3, dim=32, queries=2, gqa="per_head", tail="proxy", density=0.15,
+          clusters=8, dtype=torch.float32, seed=0):
+    keys, values, prefill, decode = make_inputs(batch=batch, kv_heads=kv_heads, group=group, tokens=tokens, dim=dim,
+                                                queries=queries, seed=seed)
+    pipe = oa.build({"kernel": "torch", "gqa": gqa, "tail": tail, "sink": 4, "local": 16, "seed": seed,
+                     "budget": {"density": density}, "clusterer": {"name": "qgc", "num_clusters": clusters}})
+    state = pipe.prepare(keys, values, prefill)
+    selection = pipe._select(decode, state, False)
+    proxies = state.pooled if tail == "proxy" else None
+    cast = [t.to(dtype) for t in (decode, keys, values)]
+    return (*cast, selection, proxies, 1 / math.sqrt(dim))
+
+
+def _compare(case, tolerance):
+    query, keys, values, selection, proxies, scale = case
+    reference, used_ref = TorchKernel().attend(query, keys, values, selection, proxies, scale)
+    kernel = FlashKernel()
+    kernel.poison = True  # NaN in every buffer first: a value the kernels do not write shows up
+    out, used = kernel.attend(query, keys, values, selection, proxies, scale)
+    assert kernel.note.startswith("triton")
+    assert out.dtype == query.dtype and out.shape == query.shape and bool(torch.isfinite(out).all())
+    error = float((out.double() - reference.double()).norm() / reference.double().norm())
+    assert error < tolerance, error
+    if proxies is not None:
+        assert torch.equal(used.long(), used_ref.long())
+    return error
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+@pytest.mark.parametrize("tail", ["proxy", "discard", "sample"])
+def test_flash_matches_the_reference_fp32(gqa, tail):
+    _compare(_case(gqa=gqa, tail=tail), 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_matches_the_reference_half(dtype):
+    _compare(_case(dtype=dtype, gqa="shared"), 1e-2)
+
+
+def test_ragged_clusters_and_clusters_read_in_full():
+    # 40% of a short context with many small clusters: most clusters are read in full (no proxy), the rest ragged.
+    query, keys, values, selection, proxies, scale = _case(tokens=90, density=0.6, clusters=12, seed=3)
+    counts = proxies.count
+    assert counts.max() > 2 * counts.min()  # ragged sizes
+    error = _compare((query, keys, values, selection, proxies, scale), 1e-4)
+    _, used = TorchKernel().attend(query, keys, values, selection, proxies, scale)
+    assert int(used.min()) < proxies.count.shape[-1]  # some cluster had no tail left
+    assert error < 1e-4
+
+
+def test_empty_selection_rows_and_padding():
+    query, keys, values, selection, proxies, scale = _case(tokens=150, seed=4)
+    index = selection.index.clone()
+    # One selection row keeps only its first row: the rest is padding (-1), as in a short or causal row.
+    index[0, 0, 0, 0, 1:] = -1
+    # A whole block of padding at the end of every row: K beyond a multiple of the block size.
+    pad = torch.full((*index.shape[:-1], 70), -1)
+    selection = Selection(torch.cat([index, pad], -1), torch.cat([selection.log_weight, pad.float() * 0], -1))
+    _compare((query, keys, values, selection, proxies, scale), 1e-4)
+
+
+@pytest.mark.parametrize("tokens", [97, 130])
+def test_lengths_not_a_multiple_of_the_block(tokens):
+    assert tokens % FlashKernel.block_k
+    _compare(_case(tokens=tokens, density=0.5, batch=3, kv_heads=1, group=4, seed=5), 1e-4)
+
+
+def test_dense_attend_and_fallback_reason(monkeypatch):
+    query, keys, values, _, _, scale = _case()
+    kernel = FlashKernel()
+    dense, _ = kernel.attend(query, keys, values, None, None, scale)
+    reference, _ = TorchKernel().attend(query, keys, values, None, None, scale)
+    assert torch.allclose(dense, reference, atol=1e-5)
+    monkeypatch.setattr(flash, "_interpreting", lambda: False)
+    out, _ = kernel.attend(query, keys, values, None, None, scale)
+    assert kernel.note.startswith("torch reference: no CUDA device")
+    assert torch.equal(out, reference)
+
+
+def test_pipeline_with_flash_reports_the_kernel():
+    keys, values, prefill, decode = make_inputs(batch=2, kv_heads=2, group=2, tokens=160, seed=6)
+    spec = {"sink": 4, "local": 16, "budget": {"density": 0.2}, "clusterer": {"name": "qgc", "num_clusters": 8}}
+    flash_pipe, torch_pipe = oa.build({**spec, "kernel": "flash"}), oa.build({**spec, "kernel": "torch"})
+    out, stats = flash_pipe.attend(decode, flash_pipe.prepare(keys, values, prefill), return_stats=True)
+    ref = torch_pipe.attend(decode, torch_pipe.prepare(keys, values, prefill))
+    assert "flash" in stats.kernel and "triton" in stats.kernel
+    assert float((out - ref).norm() / ref.norm()) < 1e-4
