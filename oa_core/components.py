@@ -72,6 +72,7 @@ class AllocationInput:
     ``scores``: ``[B, Hkv, Gs, T, N]`` selector scores, -inf outside the clusterable region.
     ``assignment``: ``[B, Hkv, N]`` cluster id per position, ``C`` outside the clusterable region.
     ``budget``: E_sel, exact rows to spread over the clusters, ``[B, Hkv, 1, 1]`` (rows of a batch may differ).
+    ``width``: an upper bound of ``budget`` known on the host (None: read it from ``budget``, a device sync).
     """
 
     mean_logit: Tensor
@@ -80,6 +81,7 @@ class AllocationInput:
     scores: Tensor
     assignment: Tensor
     budget: Tensor
+    width: int | None = None
 
     @property
     def shared(self) -> bool:
@@ -122,12 +124,21 @@ class Selector(Component):
         (Horvitz–Thompson), so the estimate stays unbiased when the pool is itself random (LSH candidates)."""
         return None
 
-    def select(self, scores: Tensor, assignment: Tensor, quotas: Tensor) -> Tensor:
+    def select(self, scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None,
+               members: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Per-cluster top-q_b by score.
 
         scores ``[B, Hkv, Gs, T, N]`` (-inf outside R), assignment ``[B, Hkv, N]`` (C outside R), quotas
-        ``[..., C]`` → positions ``[B, Hkv, Gs, T, K]`` with K = max Σ_b q_b, padded with -1.
+        ``[..., C]`` → positions ``[B, Hkv, Gs, T, K]``, padded with -1; K = ``width`` (a bound on Σ_b q_b known on
+        the host, so that nothing waits on the device), or the largest Σ_b q_b when None. ``members``: the clusters'
+        positions and sizes (``oa_core.selection.cluster_members``); with them and a width, CUDA tensors are
+        selected by a Triton kernel that reads each cluster's scores instead of sorting the row (same set).
         """
+        if members is not None and width is not None and scores.is_cuda:
+            from oa_core.selection import select_per_cluster, triton
+
+            if triton is not None:
+                return select_per_cluster(scores, *members, quotas, width)
         num_tokens = scores.shape[-1]
         num_clusters = quotas.shape[-1]
         # Order positions by score, then (stably) by cluster: each cluster's tokens become one run, best first.
@@ -141,13 +152,16 @@ class Selector(Component):
         starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
         rank = torch.arange(num_tokens, device=scores.device) - starts.gather(-1, cluster)
         quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1).gather(-1, cluster)
-        taken = positions(rank < quota)
+        taken = positions(rank < quota, width)
         return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
-def positions(mask: Tensor) -> Tensor:
-    """``[..., N]`` bool → the True positions in order ``[..., K]``, K the largest count, padded with -1."""
-    width = int(mask.sum(-1).max()) if mask.numel() else 0
+def positions(mask: Tensor, width: int | None = None) -> Tensor:
+    """``[..., N]`` bool → the True positions in order ``[..., K]``, padded with -1; K = ``width`` (at least every
+    row's count) or, when None, the largest count."""
+    if width is None:
+        width = int(mask.sum(-1).max()) if mask.numel() else 0
+    width = min(width, mask.shape[-1])
     order = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
     return order.masked_fill(~mask.gather(-1, order), -1)
 

@@ -83,6 +83,23 @@ class AttendStats:
 
 
 @dataclass
+class ReadPlan:
+    """Host-side facts of one cache state (``PipelineState.plan``): ``fixed`` ``[B, Hkv, F]`` positions read exactly
+    at every step (-1 padded); ``selectable`` ``[B, Hkv, 1, 1]`` rows left for the selector and tail samples;
+    ``max_selectable`` its maximum; ``all_dense``: every row reads its whole context; ``padded``: some position is
+    padding; ``unclustered`` ``[B, Hkv, 1, 1, N]``: positions outside every cluster; ``members``: the clusters'
+    positions and sizes for the GPU's per-cluster selection (CUDA caches only)."""
+
+    fixed: Tensor
+    selectable: Tensor
+    max_selectable: int
+    all_dense: bool
+    padded: bool
+    unclustered: Tensor | None = None
+    members: tuple[Tensor, Tensor] | None = None
+
+
+@dataclass
 class PipelineState:
     """One layer's per-request state: the cache, its clusters with pooled sums, and the selector's index.
 
@@ -103,6 +120,7 @@ class PipelineState:
     index: Any = None
     clustered_end: int = 0
     _moments: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    _plan: ReadPlan | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +134,28 @@ class PipelineState:
         """``[B, Hkv, N]``: the valid positions read exactly at every step (sink, local window, dense rows)."""
         fixed = self.valid[:, None, :].expand(*self.keys.shape[:3])
         return fixed if self.clusters is None else fixed & (self.pooled.assignment == self.num_clusters)
+
+    def plan(self) -> ReadPlan:
+        """What every attend on this cache reads regardless of the query; computed once per prepare/append, so that an
+        attend itself never waits on the device (and can run inside a CUDA graph)."""
+        if self._plan is None:
+            fixed = self.exact_rows()
+            lengths = self.valid.sum(-1)
+            selectable = torch.zeros_like(fixed[..., 0], dtype=torch.long)
+            if self.clusters is not None:
+                selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed.sum(-1)).clamp_min(0)
+                selectable = selectable.masked_fill(self.dense_rows[:, None], 0)
+            members = None
+            if self.clusters is not None and self.keys.is_cuda:  # for the GPU's per-cluster selection
+                from oa_core.selection import cluster_members
+
+                members = cluster_members(self.pooled.assignment, self.num_clusters)
+            self._plan = ReadPlan(fixed=positions(fixed), selectable=selectable[:, :, None, None],
+                                  max_selectable=int(selectable.max()), all_dense=bool(self.dense_rows.all()),
+                                  padded=not bool(self.valid.all()), members=members,
+                                  unclustered=None if self.clusters is None else
+                                  (self.pooled.assignment == self.num_clusters)[:, :, None, None, :])
+        return self._plan
 
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
@@ -137,6 +177,7 @@ class PipelineState:
         self.keys = torch.cat([self.keys, keys], dim=2)
         self.values = torch.cat([self.values, values], dim=2)
         self.valid = torch.cat([self.valid, self.valid.new_ones(keys.shape[0], keys.shape[2])], dim=1)
+        self._plan = None
         if self.clusters is None:
             return
         pipe = self.pipeline
@@ -242,23 +283,26 @@ class Pipeline:
 
     # -- per decode query -------------------------------------------------------------------------------------
 
-    def attend(self, query: Tensor, state: PipelineState, return_stats: bool = False, causal: bool = False):
+    def attend(self, query: Tensor, state: PipelineState, return_stats: bool = False, causal: bool = False,
+               check_finite: bool = True):
         """query ``[B, Hq, T, D]`` → output ``[B, Hq, T, D]`` (and AttendStats when ``return_stats``).
 
         Without ``causal`` every one of the T queries sees all N cached rows. With ``causal`` the queries are the
         cache's last T positions (already appended) and query t sees positions up to its own; T must fit the local
-        window, so that rows a query must not see are never inside a cluster's proxy.
+        window, so that rows a query must not see are never inside a cluster's proxy. ``check_finite``: reject a
+        query holding NaN/Inf (the one check that waits on the device; turn it off to capture attend in a CUDA
+        graph). Without it and without stats, attend never waits on the device.
         """
         if not isinstance(state, PipelineState) or state.pipeline is not self:
             raise ValueError("state: pass the PipelineState this pipeline's prepare() returned")
-        _check_query(query, state.keys, "query")
+        _check_query(query, state.keys, "query", check_finite)
         T, n = query.shape[2], state.num_tokens
         if causal and T > max(self.spec.local, 1) and state.clusters is not None:
             raise ValueError(f"query: {T} causal queries do not fit the local window of {self.spec.local}; "
                              "attend them in blocks of at most local tokens")
-        lengths = state.valid.sum(-1)
-        dense = bool(state.dense_rows.all())
-        if dense and not causal and bool(state.valid.all()):
+        plan = state.plan()
+        dense = plan.all_dense
+        if dense and not causal and not plan.padded:
             out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
             reads = torch.full((*state.keys.shape[:2], 1, T), n, device=query.device)
         else:
@@ -268,6 +312,7 @@ class Pipeline:
             reads = selection.valid.sum(-1)
         if not return_stats:
             return out
+        lengths = state.valid.sum(-1)
         density = float((reads.double() / lengths.view(-1, 1, 1, 1)).mean())
         stats = AttendStats(density=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
                             reason=self._reason(state, lengths), kernel=self._kernel_description())
@@ -295,20 +340,21 @@ class Pipeline:
         Hkv, n = state.keys.shape[1], state.num_tokens
         g = Hq // Hkv
         Gs = 1 if spec.gqa == "shared" else g
-        fixed = state.exact_rows()
-        index = positions(fixed)[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
+        plan = state.plan()
+        index = plan.fixed[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
         log_weight = torch.zeros(index.shape, device=query.device)
         if state.clusters is not None:
-            selectable = (self.spec.budget.rows(state.valid.sum(-1))[:, None] - fixed.sum(-1)).clamp_min(0)
-            selectable = selectable.masked_fill(state.dense_rows[:, None], 0)[:, :, None, None]  # [B, Hkv, 1, 1]
-            samples = (spec.tail_samples * selectable).round().long() if spec.tail == "sample" else 0 * selectable
+            sampling = spec.tail == "sample"
+            samples = (spec.tail_samples * plan.selectable).round().long() if sampling else 0 * plan.selectable
             scores = self._scores(query, state)
-            inputs = self._allocation_inputs(query, state, scores, selectable - samples)
-            chosen = self.selector.select(scores, inputs.assignment, self.allocator.allocate(inputs))
+            inputs = self._allocation_inputs(query, state, scores, plan.selectable - samples, plan.max_selectable)
+            chosen = self.selector.select(scores, inputs.assignment, self.allocator.allocate(inputs),
+                                          width=plan.max_selectable, members=plan.members)
             index = torch.cat([index, chosen], dim=-1)
             log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
-            if bool((samples > 0).any()):
-                drawn, log_eta = self._sample_tail(query, scores > -math.inf, index, samples, state)
+            most = round(spec.tail_samples * plan.max_selectable) if sampling else 0
+            if most > 0:
+                drawn, log_eta = self._sample_tail(query, scores > -math.inf, index, samples, most, state)
                 index = torch.cat([index, drawn], dim=-1)
                 log_weight = torch.cat([log_weight, log_eta], dim=-1)
         if causal:
@@ -316,8 +362,8 @@ class Pipeline:
             index = index.masked_fill(index > own, -1)
         return Selection(index, log_weight)
 
-    def _allocation_inputs(self, query: Tensor, state: PipelineState, scores: Tensor,
-                           budget: Tensor) -> AllocationInput:
+    def _allocation_inputs(self, query: Tensor, state: PipelineState, scores: Tensor, budget: Tensor,
+                           width: int | None = None) -> AllocationInput:
         """Step 4: cluster statistics z̄_b = s·q·k̄_b and σ̂_b² = s²Σ_d q_d² Var_b(k_d), with what else allocators see."""
         B, Hq, T, D = query.shape
         Hkv = state.keys.shape[1]
@@ -326,7 +372,7 @@ class Pipeline:
         return AllocationInput(
             mean_logit=state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
             logit_var=state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var),
-            counts=state.pooled.count, scores=scores, assignment=state.pooled.assignment, budget=budget)
+            counts=state.pooled.count, scores=scores, assignment=state.pooled.assignment, budget=budget, width=width)
 
     def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
         """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""
@@ -335,13 +381,12 @@ class Pipeline:
         scores = self.selector.score(query, state.index, state.keys, state.scale).view(B, Hkv, Hq // Hkv, T, -1)
         if self.spec.gqa == "shared":
             scores = scores.amax(dim=2, keepdim=True)
-        clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
-        return scores.masked_fill(~clustered, -math.inf)
+        return scores.masked_fill(state.plan().unclustered, -math.inf)
 
-    def _sample_tail(self, query: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor,
+    def _sample_tail(self, query: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor, most: int,
                      state: PipelineState) -> tuple[Tensor, Tensor]:
-        """m uniform draws without replacement (``samples`` ``[B, Hkv, 1, 1]``) from the unread clusterable rows of
-        the selector's sampling pool, each weighted ln η_i = ln(|pool|/m) − ln p_i (p_i = 1 for uniform sampling:
+        """m uniform draws without replacement (``samples`` ``[B, Hkv, 1, 1]``, at most ``most``) from the unread
+        clusterable rows of the selector's sampling pool, each weighted ln η_i = ln(|pool|/m) − ln p_i (p_i = 1 for uniform sampling:
         η = N_T/m). → (positions, log weights), both ``[B, Hkv, Gs, T, m]``, -1 padded."""
         n = state.num_tokens
         unread = torch.cat([clusterable, clusterable.new_zeros(*clusterable.shape[:-1], 1)], dim=-1)
@@ -355,7 +400,7 @@ class Pipeline:
         # resamples.
         generator = torch.Generator(device=index.device).manual_seed(_stream(f"tail-sample:{self.spec.seed}:{n}"))
         noise = torch.rand(pool.shape, generator=generator, device=index.device).masked_fill(~pool, -1.0)
-        noise, drawn = noise.topk(int(samples.max()), dim=-1)
+        noise, drawn = noise.topk(min(most, n), dim=-1)
         rank = torch.arange(drawn.shape[-1], device=index.device)
         drawn = drawn.masked_fill((noise < 0) | (rank >= samples[..., None]), -1)
         size = pool.sum(-1, keepdim=True).float()
@@ -408,7 +453,7 @@ def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what:
             raise ValueError(f"{name}: the cache contains NaN or Inf")
 
 
-def _check_query(query: Tensor, keys: Tensor, name: str) -> None:
+def _check_query(query: Tensor, keys: Tensor, name: str, check_finite: bool = True) -> None:
     if not isinstance(query, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(query).__name__}")
     if query.dim() != 4:
@@ -421,7 +466,7 @@ def _check_query(query: Tensor, keys: Tensor, name: str) -> None:
     if query.dtype != keys.dtype or query.device != keys.device:
         raise ValueError(f"{name}: dtype/device {query.dtype}/{query.device} differ from the cache's "
                          f"{keys.dtype}/{keys.device}")
-    if not bool(torch.isfinite(query).all()):
+    if check_finite and not bool(torch.isfinite(query).all()):
         raise ValueError(f"{name}: contains NaN or Inf")
 
 

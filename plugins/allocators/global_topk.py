@@ -21,7 +21,7 @@ class GlobalTopK(Allocator):
     def allocate(self, inputs: AllocationInput) -> Tensor:
         scores = inputs.scores
         num_clusters = inputs.counts.shape[-1]
-        width = min(int(inputs.budget.max()), scores.shape[-1])
+        width = min(inputs.width if inputs.width is not None else int(inputs.budget.max()), scores.shape[-1])
         # A stable sort, not topk: tied scores (a Quest page) go to the earliest positions, on every device.
         top_scores, top = (t[..., :width] for t in scores.sort(dim=-1, descending=True, stable=True))
         assignment = inputs.assignment[:, :, None, None, :].expand_as(scores)
