@@ -97,6 +97,10 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     selectable = (rows - exact).clamp_min(0)[:, :, None, None]
     inputs = pipe._allocation_inputs(query, state, scores, selectable)
     quotas = pipe.allocator.allocate(inputs)
+    # The GPU allocation (Triton water-filling) against the torch one on the CPU.
+    on_cpu = dataclasses.replace(inputs, **{f.name: getattr(inputs, f.name).cpu() for f in dataclasses.fields(inputs)
+                                            if isinstance(getattr(inputs, f.name), torch.Tensor)})
+    same_allocation = bool(torch.equal(pipe.allocator.allocate(on_cpu), quotas.cpu()))
     # The GPU selection against the reference's sort-based one: the same rows.
     width = state.plan().max_selectable
     fast = pipe.selector.select(scores, inputs.assignment, quotas, width=width, members=state.plan().members)
@@ -137,6 +141,7 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     return {
         "batch": batch, "context": context, "density": density, "gqa": gqa, "rows": rows,
         "flash_vs_reference_rel_error": error, "finite": finite, "selection_matches_reference": same_selection,
+        "allocation_matches_reference": same_allocation,
         **{k: round(v, 4) for k, v in times.items()},
         "dense_ms": round(dense_ms, 4),
         "dense_graph_ms": round(dense_graph_ms, 4),
@@ -196,7 +201,8 @@ def main(argv=None) -> int:
                           f"{row['attend_ms']:.3f} ms; in CUDA graphs " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                                               graph.items())
                           + f"; floor {row['floor_ms']:.3f} ms; err {row['flash_vs_reference_rel_error']:.1e}"
-                          + f"; selection = reference: {row['selection_matches_reference']}"
+                          + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
+                          f"reference: {row['allocation_matches_reference']}"
                           + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else ""), flush=True)
                 if batch == 1 and gqa == args.gqa[0]:
                     q_prefill = torch.randn(1, HQ, context, D, device=device, dtype=torch.bfloat16)

@@ -3,7 +3,7 @@
 The torch reference (``Selector.select``) sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built once
 per prepare/append — and finds the q_b-th largest score exactly by bisection on the scores' order-preserving 32-bit
-keys (32 counts over the cluster held in registers; a cluster larger than 16384 is re-read from cache a block at a
+keys (32 counts over the cluster held in registers; a cluster larger than 4096 is re-read from cache a block at a
 time). It writes the positions scoring above it, then the
 positions tied with it in position order until q_b are taken: the same set as the reference's stable sort (score
 descending, position ascending), listed per cluster in position order.
@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 
-REGISTER_LIMIT = 16384  # the largest cluster held in registers at once (16 warps); larger ones go a block at a time
+REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
 
 
 def cluster_members(assignment: Tensor, num_clusters: int) -> tuple[Tensor, Tensor]:
@@ -60,7 +60,7 @@ if triton is not None:
 
     @triton.jit
     def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, WIDTH, ROWS_PER_HEAD,
-                       BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
         c = tl.program_id(1)
         head = p // ROWS_PER_HEAD  # (batch row, KV head)
@@ -73,7 +73,7 @@ if triton is not None:
             # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at lo = −2^31, never at 2^31.
             lo = tl.full([], -2147483648, tl.int64)
             hi = tl.full([], 2147483648, tl.int64)
-            if ONE_BLOCK:  # the whole cluster in registers: one gather, 32 counts over registers
+            if n <= BLOCK:  # the whole cluster in registers: one gather, 32 counts over registers
                 pos, key, ok = _cluster_keys(members, scores, 0, n, BLOCK)
                 if quota < n:
                     for _ in range(32):
@@ -123,10 +123,8 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     offsets = (quotas.cumsum(-1) - quotas).contiguous()
     out = torch.full((rows, max(width, 1)), -1, dtype=torch.long, device=scores.device)
     if rows and C:
-        block = triton.next_power_of_2(S)
-        one_block = block <= REGISTER_LIMIT
-        block = block if one_block else min(1024, REGISTER_LIMIT)
+        block = min(triton.next_power_of_2(S), REGISTER_LIMIT)
         _select_kernel[(rows, C)](scores.float().reshape(rows, N).contiguous(), members, counts, quotas, offsets,
-                                  out, N, C, S, out.shape[-1], Gs * T, BLOCK=block, ONE_BLOCK=one_block,
-                                  num_warps=max(4, min(16, block // 512)))
+                                  out, N, C, S, out.shape[-1], Gs * T, BLOCK=block,
+                                  num_warps=max(4, min(8, block // 512)))
     return out[:, :width].view(B, Hkv, Gs, T, width)

@@ -9,12 +9,21 @@ from torch import Tensor
 from oa_core.components import AllocationInput, Allocator
 
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+
 def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:
     """Integer q_b = min(n_b, λ p_b) with Σ q_b = min(budget, Σ n_b), p_b = e^{log_priority_b − max}.
 
     log_priority ``[..., C]``, capacity ``[..., C]`` and budget ``[...]`` (broadcastable) → quotas ``[..., C]`` (long). Clusters of zero
     priority take budget only once every other cluster is full. Rounding: floor, then the largest remainders.
     """
+    if log_priority.is_cuda and triton is not None:
+        return water_fill_triton(log_priority, capacity, budget)
     log_priority = log_priority.double()
     capacity = capacity.double().expand_as(log_priority)
     top = log_priority.amax(-1, keepdim=True)
@@ -40,6 +49,52 @@ def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> 
     fraction = torch.where(floor < capacity, quotas - floor, torch.full_like(floor, -1.0))
     rank = fraction.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
     return floor.long() + (rank < remainder).long()
+
+
+def water_fill_triton(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:
+    """``water_fill`` in one Triton kernel (a program per row; the GPU path). Without sorting: the segment of λ
+    holding the target comes from f at every breakpoint, f(λ) = Σ_b min(n_b, λ p_b), a [C × C] comparison."""
+    shape = log_priority.shape
+    C = shape[-1]
+    rows = log_priority.double().reshape(-1, C).contiguous()
+    cap = capacity.double().expand(shape).reshape(-1, C).contiguous()
+    budget = torch.as_tensor(budget, dtype=torch.float64, device=log_priority.device).expand(shape[:-1])
+    out = torch.empty(rows.shape, dtype=torch.long, device=log_priority.device)
+    if rows.numel():
+        _water_fill[(rows.shape[0],)](rows, cap, budget.reshape(-1).contiguous(), out, C,
+                                      BLOCK_C=max(16, triton.next_power_of_2(C)))
+    return out.view(shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _water_fill(LOG_PRIORITY, CAPACITY, BUDGET, OUT, C, BLOCK_C: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_C)
+        ok = offs < C
+        lp = tl.load(LOG_PRIORITY + row * C + offs, mask=ok, other=float("-inf"))
+        cap = tl.load(CAPACITY + row * C + offs, mask=ok, other=0.0)
+        top = tl.max(lp, axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        p = tl.exp(lp - top) + 1e-200 * cap
+        target = tl.minimum(tl.load(BUDGET + row), tl.sum(cap, axis=0))
+        breaks = tl.where(cap > 0, cap / tl.where(cap > 0, p, 1.0), 0.0)  # p > 0 wherever cap > 0
+        # f at each breakpoint; those below the target are passed (their clusters full), the rest still grow.
+        at_break = tl.sum(tl.minimum(cap[None, :], breaks[:, None] * p[None, :]), axis=1)
+        passed = (at_break < target) & ok
+        full = tl.sum(tl.where(passed, cap, 0.0), axis=0)
+        slope = tl.sum(tl.where(passed | ~ok, 0.0, p), axis=0)
+        lam = (target - full) / tl.maximum(slope, 1e-300)
+        quotas = tl.minimum(cap, lam * p)
+        floor = tl.minimum(tl.floor(quotas), cap)
+        remainder = tl.floor(target - tl.sum(tl.where(ok, floor, 0.0), axis=0) + 0.5)  # an integer in float64
+        fraction = tl.where((floor < cap) & ok, quotas - floor, -1.0)
+        # Rank by fraction, descending, ties by index (a stable sort's order).
+        ahead = (fraction[None, :] > fraction[:, None]) | ((fraction[None, :] == fraction[:, None])
+                                                           & (offs[None, :] < offs[:, None]))
+        rank = tl.sum((ahead & ok[None, :]).to(tl.int32), axis=1)
+        tl.store(OUT + row * C + offs, floor.to(tl.int64) + (rank < remainder).to(tl.int64), mask=ok)
 
 
 class WaterFillAllocator(Allocator):

@@ -2,7 +2,7 @@
 
 Per selection row p (a batch row, KV head, selection head and query) the exact rows X_p are read by index and the G
 query heads that share the selection (the whole GQA group with ``gqa: shared``, one head otherwise) are served by
-each row read. Three kernels; each KV byte is read once:
+each row read. Four kernels; each KV byte is read once:
 
 1. ``_exact_logits`` (split over X_p): keys of X_p → z_i = s·q·k_i + ln η_i (float32, a K-wide buffer per head).
 2. ``_proxies`` (one program per row): reduces the row's z per cluster (one-hot dots: Σ_{X∩b} z_i and |X∩b|) and
@@ -12,6 +12,7 @@ each row read. Three kernels; each KV byte is read once:
 3. ``_weighted_values`` (split over X_p, flash-decoding style): reads the values of its slice once. The proxy
    numerator Σ_b e^{ℓ_b} v̄_T = Σ_b g_b Σv_b − Σ_{i∈X} g_{c(i)} v_i folds into the row weights
    e^{z_i − m} − g_{c(i)} e^{−m}. Every split shares m, so the merge is a plain sum of numerators and denominators.
+4. ``_merge``: that sum, plus the proxies' terms, divided and written in the query's layout and dtype.
 
 Inputs may be float32, float16 or bfloat16; accumulation is float32. 16-bit inputs use tensor-core dots for q·k and
 w·v; everything else (and float32 inputs throughout) uses ``ieee`` float32 dots, no TF32.
@@ -198,6 +199,33 @@ if triton is not None:
         tl.store(DEN + out, den, mask=g_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge(ACC, DEN, NUM, PDEN, OUT, Hkv, Gs, T, SPLITS,
+               G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr):
+        """Σ over splits (+ the proxies) of numerators and denominators, divided, written in the query's layout and
+        dtype."""
+        p = tl.program_id(0)
+        b, h, s, t = _row(p, Hkv, Gs, T)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        both = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+        numerator = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        denominator = tl.zeros([BLOCK_G], tl.float32)
+        for split in range(0, SPLITS):
+            rows = (p * SPLITS + split) * G + offs_g
+            numerator += tl.load(ACC + rows[:, None] * D + offs_d[None, :], mask=both, other=0.0)
+            denominator += tl.load(DEN + rows, mask=offs_g < G, other=0.0)
+        if PROXY:
+            numerator += tl.load(NUM + (p * G + offs_g[:, None]) * D + offs_d[None, :], mask=both, other=0.0)
+            denominator += tl.load(PDEN + p * G + offs_g, mask=offs_g < G, other=1.0)
+        head = h * (G * Gs) + s * G + offs_g
+        out = numerator / tl.where(offs_g < G, denominator, 1.0)[:, None]  # padding lanes: no 0/0
+        tl.store(OUT + ((b * (Hkv * G * Gs) + head[:, None]) * T + t) * D + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=both)
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(int(n)))
 
@@ -282,12 +310,12 @@ class FlashKernel(Kernel):
             logits, index, assignment, values, row_max, per_token, acc, den,
             values.stride(0), values.stride(1), values.stride(2), *sa, Hkv, Gs, T, ksel, C, splits, per_split,
             G=G, BLOCK_G=block_g, BLOCK_K=block_k, D=D, BLOCK_D=block_d, PROXY=proxy, HALF=half)
-        numerator, denominator = acc.sum(1), den.sum(1)
-        if proxy:
-            numerator, denominator = numerator + proxy_num, denominator + proxy_den
-        out = numerator / denominator.unsqueeze(-1)  # [P, G, D]
-        out = out.view(B, Hkv, Gs, T, G, D).permute(0, 1, 2, 4, 3, 5).reshape(B, Hq, T, D)
-        return out.to(query.dtype), used.view(B, Hkv, Gs, T) if proxy else None
+        out = torch.empty(B, Hq, T, D, device=device, dtype=query.dtype)
+        if self.poison:
+            out.fill_(math.nan)
+        _merge[(P,)](acc, den, proxy_num if proxy else acc, proxy_den if proxy else den, out, Hkv, Gs, T, splits,
+                     G=G, BLOCK_G=block_g, D=D, BLOCK_D=block_d, PROXY=proxy)
+        return out, used.view(B, Hkv, Gs, T) if proxy else None
 
 
 @hookimpl
