@@ -116,6 +116,13 @@ class Selector(Component):
         """query ``[B, Hq, T, D]`` → approximate logits ``[B, Hq, T, N]`` (float32)."""
         raise NotImplementedError
 
+    def group_scores(self, query: Tensor, index: Any, keys: Tensor, scale: float, shared: bool) -> Tensor:
+        """``[B, Hkv, Gs, T, N]``: ``score`` per query head (Gs = g), or its maximum over each KV head's group
+        (Gs = 1) when the group shares one selection. A selector may override it to fuse the reduction."""
+        B, Hq, T, _ = query.shape
+        scores = self.score(query, index, keys, scale).view(B, keys.shape[1], Hq // keys.shape[1], T, -1)
+        return scores.amax(dim=2, keepdim=True) if shared else scores
+
     def sample_pool(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor | None:
         """``tail: sample``: ln p_i, the log probability that token i is in the pool the tail samples are drawn
         from, ``[B, Hq, T, N]`` (-inf: not in the pool). None: every unread token, p = 1 (uniform sampling).

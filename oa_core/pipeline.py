@@ -376,11 +376,7 @@ class Pipeline:
 
     def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
         """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""
-        B, Hq, T, _ = query.shape
-        Hkv = state.keys.shape[1]
-        scores = self.selector.score(query, state.index, state.keys, state.scale).view(B, Hkv, Hq // Hkv, T, -1)
-        if self.spec.gqa == "shared":
-            scores = scores.amax(dim=2, keepdim=True)
+        scores = self.selector.group_scores(query, state.index, state.keys, state.scale, self.spec.gqa == "shared")
         return scores.masked_fill(state.plan().unclustered, -math.inf)
 
     def _sample_tail(self, query: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor, most: int,
