@@ -3,10 +3,10 @@
 The torch reference (``Selector.select``) sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built once
 per prepare/append — and finds the q_b-th largest score exactly by bisection on the scores' order-preserving 32-bit
-keys (32 counts over the cluster held in registers; a cluster larger than 4096 is re-read from cache a block at a
-time). It writes the positions scoring above it, then the
-positions tied with it in position order until q_b are taken: the same set as the reference's stable sort (score
-descending, position ascending), listed per cluster in position order.
+keys (at most 32 counts over the cluster held in registers, fewer when a count hits q_b exactly; a cluster larger
+than 4096 is re-read from cache a block at a time). It writes the positions scoring above it, then the positions
+tied with it in position order until q_b are taken: the same set as the reference's stable sort (score descending,
+position ascending), listed per cluster in position order.
 """
 
 from __future__ import annotations
@@ -73,29 +73,31 @@ if triton is not None:
             # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at lo = −2^31, never at 2^31.
             lo = tl.full([], -2147483648, tl.int64)
             hi = tl.full([], 2147483648, tl.int64)
-            if n <= BLOCK:  # the whole cluster in registers: one gather, 32 counts over registers
+            if n <= BLOCK:  # the whole cluster in registers: one gather, then counts over registers
                 pos, key, ok = _cluster_keys(members, scores, 0, n, BLOCK)
-                if quota < n:
-                    for _ in range(32):
-                        mid = lo + (hi - lo) // 2
-                        count = tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
-                        lo = tl.where(count >= quota, mid, lo)
-                        hi = tl.where(count >= quota, hi, mid)
+                above_lo = n  # count(key ≥ lo); the search ends early once it is exactly the quota
+                while (hi - lo > 1) & (above_lo > quota):
+                    mid = lo + (hi - lo) // 2
+                    count = tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
+                    lo = tl.where(count >= quota, mid, lo)
+                    above_lo = tl.where(count >= quota, count, above_lo)
+                    hi = tl.where(count >= quota, hi, mid)
                 tau = lo.to(tl.int32)
                 tie = ok & (key == tau)
                 ties_left = quota - tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
                 keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
                 tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
             else:  # a cluster larger than a block: the same, a block at a time (re-read from cache)
-                if quota < n:
-                    for _ in range(32):
-                        mid = lo + (hi - lo) // 2
-                        count = tl.zeros([], tl.int32)
-                        for start in range(0, n, BLOCK):
-                            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
-                            count += tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
-                        lo = tl.where(count >= quota, mid, lo)
-                        hi = tl.where(count >= quota, hi, mid)
+                above_lo = n
+                while (hi - lo > 1) & (above_lo > quota):
+                    mid = lo + (hi - lo) // 2
+                    count = tl.zeros([], tl.int32)
+                    for start in range(0, n, BLOCK):
+                        pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+                        count += tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
+                    lo = tl.where(count >= quota, mid, lo)
+                    above_lo = tl.where(count >= quota, count, above_lo)
+                    hi = tl.where(count >= quota, hi, mid)
                 tau = lo.to(tl.int32)
                 above = tl.zeros([], tl.int32)
                 for start in range(0, n, BLOCK):
