@@ -59,6 +59,26 @@ if triton is not None:
         return pos, key, ok
 
     @triton.jit
+    def take_top(pos, key, ok, quota, n, out):
+        """A cluster held in registers — positions ``pos``, order keys ``key``, lanes ``ok`` (n of them) — → its
+        ``quota`` best positions written to ``out`` in position order (ties at the threshold by position)."""
+        # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at lo = −2^31, never at 2^31.
+        lo = tl.full([], -2147483648, tl.int64)
+        hi = tl.full([], 2147483648, tl.int64)
+        above_lo = n  # count(key ≥ lo); the search ends early once it is exactly the quota
+        while (hi - lo > 1) & (above_lo > quota):
+            mid = lo + (hi - lo) // 2
+            count = tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
+            lo = tl.where(count >= quota, mid, lo)
+            above_lo = tl.where(count >= quota, count, above_lo)
+            hi = tl.where(count >= quota, hi, mid)
+        tau = lo.to(tl.int32)
+        tie = ok & (key == tau)
+        ties_left = quota - tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
+        keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
+        tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
+
+    @triton.jit
     def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, WIDTH, ROWS_PER_HEAD,
                        BLOCK: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
@@ -70,24 +90,12 @@ if triton is not None:
         members = MEMBERS + (head * C + c) * S
         scores = SCORES + p * N
         if quota > 0:
-            # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at lo = −2^31, never at 2^31.
-            lo = tl.full([], -2147483648, tl.int64)
-            hi = tl.full([], 2147483648, tl.int64)
             if n <= BLOCK:  # the whole cluster in registers: one gather, then counts over registers
                 pos, key, ok = _cluster_keys(members, scores, 0, n, BLOCK)
-                above_lo = n  # count(key ≥ lo); the search ends early once it is exactly the quota
-                while (hi - lo > 1) & (above_lo > quota):
-                    mid = lo + (hi - lo) // 2
-                    count = tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
-                    lo = tl.where(count >= quota, mid, lo)
-                    above_lo = tl.where(count >= quota, count, above_lo)
-                    hi = tl.where(count >= quota, hi, mid)
-                tau = lo.to(tl.int32)
-                tie = ok & (key == tau)
-                ties_left = quota - tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
-                keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
-                tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
+                take_top(pos, key, ok, quota, n, out)
             else:  # a cluster larger than a block: the same, a block at a time (re-read from cache)
+                lo = tl.full([], -2147483648, tl.int64)
+                hi = tl.full([], 2147483648, tl.int64)
                 above_lo = n
                 while (hi - lo > 1) & (above_lo > quota):
                     mid = lo + (hi - lo) // 2
