@@ -126,7 +126,7 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         "selection": lambda: pipe.selector.select(scores, inputs.assignment, quotas, width=state.plan().max_selectable,
                                                   members=state.plan().members),
         "kernel": lambda: pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled, state.scale),
-        "attend": lambda: pipe.attend(query, state, check_finite=False),
+        "attend": lambda: pipe.attend(query, state, validate=False),
     }
     state.plan()  # host-side facts, computed before capture
     graph_errors = {}

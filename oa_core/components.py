@@ -16,6 +16,20 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 
+class ContractViolation(RuntimeError):
+    """A component returned something its kind's contract forbids (wrong shape, over budget, ...)."""
+
+
+def violation(component: Component, rule: str) -> ContractViolation:
+    """A ContractViolation naming the component, its kind and the package that registered it."""
+    from oa_core.registry import default_registry
+
+    kind = next((k for k, base in KINDS.items() if isinstance(component, base)), "component")
+    info = default_registry().get(kind, getattr(component, "name", ""))
+    package = info.package if info is not None and info.cls is type(component) else type(component).__module__
+    return ContractViolation(f"{kind} {component.name!r} (package {package!r}) broke its contract: {rule}")
+
+
 class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

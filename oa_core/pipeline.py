@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Kernel, PooledClusters,
-                                Selection, Selector, positions)
+                                Selection, Selector, positions, violation)
 from oa_core.registry import default_registry
 from oa_core.spec import ComponentSpec, PipelineSpec, SpecError, describe, load_spec
 
@@ -256,6 +256,7 @@ class Pipeline:
         clusterable = valid & ~dense_rows[:, None] & (from_start > sink) & (from_end > local)
         generator = torch.Generator().manual_seed(self.spec.seed)  # on the CPU: the same clusters on every device
         clusters = self.clusterer.fit(keys, queries, clusterable, generator)
+        self._check_clusters(clusters, clusterable, keys.shape[:3])
         C = clusters.num_clusters
         B, H, n, D = keys.shape
         zeros = keys.new_zeros(B, H, C, D, dtype=torch.float32)
@@ -267,6 +268,18 @@ class Pipeline:
         state.index = self.selector.build(keys, queries, clusters, torch.Generator().manual_seed(
             _stream(f"selector:{self.spec.seed}")))
         return state
+
+    def _check_clusters(self, clusters: Clusters, clusterable: Tensor, shape: torch.Size) -> None:
+        """The clusterer's contract (prepare may wait on the device: it runs once per request)."""
+        if not isinstance(clusters, Clusters):
+            raise violation(self.clusterer, f"fit must return oa_core.Clusters, got {type(clusters).__name__}")
+        a, C = clusters.assignment, clusters.num_clusters
+        if not isinstance(a, Tensor) or a.shape != shape or a.dtype != torch.long:
+            raise violation(self.clusterer, f"fit must return a long assignment of shape {tuple(shape)}, got "
+                                            f"{getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}")
+        inside = clusterable[:, None, :].expand(shape)
+        if not (bool((a[~inside] == C).all()) and bool(((a[inside] >= 0) & (a[inside] < C)).all())):
+            raise violation(self.clusterer, f"ids must be in [0, {C}) inside the clusterable region and {C} outside")
 
     def _dense_rows(self, lengths: Tensor) -> Tensor:
         """``[B]`` valid lengths → rows the budget covers (read in full); a clear error for a budget below sink +
@@ -284,18 +297,19 @@ class Pipeline:
     # -- per decode query -------------------------------------------------------------------------------------
 
     def attend(self, query: Tensor, state: PipelineState, return_stats: bool = False, causal: bool = False,
-               check_finite: bool = True):
+               validate: bool = True):
         """query ``[B, Hq, T, D]`` → output ``[B, Hq, T, D]`` (and AttendStats when ``return_stats``).
 
         Without ``causal`` every one of the T queries sees all N cached rows. With ``causal`` the queries are the
         cache's last T positions (already appended) and query t sees positions up to its own; T must fit the local
-        window, so that rows a query must not see are never inside a cluster's proxy. ``check_finite``: reject a
-        query holding NaN/Inf (the one check that waits on the device; turn it off to capture attend in a CUDA
-        graph). Without it and without stats, attend never waits on the device.
+        window, so that rows a query must not see are never inside a cluster's proxy. ``validate``: reject a
+        query holding NaN/Inf and check the components' outputs against their contracts (quotas within the cluster
+        sizes and the budget, reads within the budget): the checks that wait on the device. Turn it off to capture
+        attend in a CUDA graph; without it and without stats, attend never waits on the device.
         """
         if not isinstance(state, PipelineState) or state.pipeline is not self:
             raise ValueError("state: pass the PipelineState this pipeline's prepare() returned")
-        _check_query(query, state.keys, "query", check_finite)
+        _check_query(query, state.keys, "query", validate)
         T, n = query.shape[2], state.num_tokens
         if causal and T > max(self.spec.local, 1) and state.clusters is not None:
             raise ValueError(f"query: {T} causal queries do not fit the local window of {self.spec.local}; "
@@ -306,10 +320,14 @@ class Pipeline:
             out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
             reads = torch.full((*state.keys.shape[:2], 1, T), n, device=query.device)
         else:
-            selection = self._select(query, state, causal)
+            selection = self._select(query, state, causal, validate)
             proxies_in = state.pooled if self.spec.tail == "proxy" and not dense else None
             out, proxies = self.kernel.attend(query, state.keys, state.values, selection, proxies_in, state.scale)
             reads = selection.valid.sum(-1)
+        if not isinstance(out, Tensor) or out.shape != query.shape or out.dtype != query.dtype:
+            raise violation(self.kernel, f"attend must return the query's shape {tuple(query.shape)} and dtype "
+                                         f"{query.dtype}, got {getattr(out, 'dtype', type(out).__name__)} "
+                                         f"{tuple(getattr(out, 'shape', ()))}")
         if not return_stats:
             return out
         lengths = state.valid.sum(-1)
@@ -333,7 +351,7 @@ class Pipeline:
         suffix = f"; {dense} of {len(lengths)} rows dense (budget >= context)" if dense else ""
         return f"sparse: {self.spec.tail} tail{suffix}"
 
-    def _select(self, query: Tensor, state: PipelineState, causal: bool) -> Selection:
+    def _select(self, query: Tensor, state: PipelineState, causal: bool, validate: bool = False) -> Selection:
         """Steps 4–6 of DESIGN.md §1, plus tail samples: the exact rows of every (query, selection head)."""
         spec = self.spec
         B, Hq, T, _ = query.shape
@@ -348,8 +366,23 @@ class Pipeline:
             samples = (spec.tail_samples * plan.selectable).round().long() if sampling else 0 * plan.selectable
             scores = self._scores(query, state)
             inputs = self._allocation_inputs(query, state, scores, plan.selectable - samples, plan.max_selectable)
-            chosen = self.selector.select(scores, inputs.assignment, self.allocator.allocate(inputs),
-                                          width=plan.max_selectable, members=plan.members)
+            quotas = self.allocator.allocate(inputs)
+            expected = (*scores.shape[:-1], state.num_clusters)
+            if not isinstance(quotas, Tensor) or tuple(quotas.shape) != expected or quotas.is_floating_point():
+                raise violation(self.allocator, f"allocate must return integer quotas of shape {expected}, got "
+                                                f"{getattr(quotas, 'dtype', type(quotas).__name__)} "
+                                                f"{tuple(getattr(quotas, 'shape', ()))}")
+            if validate and not (bool((quotas >= 0).all()) and bool((quotas <= inputs.counts[:, :, None, None]).all())
+                                 and bool((quotas.sum(-1) <= inputs.budget).all())):
+                raise violation(self.allocator, "quotas must lie in [0, n_b] and add up to at most the budget E_sel")
+            chosen = self.selector.select(scores, inputs.assignment, quotas, width=plan.max_selectable,
+                                          members=plan.members)
+            if not isinstance(chosen, Tensor) or chosen.shape[:4] != scores.shape[:4] or chosen.is_floating_point():
+                raise violation(self.selector, f"select must return integer positions of shape "
+                                               f"{tuple(scores.shape[:4])} + (K,), got "
+                                               f"{tuple(getattr(chosen, 'shape', ()))}")
+            if validate and bool(((chosen >= 0).sum(-1) > plan.max_selectable).any()):
+                raise violation(self.selector, f"select read more than the {plan.max_selectable} rows allowed")
             index = torch.cat([index, chosen], dim=-1)
             log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
             most = round(spec.tail_samples * plan.max_selectable) if sampling else 0

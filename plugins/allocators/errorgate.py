@@ -17,7 +17,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import AllocationInput
-from oa_plugins.allocators.water_filling import WaterFillAllocator
+from oa_plugins.allocators.water_filling import WaterFillAllocator, log_total
 
 
 def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -35,7 +35,7 @@ class ErrorGate(WaterFillAllocator):
 
     def log_priority(self, inputs: AllocationInput, counts: Tensor) -> Tensor:
         log_error, log_mass = log_error_estimate(inputs.mean_logit, inputs.logit_var, counts)
-        return log_error - torch.logsumexp(log_mass, dim=-1, keepdim=True)
+        return log_error - log_total(log_mass)
 
 
 @hookimpl

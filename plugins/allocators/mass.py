@@ -8,7 +8,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import AllocationInput
-from oa_plugins.allocators.water_filling import WaterFillAllocator
+from oa_plugins.allocators.water_filling import WaterFillAllocator, log_total
 
 
 class MassAllocator(WaterFillAllocator):
@@ -18,7 +18,7 @@ class MassAllocator(WaterFillAllocator):
 
     def log_priority(self, inputs: AllocationInput, counts: Tensor) -> Tensor:
         log_mass = torch.log(counts) + inputs.mean_logit
-        return log_mass - torch.logsumexp(log_mass, dim=-1, keepdim=True)
+        return log_mass - log_total(log_mass)
 
 
 @hookimpl

@@ -97,6 +97,13 @@ if triton is not None:
         tl.store(OUT + row * C + offs, floor.to(tl.int64) + (rank < remainder).to(tl.int64), mask=ok)
 
 
+def log_total(log_values: Tensor) -> Tensor:
+    """ln Σ_b v_b from ln v_b over the last dim (kept), 0 for a row with nothing in it (all -inf), so that dividing
+    by it leaves such a row at -inf instead of NaN (a row read densely inside a sparse batch has no clusters)."""
+    total = torch.logsumexp(log_values, dim=-1, keepdim=True)
+    return total.masked_fill(~torch.isfinite(total), 0.0)
+
+
 class WaterFillAllocator(Allocator):
     """Base of the allocators that water-fill by a priority; subclasses give ``log_priority``."""
 

@@ -1,0 +1,242 @@
+"""Conformance checks for components: what every clusterer, selector, allocator and kernel must do.
+
+A plugin author runs them against a component class (or a registered name) from their own tests::
+
+    from oa_core.testing import check_component
+
+    def test_my_selector_conforms():
+        check_component("selector", MySelector)
+
+Each check builds seeded random inputs with GQA (3 query heads per KV head), a batch of 2 with one left-padded row,
+and float32/bfloat16 caches, calls the component directly, then runs it inside a pipeline. A broken contract raises
+``ContractError`` saying which rule and with which shapes. The built-in components pass the same checks
+(``tests/test_conformance.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from oa_core.components import KINDS, AllocationInput, Clusters, Component, PooledClusters, Selection
+from oa_core.registry import default_registry
+
+# Pipelines of the built-in defaults that each check swaps one component into.
+BASE_SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": "qgs", "allocator": "errorgate",
+             "kernel": "torch", "sink": 4, "local": 16, "budget": {"density": 0.2}}
+
+
+class ContractError(AssertionError):
+    """A component broke the contract of its kind."""
+
+
+def _expect(condition: bool, component: Any, rule: str) -> None:
+    if not condition:
+        raise ContractError(f"{type(component).__name__} ({getattr(component, 'name', '?')}): {rule}")
+
+
+def _inputs(seed: int = 0, batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 160, dim: int = 32,
+            queries: int = 2, dtype: torch.dtype = torch.float32):
+    """Keys with cluster structure, values, prefill queries, decode queries near some keys."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(batch, kv_heads, 10, dim, generator=gen) * 2
+    member = torch.randint(10, (batch, kv_heads, tokens), generator=gen)
+    keys = centres.gather(2, member[..., None].expand(-1, -1, -1, dim)) + 0.6 * torch.randn(
+        batch, kv_heads, tokens, dim, generator=gen)
+    values = torch.randn(batch, kv_heads, tokens, dim, generator=gen)
+    prefill = torch.randn(batch, kv_heads * group, 48, dim, generator=gen)
+    picks = torch.randint(tokens, (queries,), generator=gen)
+    decode = keys[:, (torch.arange(kv_heads * group) // group)[:, None], picks[None, :]] * 1.2
+    return tuple(t.to(dtype) for t in (keys, values, prefill, decode))
+
+
+def _instance(kind: str, component: Component | type[Component] | str, params: dict | None = None) -> Component:
+    if isinstance(component, str):
+        info = default_registry().get(kind, component)
+        if info is None:
+            raise ContractError(f"no {kind} named {component!r} is registered; known: "
+                                f"{', '.join(default_registry().names(kind))}")
+        component = info.cls
+    if isinstance(component, type):
+        _expect(issubclass(component, KINDS[kind]), component, f"is not a {KINDS[kind].__name__} subclass")
+        _expect(isinstance(getattr(component, "name", None), str) and component.name, component,
+                "needs a non-empty class attribute `name`")
+        component = component(component.Config.model_validate(params or {}))
+    _expect(isinstance(component, KINDS[kind]), component, f"is not a {KINDS[kind].__name__}")
+    return component
+
+
+def check_clusterer(component, params: dict | None = None) -> None:
+    """fit: an assignment ``[B, Hkv, N]`` with C exactly outside the mask and < C inside, the same for the same seed;
+    assign: ids in [0, C) for new keys."""
+    clusterer = _instance("clusterer", component, params)
+    keys, _, prefill, _ = _inputs()
+    B, H, N, _ = keys.shape
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[1, :30] = False  # padding
+    mask[:, :4] = False  # sink
+    mask[:, -16:] = False  # local window
+    fit = [clusterer.fit(keys, prefill, mask, torch.Generator().manual_seed(7)) for _ in range(2)]
+    clusters = fit[0]
+    _expect(isinstance(clusters, Clusters), clusterer, "fit must return oa_core.Clusters")
+    C, a = clusters.num_clusters, clusters.assignment
+    _expect(isinstance(C, int) and C >= 1, clusterer, f"num_clusters must be a positive int, got {C!r}")
+    _expect(a.shape == (B, H, N) and a.dtype == torch.long, clusterer,
+            f"assignment must be long [B, Hkv, N] = {(B, H, N)}, got {a.dtype} {tuple(a.shape)}")
+    inside = mask[:, None, :].expand(B, H, N)
+    _expect(bool((a[~inside] == C).all()), clusterer, "positions outside the mask must get id C (num_clusters)")
+    _expect(bool(((a[inside] >= 0) & (a[inside] < C)).all()), clusterer, "positions inside the mask need ids in [0, C)")
+    _expect(torch.equal(a, fit[1].assignment), clusterer, "fit must be deterministic for the same generator seed")
+    new = clusterer.assign(clusters, keys[:, :, :5])
+    _expect(new.shape == (B, H, 5) and bool(((new >= 0) & (new < C)).all()), clusterer,
+            "assign must return ids in [0, C) of shape [B, Hkv, t]")
+
+
+def check_selector(component, params: dict | None = None) -> None:
+    """score: float32 ``[B, Hq, T, N]``, finite, deterministic; extend then score equals build on all keys;
+    select: per cluster exactly its quota of positions, all distinct and inside the clusters."""
+    selector = _instance("selector", component, params)
+    keys, _, prefill, decode = _inputs()
+    B, H, N, _ = keys.shape
+    Hq, T = decode.shape[1], decode.shape[2]
+    C = 5
+    assignment = torch.arange(N).remainder(C).expand(B, H, N).clone()
+    assignment[..., :4] = C
+    clusters = Clusters(assignment, C)
+    index = selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3))
+    scores = selector.score(decode, index, keys, 0.2)
+    _expect(scores.shape == (B, Hq, T, N) and scores.dtype == torch.float32, selector,
+            f"score must return float32 [B, Hq, T, N] = {(B, Hq, T, N)}, got {scores.dtype} {tuple(scores.shape)}")
+    _expect(bool(torch.isfinite(scores[..., 4:]).all()), selector, "scores of clustered positions must be finite")
+    again = selector.score(decode, selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3)), keys, 0.2)
+    _expect(torch.equal(scores, again), selector, "build + score must be deterministic for the same seed")
+    grown = selector.extend(selector.build(keys[:, :, :N - 10], prefill, Clusters(assignment[..., :N - 10], C),
+                                           torch.Generator().manual_seed(3)), keys[:, :, N - 10:])
+    grown_scores = selector.score(decode, grown, keys, 0.2)
+    _expect(grown_scores.shape == scores.shape, selector, "extend must index the appended keys too")
+    grouped = scores.view(B, H, Hq // H, T, N).masked_fill((assignment == C)[:, :, None, None], -math.inf)
+    counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2)  # [B, H, C]
+    quotas = torch.minimum(torch.full((B, H, Hq // H, T, C), 3), counts[:, :, None, None])
+    chosen = selector.select(grouped, assignment, quotas)
+    _expect(chosen.shape[:4] == quotas.shape[:4], selector, "select must return [B, Hkv, Gs, T, K]")
+    valid = chosen >= 0
+    picked = assignment[:, :, None, None, :].expand(*quotas.shape[:4], N).gather(-1, chosen.clamp_min(0))
+    per_cluster = torch.nn.functional.one_hot(picked.masked_fill(~valid, C), C + 1)[..., :C].sum(-2)
+    _expect(torch.equal(per_cluster, quotas), selector, "select must take exactly q_b positions from each cluster b")
+    ordered = chosen.masked_fill(~valid, -1).sort(-1).values
+    _expect(bool(((ordered[..., 1:] != ordered[..., :-1]) | (ordered[..., 1:] < 0)).all()), selector,
+            "select must not repeat a position")
+
+
+def check_allocator(component, params: dict | None = None) -> None:
+    """allocate: integer quotas ``[B, Hkv, Gs, T, C]`` with 0 ≤ q_b ≤ n_b and Σ q_b = min(E_sel, Σ n_b), per head and
+    shared, deterministic."""
+    allocator = _instance("allocator", component, params)
+    gen = torch.Generator().manual_seed(5)
+    B, H, g, T, C, N = 2, 2, 3, 2, 6, 90
+    assignment = torch.randint(C, (B, H, N), generator=gen)
+    assignment[..., :3] = C
+    counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2).float()
+    assignment[0, 0] = assignment[0, 0].masked_fill(assignment[0, 0] == 2, C)  # an empty cluster
+    assignment[1, 1] = C  # a row without clusters (read densely inside a sparse batch)
+    counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2).float()
+    budget = torch.tensor([[7, 200], [0, 31]]).view(B, H, 1, 1)
+    for shared in (False, True):
+        Gs = 1 if shared else g
+        scores = torch.randn(B, H, Gs, T, N, generator=gen).masked_fill((assignment == C)[:, :, None, None],
+                                                                        -math.inf)
+        inputs = AllocationInput(torch.randn(B, H, g, T, C, generator=gen), torch.rand(B, H, g, T, C, generator=gen),
+                                 counts, scores, assignment, budget)
+        quotas = allocator.allocate(inputs)
+        _expect(quotas.shape == (B, H, Gs, T, C) and not quotas.is_floating_point(), allocator,
+                f"allocate must return integer quotas [B, Hkv, Gs, T, C] = {(B, H, Gs, T, C)}, got "
+                f"{quotas.dtype} {tuple(quotas.shape)}")
+        _expect(bool((quotas >= 0).all()) and bool((quotas <= counts[:, :, None, None]).all()), allocator,
+                "quotas must lie in [0, n_b]")
+        target = torch.minimum(budget.view(B, H, 1, 1), counts.sum(-1).view(B, H, 1, 1)).long()
+        _expect(torch.equal(quotas.sum(-1), target.expand(B, H, Gs, T)), allocator,
+                "quotas must add up to min(E_sel, Σ n_b)")
+        _expect(torch.equal(quotas, allocator.allocate(inputs)), allocator, "allocate must be deterministic")
+
+
+def check_kernel(component, params: dict | None = None) -> None:
+    """attend: the query's shape and dtype; dense attention without a selection; the same output as the torch
+    reference kernel for a selection with proxies, with discarded tails, and with weighted (sampled) rows."""
+    from oa_plugins.kernels.reference import TorchKernel
+
+    kernel = _instance("kernel", component, params)
+    keys, values, _, decode = _inputs()
+    B, H, N, D = keys.shape
+    Hq, T = decode.shape[1], decode.shape[2]
+    reference = TorchKernel()
+    out, _ = kernel.attend(decode, keys, values, None, None, 0.2)
+    expected, _ = reference.attend(decode, keys, values, None, None, 0.2)
+    _expect(out.shape == decode.shape and out.dtype == decode.dtype, kernel,
+            "attend must return the query's shape and dtype")
+    _expect(torch.allclose(out, expected, atol=1e-4, rtol=1e-4), kernel, "without a selection attend is dense")
+    gen = torch.Generator().manual_seed(9)
+    C = 6
+    assignment = torch.randint(C, (B, H, N), generator=gen)
+    assignment[..., :4] = C
+    one_hot = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()
+    pooled = PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys, one_hot.transpose(-1, -2) @ values,
+                            assignment)
+    for Gs in (1, Hq // H):
+        index = torch.rand(B, H, Gs, T, N, generator=gen).argsort(-1)[..., :24]
+        index[..., -3:] = -1  # padding
+        log_weight = torch.rand(index.shape, generator=gen) * (torch.arange(24) >= 18)  # a few weighted rows
+        selection = Selection(index, log_weight)
+        for proxies in (pooled, None):
+            out, used = kernel.attend(decode, keys, values, selection, proxies, 0.2)
+            expected, _ = reference.attend(decode, keys, values, selection, proxies, 0.2)
+            error = float((out.double() - expected.double()).norm() / expected.double().norm())
+            _expect(error < 1e-4, kernel, f"differs from the torch reference kernel (relative error {error:.2e}, "
+                                          f"Gs={Gs}, proxies={proxies is not None})")
+
+
+CHECKS = {"clusterer": check_clusterer, "selector": check_selector, "allocator": check_allocator,
+          "kernel": check_kernel}
+
+
+def check_pipeline(kind: str, component, params: dict | None = None) -> None:
+    """The component inside a pipeline (the built-in defaults for the other kinds): builds from a spec, runs with
+    GQA, a left-padded batch of 2, float32 and bfloat16 caches and decode-time growth, stays within its budget, and is
+    deterministic."""
+    name = component if isinstance(component, str) else component.name
+    spec = {**BASE_SPEC, kind: {"name": name, **(params or {})}}
+    from oa_core.pipeline import build
+
+    for dtype in (torch.float32, torch.bfloat16):
+        keys, values, prefill, decode = _inputs(dtype=dtype)
+        mask = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool)
+        mask[1, :30] = False
+        runs = []
+        for _ in range(2):
+            pipe = build(spec)
+            state = pipe.prepare(keys, values, prefill, mask=mask)
+            state.append(keys[:, :, :2], values[:, :, :2])
+            out, stats = pipe.attend(decode, state, return_stats=True)
+            runs.append(out)
+        _expect(out.shape == decode.shape and out.dtype == dtype and bool(torch.isfinite(out).all()), pipe,
+                f"the pipeline output must be finite, of the query's shape and dtype ({dtype})")
+        budget = pipe.spec.budget.rows(state.valid.sum(-1))
+        _expect(bool((stats.reads <= budget.view(-1, 1, 1, 1)).all()), pipe, "a pipeline must stay within its budget")
+        _expect(torch.equal(runs[0], runs[1]), pipe, "a pipeline must be deterministic for a fixed seed")
+
+
+def check_component(kind: str, component: Component | type[Component] | str, params: dict | None = None,
+                    pipeline: bool = True) -> None:
+    """Every check of ``kind`` for ``component`` (a class, an instance, or a registered name), then — with
+    ``pipeline`` and a registered name — the same component inside a pipeline (``check_pipeline``)."""
+    if kind not in CHECKS:
+        raise ValueError(f"kind: expected one of {', '.join(CHECKS)}, got {kind!r}")
+    CHECKS[kind](component, params)
+    if pipeline:
+        registered = component if isinstance(component, str) else getattr(component, "name", None)
+        if default_registry().get(kind, registered) is None:
+            raise ContractError(f"{kind} {registered!r} is not registered through the 'openattention' entry points, "
+                                "so a spec cannot name it (install the package, or pass pipeline=False)")
+        check_pipeline(kind, registered, params)

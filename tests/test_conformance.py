@@ -1,0 +1,101 @@
+"""The conformance kit (oa_core.testing) passes every built-in component and catches broken ones."""
+
+import pytest
+import torch
+
+import oa_core as oa
+from oa_core.components import Allocator, Selector
+from oa_core.testing import ContractError, check_allocator, check_component, check_selector
+
+BUILT_INS = [(kind, name) for kind, names in oa.available().items() for name in names]
+
+
+@pytest.mark.parametrize("kind, name", BUILT_INS, ids=[f"{k}-{n}" for k, n in BUILT_INS])
+def test_every_built_in_passes(kind, name):
+    params = {"K": 4, "L": 8} if name == "lsh" else None
+    check_component(kind, name, params)
+
+
+class GreedyAllocator(Allocator):
+    """Spends the whole budget on the first cluster, whatever its size."""
+
+    name = "greedy-test"
+
+    def allocate(self, inputs):
+        quotas = torch.zeros(*inputs.scores.shape[:-1], inputs.counts.shape[-1], dtype=torch.long)
+        quotas[..., 0] = inputs.budget.view(*inputs.budget.shape[:2], 1, 1).expand(quotas.shape[:-1])
+        return quotas
+
+
+class FlatSelector(Selector):
+    """Scores of the wrong shape: one per KV head instead of one per query head."""
+
+    name = "flat-test"
+
+    def score(self, query, index, keys, scale):
+        return torch.zeros(query.shape[0], keys.shape[1], query.shape[2], keys.shape[2])
+
+
+def test_a_broken_allocator_is_caught_by_rule():
+    with pytest.raises(ContractError, match=r"GreedyAllocator \(greedy-test\): quotas must lie in \[0, n_b\]"):
+        check_allocator(GreedyAllocator)
+
+
+def test_a_broken_selector_is_caught_by_rule():
+    with pytest.raises(ContractError, match=r"FlatSelector \(flat-test\): score must return float32 \[B, Hq, T, N\]"):
+        check_selector(FlatSelector)
+
+
+def test_an_unregistered_component_cannot_run_in_a_pipeline():
+    from oa_plugins.allocators.uniform import UniformAllocator
+
+    class Copy(UniformAllocator):
+        name = "uniform-copy"
+
+    check_component("allocator", Copy, pipeline=False)  # conforms on its own
+    with pytest.raises(ContractError, match="'uniform-copy' is not registered"):
+        check_component("allocator", Copy)
+
+
+def _pipeline_with(**components):
+    """A default pipeline with some components swapped for unregistered instances (no entry point needed)."""
+    from oa_core.pipeline import Pipeline
+
+    base = oa.build({"clusterer": {"name": "qgc", "num_clusters": 8}, "kernel": "torch", "sink": 4, "local": 16,
+                     "budget": {"density": 0.2}})
+    parts = {kind: components.get(kind, getattr(base, kind)) for kind in ("clusterer", "selector", "allocator",
+                                                                           "kernel")}
+    return Pipeline(base.spec, **parts)
+
+
+def test_a_component_breaking_its_contract_at_run_time_is_named():
+    from conftest import make_inputs
+    from oa_core.components import Clusterer, Clusters, ContractViolation, Kernel
+
+    keys, values, prefill, decode = make_inputs(tokens=200, seed=3)
+
+    pipe = _pipeline_with(allocator=GreedyAllocator())
+    state = pipe.prepare(keys, values, prefill)
+    with pytest.raises(ContractViolation, match=r"allocator 'greedy-test' \(package '.*test_conformance'\) broke "
+                                                r"its contract: quotas must lie in \[0, n_b\]"):
+        pipe.attend(decode, state)
+
+    class HalfKernel(Kernel):
+        name = "half-test"
+
+        def attend(self, query, keys, values, selection, proxies, scale):
+            return query.double(), None
+
+    pipe = _pipeline_with(kernel=HalfKernel())
+    with pytest.raises(ContractViolation, match="kernel 'half-test'.*the query's shape .* and dtype torch.float32"):
+        pipe.attend(decode, pipe.prepare(keys, values, prefill), validate=False)  # shape/dtype: checked always
+
+    class OneCluster(Clusterer):
+        name = "one-test"
+
+        def fit(self, keys, queries, mask, generator):
+            return Clusters(torch.zeros(keys.shape[:3], dtype=torch.long), 1)  # sink and local inside too
+
+    pipe = _pipeline_with(clusterer=OneCluster())
+    with pytest.raises(ContractViolation, match=r"clusterer 'one-test'.*ids must be in \[0, 1\) inside"):
+        pipe.prepare(keys, values, prefill)
