@@ -64,7 +64,8 @@ def _instantiate(kind: str, component: ComponentSpec):
     try:
         config = info.cls.Config.model_validate(component.params)
     except ValidationError as exc:
-        raise SpecError(describe(exc, prefix=kind)) from None
+        raise SpecError(f"{describe(exc, prefix=kind)} ({kind} {component.name!r} from package {info.package!r})") \
+            from None
     return info.cls(config)
 
 

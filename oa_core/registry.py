@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 import pluggy
+from pydantic import BaseModel
 
 from oa_core import hookspecs
 from oa_core.components import KINDS, Component
@@ -86,6 +87,14 @@ class Registry:
         base = KINDS[kind]
         if not (isinstance(cls, type) and issubclass(cls, base)):
             self._fail(plugin, package, f"registered {cls!r} as a {kind}, but it is not a {base.__name__} subclass")
+            return
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name:
+            self._fail(plugin, package, f"{cls.__name__} needs a non-empty string class attribute `name`")
+            return
+        if not (isinstance(cls.Config, type) and issubclass(cls.Config, BaseModel)):
+            self._fail(plugin, package, f"{kind} {name!r}: Config must be a pydantic BaseModel subclass, got "
+                                        f"{cls.Config!r}")
             return
         existing = self.components[kind].get(cls.name)
         if existing is not None:

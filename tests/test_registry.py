@@ -84,3 +84,29 @@ def test_registering_a_non_component_is_reported():
         registry.add("selector", dict, plugin="bad", package="bad-pkg")
     assert "not a Selector subclass" in str(registry.failures[0])
     assert registry.names("selector") == []
+
+
+def test_a_component_without_a_name_or_with_a_bad_config_is_reported():
+    from oa_core.components import Clusterer
+
+    class Nameless(Clusterer):
+        pass
+
+    class BadConfig(Clusterer):
+        name = "bad-config"
+        Config = dict
+
+    registry = Registry()
+    with pytest.warns(RuntimeWarning):
+        registry.add("clusterer", Nameless, plugin="p", package="pkg-a")
+        registry.add("clusterer", BadConfig, plugin="q", package="pkg-b")
+    messages = [str(f) for f in registry.failures]
+    assert "plugin 'p' from package 'pkg-a': Nameless needs a non-empty string class attribute `name`" in messages[0]
+    assert "package 'pkg-b': clusterer 'bad-config': Config must be a pydantic BaseModel subclass" in messages[1]
+    assert registry.names("clusterer") == []
+
+
+def test_an_invalid_parameter_names_the_field_and_the_package():
+    with pytest.raises(oa.SpecError, match=r"clusterer.num_clusters: .* \(clusterer 'qgc' from package "
+                                           r"'openattention'\)"):
+        oa.build({"clusterer": {"name": "qgc", "num_clusters": 0}})
