@@ -227,8 +227,9 @@ class Pipeline:
 
     def __repr__(self) -> str:
         s = self.spec
+        tail = f"{s.tail}, tail_samples={s.tail_samples:g}" if s.tail == "sample" else s.tail
         return (f"Pipeline({self.clusterer!r}, {self.selector!r}, {self.allocator!r}, {self.kernel!r}, "
-                f"tail={s.tail}{f' ({s.tail_samples:g} sampled)' if s.tail == 'sample' else ''}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
+                f"tail={tail}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
                 f"gqa={s.gqa})")
 
     # -- once per request -------------------------------------------------------------------------------------
