@@ -283,6 +283,27 @@ class Pipeline:
         if not (bool((a[~inside] == C).all()) and bool(((a[inside] >= 0) & (a[inside] < C)).all())):
             raise violation(self.clusterer, f"ids must be in [0, {C}) inside the clusterable region and {C} outside")
 
+    def _check_quotas(self, quotas: Tensor, inputs: AllocationInput, validate: bool) -> Tensor:
+        """The allocator's contract: integer quotas ``[B, Hkv, Gs, T, C]``; with ``validate`` (a device sync) also
+        0 ≤ q_b ≤ n_b and Σ_b q_b ≤ E_sel."""
+        expected = (*inputs.scores.shape[:-1], inputs.counts.shape[-1])
+        if not isinstance(quotas, Tensor) or tuple(quotas.shape) != expected or quotas.is_floating_point():
+            raise violation(self.allocator, f"allocate must return integer quotas of shape {expected}, got "
+                                            f"{getattr(quotas, 'dtype', type(quotas).__name__)} "
+                                            f"{tuple(getattr(quotas, 'shape', ()))}")
+        if validate and not (bool((quotas >= 0).all()) and bool((quotas <= inputs.counts[:, :, None, None]).all())
+                             and bool((quotas.sum(-1) <= inputs.budget).all())):
+            raise violation(self.allocator, "quotas must lie in [0, n_b] and add up to at most the budget E_sel")
+        return quotas
+
+    def _check_chosen(self, chosen: Tensor, rows: torch.Size, most: int, validate: bool) -> None:
+        """The selector's contract: integer positions ``rows + (K,)``; with ``validate`` also at most ``most`` read."""
+        if not isinstance(chosen, Tensor) or chosen.shape[:4] != rows or chosen.is_floating_point():
+            raise violation(self.selector, f"select must return integer positions of shape {tuple(rows)} + (K,), "
+                                           f"got {tuple(getattr(chosen, 'shape', ()))}")
+        if validate and bool(((chosen >= 0).sum(-1) > most).any()):
+            raise violation(self.selector, f"select read more than the {most} rows allowed")
+
     def _dense_rows(self, lengths: Tensor) -> Tensor:
         """``[B]`` valid lengths → rows the budget covers (read in full); a clear error for a budget below sink +
         local on the others."""
@@ -368,23 +389,10 @@ class Pipeline:
             samples = (spec.tail_samples * plan.selectable).round().long() if sampling else 0 * plan.selectable
             scores = self._scores(query, state)
             inputs = self._allocation_inputs(query, state, scores, plan.selectable - samples, plan.max_selectable)
-            quotas = self.allocator.allocate(inputs)
-            expected = (*scores.shape[:-1], state.num_clusters)
-            if not isinstance(quotas, Tensor) or tuple(quotas.shape) != expected or quotas.is_floating_point():
-                raise violation(self.allocator, f"allocate must return integer quotas of shape {expected}, got "
-                                                f"{getattr(quotas, 'dtype', type(quotas).__name__)} "
-                                                f"{tuple(getattr(quotas, 'shape', ()))}")
-            if validate and not (bool((quotas >= 0).all()) and bool((quotas <= inputs.counts[:, :, None, None]).all())
-                                 and bool((quotas.sum(-1) <= inputs.budget).all())):
-                raise violation(self.allocator, "quotas must lie in [0, n_b] and add up to at most the budget E_sel")
+            quotas = self._check_quotas(self.allocator.allocate(inputs), inputs, validate)
             chosen = self.selector.select(scores, inputs.assignment, quotas, width=plan.max_selectable,
                                           members=plan.members)
-            if not isinstance(chosen, Tensor) or chosen.shape[:4] != scores.shape[:4] or chosen.is_floating_point():
-                raise violation(self.selector, f"select must return integer positions of shape "
-                                               f"{tuple(scores.shape[:4])} + (K,), got "
-                                               f"{tuple(getattr(chosen, 'shape', ()))}")
-            if validate and bool(((chosen >= 0).sum(-1) > plan.max_selectable).any()):
-                raise violation(self.selector, f"select read more than the {plan.max_selectable} rows allowed")
+            self._check_chosen(chosen, scores.shape[:4], plan.max_selectable, validate)
             index = torch.cat([index, chosen], dim=-1)
             log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
             most = round(spec.tail_samples * plan.max_selectable) if sampling else 0

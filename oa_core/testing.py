@@ -38,19 +38,27 @@ def _expect(condition: bool, component: Any, rule: str) -> None:
         raise ContractError(f"{type(component).__name__} ({getattr(component, 'name', '?')}): {rule}")
 
 
-def _inputs(seed: int = 0, batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 160, dim: int = 32,
-            queries: int = 2, dtype: torch.dtype = torch.float32):
-    """Keys with cluster structure, values, prefill queries, decode queries near some keys."""
+def make_inputs(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 300, dim: int = 32, queries: int = 2,
+                dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A cache with clustered, unevenly scaled keys (so attention is peaked, as in real models), prefill queries and
+    decode queries drawn near the keys → (keys, values, prefill queries, decode queries). Seeded; CPU."""
     gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(batch, kv_heads, 10, dim, generator=gen) * 2
-    member = torch.randint(10, (batch, kv_heads, tokens), generator=gen)
-    keys = centres.gather(2, member[..., None].expand(-1, -1, -1, dim)) + 0.6 * torch.randn(
+    centres = torch.randn(batch, kv_heads, 12, dim, generator=gen) * 2
+    member = torch.randint(12, (batch, kv_heads, tokens), generator=gen)
+    keys = centres.gather(2, member[..., None].expand(-1, -1, -1, dim)) + 0.7 * torch.randn(
         batch, kv_heads, tokens, dim, generator=gen)
     values = torch.randn(batch, kv_heads, tokens, dim, generator=gen)
-    prefill = torch.randn(batch, kv_heads * group, 48, dim, generator=gen)
+    heads = kv_heads * group
+    prefill = torch.randn(batch, heads, 64, dim, generator=gen) * 1.5
     picks = torch.randint(tokens, (queries,), generator=gen)
-    decode = keys[:, (torch.arange(kv_heads * group) // group)[:, None], picks[None, :]] * 1.2
+    decode = keys[:, (torch.arange(heads) // group)[:, None], picks[None, :]] * 1.2
+    decode = decode + 0.3 * torch.randn(decode.shape, generator=gen)
     return tuple(t.to(dtype) for t in (keys, values, prefill, decode))
+
+
+def _inputs(dtype: torch.dtype = torch.float32):
+    """The kit's inputs: GQA (3 query heads per KV head), a batch of 2, 160 tokens."""
+    return make_inputs(tokens=160, dtype=dtype)
 
 
 def _instance(kind: str, component: Component | type[Component] | str, params: dict | None = None) -> Component:

@@ -9,22 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-
-def make_inputs(batch=2, kv_heads=2, group=3, tokens=300, dim=32, queries=2, dtype=torch.float32, seed=0):
-    """A cache with clustered, unevenly scaled keys (so attention is peaked, as in real models), prefill queries and
-    decode queries drawn near the keys. Returns (keys, values, prefill_queries, decode_queries)."""
-    gen = torch.Generator().manual_seed(seed)
-    centres = torch.randn(batch, kv_heads, 12, dim, generator=gen) * 2
-    member = torch.randint(12, (batch, kv_heads, tokens), generator=gen)
-    keys = centres.gather(2, member[..., None].expand(-1, -1, -1, dim)) + 0.7 * torch.randn(
-        batch, kv_heads, tokens, dim, generator=gen)
-    values = torch.randn(batch, kv_heads, tokens, dim, generator=gen)
-    heads = kv_heads * group
-    prefill = torch.randn(batch, heads, 64, dim, generator=gen) * 1.5
-    picks = torch.randint(tokens, (queries,), generator=gen)
-    decode = keys[:, (torch.arange(heads) // group)[:, None], picks[None, :]] * 1.2
-    decode = decode + 0.3 * torch.randn(decode.shape, generator=gen)
-    return tuple(t.to(dtype) for t in (keys, values, prefill, decode))
+from oa_core.testing import make_inputs  # noqa: E402,F401  (the tests' inputs are the conformance kit's)
 
 
 def dense_attention(query, keys, values, scale=None):
