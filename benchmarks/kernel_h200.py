@@ -69,6 +69,25 @@ def graphed(fn):
     return graph.replay
 
 
+def kernel_breakdown(fn, repeats: int = 10) -> dict[str, float]:
+    """GPU milliseconds per kernel name for one call of ``fn`` (torch.profiler, averaged over ``repeats``): where
+    the time of a stage goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name.split("(")[0].split("<")[0][:60]
+            totals[name] = totals.get(name, 0.0) + event.device_time / 1e3 / repeats
+    return {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
 def sparse_bytes(batch: int, context: int, rows: int, clusters: int, rank: int) -> int:
     """The least the sparse stage reads per step: exact K and V rows (bf16), int8 codes + a float32 scale and a
     one-byte cluster id per token, pooled Σk, Σv, Σk⊙k (float32) and counts per cluster; per KV head."""
@@ -136,6 +155,7 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         except Exception as exc:  # a stage that waits on the device cannot be captured: say which and why
             graph_errors[name] = f"{type(exc).__name__}: {exc}"[:300]
             torch.cuda.synchronize()
+    breakdown = kernel_breakdown(lambda: pipe.attend(query, state, validate=False))
     floor_bytes = sparse_bytes(batch, context, rows, state.num_clusters, 16)
     floor_ms = floor_bytes / dense_bandwidth * 1e3
     return {
@@ -153,6 +173,7 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 4),
         "attend_over_floor": times["attend_ms"] / floor_ms,
         "kernel_note": pipe.kernel.note,
+        "attend_kernels_ms": breakdown,
     }
 
 
@@ -220,6 +241,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def sm_clock() -> str:
+    """The SM clock now and its maximum, from nvidia-smi (latency-bound kernels scale with it, dense decode does not)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def write(args, results, prepare) -> None:
     """The record so far (written after every batch × context, so that a run cut short keeps what it measured)."""
     import triton
@@ -232,6 +264,7 @@ def write(args, results, prepare) -> None:
         "results": results,
         "prepare": prepare,
         "machine": {"gpu": torch.cuda.get_device_name(), "python": platform.python_version(),
+                    "sms": torch.cuda.get_device_properties(0).multi_processor_count, "sm_clock": sm_clock(),
                     "torch": torch.__version__, "triton": triton.__version__, "openattention": oa.__version__},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -130,12 +130,16 @@ class Selector(Component):
         """query ``[B, Hq, T, D]`` → approximate logits ``[B, Hq, T, N]`` (float32)."""
         raise NotImplementedError
 
-    def group_scores(self, query: Tensor, index: Any, keys: Tensor, scale: float, shared: bool) -> Tensor:
+    def group_scores(self, query: Tensor, index: Any, keys: Tensor, scale: float, shared: bool,
+                     outside: Tensor | None = None) -> Tensor:
         """``[B, Hkv, Gs, T, N]``: ``score`` per query head (Gs = g), or its maximum over each KV head's group
-        (Gs = 1) when the group shares one selection. A selector may override it to fuse the reduction."""
+        (Gs = 1) when the group shares one selection. ``outside``: None, or a bool mask broadcastable to the output
+        (in practice ``[B, Hkv, 1, 1, N]``: the positions outside every cluster), True where the score is -inf.
+        A selector may override it to fuse the reduction and the mask."""
         B, Hq, T, _ = query.shape
         scores = self.score(query, index, keys, scale).view(B, keys.shape[1], Hq // keys.shape[1], T, -1)
-        return scores.amax(dim=2, keepdim=True) if shared else scores
+        scores = scores.amax(dim=2, keepdim=True) if shared else scores
+        return scores if outside is None else scores.masked_fill(outside, float("-inf"))
 
     def sample_pool(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor | None:
         """``tail: sample``: ln p_i, the log probability that token i is in the pool the tail samples are drawn
@@ -190,10 +194,16 @@ def positions(mask: Tensor, width: int | None = None) -> Tensor:
 @dataclass
 class Selection:
     """The exact rows a kernel reads: ``index`` ``[B, Hkv, Gs, T, K]`` (-1 = padding) and ``log_weight`` (same
-    shape): 0 for exact rows, ln η for rows standing in for others (sampled tail rows)."""
+    shape): 0 for exact rows, ln η for rows standing in for others (sampled tail rows).
+
+    ``runs`` ``[B, Hkv, Gs, T, C + 1]`` int32, when the pipeline knows the layout: index columns
+    ``runs[c] .. runs[c + 1]`` hold cluster c's selected rows, and the columns before ``runs[0]`` and from ``runs[C]``
+    on hold rows outside every cluster (sink, local window, tail samples, padding). A kernel then builds each
+    cluster's proxy from its run alone. None: the layout is unknown."""
 
     index: Tensor
     log_weight: Tensor
+    runs: Tensor | None = None
 
     @property
     def valid(self) -> Tensor:

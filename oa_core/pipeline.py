@@ -210,7 +210,7 @@ def _add_by_cluster(total: Tensor, ids: Tensor, rows: Tensor) -> Tensor:
     """total ``[B, H, C(, D)]`` plus ``rows`` ``[B, H, n(, D)]`` summed by cluster id ``[B, H, n]``; id C is dropped."""
     extended = torch.cat([total, torch.zeros_like(total[:, :, :1])], dim=2)
     index = ids if rows.dim() == 3 else ids.unsqueeze(-1).expand_as(rows)
-    return extended.scatter_add_(2, index, rows)[:, :, :-1]
+    return extended.scatter_add_(2, index, rows)[:, :, :-1].contiguous()  # kernels read it as is, every step
 
 
 class Pipeline:
@@ -296,13 +296,26 @@ class Pipeline:
             raise violation(self.allocator, "quotas must lie in [0, n_b] and add up to at most the budget E_sel")
         return quotas
 
-    def _check_chosen(self, chosen: Tensor, rows: torch.Size, most: int, validate: bool) -> None:
-        """The selector's contract: integer positions ``rows + (K,)``; with ``validate`` also at most ``most`` read."""
+    def _check_chosen(self, chosen: Tensor, ends: Tensor, assignment: Tensor, most: int, validate: bool) -> None:
+        """The selector's contract: integer positions ``[B, Hkv, Gs, T, K]``, each cluster's q_b as one run, clusters
+        in order (``ends``: Σ_{c ≤ b} q_c ``[B, Hkv, Gs, T, C]``), then -1; with ``validate`` (a device sync) also
+        that layout, and at most ``most`` read."""
+        rows = ends.shape[:4]
         if not isinstance(chosen, Tensor) or chosen.shape[:4] != rows or chosen.is_floating_point():
             raise violation(self.selector, f"select must return integer positions of shape {tuple(rows)} + (K,), "
                                            f"got {tuple(getattr(chosen, 'shape', ()))}")
-        if validate and bool(((chosen >= 0).sum(-1) > most).any()):
+        if not validate:
+            return
+        if bool(((chosen >= 0).sum(-1) > most).any()):
             raise violation(self.selector, f"select read more than the {most} rows allowed")
+        column = torch.arange(chosen.shape[-1], device=chosen.device).expand(chosen.shape).contiguous()
+        run = torch.searchsorted(ends.contiguous(), column, right=True)  # the cluster whose run holds the column
+        B, Hkv = assignment.shape[:2]
+        cluster = assignment.gather(-1, chosen.clamp_min(0).reshape(B, Hkv, -1)).reshape(chosen.shape)
+        expected = torch.where(run < ends.shape[-1], run, -1)
+        if not torch.equal(torch.where(chosen >= 0, cluster, -1), expected):
+            raise violation(self.selector, "select must list each cluster's q_b positions as one run, clusters in "
+                                           "order, then -1 padding")
 
     def _dense_rows(self, lengths: Tensor) -> Tensor:
         """``[B]`` valid lengths → rows the budget covers (read in full); a clear error for a budget below sink +
@@ -384,6 +397,7 @@ class Pipeline:
         plan = state.plan()
         index = plan.fixed[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
         log_weight = torch.zeros(index.shape, device=query.device)
+        runs = None
         if state.clusters is not None:
             sampling = spec.tail == "sample"
             samples = (spec.tail_samples * plan.selectable).round().long() if sampling else 0 * plan.selectable
@@ -392,7 +406,9 @@ class Pipeline:
             quotas = self._check_quotas(self.allocator.allocate(inputs), inputs, validate)
             chosen = self.selector.select(scores, inputs.assignment, quotas, width=plan.max_selectable,
                                           members=plan.members)
-            self._check_chosen(chosen, scores.shape[:4], plan.max_selectable, validate)
+            ends = quotas.cumsum(-1)
+            self._check_chosen(chosen, ends, inputs.assignment, plan.max_selectable, validate)
+            runs = (index.shape[-1] + torch.cat([torch.zeros_like(ends[..., :1]), ends], -1)).to(torch.int32)
             index = torch.cat([index, chosen], dim=-1)
             log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
             most = round(spec.tail_samples * plan.max_selectable) if sampling else 0
@@ -403,7 +419,7 @@ class Pipeline:
         if causal:
             own = torch.arange(n - T, n, device=query.device)[:, None]  # query t sits at position n − T + t
             index = index.masked_fill(index > own, -1)
-        return Selection(index, log_weight)
+        return Selection(index, log_weight, runs)
 
     def _allocation_inputs(self, query: Tensor, state: PipelineState, scores: Tensor, budget: Tensor,
                            width: int | None = None) -> AllocationInput:
@@ -419,8 +435,8 @@ class Pipeline:
 
     def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
         """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""
-        scores = self.selector.group_scores(query, state.index, state.keys, state.scale, self.spec.gqa == "shared")
-        return scores.masked_fill(state.plan().unclustered, -math.inf)
+        return self.selector.group_scores(query, state.index, state.keys, state.scale, self.spec.gqa == "shared",
+                                          outside=state.plan().unclustered)
 
     def _sample_tail(self, query: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor, most: int,
                      state: PipelineState) -> tuple[Tensor, Tensor]:

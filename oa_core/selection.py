@@ -3,10 +3,17 @@
 The torch reference (``Selector.select``) sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built once
 per prepare/append — and finds the q_b-th largest score exactly by bisection on the scores' order-preserving 32-bit
-keys (at most 32 counts over the cluster held in registers, fewer when a count hits q_b exactly; a cluster larger
-than 4096 is re-read from cache a block at a time). It writes the positions scoring above it, then the positions
-tied with it in position order until q_b are taken: the same set as the reference's stable sort (score descending,
-position ascending), listed per cluster in position order.
+keys, between the cluster's smallest and largest key (at most 32 counts over the cluster held in registers, fewer
+when a count hits q_b exactly). It writes the positions scoring above it, then the positions tied with it in
+position order until q_b are taken: the same set as the reference's stable sort (score descending, position
+ascending), listed per cluster in position order. A cluster whose quota covers it is copied without reading scores.
+
+Clusters are ragged (the largest a few times the mean), so one launch sized for the largest would run every count
+over a block of its size. Instead the kernel is launched once per size class — (0, 1024], (1024, 2048], ... up to
+``REGISTER_LIMIT``, then everything larger a block at a time — each with a block of its class's size (4 warps up to
+2048 lanes: on the H200 that measured faster than one warp per small cluster). A program whose cluster is not in the
+launch's class ends at once. The classes launched follow from the largest cluster, which the host knows from
+``members``' shape: nothing waits on the device (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 
+SMALL_CLUSTER = 1024  # the first size class (a power of two): a typical cluster at 64 clusters of 32K tokens
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
 
 
@@ -46,9 +54,10 @@ if triton is not None:
 
     @triton.jit
     def _order_key(score):
-        """float32 → int32 with the same order (negative floats' magnitude bits flipped)."""
+        """float32 → int32 with the same order: the bits, negated magnitude for negative floats. So -0.0 and 0.0
+        share a key (they tie in the reference's sort too), and every key is ≥ -(2^31 - 1)."""
         bits = score.to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
 
     @triton.jit
     def _cluster_keys(members, scores, start, n, BLOCK: tl.constexpr):
@@ -60,12 +69,14 @@ if triton is not None:
 
     @triton.jit
     def take_top(pos, key, ok, quota, n, out):
-        """A cluster held in registers — positions ``pos``, order keys ``key``, lanes ``ok`` (n of them) — → its
-        ``quota`` best positions written to ``out`` in position order (ties at the threshold by position)."""
-        # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at lo = −2^31, never at 2^31.
-        lo = tl.full([], -2147483648, tl.int64)
-        hi = tl.full([], 2147483648, tl.int64)
-        above_lo = n  # count(key ≥ lo); the search ends early once it is exactly the quota
+        """A cluster held in registers — positions ``pos``, order keys ``key`` (``_order_key``), lanes ``ok`` (n of
+        them) — → its ``quota`` best positions written to ``out`` in position order (ties at the threshold by
+        position). 0 < quota; a quota ≥ n takes every position."""
+        # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at the smallest key, never past the
+        # largest. The search ends early once count(key ≥ lo) is exactly the quota.
+        lo = tl.min(tl.where(ok, key, 2147483647), axis=0).to(tl.int64)
+        hi = tl.max(tl.where(ok, key, -2147483647), axis=0).to(tl.int64) + 1
+        above_lo = n
         while (hi - lo > 1) & (above_lo > quota):
             mid = lo + (hi - lo) // 2
             count = tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
@@ -79,53 +90,83 @@ if triton is not None:
         tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
 
     @triton.jit
-    def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, WIDTH, ROWS_PER_HEAD,
-                       BLOCK: tl.constexpr):
+    def _take_top_blockwise(members, scores, quota, n, out, BLOCK: tl.constexpr):
+        """``take_top`` for a cluster larger than a block: each pass re-reads it a block at a time (from cache)."""
+        lo = tl.full([], 2147483647, tl.int32)
+        hi = tl.full([], -2147483647, tl.int32)
+        for start in range(0, n, BLOCK):
+            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+            lo = tl.minimum(lo, tl.min(tl.where(ok, key, 2147483647), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(ok, key, -2147483647), axis=0))
+        lo = lo.to(tl.int64)
+        hi = hi.to(tl.int64) + 1
+        above_lo = n
+        while (hi - lo > 1) & (above_lo > quota):
+            mid = lo + (hi - lo) // 2
+            count = tl.zeros([], tl.int32)
+            for start in range(0, n, BLOCK):
+                pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+                count += tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
+            lo = tl.where(count >= quota, mid, lo)
+            above_lo = tl.where(count >= quota, count, above_lo)
+            hi = tl.where(count >= quota, hi, mid)
+        tau = lo.to(tl.int32)
+        above = tl.zeros([], tl.int32)
+        for start in range(0, n, BLOCK):
+            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+            above += tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
+        # Above τ: all; at τ: the first ones in position order until quota.
+        ties_left = quota - above
+        written = tl.zeros([], tl.int32)
+        for start in range(0, n, BLOCK):
+            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+            tie = ok & (key == tau)
+            keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
+            tl.store(out + written + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
+            written += tl.sum(keep.to(tl.int32), axis=0)
+            ties_left -= tl.sum((tie & keep).to(tl.int32), axis=0)
+
+    @triton.jit
+    def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, WIDTH, ROWS_PER_HEAD, LOW, HIGH,
+                       BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr):
+        """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring)."""
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
         c = tl.program_id(1)
         head = p // ROWS_PER_HEAD  # (batch row, KV head)
-        quota = tl.load(QUOTAS + p * C + c)
         n = tl.load(COUNTS + head * C + c)
-        out = OUT + p * WIDTH + tl.load(OFFSETS + p * C + c)
-        members = MEMBERS + (head * C + c) * S
-        scores = SCORES + p * N
-        if quota > 0:
-            if n <= BLOCK:  # the whole cluster in registers: one gather, then counts over registers
-                pos, key, ok = _cluster_keys(members, scores, 0, n, BLOCK)
-                take_top(pos, key, ok, quota, n, out)
-            else:  # a cluster larger than a block: the same, a block at a time (re-read from cache)
-                lo = tl.full([], -2147483648, tl.int64)
-                hi = tl.full([], 2147483648, tl.int64)
-                above_lo = n
-                while (hi - lo > 1) & (above_lo > quota):
-                    mid = lo + (hi - lo) // 2
-                    count = tl.zeros([], tl.int32)
-                    for start in range(0, n, BLOCK):
-                        pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
-                        count += tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
-                    lo = tl.where(count >= quota, mid, lo)
-                    above_lo = tl.where(count >= quota, count, above_lo)
-                    hi = tl.where(count >= quota, hi, mid)
-                tau = lo.to(tl.int32)
-                above = tl.zeros([], tl.int32)
+        if (n > LOW) & (n <= HIGH):
+            quota = tl.load(QUOTAS + p * C + c)
+            out = OUT + p * WIDTH + tl.load(OFFSETS + p * C + c)
+            members = MEMBERS + (head * C + c) * S
+            if quota >= n:  # the whole cluster (often, for small ones): its positions as listed, no scores read
                 for start in range(0, n, BLOCK):
-                    pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
-                    above += tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
-                # Above τ: all; at τ: the first ones in position order until quota.
-                ties_left = quota - above
-                written = tl.zeros([], tl.int32)
-                for start in range(0, n, BLOCK):
-                    pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
-                    tie = ok & (key == tau)
-                    keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
-                    tl.store(out + written + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
-                    written += tl.sum(keep.to(tl.int32), axis=0)
-                    ties_left -= tl.sum((tie & keep).to(tl.int32), axis=0)
+                    offs = start + tl.arange(0, BLOCK)
+                    tl.store(out + offs, tl.load(members + offs, mask=offs < n).to(tl.int64), mask=offs < n)
+            elif quota > 0:
+                if BLOCKWISE:
+                    _take_top_blockwise(members, SCORES + p * N, quota, n, out, BLOCK)
+                else:
+                    pos, key, ok = _cluster_keys(members, SCORES + p * N, 0, n, BLOCK)
+                    take_top(pos, key, ok, quota, n, out)
+
+
+def size_classes(largest: int) -> list[tuple[int, int, int]]:
+    """The launches for clusters of at most ``largest`` members: (low, high, block) per size class low < n ≤ high,
+    doubling from ``SMALL_CLUSTER`` to ``REGISTER_LIMIT`` (block = high, held in registers), then (REGISTER_LIMIT,
+    largest] a block of REGISTER_LIMIT at a time. Only classes some cluster can fall in."""
+    classes, low, block = [], 0, min(SMALL_CLUSTER, REGISTER_LIMIT)
+    while low < largest:
+        if low >= REGISTER_LIMIT:
+            classes.append((low, largest, REGISTER_LIMIT))
+            break
+        classes.append((low, block, block))
+        low, block = block, min(2 * block, REGISTER_LIMIT)
+    return classes
 
 
 def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tensor, width: int) -> Tensor:
     """scores ``[B, Hkv, Gs, T, N]``, members/counts from ``cluster_members``, quotas ``[B, Hkv, Gs, T, C]`` (each
-    q_b ≤ n_b, Σ_b q_b ≤ width) → positions ``[B, Hkv, Gs, T, width]``, -1 padded."""
+    q_b ≤ n_b, Σ_b q_b ≤ width) → positions ``[B, Hkv, Gs, T, width]``, -1 padded. No host-device sync."""
     B, Hkv, Gs, T, N = scores.shape
     C, S = members.shape[-2:]
     rows = B * Hkv * Gs * T
@@ -133,8 +174,9 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     offsets = (quotas.cumsum(-1) - quotas).contiguous()
     out = torch.full((rows, max(width, 1)), -1, dtype=torch.long, device=scores.device)
     if rows and C:
-        block = min(triton.next_power_of_2(S), REGISTER_LIMIT)
-        _select_kernel[(rows, C)](scores.float().reshape(rows, N).contiguous(), members, counts, quotas, offsets,
-                                  out, N, C, S, out.shape[-1], Gs * T, BLOCK=block,
-                                  num_warps=max(4, min(8, block // 512)))
+        flat = scores.float().reshape(rows, N).contiguous()
+        for low, high, block in size_classes(S):
+            _select_kernel[(rows, C)](flat, members, counts, quotas, offsets, out, N, C, S, out.shape[-1], Gs * T,
+                                      low, high, BLOCK=block, BLOCKWISE=low >= block,
+                                      num_warps=max(4, min(8, block // 512)))
     return out[:, :width].view(B, Hkv, Gs, T, width)

@@ -71,6 +71,7 @@ def _pipeline_with(**components):
 def test_a_component_breaking_its_contract_at_run_time_is_named():
     from conftest import make_inputs
     from oa_core.components import Clusterer, Clusters, ContractViolation, Kernel
+    from oa_plugins.selectors.qgs import QuerySubspaceSelector
 
     keys, values, prefill, decode = make_inputs(tokens=200, seed=3)
 
@@ -89,6 +90,16 @@ def test_a_component_breaking_its_contract_at_run_time_is_named():
     pipe = _pipeline_with(kernel=HalfKernel())
     with pytest.raises(ContractViolation, match="kernel 'half-test'.*the query's shape .* and dtype torch.float32"):
         pipe.attend(decode, pipe.prepare(keys, values, prefill), validate=False)  # shape/dtype: checked always
+
+    class PositionOrder(QuerySubspaceSelector):
+        name = "position-order-test"
+
+        def select(self, scores, assignment, quotas, width=None, members=None):  # the right rows, not by cluster
+            return super().select(scores, assignment, quotas, width, members).sort(-1, descending=True).values
+
+    pipe = _pipeline_with(selector=PositionOrder())
+    with pytest.raises(ContractViolation, match="selector 'position-order-test'.*each cluster's q_b positions as one run"):
+        pipe.attend(decode, pipe.prepare(keys, values, prefill))
 
     class OneCluster(Clusterer):
         name = "one-test"

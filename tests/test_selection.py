@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from oa_core.components import Selector  # noqa: E402
 from oa_core import selection  # noqa: E402
-from oa_core.selection import cluster_members, select_per_cluster  # noqa: E402
+from oa_core.selection import cluster_members, select_per_cluster, size_classes  # noqa: E402
 from oa_plugins.selectors.qgs import int8_scores, quantize  # noqa: E402
 
 
@@ -42,6 +42,76 @@ def test_per_cluster_selection_matches_the_reference_set(register_limit, monkeyp
     assert fast.shape == reference.shape
     assert torch.equal(fast.sort(-1).values, reference.sort(-1).values)
     assert bool(((fast >= 0).sum(-1) == quotas.sum(-1)).all())
+
+
+def _cluster_major(reference, assignment):
+    """The reference's positions listed as the kernel lists them: by cluster, each in position order, -1 last."""
+    N = assignment.shape[-1]
+    cluster = assignment[:, :, None, None, :].expand(*reference.shape[:-1], N).gather(-1, reference.clamp_min(0))
+    order = torch.where(reference >= 0, cluster * N + reference, (N + 1) * N).argsort(-1)
+    return reference.gather(-1, order)
+
+
+def test_size_classes_cover_every_cluster_size_once():
+    assert size_classes(1) == [(0, 1024, 1024)]
+    assert size_classes(3000) == [(0, 1024, 1024), (1024, 2048, 2048), (2048, 4096, 4096)]
+    assert size_classes(5000)[-2:] == [(2048, 4096, 4096), (4096, 5000, 4096)]
+    for largest in (1, 511, 512, 513, 4096, 4097, 10000):
+        classes = size_classes(largest)
+        assert classes[0][0] == 0 and classes[-1][1] >= largest
+        assert all(a[1] == b[0] for a, b in zip(classes, classes[1:]))  # contiguous, not overlapping
+
+
+def test_every_size_class_matches_the_reference_layout(monkeypatch):
+    """Classes (0, 4], (4, 8], (8, 16] in registers and (16, 40] a block at a time, over ragged clusters (one
+    empty), with quotas 0, 1, n - 1, n and random, ties (across clusters, ±0) and negative scores."""
+    monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
+    monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
+    gen = torch.Generator().manual_seed(2)
+    sizes = torch.tensor([1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 40, 0])
+    C = len(sizes)
+    B, H, Gs, T = 2, 2, 2, 1
+    N = 4 + int(sizes.sum()) + 6
+    inside = torch.repeat_interleave(torch.arange(C), sizes)
+    assignment = torch.full((B, H, N), C)
+    for b in range(B):
+        for h in range(H):
+            assignment[b, h, 4:-6] = inside[torch.randperm(len(inside), generator=gen)]
+    members, counts = cluster_members(assignment, C)
+    assert [low for low, _, _ in size_classes(members.shape[-1])] == [0, 4, 8, 16]
+    scores = torch.randn(B, H, Gs, T, N, generator=gen)
+    scores[0, 0, 0] = torch.randint(-2, 3, (T, N), generator=gen).float()  # many ties
+    scores[0, 1, 1] = torch.tensor([0.0, -0.0])[torch.randint(2, (T, N), generator=gen)]  # ±0 tie
+    scores[1, 0] = -scores[1, 0].abs() - 1e3  # negative scores only
+    scores[1, 1, 0] = 0.25  # everything tied
+    scores = scores.masked_fill((assignment == C)[:, :, None, None], -math.inf)
+    n = counts[:, :, None, None].expand(B, H, Gs, T, C)
+    draw = (torch.rand(B, H, Gs, T, C, generator=gen) * (n + 1)).long().clamp(max=n)
+    pick = torch.randint(5, (B, H, Gs, T, C), generator=gen)  # 0, 1, n - 1, n, random
+    quotas = torch.stack([torch.zeros_like(n), n.clamp(max=1), (n - 1).clamp_min(0), n, draw], -1)
+    quotas = quotas.gather(-1, pick[..., None]).squeeze(-1)
+    quotas[0, 0, 0] = n[0, 0, 0].clamp(max=2)  # the best one or two of ties
+    quotas[1, 1, 1] = draw[1, 1, 1]
+    width = int(quotas.sum(-1).max()) + 3
+    fast = select_per_cluster(scores, members, counts, quotas, width)
+    reference = Selector.select(None, scores, assignment, quotas, width)
+    assert torch.equal(fast, _cluster_major(reference, assignment))
+    assert bool(((fast >= 0).sum(-1) == quotas.sum(-1)).all())
+
+
+@pytest.mark.parametrize("size", [3, 7, 12, 30])
+def test_ties_at_the_top_are_taken_in_position_order(size, monkeypatch):
+    """One cluster (of each size class below), its best score held by every other position, quotas below that
+    count: exactly the first ones, nothing written past the quota (no later cluster's slot to hide it)."""
+    monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
+    monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
+    assignment = torch.zeros(1, 1, size, dtype=torch.long)
+    members, counts = cluster_members(assignment, 1)
+    scores = torch.where(torch.arange(size) % 2 == 0, 3.0, -torch.arange(size).float()).expand(1, 1, 1, 3, size)
+    quotas = torch.tensor([1, 2, size - 1]).view(1, 1, 1, 3, 1)
+    fast = select_per_cluster(scores, members, counts, quotas, size)
+    reference = Selector.select(None, scores, assignment, quotas, size)
+    assert torch.equal(fast, _cluster_major(reference, assignment))
 
 
 def test_int8_scores_match_the_reference():

@@ -6,18 +6,36 @@ q_b = min(n_b, λ ε̂_b / max ε̂) with Σ q_b = E_sel (Eq. 7). Everything is 
 
 With a GQA group sharing one selection, each head's ε̂ is divided by its Gaussian estimate of the partition function
 Ẑ = Σ_b n_b e^{z̄_b + σ̂_b²/2} (so it becomes that head's relative error, Eq. 3) and the heads' shares are summed.
+
+On CUDA tensors all of it — the priority, the sum over the group and the water-filling — is one Triton kernel, a
+program per selection row (``allocate_triton``); on the CPU the torch ops below run, the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor
 
-from oa_core import hookimpl
+from oa_core import hookimpl, triton_path
 from oa_core.components import AllocationInput
-from oa_plugins.allocators.water_filling import WaterFillAllocator, log_total
+from oa_plugins.allocators.water_filling import WaterFillAllocator, launch_config, log_total, triton, triton_applies
+
+libdevice = None
+if triton is not None:
+    import triton.language as tl
+
+    from oa_plugins.allocators.water_filling import water_fill_row
+
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # pragma: no cover - older triton
+        try:
+            from triton.language.extra.cuda import libdevice
+        except ImportError:
+            pass
 
 
 def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -36,6 +54,105 @@ class ErrorGate(WaterFillAllocator):
     def log_priority(self, inputs: AllocationInput, counts: Tensor) -> Tensor:
         log_error, log_mass = log_error_estimate(inputs.mean_logit, inputs.logit_var, counts)
         return log_error - log_total(log_mass)
+
+    def allocate(self, inputs: AllocationInput) -> Tensor:
+        if fused_applies(inputs):
+            return allocate_triton(inputs)
+        return super().allocate(inputs)
+
+
+# True: ErrorGate runs the fused kernel on CPU tensors too when Triton's interpreter is on (tests that exercise the
+# GPU path on the CPU set it; by default the CPU runs the torch ops, the interpreter being far slower).
+INTERPRET_ON_CPU = False
+
+
+def fused_applies(inputs: AllocationInput, on_cpu: bool | None = None) -> bool:
+    """Whether ``allocate_triton`` serves these inputs: the Triton path applies to their device and size (on the
+    CPU: ``on_cpu``, default INTERPRET_ON_CPU, and the interpreter), and the statistics are float32 (what the kernel
+    computes in, as torch does for float32 inputs)."""
+    on_cpu = INTERPRET_ON_CPU if on_cpu is None else on_cpu
+    return (triton_applies(inputs.mean_logit, on_cpu) and inputs.mean_logit.dtype == torch.float32
+            and inputs.logit_var.dtype == torch.float32 and inputs.counts.dtype == torch.float32)
+
+
+def allocate_triton(inputs: AllocationInput) -> Tensor:
+    """``ErrorGate.allocate`` in one Triton kernel (no host-device sync: capturable in a CUDA graph): per selection
+    row, each head's ln ε̂_b − ln Ẑ in float32 (the torch ops' arithmetic), their logsumexp over the group when it
+    shares the selection, then ``water_fill_row`` in float64. Reads the inputs through their strides."""
+    mean, var, counts = inputs.mean_logit, inputs.logit_var, inputs.counts
+    B, Hkv, g, T, C = mean.shape
+    Gs = inputs.scores.shape[2]
+    G = g // Gs  # query heads per selection row
+    budget = torch.as_tensor(inputs.budget, device=mean.device)
+    budget = budget.view(*budget.shape, *([1] * (4 - budget.dim()))).expand(B, Hkv, Gs, T)
+    out = torch.empty(B, Hkv, Gs, T, C, dtype=torch.long, device=mean.device)
+    rows = B * Hkv * Gs * T
+    if rows and C:
+        block, warps = launch_config(C)
+        with _quiet_interpreter():
+            _errorgate[(rows,)](mean, var, counts, budget, out, *mean.stride(), *var.stride(), *counts.stride(),
+                                *budget.stride(), Hkv, Gs, T, C, G=G, BLOCK_G=triton.next_power_of_2(G),
+                                BLOCK_C=block, LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
+    return out
+
+
+def _quiet_interpreter():
+    """Triton's interpreter runs the kernel in numpy, which warns at ln 0 and ∞ − ∞ (meant: -inf, NaN discarded)."""
+    if not triton_path.interpreting():
+        return contextlib.nullcontext()
+    import numpy
+
+    return numpy.errstate(divide="ignore", invalid="ignore")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _logsumexp(x, axis: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """``torch.logsumexp`` along ``axis``: ln Σ e^{x − m} + m, with m = 0 where the maximum is infinite. e^x is
+        libdevice's, as torch's on CUDA (tl.exp lowers to an approximate ex2); Triton's interpreter has no libdevice."""
+        top = tl.max(x, axis=axis)
+        top = tl.where((top == float("inf")) | (top == float("-inf")), 0.0, top)
+        shifted = x - tl.expand_dims(top, axis)
+        if LIBDEVICE:
+            terms = libdevice.exp(shifted)
+        else:
+            terms = tl.exp(shifted)
+        return tl.log(tl.sum(terms, axis=axis)) + top
+
+    @triton.jit
+    def _errorgate(MEAN, VAR, COUNT, BUDGET, OUT,
+                   sm_b, sm_h, sm_g, sm_t, sm_c, sv_b, sv_h, sv_g, sv_t, sv_c, sn_b, sn_h, sn_c,
+                   sb_b, sb_h, sb_s, sb_t, Hkv, Gs, T, C,
+                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, LIBDEVICE: tl.constexpr):
+        p = tl.program_id(0)
+        b, h, s, t = (p // (T * Gs * Hkv)).to(tl.int64), (p // (T * Gs)) % Hkv, (p // T) % Gs, p % T
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_c = tl.arange(0, BLOCK_C)
+        ok = offs_c < C
+        head = s * G + offs_g
+        tile = (offs_g[:, None] < G) & ok[None, :]
+        # Outside the row (padding lanes and heads) every input reads 0: an empty cluster, -inf throughout.
+        mean = tl.load(MEAN + b * sm_b + h * sm_h + t * sm_t + head[:, None] * sm_g + offs_c[None, :] * sm_c,
+                       mask=tile, other=0.0)
+        var = tl.load(VAR + b * sv_b + h * sv_h + t * sv_t + head[:, None] * sv_g + offs_c[None, :] * sv_c,
+                      mask=tile, other=0.0)
+        count = tl.load(COUNT + b * sn_b + h * sn_h + offs_c * sn_c, mask=ok, other=0.0)
+        # log_error_estimate, op by op in float32: ln n + z̄ + σ²/2, and + ln erf(σ/√2) (-inf for σ = 0 or n = 0).
+        log_mass = (tl.log(count)[None, :] + mean) + var * 0.5
+        sigma = tl.sqrt_rn(var)
+        log_error = log_mass + tl.log(tl.erf(tl.div_rn(sigma, 1.4142135623730951)))
+        # − log_total: each head's ln Ẑ, 0 for a head with no mass (all -inf).
+        total = _logsumexp(log_mass, 1, LIBDEVICE)
+        total = tl.where((total > float("-inf")) & (total < float("inf")), total, 0.0)
+        log_priority = log_error - total[:, None]
+        if G == 1:
+            row = tl.max(log_priority, axis=0)  # the row's only head
+        else:
+            row = _logsumexp(log_priority, 0, LIBDEVICE)  # combine_heads
+        budget = tl.load(BUDGET + b * sb_b + h * sb_h + s * sb_s + t * sb_t).to(tl.float64)
+        quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget, offs_c, ok)
+        tl.store(OUT + p.to(tl.int64) * C + offs_c, quotas, mask=ok)
 
 
 @hookimpl

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from oa_core import triton_path
 from oa_core.components import AllocationInput, Allocator
 
 
@@ -22,7 +23,7 @@ def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> 
     log_priority ``[..., C]``, capacity ``[..., C]`` and budget ``[...]`` (broadcastable) → quotas ``[..., C]`` (long). Clusters of zero
     priority take budget only once every other cluster is full. Rounding: floor, then the largest remainders.
     """
-    if log_priority.is_cuda and triton is not None:
+    if log_priority.is_cuda and triton is not None and log_priority.shape[-1] <= MAX_TRITON_CLUSTERS:
         return water_fill_triton(log_priority, capacity, budget)
     log_priority = log_priority.double()
     capacity = capacity.double().expand_as(log_priority)
@@ -51,6 +52,27 @@ def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> 
     return floor.long() + (rank < remainder).long()
 
 
+# Above this many clusters the [C × C] tiles of the Triton kernels no longer fit in registers: the torch path runs.
+MAX_TRITON_CLUSTERS = 256
+
+
+def triton_applies(tensor: Tensor, on_cpu: bool = False) -> bool:
+    """Whether the Triton allocation kernels run on tensors like ``tensor`` ``[..., C]`` (at most MAX_TRITON_CLUSTERS):
+    CUDA tensors; CPU tensors too when ``on_cpu`` and Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``,
+    as in the tests: tens of ms a row there, so the torch ops stay the CPU path)."""
+    if tensor.shape[-1] > MAX_TRITON_CLUSTERS or triton_path.unavailable_reason(tensor.device) is not None:
+        return False
+    return tensor.is_cuda or on_cpu
+
+
+def launch_config(num_clusters: int) -> tuple[int, int]:
+    """(BLOCK_C, num_warps) of the one-row-per-program kernels over ``num_clusters``. Two warps up to 64 clusters:
+    a row is latency-bound, and one warp spills the [C × C] float64 tiles (sm_90 build: 155 registers, no spills);
+    eight above."""
+    block = max(16, triton.next_power_of_2(num_clusters))
+    return block, 2 if block <= 64 else 8
+
+
 def water_fill_triton(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:
     """``water_fill`` in one Triton kernel (a program per row; the GPU path). Without sorting: the segment of λ
     holding the target comes from f at every breakpoint, f(λ) = Σ_b min(n_b, λ p_b), a [C × C] comparison."""
@@ -61,27 +83,32 @@ def water_fill_triton(log_priority: Tensor, capacity: Tensor, budget: Tensor | i
     budget = torch.as_tensor(budget, dtype=torch.float64, device=log_priority.device).expand(shape[:-1])
     out = torch.empty(rows.shape, dtype=torch.long, device=log_priority.device)
     if rows.numel():
-        _water_fill[(rows.shape[0],)](rows, cap, budget.reshape(-1).contiguous(), out, C,
-                                      BLOCK_C=max(16, triton.next_power_of_2(C)))
+        block, warps = launch_config(C)
+        _water_fill[(rows.shape[0],)](rows, cap, budget.reshape(-1).contiguous(), out, C, BLOCK_C=block,
+                                      num_warps=warps)
     return out.view(shape)
 
 
 if triton is not None:
 
     @triton.jit
-    def _water_fill(LOG_PRIORITY, CAPACITY, BUDGET, OUT, C, BLOCK_C: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_C)
-        ok = offs < C
-        lp = tl.load(LOG_PRIORITY + row * C + offs, mask=ok, other=float("-inf"))
-        cap = tl.load(CAPACITY + row * C + offs, mask=ok, other=0.0)
-        top = tl.max(lp, axis=0)
-        top = tl.where(top == float("-inf"), 0.0, top)
-        p = tl.exp(lp - top) + 1e-200 * cap
-        target = tl.minimum(tl.load(BUDGET + row), tl.sum(cap, axis=0))
+    def water_fill_row(log_priority, cap, budget, offs, ok):
+        """One row of ``water_fill`` (shared by the Triton allocation kernels): log priorities ``[BLOCK_C]`` (float64,
+        -inf where ``ok`` is False), capacities (float64, 0 there) and the row's budget (float64) → quotas (int64).
+
+        Without sorting: the segment of λ holding the target comes from f at every breakpoint,
+        f(λ) = Σ_b min(n_b, λ p_b), a [C × C] comparison; the largest remainders by a [C × C] rank. Both tiles are
+        [other cluster j, cluster i] and reduce along axis 0, which Triton's default layout keeps within a thread (the
+        other way round costs a warp shuffle per row and twice the instructions)."""
+        top = tl.max(log_priority, axis=0)
+        top = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+        # The 1e-200 floor (a float64 constant) keeps λ finite when every estimate is zero, and orders zero-priority
+        # clusters last.
+        p = tl.exp(log_priority - top) + 1e-200 * cap
+        target = tl.minimum(budget, tl.sum(cap, axis=0))
         breaks = tl.where(cap > 0, cap / tl.where(cap > 0, p, 1.0), 0.0)  # p > 0 wherever cap > 0
         # f at each breakpoint; those below the target are passed (their clusters full), the rest still grow.
-        at_break = tl.sum(tl.minimum(cap[None, :], breaks[:, None] * p[None, :]), axis=1)
+        at_break = tl.sum(tl.minimum(cap[:, None], breaks[None, :] * p[:, None]), axis=0)
         passed = (at_break < target) & ok
         full = tl.sum(tl.where(passed, cap, 0.0), axis=0)
         slope = tl.sum(tl.where(passed | ~ok, 0.0, p), axis=0)
@@ -91,10 +118,21 @@ if triton is not None:
         remainder = tl.floor(target - tl.sum(tl.where(ok, floor, 0.0), axis=0) + 0.5)  # an integer in float64
         fraction = tl.where((floor < cap) & ok, quotas - floor, -1.0)
         # Rank by fraction, descending, ties by index (a stable sort's order).
-        ahead = (fraction[None, :] > fraction[:, None]) | ((fraction[None, :] == fraction[:, None])
-                                                           & (offs[None, :] < offs[:, None]))
-        rank = tl.sum((ahead & ok[None, :]).to(tl.int32), axis=1)
-        tl.store(OUT + row * C + offs, floor.to(tl.int64) + (rank < remainder).to(tl.int64), mask=ok)
+        ahead = (fraction[:, None] > fraction[None, :]) | ((fraction[:, None] == fraction[None, :])
+                                                           & (offs[:, None] < offs[None, :]))
+        rank = tl.sum((ahead & ok[:, None]).to(tl.int32), axis=0)
+        return floor.to(tl.int64) + (rank < remainder).to(tl.int64)
+
+    @triton.jit
+    def _water_fill(LOG_PRIORITY, CAPACITY, BUDGET, OUT, C, BLOCK_C: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_C)
+        ok = offs < C
+        lp = tl.load(LOG_PRIORITY + row * C + offs, mask=ok, other=float("-inf"))
+        cap = tl.load(CAPACITY + row * C + offs, mask=ok, other=0.0)
+        quotas = water_fill_row(lp, cap, tl.load(BUDGET + row), offs, ok)
+        tl.store(OUT + row * C + offs, quotas, mask=ok)
+
 
 
 def log_total(log_values: Tensor) -> Tensor:

@@ -2,33 +2,36 @@
 
 Per selection row p (a batch row, KV head, selection head and query) the exact rows X_p are read by index and the G
 query heads that share the selection (the whole GQA group with ``gqa: shared``, one head otherwise) are served by
-each row read. Four kernels; each KV byte is read once:
+each row read. A selection from the pipeline lists each cluster's selected rows as one run (``Selection.runs``); one
+without runs is regrouped by cluster first. Four kernels; each KV byte is read once:
 
-1. ``_exact_logits`` (split over X_p): keys of X_p → z_i = s·q·k_i + ln η_i (float32, a K-wide buffer per head).
-2. ``_proxies`` (one program per row): reduces the row's z per cluster (one-hot dots: Σ_{X∩b} z_i and |X∩b|) and
-   forms every proxy from the pooled sums minus the rows read, without reading a key again: n_T = n_b − |X∩b|,
-   ℓ_b = (s·q·Σk_b − Σ_{X∩b} z_i)/n_T + ln n_T; the row's maximum m over {z_i} ∪ {ℓ_b}; each proxy's per-token
-   weight g_b e^{−m} (g_b = e^{ℓ_b}/n_T); and the proxies' numerator Σ_b g_b e^{−m} Σv_b and denominator.
-3. ``_weighted_values`` (split over X_p, flash-decoding style): reads the values of its slice once. The proxy
-   numerator Σ_b e^{ℓ_b} v̄_T = Σ_b g_b Σv_b − Σ_{i∈X} g_{c(i)} v_i folds into the row weights
-   e^{z_i − m} − g_{c(i)} e^{−m}. Every split shares m, so the merge is a plain sum of numerators and denominators.
-4. ``_merge``: that sum, plus the proxies' terms, divided and written in the query's layout and dtype.
+1. ``_exact_logits`` (a program per block of index columns): z_i = s·q·k_i + ln η_i (float32, a K-wide buffer).
+2. ``_proxies`` (a program per row and chunk of clusters): from each cluster's run of logits and the pooled sums
+   minus the rows read, without reading a key again: n_T = n_b − |X∩b|, ℓ_b = (s·q·Σk_b − Σ_{X∩b} z_i)/n_T + ln n_T,
+   the per-token weight g_b = e^{ℓ_b}/n_T (stored), and the chunk's part of the softmax, Σ_b g_b Σv_b over
+   Σ_b e^{ℓ_b}, with its own running max.
+3. ``_weighted_values`` (flash-decoding style, a program per row and split of the columns): reads the values of its
+   split once. The proxy numerator Σ_b e^{ℓ_b} v̄_T = Σ_b g_b Σv_b − Σ_{i∈X} g_{c(i)} v_i folds into the row weights
+   e^{z_i} − g_{c(i)} (a column's cluster follows from the runs), so the rows read need no per-cluster sums.
+4. ``_merge``: the parts (splits and chunks) rescaled to one max, summed, divided, written in the query's layout
+   and dtype.
+
+Each kernel's programs form one 1-D grid with the selection row varying fastest (keeping a row's programs together
+measured slower on the H200).
 
 Inputs may be float32, float16 or bfloat16; accumulation is float32. 16-bit inputs use tensor-core dots for q·k and
 w·v; everything else (and float32 inputs throughout) uses ``ieee`` float32 dots, no TF32.
 Where there is no CUDA device (and no ``TRITON_INTERPRET=1``) or no Triton, ``attend`` runs the torch reference and
 says why in ``note``.
 """
-
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
-from oa_core import hookimpl
+from oa_core import hookimpl, triton_path
 from oa_core.components import Kernel, PooledClusters, Selection
 from oa_plugins.kernels.reference import TorchKernel
 
@@ -37,19 +40,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton path can't run on tensors of ``device`` (None: it can)."""
-    if triton is None:
-        return "triton is not installed"
-    if device.type == "cuda" or (_interpreting() and device.type == "cpu"):
-        return None
-    return f"no CUDA device for tensors on {device} (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
 
 
 if triton is not None:
@@ -63,11 +53,12 @@ if triton is not None:
     @triton.jit
     def _exact_logits(Q, K, IDX, LW, Z,
                       sq_b, sq_h, sq_t, sk_b, sk_h, sk_n,
-                      Hkv, Gs, T, KSEL, scale,
+                      ROWS, Hkv, Gs, T, KSEL, scale,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr):
-        p = tl.program_id(0)
-        block = tl.program_id(1)
+        """Program (p, block): z_i = s·q·k_i + ln η_i of BLOCK_K index columns (-inf for padding)."""
+        p = tl.program_id(0) % ROWS
+        block = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -90,89 +81,86 @@ if triton is not None:
                  mask=(offs_g[:, None] < G) & in_row[None, :])
 
     @triton.jit
-    def _proxies(Z, IDX, LW, ASSIGN, Q, KSUM, VSUM, COUNT, M, PER_TOKEN, NUM, DEN, USED,
-                 sq_b, sq_h, sq_t, sa_b, sa_h,
-                 Hkv, Gs, T, KSEL, C, scale,
-                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr):
-        p = tl.program_id(0)
-        b, h, s, t = _row(p, Hkv, Gs, T)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_c = tl.arange(0, BLOCK_C)
-        g_ok = offs_g < G
-        c_ok = offs_c < C
-
-        z_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        read_z = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-        read_n = tl.zeros([BLOCK_C], tl.float32)
-        for start in range(0, KSEL, BLOCK_K):
-            offs_k = start + tl.arange(0, BLOCK_K)
-            in_row = offs_k < KSEL
-            z = tl.load(Z + (p * G + offs_g[:, None]) * KSEL + offs_k[None, :],
-                        mask=g_ok[:, None] & in_row[None, :], other=float("-inf"))
-            z_max = tl.maximum(z_max, tl.max(z, axis=1))
-            if PROXY:
-                idx = tl.load(IDX + p * KSEL + offs_k, mask=in_row, other=-1)
-                valid = idx >= 0
-                cluster = tl.load(ASSIGN + b * sa_b + h * sa_h + tl.where(valid, idx, 0), mask=valid, other=C)
-                onehot = (cluster[:, None] == offs_c[None, :]).to(tl.float32)  # [BLOCK_K, BLOCK_C]
-                lw = tl.load(LW + p * KSEL + offs_k, mask=in_row, other=0.0)
-                raw = tl.where(valid[None, :] & g_ok[:, None], z - lw[None, :], 0.0)
-                read_z += tl.dot(raw, onehot, input_precision="ieee")
-                read_n += tl.sum(onehot, axis=0)
-        m = z_max
-        if PROXY:
-            head = h * (G * Gs) + s * G + offs_g
-            pooled = (b * Hkv + h) * C
-            # s·q·Σk_b, over the head dim in chunks (a [C, D] float32 tile at once would crowd the registers).
-            q_sum = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                q = tl.load(Q + b * sq_b + head[:, None] * sq_h + t * sq_t + offs_d[None, :],
-                            mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-                key_sum = tl.load(KSUM + (pooled + offs_c[:, None]) * D + offs_d[None, :],
-                                  mask=c_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                q_sum += tl.dot(q, tl.trans(key_sum), input_precision="ieee")
-            count = tl.load(COUNT + pooled + offs_c, mask=c_ok, other=0.0)
-            tail = count - read_n
-            has_tail = (tail > 0.5) & c_ok
-            n_tail = tl.where(has_tail, tail, 1.0)
-            proxy = tl.where(has_tail[None, :], (scale * q_sum - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :],
-                             float("-inf"))  # ℓ_b
-            m = tl.maximum(m, tl.max(proxy, axis=1))
-        m = tl.where(m == float("-inf"), 0.0, m)  # a row with nothing to read
-        tl.store(M + p * G + offs_g, m, mask=g_ok)
-        if PROXY:
-            weight = tl.where(has_tail[None, :], tl.exp(proxy - m[:, None]), 0.0)  # e^{ℓ_b − m}
-            per_token = weight / n_tail[None, :]  # g_b e^{−m}
-            tl.store(PER_TOKEN + (p * G + offs_g[:, None]) * C + offs_c[None, :], per_token,
-                     mask=g_ok[:, None] & c_ok[None, :])
-            tl.store(DEN + p * G + offs_g, tl.sum(weight, axis=1), mask=g_ok)
-            tl.store(USED + p, tl.sum(has_tail.to(tl.int32), axis=0))
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                value_sum = tl.load(VSUM + (pooled + offs_c[:, None]) * D + offs_d[None, :],
-                                    mask=c_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                tl.store(NUM + (p * G + offs_g[:, None]) * D + offs_d[None, :],
-                         tl.dot(per_token, value_sum, input_precision="ieee"),
-                         mask=g_ok[:, None] & (offs_d[None, :] < D))
-
-    @triton.jit
-    def _weighted_values(Z, IDX, ASSIGN, V, M, PER_TOKEN, ACC, DEN,
-                         sv_b, sv_h, sv_n, sa_b, sa_h,
-                         Hkv, Gs, T, KSEL, C, SPLITS, PER_SPLIT,
-                         G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, HALF: tl.constexpr):
-        p = tl.program_id(0)
-        split = tl.program_id(1)
+    def _proxies(Z, IDX, LW, RUNS, Q, KSUM, VSUM, COUNT, LOG_G, M_OUT, L_OUT, ACC_OUT, USED_OUT,
+                 sq_b, sq_h, sq_t, ROWS, Hkv, Gs, T, KSEL, C, PER_PROGRAM, CHUNKS, PARTS, scale,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program (p, chunk): the proxies of clusters chunk·PER_PROGRAM, ... from their runs' logits: ℓ_b and
+        ln g_b = ℓ_b − ln n_T (stored for the value pass), and their part of the softmax, Σ_b e^{ℓ_b} Σv_b / n_T."""
+        p = tl.program_id(0) % ROWS
+        chunk = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < G
         d_ok = offs_d < D
-        m = tl.load(M + p * G + offs_g, mask=g_ok, other=0.0)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        head = h * (G * Gs) + s * G + offs_g
+        q = tl.load(Q + b * sq_b + head[:, None] * sq_h + t * sq_t + offs_d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        used = tl.zeros([], tl.int32)
+        for cluster in range(chunk * PER_PROGRAM, tl.minimum(chunk * PER_PROGRAM + PER_PROGRAM, C)):
+            pooled = (b * Hkv + h) * C + cluster
+            lo = tl.load(RUNS + p * (C + 1) + cluster)
+            hi = tl.load(RUNS + p * (C + 1) + cluster + 1)
+            read_z = tl.zeros([BLOCK_G], tl.float32)  # Σ_{X∩b} s·q·k_i
+            read_n = tl.zeros([], tl.int32)
+            for start in range(lo, hi, BLOCK_K):
+                offs_k = start + tl.arange(0, BLOCK_K)
+                in_run = offs_k < hi
+                valid = in_run & (tl.load(IDX + p * KSEL + offs_k, mask=in_run, other=-1) >= 0)
+                z = tl.load(Z + (p * G + offs_g[:, None]) * KSEL + offs_k[None, :],
+                            mask=g_ok[:, None] & valid[None, :], other=0.0)
+                z = z - tl.load(LW + p * KSEL + offs_k, mask=valid, other=0.0)[None, :]
+                read_z += tl.sum(tl.where(valid[None, :], z, 0.0), axis=1)
+                read_n += tl.sum(valid.to(tl.int32), axis=0)
+            tail = tl.load(COUNT + pooled) - read_n.to(tl.float32)
+            has_tail = tail > 0.5
+            n_tail = tl.where(has_tail, tail, 1.0)
+            key_sum = tl.load(KSUM + pooled * D + offs_d, mask=d_ok, other=0.0)
+            ell = (tl.sum(q * key_sum[None, :], axis=1) * scale - read_z) / n_tail + tl.log(n_tail)  # ℓ_b
+            ell = tl.where(g_ok, tl.where(has_tail, ell, float("-inf")), float("-inf"))
+            tl.store(LOG_G + (p * G + offs_g) * C + cluster, ell - tl.log(n_tail), mask=g_ok)
+            if has_tail:
+                value_sum = tl.load(VSUM + pooled * D + offs_d, mask=d_ok, other=0.0)
+                m_new = tl.maximum(m, ell)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m - m_safe)
+                e = tl.exp(ell - m_safe)
+                acc = acc * alpha[:, None] + (e / n_tail)[:, None] * value_sum[None, :]
+                den = den * alpha + e
+                m = m_new
+                used += 1
+        out = (p * PARTS + (PARTS - CHUNKS) + chunk) * G + offs_g
+        tl.store(M_OUT + out, m, mask=g_ok)
+        tl.store(L_OUT + out, den, mask=g_ok)
+        tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(USED_OUT + p * PARTS + (PARTS - CHUNKS) + chunk, used)
+
+    @triton.jit
+    def _weighted_values(Z, IDX, RUNS, V, LOG_G, M_OUT, L_OUT, ACC_OUT, USED_OUT,
+                         sv_b, sv_h, sv_n, ROWS, Hkv, Gs, T, KSEL, C, PER_SPLIT, PARTS,
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, HALF: tl.constexpr):
+        """Program (p, split): Σ w_i v_i and Σ e^{z_i} over its columns, in its own max-subtracted softmax. A row of
+        cluster b's run weighs w_i = e^{z_i} − g_b: the proxy's numerator Σ_b g_b (Σv_b − Σ_{X∩b} v_i) is then
+        complete without summing the rows read per cluster."""
+        p = tl.program_id(0) % ROWS
+        split = tl.program_id(0) // ROWS
+        b, h, s, t = _row(p, Hkv, Gs, T)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_c = tl.arange(0, BLOCK_C)
+        g_ok = offs_g < G
+        d_ok = offs_d < D
+        if PROXY:  # the runs' ends: a column's cluster is the number of ends at or before it
+            ends = tl.load(RUNS + p * (C + 1) + 1 + offs_c, mask=offs_c < C, other=2147483647)
+            first = tl.load(RUNS + p * (C + 1))
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for start in range(split * PER_SPLIT, tl.minimum((split + 1) * PER_SPLIT, KSEL), BLOCK_K):
             offs_k = start + tl.arange(0, BLOCK_K)
             in_row = offs_k < KSEL
@@ -180,61 +168,87 @@ if triton is not None:
             valid = idx >= 0
             both = valid[None, :] & g_ok[:, None]
             z = tl.load(Z + (p * G + offs_g[:, None]) * KSEL + offs_k[None, :], mask=both, other=float("-inf"))
-            e = tl.where(both, tl.exp(z - m[:, None]), 0.0)
-            den += tl.sum(e, axis=1)
-            w = e
-            if PROXY:  # minus the proxy's per-token weight of the row's cluster (C: none)
-                cluster = tl.load(ASSIGN + b * sa_b + h * sa_h + tl.where(valid, idx, 0), mask=valid, other=C)
-                in_cluster = both & (cluster < C)[None, :]
-                w = e - tl.load(PER_TOKEN + (p * G + offs_g[:, None]) * C + cluster[None, :], mask=in_cluster,
-                                other=0.0)
             v = tl.load(V + b * sv_b + h * sv_h + tl.where(valid, idx, 0)[:, None] * sv_n + offs_d[None, :],
                         mask=valid[:, None] & d_ok[None, :], other=0.0)
+            top = tl.max(z, axis=1)
+            if PROXY:
+                cluster = tl.sum((ends[None, :] <= offs_k[:, None]).to(tl.int32), axis=1)
+                in_cluster = valid & (offs_k >= first) & (cluster < C)
+                log_g = tl.load(LOG_G + (p * G + offs_g[:, None]) * C + cluster[None, :],
+                                mask=g_ok[:, None] & in_cluster[None, :], other=float("-inf"))
+                top = tl.maximum(top, tl.max(log_g, axis=1))  # keeps e^{ln g_b − m} ≤ 1
+            m_new = tl.maximum(m, top)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            e = tl.where(both, tl.exp(z - m_safe[:, None]), 0.0)
+            w = e
+            if PROXY:
+                w = e - tl.exp(log_g - m_safe[:, None])
             if HALF:  # weights rounded to the values' 16-bit type for the tensor-core dot
-                acc += tl.dot(w.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v)
             else:
-                acc += tl.dot(w, v.to(tl.float32), input_precision="ieee")
-        out = (p * SPLITS + split) * G + offs_g
-        tl.store(ACC + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(DEN + out, den, mask=g_ok)
-
-
-if triton is not None:
+                acc = acc * alpha[:, None] + tl.dot(w, v.to(tl.float32), input_precision="ieee")
+            den = den * alpha + tl.sum(e, axis=1)
+            m = m_new
+        out = (p * PARTS + split) * G + offs_g
+        tl.store(M_OUT + out, m, mask=g_ok)
+        tl.store(L_OUT + out, den, mask=g_ok)
+        tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(USED_OUT + p * PARTS + split, 0)
 
     @triton.jit
-    def _merge(ACC, DEN, NUM, PDEN, OUT, Hkv, Gs, T, SPLITS,
-               G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr):
-        """Σ over splits (+ the proxies) of numerators and denominators, divided, written in the query's layout and
-        dtype."""
+    def _merge(M_IN, L_IN, ACC_IN, USED_IN, OUT, USED, Hkv, Gs, T, PARTS,
+               G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_PARTS: tl.constexpr):
+        """The parts' numerators and denominators rescaled to one max and summed, divided, written in the query's
+        layout and dtype; the proxies used, summed."""
         p = tl.program_id(0)
         b, h, s, t = _row(p, Hkv, Gs, T)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
-        both = (offs_g[:, None] < G) & (offs_d[None, :] < D)
+        offs_p = tl.arange(0, BLOCK_PARTS)
+        g_ok = offs_g < G
+        both = g_ok[:, None] & (offs_d[None, :] < D)
+        top = tl.max(tl.load(M_IN + (p * PARTS + offs_p[:, None]) * G + offs_g[None, :],
+                             mask=(offs_p[:, None] < PARTS) & g_ok[None, :], other=float("-inf")), axis=0)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        den = tl.zeros([BLOCK_G], tl.float32)
         numerator = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        denominator = tl.zeros([BLOCK_G], tl.float32)
-        for split in range(0, SPLITS):
-            rows = (p * SPLITS + split) * G + offs_g
-            numerator += tl.load(ACC + rows[:, None] * D + offs_d[None, :], mask=both, other=0.0)
-            denominator += tl.load(DEN + rows, mask=offs_g < G, other=0.0)
-        if PROXY:
-            numerator += tl.load(NUM + (p * G + offs_g[:, None]) * D + offs_d[None, :], mask=both, other=0.0)
-            denominator += tl.load(PDEN + p * G + offs_g, mask=offs_g < G, other=1.0)
+        for part in range(0, PARTS):
+            rows = (p * PARTS + part) * G + offs_g
+            w = tl.exp(tl.load(M_IN + rows, mask=g_ok, other=float("-inf")) - top)  # 0 for a part that read nothing
+            den += w * tl.load(L_IN + rows, mask=g_ok, other=0.0)
+            numerator += w[:, None] * tl.load(ACC_IN + rows[:, None] * D + offs_d[None, :], mask=both, other=0.0)
         head = h * (G * Gs) + s * G + offs_g
-        out = numerator / tl.where(offs_g < G, denominator, 1.0)[:, None]  # padding lanes: no 0/0
+        out = numerator / tl.where(g_ok, den, 1.0)[:, None]  # padding lanes: no 0/0
         tl.store(OUT + ((b * (Hkv * G * Gs) + head[:, None]) * T + t) * D + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=both)
+        tl.store(USED + p, tl.sum(tl.load(USED_IN + p * PARTS + offs_p, mask=offs_p < PARTS, other=0), axis=0))
 
 
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(int(n)))
 
 
+def cluster_runs(selection: Selection, assignment: Tensor, num_clusters: int) -> Selection:
+    """A selection regrouped by cluster, with its ``runs``: each row's index stably sorted by the cluster of its
+    positions (rows outside every cluster and padding last), for a selection that does not say how it is laid out."""
+    B, Hkv = assignment.shape[:2]
+    index = selection.index
+    cluster = assignment.gather(-1, index.clamp_min(0).reshape(B, Hkv, -1)).reshape(index.shape)
+    cluster = cluster.masked_fill(index < 0, num_clusters)
+    cluster, order = cluster.sort(dim=-1, stable=True)
+    bounds = torch.arange(num_clusters + 1, device=index.device).expand(*index.shape[:-1], -1).contiguous()
+    runs = torch.searchsorted(cluster.contiguous(), bounds).to(torch.int32)
+    return Selection(index.gather(-1, order), selection.log_weight.gather(-1, order), runs)
+
+
 class FlashKernel(Kernel):
     """OpenAttention.flash: Triton decode kernels over the exact rows and one proxy per cluster."""
 
     name = "flash"
-    block_k = 64
+    block_k = 64  # index columns per block of the logits and value passes
+    clusters_per_program: int | None = None  # the proxy pass; None: 8 on a GPU, all under the interpreter
     poison = False  # fill the output buffers with NaN before launching (tests: every element must be written)
 
     def __init__(self, config=None) -> None:
@@ -243,7 +257,7 @@ class FlashKernel(Kernel):
 
     def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
                proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
-        reason = unavailable_reason(query.device)
+        reason = triton_path.unavailable_reason(query.device)
         if reason is not None:
             self.note = f"torch reference: {reason}"
             return TorchKernel().attend(query, keys, values, selection, proxies, scale)
@@ -252,7 +266,7 @@ class FlashKernel(Kernel):
             out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale,
                                                                    enable_gqa=keys.shape[1] != query.shape[1])
             return out, None
-        self.note = "triton" + (" (interpreter)" if _interpreting() else "")
+        self.note = "triton" + (" (interpreter)" if triton_path.interpreting() else "")
         return self._sparse(query, keys, values, selection, proxies, scale)
 
     def _sparse(self, query, keys, values, selection, proxies, scale):
@@ -260,61 +274,64 @@ class FlashKernel(Kernel):
         Hkv = keys.shape[1]
         Gs = selection.index.shape[2]
         G = Hq // Hkv // Gs  # query heads served by each selection
-        ksel = selection.index.shape[-1]
         P = B * Hkv * Gs * T
         device = query.device
         if query.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
             query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()
-        index = selection.index.reshape(P, ksel).contiguous()
-        log_weight = selection.log_weight.float().reshape(P, ksel).contiguous()
-
-        def empty(*shape):  # float32 buffers every element of which the kernels write
-            return torch.full(shape, math.nan, device=device) if self.poison else torch.empty(shape, device=device)
-
-        logits = empty(P, G, max(ksel, 1))
-        block_k, block_g, block_d = self.block_k, _pow2(G), _pow2(D)
-        # 16-bit inputs use tensor-core dots. Triton's CPU interpreter (3.9) gets bf16 dots wrong, so there bf16 is
-        # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
-        half = query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not _interpreting())
-        if ksel:
-            _exact_logits[(P, triton.cdiv(ksel, block_k))](
-                query, keys, index, log_weight, logits,
-                query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-                Hkv, Gs, T, ksel, scale, G=G, BLOCK_G=block_g, BLOCK_K=block_k, D=D, BLOCK_D=block_d, HALF=half)
-
         proxy = proxies is not None
         C = proxies.count.shape[-1] if proxy else 0
+        if proxy and selection.runs is None:
+            selection = cluster_runs(selection, proxies.assignment, C)
+        ksel = selection.index.shape[-1]
+        index = selection.index.reshape(P, ksel).contiguous()
+        log_weight = selection.log_weight.float().reshape(P, ksel).contiguous()
         if proxy:
-            assignment = proxies.assignment
+            runs = selection.runs.to(torch.int32).reshape(P, C + 1).contiguous()
             key_sum, value_sum = proxies.key_sum.float().contiguous(), proxies.value_sum.float().contiguous()
             count = proxies.count.float().contiguous()
         else:
-            assignment = key_sum = value_sum = count = logits  # unused placeholders
-        row_max, per_token = empty(P, G), empty(P, G, max(C, 1))
-        proxy_num, proxy_den = (empty(P, G, D), empty(P, G)) if proxy else (None, None)
-        used = torch.zeros(P, device=device, dtype=torch.int32)
-        sa = (assignment.stride(0), assignment.stride(1)) if proxy else (0, 0)
-        _proxies[(P,)](
-            logits, index, log_weight, assignment, query, key_sum, value_sum, count, row_max, per_token,
-            proxy_num if proxy else logits, proxy_den if proxy else logits, used,
-            query.stride(0), query.stride(1), query.stride(2), *sa, Hkv, Gs, T, ksel, C, scale,
-            G=G, BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_C=_pow2(max(C, 1)), D=D, BLOCK_D=min(block_d, 64),
-            PROXY=proxy)
-        # Splits: about 1024 programs (several per SM, to hide the gathers' latency), each at least one block of rows.
+            runs = key_sum = value_sum = count = log_weight  # unused placeholders
+
+        block_k, block_g, block_d = self.block_k, _pow2(G), _pow2(D)
         blocks = max(1, triton.cdiv(ksel, block_k))
-        splits = max(1, min(blocks, triton.cdiv(1024, P)))
+        # Splits of the value pass: about 2048 programs (to hide the gathers' latency), each at least one block.
+        splits = max(1, min(blocks, triton.cdiv(2048, P)))
         per_split = triton.cdiv(blocks, splits) * block_k
-        splits = max(1, triton.cdiv(max(ksel, 1), per_split))
-        acc, den = empty(P, splits, G, D), empty(P, splits, G)
-        _weighted_values[(P, splits)](
-            logits, index, assignment, values, row_max, per_token, acc, den,
-            values.stride(0), values.stride(1), values.stride(2), *sa, Hkv, Gs, T, ksel, C, splits, per_split,
-            G=G, BLOCK_G=block_g, BLOCK_K=block_k, D=D, BLOCK_D=block_d, PROXY=proxy, HALF=half)
-        out = torch.empty(B, Hq, T, D, device=device, dtype=query.dtype)
-        if self.poison:
-            out.fill_(math.nan)
-        _merge[(P,)](acc, den, proxy_num if proxy else acc, proxy_den if proxy else den, out, Hkv, Gs, T, splits,
-                     G=G, BLOCK_G=block_g, D=D, BLOCK_D=block_d, PROXY=proxy)
+        splits = max(1, triton.cdiv(ksel, per_split))
+        per_program = self.clusters_per_program or (max(C, 1) if triton_path.interpreting() else 8)
+        chunks = triton.cdiv(C, per_program)
+        parts = splits + chunks
+
+        def empty(*shape, dtype=torch.float32):  # buffers every element of which the kernels write
+            if self.poison:
+                return torch.full(shape, -1 if dtype == torch.int32 else math.nan, dtype=dtype, device=device)
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        logits = empty(P, G, max(ksel, 1))
+        row_max, den, acc = empty(P, parts, G), empty(P, parts, G), empty(P, parts, G, D)
+        used_parts = empty(P, parts, dtype=torch.int32)
+        log_g = empty(P, G, max(C, 1))
+        # 16-bit inputs use tensor-core dots. Triton's CPU interpreter (3.9) gets bf16 dots wrong, so there bf16 is
+        # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
+        half = query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not triton_path.interpreting())
+        _exact_logits[(P * blocks,)](
+            query, keys, index, log_weight, logits,
+            query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+            P, Hkv, Gs, T, ksel, scale, G=G, BLOCK_G=block_g, BLOCK_K=block_k, D=D, BLOCK_D=block_d, HALF=half)
+        if proxy:
+            _proxies[(P * chunks,)](
+                logits, index, log_weight, runs, query, key_sum, value_sum, count, log_g, row_max, den, acc,
+                used_parts, query.stride(0), query.stride(1), query.stride(2), P, Hkv, Gs, T, ksel, C, per_program,
+                chunks, parts, scale, G=G, BLOCK_G=block_g, BLOCK_K=16, D=D, BLOCK_D=block_d)
+        _weighted_values[(P * splits,)](
+            logits, index, runs, values, log_g, row_max, den, acc, used_parts,
+            values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, max(C, 1), per_split,
+            parts, G=G, BLOCK_G=block_g, BLOCK_K=block_k, BLOCK_C=_pow2(max(C, 1)), D=D, BLOCK_D=block_d,
+            PROXY=proxy, HALF=half)
+        out = empty(B, Hq, T, D, dtype=query.dtype)
+        used = empty(P, dtype=torch.int32)
+        _merge[(P,)](row_max, den, acc, used_parts, out, used, Hkv, Gs, T, parts,
+                     G=G, BLOCK_G=block_g, D=D, BLOCK_D=block_d, BLOCK_PARTS=_pow2(parts, 2))
         return out, used.view(B, Hkv, Gs, T) if proxy else None
 
 

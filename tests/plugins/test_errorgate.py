@@ -107,3 +107,94 @@ def test_the_triton_water_fill_matches_the_torch_one():
     reference = water_fill(log_priority, capacity, budget)
     assert torch.equal(fast, reference)
     assert torch.equal(fast.sum(-1), torch.minimum(budget, capacity.sum(-1)).long())
+
+
+def fused_inputs(seed, B=2, H=2, g=4, T=2, C=20, shared=False):
+    """Random AllocationInput with the hard cases: ragged and empty clusters, a row without clusters, clusters of
+    identical logits (σ = 0) in one head and in every head, budgets of 0, ordinary and above Σ n_b, strided stats."""
+    gen = torch.Generator().manual_seed(seed)
+    Gs = 1 if shared else g
+    mean = (torch.randn(B, H, T, g, C + 3, generator=gen) * 3).transpose(2, 3)[..., :C]  # not contiguous
+    var = torch.rand(B, H, g, T, C, generator=gen) * 2
+    var[0, 0, :, :, 3] = 0
+    var[0, 1, g - 1, :, 5] = 0
+    counts = torch.randint(0, 40, (B, H, C), generator=gen).float()
+    counts[0, 0, 7] = 0
+    counts[0, 1, :3] = 0
+    counts[-1, -1] = 0
+    budget = torch.tensor([0, 150, 100_000, 37] * B)[:B * H].view(B, H, 1, 1)
+    scores = torch.zeros(B, H, Gs, T, 8)
+    return AllocationInput(mean, var, counts, scores, torch.zeros(B, H, 8, dtype=torch.long), budget)
+
+
+@pytest.mark.parametrize("g, shared", [(4, False), (4, True), (3, True), (1, False)])
+def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
+    """The GPU path of ErrorGate (priority, sum over the group and water-filling in one Triton kernel), run by Triton's
+    interpreter here, gives the torch ops' quotas exactly."""
+    pytest.importorskip("triton")
+    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
+    from oa_plugins.allocators.water_filling import WaterFillAllocator
+
+    for seed in range(2):
+        inputs = fused_inputs(seed, g=g, shared=shared)
+        if not fused_applies(inputs, on_cpu=True):
+            pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
+        fast = allocate_triton(inputs)
+        reference = WaterFillAllocator.allocate(ErrorGate(), inputs)  # the torch ops
+        assert fast.shape == reference.shape == (2, 2, 1 if shared else g, 2, 20)
+        assert torch.equal(fast, reference)
+        target = torch.minimum(inputs.budget, inputs.counts.sum(-1).long()[..., None, None])
+        assert torch.equal(fast.sum(-1), target.expand(fast.shape[:-1]))
+
+
+def test_the_fused_triton_errorgate_handles_extreme_logits_like_the_torch_one():
+    pytest.importorskip("triton")
+    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
+    from oa_plugins.allocators.water_filling import WaterFillAllocator
+
+    counts = torch.full((8,), 20.0)
+    mean_logit = torch.tensor([1e4, -1e4, 9990.0, 0.0, 1e4, -5e3, 3.0, 9999.0])
+    logit_var = torch.tensor([1.0, 4.0, 1.0, 2.0, 0.5, 1.0, 1.0, 1.0])
+    for budget in (0, 37, 160, 500):
+        inputs = allocation(mean_logit, logit_var, counts, budget)
+        if not fused_applies(inputs, on_cpu=True):
+            pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
+        assert torch.equal(allocate_triton(inputs), WaterFillAllocator.allocate(ErrorGate(), inputs))
+
+
+@pytest.mark.parametrize("C", [5, 64])
+def test_the_triton_water_fill_matches_the_torch_one_at_other_sizes(C):
+    pytest.importorskip("triton")
+    from oa_plugins.allocators.water_filling import water_fill_triton
+
+    gen = torch.Generator().manual_seed(C)
+    rows = 12
+    log_priority = torch.randn(rows, C, generator=gen, dtype=torch.float64) * 3
+    log_priority[0] = -math.inf  # no priorities at all: split by size
+    capacity = torch.randint(0, 50, (rows, C), generator=gen).double()
+    budget = torch.randint(0, 40 * C, (rows,), generator=gen).double()
+    budget[1] = 0
+    assert torch.equal(water_fill_triton(log_priority, capacity, budget), water_fill(log_priority, capacity, budget))
+
+
+def test_errorgate_takes_the_fused_path_where_it_applies(monkeypatch):
+    """The CPU runs the torch ops by default; with INTERPRET_ON_CPU (and the interpreter) ErrorGate.allocate runs the
+    fused kernel, which passes the allocator conformance checks (per head and shared, empty clusters and rows)."""
+    pytest.importorskip("triton")
+    from oa_core.testing import check_allocator
+    from oa_plugins.allocators import errorgate
+
+    inputs = fused_inputs(0, shared=True)
+    assert not errorgate.fused_applies(inputs)
+    if not errorgate.fused_applies(inputs, on_cpu=True):
+        pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
+    fused, calls = errorgate.allocate_triton, []
+
+    def counted(inputs):
+        calls.append(inputs)
+        return fused(inputs)
+
+    monkeypatch.setattr(errorgate, "INTERPRET_ON_CPU", True)
+    monkeypatch.setattr(errorgate, "allocate_triton", counted)
+    check_allocator(ErrorGate)
+    assert calls

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 import oa_core as oa  # noqa: E402
 from conftest import make_inputs  # noqa: E402  (conftest sets TRITON_INTERPRET=1 before any kernel is defined)
 from oa_core.components import Selection  # noqa: E402
-from oa_plugins.kernels import flash  # noqa: E402
+from oa_core import triton_path  # noqa: E402
 from oa_plugins.kernels.flash import FlashKernel  # noqa: E402
 from oa_plugins.kernels.reference import TorchKernel  # noqa: E402
 
@@ -36,10 +36,11 @@ def _case(tokens=203, batch=2, kv_heads=2, group=3, dim=32, queries=2, gqa="per_
     return (*cast, selection, proxies, 1 / math.sqrt(dim))
 
 
-def _compare(case, tolerance):
+def _compare(case, tolerance, clusters_per_program=None, block_k=64):
     query, keys, values, selection, proxies, scale = case
     reference, used_ref = TorchKernel().attend(query, keys, values, selection, proxies, scale)
     kernel = FlashKernel()
+    kernel.clusters_per_program, kernel.block_k = clusters_per_program, block_k
     kernel.poison = True  # NaN in every buffer first: a value the kernels do not write shows up
     out, used = kernel.attend(query, keys, values, selection, proxies, scale)
     assert kernel.note.startswith("triton")
@@ -55,6 +56,13 @@ def _compare(case, tolerance):
 @pytest.mark.parametrize("tail", ["proxy", "discard", "sample"])
 def test_flash_matches_the_reference_fp32(gqa, tail):
     _compare(_case(gqa=gqa, tail=tail), 1e-4)
+
+
+@pytest.mark.parametrize("tail", ["proxy", "discard"])
+def test_the_gpu_partition_of_rows_into_programs(tail):
+    # The GPU's split: several splits of the columns and several chunks of clusters per row, merged.
+    _compare(_case(gqa="shared", tail=tail, batch=1), 1e-4, clusters_per_program=1, block_k=16)
+    _compare(_case(gqa="shared", tail=tail, batch=1), 1e-4, clusters_per_program=3, block_k=32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -96,7 +104,7 @@ def test_dense_attend_and_fallback_reason(monkeypatch):
     dense, _ = kernel.attend(query, keys, values, None, None, scale)
     reference, _ = TorchKernel().attend(query, keys, values, None, None, scale)
     assert torch.allclose(dense, reference, atol=1e-5)
-    monkeypatch.setattr(flash, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_path, "interpreting", lambda: False)
     out, _ = kernel.attend(query, keys, values, None, None, scale)
     assert kernel.note.startswith("torch reference: no CUDA device")
     assert torch.equal(out, reference)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from oa_core.components import Clusters
@@ -37,3 +38,76 @@ def test_extend_matches_building_on_all_keys():
     whole = selector.build(keys, queries, clusters)
     grown = selector.extend(selector.build(keys[:, :, :100], queries, clusters), keys[:, :, 100:])
     assert torch.equal(whole.codes, grown.codes) and torch.allclose(whole.scales, grown.scales)
+
+
+def _reference_group_scores(selector, query, index, keys, scale, shared, outside):
+    """score() per query head, then the group maximum and the mask, in torch."""
+    B, Hq, T, _ = query.shape
+    Hkv = keys.shape[1]
+    scores = selector.score(query, index, keys, scale).view(B, Hkv, Hq // Hkv, T, -1)
+    scores = scores.amax(dim=2, keepdim=True) if shared else scores
+    return scores if outside is None else scores.masked_fill(outside, float("-inf"))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per head"])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "outside"])
+def test_fused_group_scores_match_the_reference(shared, T, masked, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(2)
+    B, Hkv, g, N, D, r = 2, 2, 3, 1000, 32, 16  # N: not a multiple of the block
+    keys = torch.randn(B, Hkv, N, D, generator=gen)
+    query = torch.randn(B, Hkv * g, T, D, generator=gen)
+    selector = QuerySubspaceSelector(QGSConfig(rank=r))
+    index = selector.build(keys, torch.randn(B, Hkv * g, 40, D, generator=gen),
+                           Clusters(torch.zeros(B, Hkv, N, dtype=torch.long), 1))
+    outside = None
+    if masked:
+        outside = torch.rand(B, Hkv, 1, 1, N, generator=gen) < 0.2
+        outside[..., :4] = True  # sink
+        outside[..., -16:] = True  # local window
+    from oa_plugins.selectors import qgs
+
+    launches = []
+    kernel = qgs.group_int8_scores
+    monkeypatch.setattr(qgs, "group_int8_scores", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    fused = selector.group_scores(query, index, keys, 0.125, shared, outside=outside)
+    assert launches == [1]  # the fused kernel, not the torch path
+    reference = _reference_group_scores(selector, query, index, keys, 0.125, shared, outside)
+    assert fused.shape == reference.shape == (B, Hkv, 1 if shared else g, T, N)
+    assert fused.dtype == torch.float32
+    if outside is not None:
+        assert torch.equal(fused == float("-inf"), outside.expand_as(fused))
+    assert torch.allclose(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_group_scores_take_any_broadcastable_mask_and_odd_ranks(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from oa_plugins.selectors.qgs import group_int8_scores
+
+    gen = torch.Generator().manual_seed(3)
+    B, Hkv, g, T, N, r = 2, 3, 2, 2, 77, 12  # r: not a power of two
+    codes, scales = quantize(torch.randn(B, Hkv, N, r, generator=gen) * 2)
+    projected = torch.randn(B, Hkv, g * T, r, generator=gen)
+    outside = torch.rand(B, 1, g, T, N, generator=gen) < 0.3  # per head and query, shared over KV heads
+    fused = group_int8_scores(projected, codes, scales, 0.5, T, 1, outside, block_n=32)
+    reference = (projected @ codes.float().transpose(-1, -2)) * (0.5 * scales[:, :, None, :])
+    reference = reference.view(B, Hkv, g, T, N).masked_fill(outside, float("-inf"))
+    assert torch.allclose(fused, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused == float("-inf"), outside.expand_as(fused))
+
+
+def test_group_scores_without_the_interpreter_use_the_torch_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(1, 2, 50, 16, generator=gen)
+    query = torch.randn(1, 4, 1, 16, generator=gen)
+    selector = QuerySubspaceSelector(QGSConfig(rank=8))
+    index = selector.build(keys, query, Clusters(torch.zeros(1, 2, 50, dtype=torch.long), 1))
+    outside = torch.zeros(1, 2, 1, 1, 50, dtype=torch.bool)
+    outside[..., :3] = True
+    scores = selector.group_scores(query, index, keys, 0.25, True, outside=outside)
+    reference = _reference_group_scores(selector, query, index, keys, 0.25, True, outside)
+    assert torch.equal(scores, reference)
