@@ -7,7 +7,8 @@ density. Per configuration, timed with ``triton.testing.do_bench`` (median) in o
   allocator), selection (per-cluster top-q), kernel (flash); and ``attend`` end to end;
 - bytes: what dense reads (K and V), what the sparse stage must read at least (exact rows, int8 codes, a 1-byte
   cluster id per token, pooled sums) and the floor time of those bytes at the bandwidth dense reached in this run.
-Also prepare (clustering + index) per layer against the layer's dense causal prefill attention.
+Also prepare (clustering + index) per layer against the layer's dense causal prefill attention, and a decode step's
+growth outside attend (one token appended, the plan rebuilt) against dense decode.
 
 Correctness first: at every shape flash is checked against the torch reference (relative error) on a fresh,
 NaN-poisoned output. Writes benchmarks/results/kernel_h200.json and prints a table.
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    results, prepare = [], []
+    results, prepare, growth = [], [], []
     for batch in args.batch:
         for context in args.context:
             gen = torch.Generator(device=device).manual_seed(0)
@@ -225,6 +226,19 @@ def main(argv=None) -> int:
                           + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
                           f"reference: {row['allocation_matches_reference']}"
                           + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else ""), flush=True)
+                # A decode step's growth, outside attend: one token appended (the cache concatenated, as transformers'
+                # DynamicCache does, a token leaving the local window joining its cluster) and the plan rebuilt.
+                new_key, new_value = keys[:, :, -1:].clone(), values[:, :, -1:].clone()
+
+                def grow(state=state):
+                    grown = state.fork()
+                    grown.append(new_key, new_value)
+                    grown.plan()
+
+                growth.append({"batch": batch, "context": context, "gqa": gqa, "append_and_plan_ms": round(bench(grow), 4),
+                               "dense_ms": round(dense_ms, 4),
+                               "cache_concat_ms": round(bench(lambda: torch.cat([keys, new_key], dim=2)) * 2, 4)})
+                print(f"decode growth: {growth[-1]}", flush=True)
                 if batch == 1 and gqa == args.gqa[0]:
                     q_prefill = torch.randn(1, HQ, context, D, device=device, dtype=torch.bfloat16)
                     causal_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -236,7 +250,7 @@ def main(argv=None) -> int:
                 del state
             del keys, values
             torch.cuda.empty_cache()
-            write(args, results, prepare)
+            write(args, results, prepare, growth)
     print(f"wrote {args.out}")
     return 0
 
@@ -252,7 +266,7 @@ def sm_clock() -> str:
         return "unknown"
 
 
-def write(args, results, prepare) -> None:
+def write(args, results, prepare, growth) -> None:
     """The record so far (written after every batch × context, so that a run cut short keeps what it measured)."""
     import triton
 
@@ -263,6 +277,7 @@ def write(args, results, prepare) -> None:
         "clusters": args.clusters,
         "results": results,
         "prepare": prepare,
+        "decode_growth": growth,
         "machine": {"gpu": torch.cuda.get_device_name(), "python": platform.python_version(),
                     "sms": torch.cuda.get_device_properties(0).multi_processor_count, "sm_clock": sm_clock(),
                     "torch": torch.__version__, "triton": triton.__version__, "openattention": oa.__version__},
