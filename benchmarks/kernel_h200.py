@@ -226,18 +226,26 @@ def main(argv=None) -> int:
                           + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
                           f"reference: {row['allocation_matches_reference']}"
                           + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else ""), flush=True)
-                # A decode step's growth, outside attend: one token appended (the cache concatenated, as transformers'
-                # DynamicCache does, a token leaving the local window joining its cluster) and the plan rebuilt.
+                # A decode step's growth, outside attend: one token (a token leaving the local window joins its
+                # cluster) and the plan rebuilt; `append` concatenates the cache itself, `grow_to` follows a cache that
+                # grew by itself (the transformers integration: DynamicCache has concatenated already).
                 new_key, new_value = keys[:, :, -1:].clone(), values[:, :, -1:].clone()
+                grown_keys, grown_values = torch.cat([keys, new_key], dim=2), torch.cat([values, new_value], dim=2)
 
-                def grow(state=state):
+                def grow(how, state=state):
                     grown = state.fork()
-                    grown.append(new_key, new_value)
+                    if how == "append":
+                        grown.append(new_key, new_value)
+                    else:
+                        grown.grow_to(grown_keys, grown_values)
                     grown.plan()
 
-                growth.append({"batch": batch, "context": context, "gqa": gqa, "append_and_plan_ms": round(bench(grow), 4),
+                growth.append({"batch": batch, "context": context, "gqa": gqa,
+                               "append_and_plan_ms": round(bench(lambda: grow("append")), 4),
+                               "grow_to_and_plan_ms": round(bench(lambda: grow("grow_to")), 4),
                                "dense_ms": round(dense_ms, 4),
                                "cache_concat_ms": round(bench(lambda: torch.cat([keys, new_key], dim=2)) * 2, 4)})
+                del grown_keys, grown_values
                 print(f"decode growth: {growth[-1]}", flush=True)
                 if batch == 1 and gqa == args.gqa[0]:
                     q_prefill = torch.randn(1, HQ, context, D, device=device, dtype=torch.bfloat16)

@@ -187,8 +187,12 @@ def positions(mask: Tensor, width: int | None = None) -> Tensor:
     if width is None:
         width = int(mask.sum(-1).max()) if mask.numel() else 0
     width = min(width, mask.shape[-1])
-    order = (~mask).to(torch.uint8).argsort(dim=-1, stable=True)[..., :width]
-    return order.masked_fill(~mask.gather(-1, order), -1)
+    # The k-th True position goes to slot k (a running count, no sort); the rest to a spare slot, dropped.
+    slot = mask.long().cumsum(-1) - 1
+    slot = torch.where(mask & (slot < width), slot, width)
+    out = torch.full((*mask.shape[:-1], width + 1), -1, dtype=torch.long, device=mask.device)
+    out.scatter_(-1, slot, torch.arange(mask.shape[-1], device=mask.device).expand(slot.shape))
+    return out[..., :width]
 
 
 @dataclass

@@ -101,7 +101,7 @@ class LayerRuntime:
         phase = "question" if T > 1 else "decode"
         start = time.perf_counter()
         if bool(state.dense_rows.all()) or (phase == "question" and self.setup == "A"):
-            state.append(key[:, :, past:], value[:, :, past:])
+            state.grow_to(key, value)
             out, weights = _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.live = state
             reason = "dense: setup A question" if phase == "question" and self.setup == "A" else "dense: budget >= context"
@@ -111,7 +111,7 @@ class LayerRuntime:
         block = max(self.pipeline.spec.local, 1)
         for first in range(0, T, block):  # a question attends in causal blocks that fit the local window
             last = min(first + block, T)
-            state.append(key[:, :, past + first:past + last], value[:, :, past + first:past + last])
+            state.grow_to(key[:, :, :past + last], value[:, :, :past + last])  # the cache's rows, not a copy
             out, step = self.pipeline.attend(query[:, :, first:last], state, return_stats=True, causal=True)
             outputs.append(out)
             stats.append(step)

@@ -3,7 +3,7 @@
     pipe = oa.build({"budget": {"density": 0.03}})
     state = pipe.prepare(keys, values, queries)     # once per request: cluster, pool sums, build the index
     out, stats = pipe.attend(query, state, return_stats=True)
-    state.append(new_keys, new_values)              # decode-time growth
+    state.append(new_keys, new_values)              # decode-time growth (or state.grow_to(cache_keys, cache_values))
 """
 
 from __future__ import annotations
@@ -173,18 +173,36 @@ class PipelineState:
 
     def append(self, keys: Tensor, values: Tensor) -> None:
         """Decode-time growth: add ``[B, Hkv, t, D]`` rows; rows leaving the local window join their nearest cluster
-        (rows of dense batch rows stay exact)."""
+        (rows of dense batch rows stay exact). The state keeps the concatenated cache; to follow a cache that grows
+        by itself (transformers'), without a second copy, use ``grow_to``."""
         _check_cache(keys, values, like=self.keys, what="appended ")
-        self.keys = torch.cat([self.keys, keys], dim=2)
-        self.values = torch.cat([self.values, values], dim=2)
-        self.valid = torch.cat([self.valid, self.valid.new_ones(keys.shape[0], keys.shape[2])], dim=1)
+        self._grow(torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2))
+
+    def grow_to(self, keys: Tensor, values: Tensor) -> None:
+        """Decode-time growth without copying the cache: ``keys``/``values`` ``[B, Hkv, N', D]`` are the whole cache
+        after it grew (a cache's own tensors, or views of them), their first N rows the ones this state holds. The
+        state reads them in place from then on; only the new rows are checked (shape, dtype, device, NaN/Inf)."""
+        n = self.num_tokens
+        if not isinstance(keys, Tensor) or not isinstance(values, Tensor) or keys.dim() != 4 or keys.shape[2] < n:
+            raise ValueError(f"grow_to: expected the grown cache [B, Hkv, N' >= {n}, D], got "
+                             f"{tuple(getattr(keys, 'shape', ()))}")
+        _check_cache(keys[:, :, n:], values[:, :, n:], like=self.keys, what="appended ")
+        if n and not (torch.equal(keys[:, :, n - 1], self.keys[:, :, n - 1])
+                      and torch.equal(values[:, :, n - 1], self.values[:, :, n - 1])):
+            raise ValueError("grow_to: the grown cache's first rows are not this state's (its last row differs)")
+        self._grow(keys, values)
+
+    def _grow(self, keys: Tensor, values: Tensor) -> None:
+        new_keys = keys[:, :, self.num_tokens:]
+        self.keys, self.values = keys, values
+        self.valid = torch.cat([self.valid, self.valid.new_ones(keys.shape[0], new_keys.shape[2])], dim=1)
         self._plan = None
         if self.clusters is None:
             return
         pipe = self.pipeline
-        self.index = pipe.selector.extend(self.index, keys)
+        self.index = pipe.selector.extend(self.index, new_keys)
         C = self.num_clusters
-        assignment = torch.cat([self.pooled.assignment, torch.full(keys.shape[:3], C, dtype=torch.long,
+        assignment = torch.cat([self.pooled.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long,
                                                                    device=keys.device)], dim=2)
         leaving_end = self.num_tokens - pipe.spec.local
         if leaving_end > self.clustered_end:

@@ -129,3 +129,16 @@ def test_bad_masks(pipe, inputs):
         pipe.prepare(keys, values, prefill, mask=empty)
     with pytest.raises(ValueError, match="mask: device meta differs from the cache's cpu"):
         pipe.prepare(keys, values, prefill, mask=torch.ones(2, 300, dtype=torch.bool, device="meta"))
+
+
+def test_grow_to_a_cache_that_is_not_this_states(pipe, inputs):
+    keys, values, prefill, _ = inputs
+    state = pipe.prepare(keys[:, :, :-4], values[:, :, :-4], prefill)
+    with pytest.raises(ValueError, match="grow_to: expected the grown cache"):
+        state.grow_to(keys[:, :, :10], values[:, :, :10])
+    with pytest.raises(ValueError, match="its last row differs"):
+        state.grow_to(keys + 1, values)
+    bad = keys.clone()
+    bad[0, 0, -1, 0] = float("nan")
+    with pytest.raises(ValueError, match="appended keys: the cache contains NaN or Inf"):
+        state.grow_to(bad, values)

@@ -144,6 +144,21 @@ def test_append_pools_tokens_leaving_the_local_window():
     assert relative_error(dense.attend(decode, state), dense_attention(decode, keys, values)) < 1e-5
 
 
+def test_grow_to_follows_the_cache_in_place_like_append():
+    keys, values, prefill, decode = make_inputs(tokens=340, seed=5)
+    pipe = oa.build({**SMALL, "budget": {"tokens": 40}})
+    appended = pipe.prepare(keys[:, :, :300], values[:, :, :300], prefill)
+    grown = appended.fork()
+    for end in range(308, 348, 8):  # a cache that grows by itself, e.g. transformers' (views of it here)
+        appended.append(keys[:, :, end - 8:end], values[:, :, end - 8:end])
+        grown.grow_to(keys[:, :, :end], values[:, :, :end])
+    assert grown.keys.data_ptr() == keys.data_ptr() and grown.values.data_ptr() == values.data_ptr()  # no copy
+    assert appended.keys.data_ptr() != keys.data_ptr()
+    assert torch.equal(grown.pooled.assignment, appended.pooled.assignment)
+    assert torch.equal(grown.pooled.key_sum, appended.pooled.key_sum)
+    assert torch.equal(pipe.attend(decode, grown), pipe.attend(decode, appended))
+
+
 def left_pad(rows):
     """Left-pad a list of [1, H, n_i, D] tensors to one batch with wild values in the padding, and the mask."""
     n = max(r.shape[2] for r in rows)

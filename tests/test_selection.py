@@ -122,3 +122,17 @@ def test_int8_scores_match_the_reference():
     fast = int8_scores(projected, codes, scales, 0.125)
     reference = (projected @ codes.float().transpose(-1, -2)) * (0.125 * scales[:, :, None, :])
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [None, 0, 3, 1000])
+def test_positions_lists_each_rows_true_positions_in_order(width):
+    from oa_core.components import positions
+
+    mask = torch.rand(3, 2, 40, generator=torch.Generator().manual_seed(2)) < 0.3
+    mask[0, 0] = False  # a row with none
+    out = positions(mask, width)
+    expected_width = min(int(mask.sum(-1).max()) if width is None else width, 40)
+    assert out.shape == (3, 2, expected_width)
+    for row, listed in zip(mask.view(-1, 40), out.reshape(6, expected_width)):
+        truth = row.nonzero().flatten().tolist()[:expected_width]
+        assert listed.tolist() == truth + [-1] * (expected_width - len(truth))
