@@ -186,13 +186,17 @@ def positions(mask: Tensor, width: int | None = None) -> Tensor:
     row's count) or, when None, the largest count."""
     if width is None:
         width = int(mask.sum(-1).max()) if mask.numel() else 0
-    width = min(width, mask.shape[-1])
-    # The k-th True position goes to slot k (a running count, no sort); the rest to a spare slot, dropped.
-    slot = mask.long().cumsum(-1) - 1
-    slot = torch.where(mask & (slot < width), slot, width)
-    out = torch.full((*mask.shape[:-1], width + 1), -1, dtype=torch.long, device=mask.device)
-    out.scatter_(-1, slot, torch.arange(mask.shape[-1], device=mask.device).expand(slot.shape))
-    return out[..., :width]
+    return compact(torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape), mask, width)
+
+
+def compact(values: Tensor, keep: Tensor, width: int) -> Tensor:
+    """``values`` ``[..., N]`` (integer) where ``keep`` → those kept, in order, ``[..., width]``, padded with -1."""
+    width = min(width, values.shape[-1])
+    # The k-th kept value goes to slot k (a running count, no sort); the rest to a spare slot, dropped.
+    slot = keep.long().cumsum(-1) - 1
+    slot = torch.where(keep & (slot < width), slot, width)
+    out = torch.full((*values.shape[:-1], width + 1), -1, dtype=values.dtype, device=values.device)
+    return out.scatter_(-1, slot, values)[..., :width]
 
 
 @dataclass

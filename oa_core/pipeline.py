@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Kernel, PooledClusters,
-                                Selection, Selector, positions, violation)
+                                Selection, Selector, compact, positions, violation)
 from oa_core.registry import default_registry
 from oa_core.spec import ComponentSpec, PipelineSpec, SpecError, describe, load_spec
 
@@ -89,15 +89,20 @@ class ReadPlan:
     at every step (-1 padded); ``selectable`` ``[B, Hkv, 1, 1]`` rows left for the selector and tail samples;
     ``max_selectable`` its maximum; ``all_dense``: every row reads its whole context; ``padded``: some position is
     padding; ``unclustered`` ``[B, Hkv, 1, 1, N]``: positions outside every cluster; ``members``: the clusters'
-    positions and sizes for the GPU's per-cluster selection (CUDA caches only)."""
+    positions and sizes for the GPU's per-cluster selection (CUDA caches only), with ``largest_bound`` ≥ the largest
+    cluster; ``lengths`` ``[B]`` and ``fixed_counts`` ``[B, Hkv]``: on the CPU, so that growth updates the plan
+    without waiting on the device."""
 
     fixed: Tensor
     selectable: Tensor
     max_selectable: int
     all_dense: bool
     padded: bool
+    lengths: Tensor
+    fixed_counts: Tensor
     unclustered: Tensor | None = None
     members: tuple[Tensor, Tensor] | None = None
+    largest_bound: int = 0
 
 
 @dataclass
@@ -137,26 +142,69 @@ class PipelineState:
         return fixed if self.clusters is None else fixed & (self.pooled.assignment == self.num_clusters)
 
     def plan(self) -> ReadPlan:
-        """What every attend on this cache reads regardless of the query; computed once per prepare/append, so that an
-        attend itself never waits on the device (and can run inside a CUDA graph)."""
+        """What every attend on this cache reads regardless of the query; built once per prepare (and updated by
+        each growth), so that an attend itself never waits on the device (and can run inside a CUDA graph)."""
         if self._plan is None:
             fixed = self.exact_rows()
-            lengths = self.valid.sum(-1)
-            selectable = torch.zeros_like(fixed[..., 0], dtype=torch.long)
-            if self.clusters is not None:
-                selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed.sum(-1)).clamp_min(0)
-                selectable = selectable.masked_fill(self.dense_rows[:, None], 0)
-            members = None
-            if self.clusters is not None and self.keys.is_cuda:  # for the GPU's per-cluster selection
+            fixed_counts = fixed.sum(-1).cpu()
+            members, largest = None, 0
+            if self.clusters is not None and _wants_members(self.keys):  # for the GPU's per-cluster selection
                 from oa_core.selection import cluster_members
 
-                members = cluster_members(self.pooled.assignment, self.num_clusters)
-            self._plan = ReadPlan(fixed=positions(fixed), selectable=selectable[:, :, None, None],
-                                  max_selectable=int(selectable.max()), all_dense=bool(self.dense_rows.all()),
-                                  padded=not bool(self.valid.all()), members=members,
-                                  unclustered=None if self.clusters is None else
-                                  (self.pooled.assignment == self.num_clusters)[:, :, None, None, :])
+                members = cluster_members(self.pooled.assignment, self.num_clusters, room=MEMBER_ROOM)
+                largest = int(members[1].max()) if members[1].numel() else 0
+            self._plan = self._read_plan(positions(fixed), self.valid.sum(-1).cpu(), fixed_counts, members, largest,
+                                         None if self.clusters is None else
+                                         (self.pooled.assignment == self.num_clusters)[:, :, None, None, :])
         return self._plan
+
+    def _read_plan(self, fixed: Tensor, lengths: Tensor, fixed_counts: Tensor, members, largest: int,
+                   unclustered: Tensor | None) -> ReadPlan:
+        """A ReadPlan from its parts; the budget's split follows from the host-side lengths and counts."""
+        dense = self.dense_rows.cpu()
+        selectable = torch.zeros_like(fixed_counts)
+        if self.clusters is not None:
+            selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)
+            selectable = selectable.masked_fill(dense[:, None], 0)
+        return ReadPlan(fixed=fixed, selectable=selectable[:, :, None, None].to(self.keys.device),
+                        max_selectable=int(selectable.max()) if selectable.numel() else 0,
+                        all_dense=bool(dense.all()), padded=not bool(self.valid.all()), lengths=lengths,
+                        fixed_counts=fixed_counts, unclustered=unclustered, members=members, largest_bound=largest)
+
+    def _grown_plan(self, plan: ReadPlan, added: int, leaving: slice | None, ids: Tensor | None) -> ReadPlan:
+        """``plan`` after ``added`` rows were appended and the positions ``leaving`` joined the clusters ``ids``
+        ``[B, Hkv, |leaving|]`` (C in dense rows): what ``plan()`` would build from scratch, updated in O(F + t) per
+        row instead of sorting the context, without waiting on the device (but for enlarging the member table, rarely).
+        """
+        B, H = self.keys.shape[:2]
+        n, C = self.num_tokens, self.num_clusters
+        device = self.keys.device
+        dense = self.dense_rows.cpu()
+        fixed, unclustered, members, largest = plan.fixed, plan.unclustered, plan.members, plan.largest_bound
+        fixed = torch.cat([fixed, torch.arange(n - added, n, device=device).expand(B, H, added)], dim=-1)
+        left = 0
+        if leaving is not None:  # (the rows leaving may include new ones, when more than the local window came)
+            left = leaving.stop - leaving.start
+            joined = (fixed >= leaving.start) & (fixed < leaving.stop) & ~self.dense_rows[:, None, None]
+            fixed = fixed.masked_fill(joined, -1)
+        fixed_counts = plan.fixed_counts + added - left * (~dense).long()[:, None]
+        fixed = compact(fixed, fixed >= 0, int(fixed_counts.max()) if fixed_counts.numel() else 0)
+        if unclustered is not None:
+            unclustered = torch.cat([unclustered, unclustered.new_ones(B, H, 1, 1, added)], dim=-1)
+            if leaving is not None:
+                unclustered[..., leaving] = (ids == C)[:, :, None, None, :]
+        if members is not None and leaving is not None:
+            from oa_core.selection import add_members, cluster_members
+
+            largest += left
+            if largest > members[0].shape[-1]:  # maybe full: the true largest decides (a device sync)
+                largest = int(members[1].max()) + left
+            if largest > members[0].shape[-1]:
+                members = cluster_members(self.pooled.assignment, C, room=MEMBER_ROOM)
+                largest = int(members[1].max())
+            else:
+                members = add_members(*members, ids, torch.arange(leaving.start, leaving.stop, device=device))
+        return self._read_plan(fixed, plan.lengths + added, fixed_counts, members, largest, unclustered)
 
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
@@ -196,15 +244,23 @@ class PipelineState:
         new_keys = keys[:, :, self.num_tokens:]
         self.keys, self.values = keys, values
         self.valid = torch.cat([self.valid, self.valid.new_ones(keys.shape[0], new_keys.shape[2])], dim=1)
-        self._plan = None
-        if self.clusters is None:
-            return
+        plan, self._plan = self._plan, None
+        leaving, ids = None, None
+        if self.clusters is not None:
+            leaving, ids = self._cluster_new_rows(new_keys)
+        if plan is not None:
+            self._plan = self._grown_plan(plan, new_keys.shape[2], leaving, ids)
+
+    def _cluster_new_rows(self, new_keys: Tensor) -> tuple[slice | None, Tensor | None]:
+        """Index the new rows; rows leaving the local window join their nearest cluster and the pooled sums. →
+        (the positions that left, their cluster ids), or (None, None)."""
         pipe = self.pipeline
         self.index = pipe.selector.extend(self.index, new_keys)
         C = self.num_clusters
         assignment = torch.cat([self.pooled.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long,
-                                                                   device=keys.device)], dim=2)
+                                                                   device=new_keys.device)], dim=2)
         leaving_end = self.num_tokens - pipe.spec.local
+        leaving, ids = None, None
         if leaving_end > self.clustered_end:
             leaving = slice(self.clustered_end, leaving_end)
             ids = pipe.clusterer.assign(self.clusters, self.keys[:, :, leaving])
@@ -214,6 +270,7 @@ class PipelineState:
             self.clustered_end = leaving_end
         self.pooled.assignment = assignment
         self._moments = None
+        return leaving, ids
 
     def _pool(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Add rows ``[B, Hkv, n, D]`` with cluster ids ``[B, Hkv, n]`` (C: not clustered) to the pooled sums."""
@@ -222,6 +279,14 @@ class PipelineState:
         pooled.key_sum = _add_by_cluster(pooled.key_sum, ids, k)
         pooled.value_sum = _add_by_cluster(pooled.value_sum, ids, v)
         pooled.key_square_sum = _add_by_cluster(pooled.key_square_sum, ids, k * k)
+
+
+MEMBER_ROOM = 64  # slots per cluster for growth in the member table: a check (a device sync) every 64 rows at most
+
+
+def _wants_members(keys: Tensor) -> bool:
+    """Whether the plan lists the clusters' members: for the GPU's per-cluster selection, CUDA caches only."""
+    return keys.is_cuda
 
 
 def _add_by_cluster(total: Tensor, ids: Tensor, rows: Tensor) -> Tensor:

@@ -32,9 +32,10 @@ SMALL_CLUSTER = 1024  # the first size class (a power of two): a typical cluster
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
 
 
-def cluster_members(assignment: Tensor, num_clusters: int) -> tuple[Tensor, Tensor]:
+def cluster_members(assignment: Tensor, num_clusters: int, room: int = 0) -> tuple[Tensor, Tensor]:
     """assignment ``[B, H, N]`` (``num_clusters`` outside the clusters) → (members ``[B, H, C, S]`` int32: each
-    cluster's positions in order, -1 padded, S the largest cluster; counts ``[B, H, C]``)."""
+    cluster's positions in order, -1 padded; counts ``[B, H, C]``). S: the largest cluster plus ``room`` slots for
+    growth (``add_members``)."""
     B, H, N = assignment.shape
     C = num_clusters
     counts = torch.zeros(B, H, C + 1, dtype=torch.long, device=assignment.device)
@@ -42,12 +43,27 @@ def cluster_members(assignment: Tensor, num_clusters: int) -> tuple[Tensor, Tens
     order = assignment.argsort(dim=-1, stable=True)  # positions grouped by cluster, in position order
     cluster = assignment.gather(-1, order)
     slot = torch.arange(N, device=assignment.device) - (counts.cumsum(-1) - counts).gather(-1, cluster)
-    size = max(int(counts[..., :C].max()) if C else 0, 1)
+    size = max(int(counts[..., :C].max()) if C else 0, 1) + room
     flat = torch.full((B, H, C * size + 1), -1, dtype=torch.int32, device=assignment.device)
     inside = cluster < C
     flat.scatter_(-1, (cluster * size + slot).masked_fill(~inside, C * size),
                   order.masked_fill(~inside, -1).to(torch.int32))
     return flat[..., :C * size].reshape(B, H, C, size).contiguous(), counts[..., :C].contiguous()
+
+
+def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """``cluster_members``' table and counts with the positions ``[t]`` (later than every listed one) added to the
+    clusters ``ids`` ``[B, H, t]`` (C: none), in a copy; the caller makes sure every cluster has room."""
+    B, H, C, S = members.shape
+    inside = ids < C
+    cluster = ids.clamp_max(C - 1)
+    earlier = torch.ones(ids.shape[-1], ids.shape[-1], dtype=torch.bool, device=ids.device).tril(-1)
+    rank = ((ids[..., :, None] == ids[..., None, :]) & earlier).sum(-1)  # among this step's same-cluster rows
+    slot = (cluster * S + counts.gather(-1, cluster) + rank).masked_fill(~inside, C * S)
+    flat = torch.cat([members.reshape(B, H, C * S), members.new_full((B, H, 1), -1)], dim=-1)
+    flat.scatter_(-1, slot, positions.to(torch.int32).expand(ids.shape).masked_fill(~inside, -1))
+    counts = counts.scatter_add(-1, cluster, inside.long())
+    return flat[..., :C * S].reshape(B, H, C, S), counts
 
 
 if triton is not None:

@@ -1,9 +1,11 @@
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import oa_core as oa
+from oa_core import pipeline
 from conftest import dense_attention, make_inputs, relative_error
 
 SMALL = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16}
@@ -157,6 +159,42 @@ def test_grow_to_follows_the_cache_in_place_like_append():
     assert torch.equal(grown.pooled.assignment, appended.pooled.assignment)
     assert torch.equal(grown.pooled.key_sum, appended.pooled.key_sum)
     assert torch.equal(pipe.attend(decode, grown), pipe.attend(decode, appended))
+
+
+def _listed_members(plan):
+    """A plan's member table as each cluster's listed positions (the table's width differs with its room to grow)."""
+    table, counts = plan.members
+    slots = torch.arange(table.shape[-1])
+    return counts, [table[idx][slots < counts[idx]].tolist() for idx in torch.cartesian_prod(
+        *(torch.arange(n) for n in counts.shape)).tolist() for idx in [tuple(idx)]]
+
+
+@pytest.mark.parametrize("budget", [{"density": 0.3}, {"tokens": 40}])
+def test_growth_updates_the_plan_as_a_fresh_one_would_be(budget, monkeypatch):
+    # Without sorting the context again: the positions read every step, the budget's split, the member lists (here
+    # on the CPU too), through a table that fills up (2 clusters), in a left-padded batch with a dense row.
+    monkeypatch.setattr(pipeline, "_wants_members", lambda keys: True)
+    monkeypatch.setattr(pipeline, "MEMBER_ROOM", 2)  # the table fills up: checked, then built anew
+    keys, values, prefill, decode = make_inputs(batch=1, tokens=330, seed=8)
+    rows = [(keys[:, :, :300], values[:, :, :300]), (keys[:, :, :250], values[:, :, :250]),
+            (keys[:, :, :18], values[:, :, :18])]  # the last is read densely (shorter than sink + local)
+    cache_keys, mask = left_pad([k for k, _ in rows])
+    cache_values, _ = left_pad([v for _, v in rows])
+    pipe = oa.build({**SMALL, "clusterer": {"name": "qgc", "num_clusters": 2}, "budget": budget})
+    state = pipe.prepare(cache_keys, cache_values, prefill.expand(3, -1, -1, -1), mask=mask)
+    assert bool(state.dense_rows[2]) and not bool(state.dense_rows[:2].any())
+    state.plan()
+    extra_keys, extra_values = keys[:, :, 300:].expand(3, -1, -1, -1), values[:, :, 300:].expand(3, -1, -1, -1)
+    for start, step in [(0, 1), (1, 3), (4, 1), (5, 25)]:
+        state.append(extra_keys[:, :, start:start + step], extra_values[:, :, start:start + step])
+        grown, fresh = state.plan(), dataclasses.replace(state, _plan=None).plan()
+        assert torch.equal(grown.fixed, fresh.fixed) and torch.equal(grown.unclustered, fresh.unclustered)
+        assert torch.equal(grown.selectable, fresh.selectable) and grown.max_selectable == fresh.max_selectable
+        counts, listed = _listed_members(grown)
+        assert torch.equal(counts, fresh.members[1]) and listed == _listed_members(fresh)[1]
+        assert grown.largest_bound >= int(counts.max())
+    assert torch.equal(pipe.attend(decode.expand(3, -1, -1, -1), state),
+                       pipe.attend(decode.expand(3, -1, -1, -1), dataclasses.replace(state, _plan=None)))
 
 
 def left_pad(rows):
