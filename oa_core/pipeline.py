@@ -90,8 +90,8 @@ class ReadPlan:
     ``max_selectable`` its maximum; ``all_dense``: every row reads its whole context; ``padded``: some position is
     padding; ``unclustered`` ``[B, Hkv, 1, 1, N]``: positions outside every cluster; ``members``: the clusters'
     positions and sizes for the GPU's per-cluster selection (CUDA caches only), with ``largest_bound`` ≥ the largest
-    cluster; ``lengths`` ``[B]`` and ``fixed_counts`` ``[B, Hkv]``: on the CPU, so that growth updates the plan
-    without waiting on the device."""
+    cluster; ``lengths`` ``[B]``, ``fixed_counts`` ``[B, Hkv]`` and ``dense_rows`` ``[B]``: on the CPU, so that growth
+    updates the plan without waiting on the device."""
 
     fixed: Tensor
     selectable: Tensor
@@ -100,6 +100,7 @@ class ReadPlan:
     padded: bool
     lengths: Tensor
     fixed_counts: Tensor
+    dense_rows: Tensor
     unclustered: Tensor | None = None
     members: tuple[Tensor, Tensor] | None = None
     largest_bound: int = 0
@@ -155,21 +156,21 @@ class PipelineState:
                 largest = int(members[1].max()) if members[1].numel() else 0
             self._plan = self._read_plan(positions(fixed), self.valid.sum(-1).cpu(), fixed_counts, members, largest,
                                          None if self.clusters is None else
-                                         (self.pooled.assignment == self.num_clusters)[:, :, None, None, :])
+                                         (self.pooled.assignment == self.num_clusters)[:, :, None, None, :],
+                                         self.dense_rows.cpu(), not bool(self.valid.all()))
         return self._plan
 
     def _read_plan(self, fixed: Tensor, lengths: Tensor, fixed_counts: Tensor, members, largest: int,
-                   unclustered: Tensor | None) -> ReadPlan:
+                   unclustered: Tensor | None, dense: Tensor, padded: bool) -> ReadPlan:
         """A ReadPlan from its parts; the budget's split follows from the host-side lengths and counts."""
-        dense = self.dense_rows.cpu()
         selectable = torch.zeros_like(fixed_counts)
         if self.clusters is not None:
             selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)
             selectable = selectable.masked_fill(dense[:, None], 0)
         return ReadPlan(fixed=fixed, selectable=selectable[:, :, None, None].to(self.keys.device),
                         max_selectable=int(selectable.max()) if selectable.numel() else 0,
-                        all_dense=bool(dense.all()), padded=not bool(self.valid.all()), lengths=lengths,
-                        fixed_counts=fixed_counts, unclustered=unclustered, members=members, largest_bound=largest)
+                        all_dense=bool(dense.all()), padded=padded, lengths=lengths, fixed_counts=fixed_counts,
+                        dense_rows=dense, unclustered=unclustered, members=members, largest_bound=largest)
 
     def _grown_plan(self, plan: ReadPlan, added: int, leaving: slice | None, ids: Tensor | None) -> ReadPlan:
         """``plan`` after ``added`` rows were appended and the positions ``leaving`` joined the clusters ``ids``
@@ -179,7 +180,7 @@ class PipelineState:
         B, H = self.keys.shape[:2]
         n, C = self.num_tokens, self.num_clusters
         device = self.keys.device
-        dense = self.dense_rows.cpu()
+        dense = plan.dense_rows
         fixed, unclustered, members, largest = plan.fixed, plan.unclustered, plan.members, plan.largest_bound
         fixed = torch.cat([fixed, torch.arange(n - added, n, device=device).expand(B, H, added)], dim=-1)
         left = 0
@@ -204,7 +205,8 @@ class PipelineState:
                 largest = int(members[1].max())
             else:
                 members = add_members(*members, ids, torch.arange(leaving.start, leaving.stop, device=device))
-        return self._read_plan(fixed, plan.lengths + added, fixed_counts, members, largest, unclustered)
+        return self._read_plan(fixed, plan.lengths + added, fixed_counts, members, largest, unclustered, dense,
+                               plan.padded)
 
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
