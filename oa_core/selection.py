@@ -1,12 +1,14 @@
 """Per-cluster top-q_b selection on the GPU without sorting the context (DESIGN.md §1 step 6).
 
 The torch reference (``Selector.select``) sorts every row's N scores twice. Here each (selection row, cluster)
-program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built once
-per prepare/append — and finds the q_b-th largest score exactly by bisection on the scores' order-preserving 32-bit
-keys, between the cluster's smallest and largest key (at most 32 counts over the cluster held in registers, fewer
-when a count hits q_b exactly). It writes the positions scoring above it, then the positions tied with it in
-position order until q_b are taken: the same set as the reference's stable sort (score descending, position
-ascending), listed per cluster in position order. A cluster whose quota covers it is copied without reading scores.
+program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
+prepare and extended by growth — and takes its q_b best on the scores' order-preserving 32-bit keys: a few (up to
+FEW_PICKS) one at a time (the largest key left, the first position among ties: two reductions each), more by
+bisection for the q_b-th largest key, between the cluster's smallest and largest (at most 32 counts over the cluster
+held in registers, fewer when a count hits q_b exactly), then the positions above it and those tied with it in
+position order until q_b are taken. Either way: the same set as the reference's stable sort (score descending,
+position ascending), listed per cluster in position order. A cluster whose quota covers it is copied without reading
+scores.
 
 Clusters are ragged (the largest a few times the mean), so one launch sized for the largest would run every count
 over a block of its size. Instead the kernel is launched once per size class — (0, 1024], (1024, 2048], ... up to
@@ -67,6 +69,7 @@ def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor)
 
 
 if triton is not None:
+    FEW_PICKS = tl.constexpr(8)  # quotas up to this are picked one at a time (2 reductions each), not by bisection
 
     @triton.jit
     def _order_key(score):
@@ -85,9 +88,32 @@ if triton is not None:
 
     @triton.jit
     def take_top(pos, key, ok, quota, n, out):
-        """A cluster held in registers — positions ``pos``, order keys ``key`` (``_order_key``), lanes ``ok`` (n of
-        them) — → its ``quota`` best positions written to ``out`` in position order (ties at the threshold by
-        position). 0 < quota; a quota ≥ n takes every position."""
+        """A cluster held in registers — positions ``pos`` (in position order), order keys ``key`` (``_order_key``),
+        lanes ``ok`` (n of them) — → its ``quota`` best positions written to ``out`` in position order (ties by
+        position). 0 < quota; a quota ≥ n takes every position. A few (at most FEW_PICKS) are picked one at a time,
+        two reductions each; more by bisection on the keys, up to 32 counts."""
+        if quota <= FEW_PICKS:
+            keep = _pick_best(key, ok, quota)
+        else:
+            keep = _keep_above_threshold(key, ok, quota, n)
+        tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
+
+    @triton.jit
+    def _pick_best(key, ok, quota):
+        """The lanes of the ``quota`` largest keys, one pick at a time: the largest left, the first lane among ties."""
+        lanes = tl.arange(0, key.shape[0])
+        left = ok
+        keep = lanes < 0
+        for _ in range(quota):
+            top = tl.max(tl.where(left, key, -2147483648), axis=0)
+            first = tl.min(tl.where(left & (key == top), lanes, key.shape[0]), axis=0)
+            keep = keep | (lanes == first)
+            left = left & (lanes != first)
+        return keep
+
+    @triton.jit
+    def _keep_above_threshold(key, ok, quota, n):
+        """The lanes of the ``quota`` largest keys by bisection: every key above τ, then the first lanes tied at τ."""
         # τ: the largest key with count(key ≥ τ) ≥ quota; the invariant holds at the smallest key, never past the
         # largest. The search ends early once count(key ≥ lo) is exactly the quota.
         lo = tl.min(tl.where(ok, key, 2147483647), axis=0).to(tl.int64)
@@ -102,8 +128,7 @@ if triton is not None:
         tau = lo.to(tl.int32)
         tie = ok & (key == tau)
         ties_left = quota - tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
-        keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
-        tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
+        return ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
 
     @triton.jit
     def _take_top_blockwise(members, scores, quota, n, out, BLOCK: tl.constexpr):
