@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -520,8 +521,12 @@ class Pipeline:
 
     def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
         """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""
-        return self.selector.group_scores(query, state.index, state.keys, state.scale, self.spec.gqa == "shared",
-                                          outside=state.plan().unclustered)
+        outside, shared = state.plan().unclustered, self.spec.gqa == "shared"
+        if "outside" in inspect.signature(self.selector.group_scores).parameters:
+            return self.selector.group_scores(query, state.index, state.keys, state.scale, shared, outside=outside)
+        # A selector written before group_scores took the mask: the pipeline applies it.
+        scores = self.selector.group_scores(query, state.index, state.keys, state.scale, shared)
+        return scores.masked_fill(outside, -math.inf)
 
     def _sample_tail(self, query: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor, most: int,
                      state: PipelineState) -> tuple[Tensor, Tensor]:

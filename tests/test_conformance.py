@@ -70,7 +70,7 @@ def _pipeline_with(**components):
 
 def test_a_component_breaking_its_contract_at_run_time_is_named():
     from conftest import make_inputs
-    from oa_core.components import Clusterer, Clusters, ContractViolation, Kernel
+    from oa_core.components import Clusterer, Clusters, ContractViolation, Kernel, Selector
     from oa_plugins.selectors.qgs import QuerySubspaceSelector
 
     keys, values, prefill, decode = make_inputs(tokens=200, seed=3)
@@ -100,6 +100,21 @@ def test_a_component_breaking_its_contract_at_run_time_is_named():
     pipe = _pipeline_with(selector=PositionOrder())
     with pytest.raises(ContractViolation, match="selector 'position-order-test'.*each cluster's q_b positions as one run"):
         pipe.attend(decode, pipe.prepare(keys, values, prefill))
+
+    class EarlierGroupScores(QuerySubspaceSelector):
+        name = "earlier-group-scores-test"
+
+        def group_scores(self, query, index, keys, scale, shared):  # the signature before `outside`
+            return Selector.group_scores(self, query, index, keys, scale, shared)
+
+    class CurrentGroupScores(QuerySubspaceSelector):  # the same scores, with the mask passed in
+        name = "current-group-scores-test"
+        group_scores = Selector.group_scores
+
+    reference = _pipeline_with(selector=CurrentGroupScores())
+    earlier = _pipeline_with(selector=EarlierGroupScores())
+    assert torch.equal(earlier.attend(decode, earlier.prepare(keys, values, prefill)),
+                       reference.attend(decode, reference.prepare(keys, values, prefill)))
 
     class OneCluster(Clusterer):
         name = "one-test"
