@@ -97,7 +97,6 @@ class ReadPlan:
     fixed: Tensor
     selectable: Tensor
     max_selectable: int
-    all_dense: bool
     padded: bool
     lengths: Tensor
     fixed_counts: Tensor
@@ -105,6 +104,10 @@ class ReadPlan:
     unclustered: Tensor | None = None
     members: tuple[Tensor, Tensor] | None = None
     largest_bound: int = 0
+
+    @property
+    def all_dense(self) -> bool:
+        return bool(self.dense_rows.all())
 
 
 @dataclass
@@ -170,7 +173,7 @@ class PipelineState:
             selectable = selectable.masked_fill(dense[:, None], 0)
         return ReadPlan(fixed=fixed, selectable=selectable[:, :, None, None].to(self.keys.device),
                         max_selectable=int(selectable.max()) if selectable.numel() else 0,
-                        all_dense=bool(dense.all()), padded=padded, lengths=lengths, fixed_counts=fixed_counts,
+                        padded=padded, lengths=lengths, fixed_counts=fixed_counts,
                         dense_rows=dense, unclustered=unclustered, members=members, largest_bound=largest)
 
     def _grown_plan(self, plan: ReadPlan, added: int, leaving: slice | None, ids: Tensor | None) -> ReadPlan:

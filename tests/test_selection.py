@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 from oa_core.components import Selector  # noqa: E402
 from oa_core import selection  # noqa: E402
 from oa_core.selection import cluster_members, select_per_cluster, size_classes  # noqa: E402
-from oa_plugins.selectors.qgs import int8_scores, quantize  # noqa: E402
+from oa_plugins.selectors.qgs import group_int8_scores, quantize  # noqa: E402
 
 
 def test_cluster_members_lists_each_cluster_in_position_order():
@@ -119,7 +119,7 @@ def test_int8_scores_match_the_reference():
     B, H, Q, N, r = 2, 2, 6, 150, 16
     codes, scales = quantize(torch.randn(B, H, N, r, generator=gen) * 3)
     projected = torch.randn(B, H, Q, r, generator=gen)
-    fast = int8_scores(projected, codes, scales, 0.125)
+    fast = group_int8_scores(projected, codes, scales, 0.125, Q, 1).view(B, H, Q, N)  # each row its own group
     reference = (projected @ codes.float().transpose(-1, -2)) * (0.125 * scales[:, :, None, :])
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
 

@@ -71,11 +71,10 @@ class QuerySubspaceSelector(Selector):
         return QGSIndex(index.basis, torch.cat([index.codes, codes], 2), torch.cat([index.scales, scales], 2))
 
     def score(self, query: Tensor, index: QGSIndex, keys: Tensor, scale: float) -> Tensor:
-        B, Hq, T, D = query.shape
-        Hkv = index.basis.shape[1]
-        q = query.float().reshape(B, Hkv, Hq // Hkv * T, D) @ index.basis  # [B, Hkv, g·T, r]
-        if q.is_cuda and triton is not None:
-            return int8_scores(q, index.codes, index.scales, scale).view(B, Hq, T, -1)
+        B, Hq, T, _ = query.shape
+        q = _project(query, index)
+        if triton_path.unavailable_reason(query.device) is None:  # every head its own: a group of 1
+            return group_int8_scores(q, index.codes, index.scales, scale, T, 1).view(B, Hq, T, -1)
         scores = (q @ index.codes.float().transpose(-1, -2)) * (scale * index.scales[:, :, None, :])
         return scores.view(B, Hq, T, -1)
 
@@ -85,11 +84,17 @@ class QuerySubspaceSelector(Selector):
         # construction); a non-positive s goes to the reference, which reduces after scaling.
         if not (triton_path.unavailable_reason(query.device) is None and scale > 0):
             return super().group_scores(query, index, keys, scale, shared, outside)
-        B, Hq, T, D = query.shape
-        Hkv = index.basis.shape[1]
-        g = Hq // Hkv
-        q = query.float().reshape(B, Hkv, g * T, D) @ index.basis  # [B, Hkv, g·T, r], rows (head in group, query)
-        return group_int8_scores(q, index.codes, index.scales, scale, T, g if shared else 1, outside)
+        T = query.shape[2]
+        g = query.shape[1] // index.basis.shape[1]
+        return group_int8_scores(_project(query, index), index.codes, index.scales, scale, T, g if shared else 1,
+                                 outside)
+
+
+def _project(query: Tensor, index: QGSIndex) -> Tensor:
+    """U_rᵀq: ``[B, Hq, T, D]`` → ``[B, Hkv, g·T, r]`` float32, rows (head in the KV group, query)."""
+    B, Hq, T, D = query.shape
+    Hkv = index.basis.shape[1]
+    return query.float().reshape(B, Hkv, Hq // Hkv * T, D) @ index.basis
 
 
 def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: float, queries: int, group: int,
@@ -126,36 +131,7 @@ def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: f
     return out
 
 
-def int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: float) -> Tensor:
-    """s·(U_rᵀq)·c_i·scale_i straight from the int8 codes (one read of r bytes per key): projected queries
-    ``[B, Hkv, Q, r]``, codes ``[B, Hkv, N, r]`` int8, scales ``[B, Hkv, N]`` → ``[B, Hkv, Q, N]`` float32."""
-    B, Hkv, Q, r = projected.shape
-    N = codes.shape[2]
-    out = torch.empty(B, Hkv, Q, N, device=projected.device)
-    block_n = 128
-    _int8_scores[(B * Hkv, triton.cdiv(N, block_n))](
-        projected.contiguous(), codes.contiguous(), scales.float().contiguous(), out, N, Q, r, scale,
-        BLOCK_Q=max(16, triton.next_power_of_2(Q)), BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_N=block_n)
-    return out
-
-
 if triton is not None:
-
-    @triton.jit
-    def _int8_scores(QP, CODES, SCALES, OUT, N, Q, R, scale,
-                     BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        head = tl.program_id(0).to(tl.int64)  # (batch row, KV head)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_q = tl.arange(0, BLOCK_Q)
-        offs_r = tl.arange(0, BLOCK_R)
-        q = tl.load(QP + (head * Q + offs_q[:, None]) * R + offs_r[None, :],
-                    mask=(offs_q[:, None] < Q) & (offs_r[None, :] < R), other=0.0)
-        codes = tl.load(CODES + (head * N + offs_n[:, None]) * R + offs_r[None, :],
-                        mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0).to(tl.float32)
-        row_scale = tl.load(SCALES + head * N + offs_n, mask=offs_n < N, other=0.0)
-        scores = tl.dot(q, tl.trans(codes), input_precision="ieee") * (scale * row_scale)[None, :]
-        tl.store(OUT + (head * Q + offs_q[:, None]) * N + offs_n[None, :], scores,
-                 mask=(offs_q[:, None] < Q) & (offs_n[None, :] < N))
 
     @triton.jit
     def _group_int8_scores(QP, CODES, SCALES, OUTSIDE, OUT, N, Hkv, T, ROWS, num_blocks, scale,
