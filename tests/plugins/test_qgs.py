@@ -111,3 +111,12 @@ def test_group_scores_without_the_interpreter_use_the_torch_path(monkeypatch):
     scores = selector.group_scores(query, index, keys, 0.25, True, outside=outside)
     reference = _reference_group_scores(selector, query, index, keys, 0.25, True, outside)
     assert torch.equal(scores, reference)
+
+
+def test_group_scores_reject_query_rows_that_do_not_form_the_groups():
+    pytest.importorskip("triton")
+    from oa_plugins.selectors.qgs import group_int8_scores
+
+    codes, scales = quantize(torch.randn(1, 1, 20, 16))
+    with pytest.raises(ValueError, match="5 rows is not a multiple of group 2 × queries 1"):
+        group_int8_scores(torch.randn(1, 1, 5, 16), codes, scales, 0.5, 1, 2)
