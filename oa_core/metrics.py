@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.pipeline import Pipeline, PipelineState
 
 
@@ -112,17 +113,13 @@ def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Ten
 
     if state.clusters is None:
         return None
-    B, Hq, T, D = query.shape
-    Hkv, C = state.keys.shape[1], state.num_clusters
-    g = Hq // Hkv
+    C = state.num_clusters
     logits = _logits(query, state)
     top = logits.amax(-1, keepdim=True)
-    q = query.double().reshape(B, Hkv, g, T, D)
     mean, var = (m.double() for m in state.cluster_moments())
     counts = state.pooled.count.double()[:, :, None, None]
-    mean_logit = state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean)
-    estimate, _ = log_error_estimate(mean_logit, state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, var),
-                                     counts)
+    mean_logit, logit_var = cluster_logit_stats(query, mean, var, state.scale)  # float64: torch
+    estimate, _ = log_error_estimate(mean_logit, logit_var, counts)
 
     assignment = state.pooled.assignment[:, :, None, None, :].expand(*logits.shape)
     proxy = torch.cat([torch.exp(mean_logit - top), torch.zeros_like(top)], -1).gather(-1, assignment)

@@ -21,6 +21,7 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
+from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Kernel, PooledClusters,
                                 Selection, Selector, compact, positions, violation)
 from oa_core.registry import default_registry
@@ -441,20 +442,23 @@ class Pipeline:
                              "attend them in blocks of at most local tokens")
         plan = state.plan()
         dense = plan.all_dense
+        selection = None
         if dense and not causal and not plan.padded:
             out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
-            reads = torch.full((*state.keys.shape[:2], 1, T), n, device=query.device)
         else:
             selection = self._select(query, state, causal, validate)
             proxies_in = state.pooled if self.spec.tail == "proxy" and not dense else None
             out, proxies = self.kernel.attend(query, state.keys, state.values, selection, proxies_in, state.scale)
-            reads = selection.valid.sum(-1)
         if not isinstance(out, Tensor) or out.shape != query.shape or out.dtype != query.dtype:
             raise violation(self.kernel, f"attend must return the query's shape {tuple(query.shape)} and dtype "
                                          f"{query.dtype}, got {getattr(out, 'dtype', type(out).__name__)} "
                                          f"{tuple(getattr(out, 'shape', ()))}")
         if not return_stats:
             return out
+        if selection is None:
+            reads = torch.full((*state.keys.shape[:2], 1, T), n, device=query.device)
+        else:
+            reads = selection.valid.sum(-1)
         lengths = state.valid.sum(-1)
         density = float((reads.double() / lengths.view(-1, 1, 1, 1)).mean())
         stats = AttendStats(density=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
@@ -513,14 +517,9 @@ class Pipeline:
     def _allocation_inputs(self, query: Tensor, state: PipelineState, scores: Tensor, budget: Tensor,
                            width: int | None = None) -> AllocationInput:
         """Step 4: cluster statistics z̄_b = s·q·k̄_b and σ̂_b² = s²Σ_d q_d² Var_b(k_d), with what else allocators see."""
-        B, Hq, T, D = query.shape
-        Hkv = state.keys.shape[1]
-        q = query.float().reshape(B, Hkv, Hq // Hkv, T, D)
-        key_mean, key_var = state.cluster_moments()
-        return AllocationInput(
-            mean_logit=state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
-            logit_var=state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var),
-            counts=state.pooled.count, scores=scores, assignment=state.pooled.assignment, budget=budget, width=width)
+        mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
+        return AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=state.pooled.count, scores=scores,
+                               assignment=state.pooled.assignment, budget=budget, width=width)
 
     def _scores(self, query: Tensor, state: PipelineState) -> Tensor:
         """Selector scores ``[B, Hkv, Gs, T, N]``, the max over the group when shared, -inf outside the clusters."""

@@ -2,20 +2,25 @@
 
 The torch reference (``Selector.select``) sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
-prepare and extended by growth — and takes its q_b best on the scores' order-preserving 32-bit keys: a few (up to
-FEW_PICKS) one at a time (the largest key left, the first position among ties: two reductions each), more by
-bisection for the q_b-th largest key, between the cluster's smallest and largest (at most 32 counts over the cluster
-held in registers, fewer when a count hits q_b exactly), then the positions above it and those tied with it in
-position order until q_b are taken. Either way: the same set as the reference's stable sort (score descending,
-position ascending), listed per cluster in position order. A cluster whose quota covers it is copied without reading
-scores.
+prepare and extended by growth — and takes its q_b best on the scores' order-preserving 32-bit keys. Up to
+``FEW_PICKS`` are picked one at a time: each pick is one max-reduction over (key, lane) packed in 64 bits, so the
+largest key and the first position among its ties come together; the picks' positions are then written in position
+order. A larger quota is found by bisection for the q_b-th largest key, between the cluster's smallest and largest
+(at most 32 counts over the cluster held in registers, fewer when a count hits q_b exactly), then the positions above
+it and those tied with it in position order until q_b are taken. Either way: the same set as the reference's stable
+sort (score descending, position ascending), listed per cluster in position order. A cluster whose quota covers it is
+copied without reading scores.
 
 Clusters are ragged (the largest a few times the mean), so one launch sized for the largest would run every count
-over a block of its size. Instead the kernel is launched once per size class — (0, 1024], (1024, 2048], ... up to
-``REGISTER_LIMIT``, then everything larger a block at a time — each with a block of its class's size (4 warps up to
-2048 lanes: on the H200 that measured faster than one warp per small cluster). A program whose cluster is not in the
-launch's class ends at once. The classes launched follow from the largest cluster, which the host knows from
-``members``' shape: nothing waits on the device (CUDA-graph capturable).
+over a block of its size. Instead the kernel is launched once per size class — (0, 512], (512, 1024], ... up to
+``REGISTER_LIMIT``, then everything larger a block at a time — each with a block of its class's size (2 warps up to
+512 lanes, 4 up to 2048, then 8). A program whose cluster is not in the launch's class ends at once. The classes
+launched follow from the largest cluster, which the host knows from ``members``' shape: nothing waits on the device
+(CUDA-graph capturable).
+
+Measured on the H200 (batch 32, 32K, 64 clusters of ~510): a program's cost is latency, not bytes. Scores read
+contiguously instead of through ``members`` saved only 15%; a program scoring its cluster's codes itself (QGS fused
+into the selection, the codes stored cluster-major) took as long as the two kernels apart.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 
-SMALL_CLUSTER = 1024  # the first size class (a power of two): a typical cluster at 64 clusters of 32K tokens
+SMALL_CLUSTER = 512  # the first size class (a power of two): about a typical cluster at 64 clusters of 32K tokens
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
+FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
 
 
 def cluster_members(assignment: Tensor, num_clusters: int, room: int = 0) -> tuple[Tensor, Tensor]:
@@ -69,7 +75,6 @@ def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor)
 
 
 if triton is not None:
-    FEW_PICKS = tl.constexpr(8)  # quotas up to this are picked one at a time (2 reductions each), not by bisection
 
     @triton.jit
     def _order_key(score):
@@ -87,29 +92,34 @@ if triton is not None:
         return pos, key, ok
 
     @triton.jit
-    def take_top(pos, key, ok, quota, n, out):
-        """A cluster held in registers — positions ``pos`` (in position order), order keys ``key`` (``_order_key``),
-        lanes ``ok`` (n of them) — → its ``quota`` best positions written to ``out`` in position order (ties by
-        position). 0 < quota; a quota ≥ n takes every position. A few (at most FEW_PICKS) are picked one at a time,
-        two reductions each; more by bisection on the keys, up to 32 counts."""
-        if quota <= FEW_PICKS:
-            keep = _pick_best(key, ok, quota)
+    def take_top(members, pos, key, ok, quota, n, out, BLOCK: tl.constexpr, FEW: tl.constexpr):
+        """A cluster held in registers — positions ``pos`` (in position order, as listed at ``members``), order keys
+        ``key`` (``_order_key``), lanes ``ok`` (n of them) — → its ``quota`` best positions written to ``out`` in
+        position order (ties by position). 0 < quota < n. Up to FEW are picked one at a time, more by bisection."""
+        if quota <= FEW:
+            _pick_best(members, key, ok, quota, out, BLOCK, FEW)
         else:
             keep = _keep_above_threshold(key, ok, quota, n)
-        tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
+            tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
 
     @triton.jit
-    def _pick_best(key, ok, quota):
-        """The lanes of the ``quota`` largest keys, one pick at a time: the largest left, the first lane among ties."""
-        lanes = tl.arange(0, key.shape[0])
-        left = ok
-        keep = lanes < 0
-        for _ in range(quota):
-            top = tl.max(tl.where(left, key, -2147483648), axis=0)
-            first = tl.min(tl.where(left & (key == top), lanes, key.shape[0]), axis=0)
-            keep = keep | (lanes == first)
-            left = left & (lanes != first)
-        return keep
+    def _pick_best(members, key, ok, quota, out, BLOCK: tl.constexpr, FEW: tl.constexpr):
+        """The ``quota`` (≤ FEW) largest keys, one max-reduction each over (key, BLOCK - 1 - lane) packed in 64 bits:
+        the largest key left and, among its ties, the first lane. Their positions go to ``out`` in lane order (a
+        lane's slot: how many picked lanes precede it)."""
+        lanes = tl.arange(0, BLOCK)
+        # Keys are ≥ -(2^31 - 1), so -2^31 (lanes outside the cluster) never wins; a picked lane drops below it.
+        packed = (tl.where(ok, key, -2147483648).to(tl.int64) << 32) | (-lanes + (BLOCK - 1)).to(tl.int64)
+        slots = tl.arange(0, FEW)
+        picked = tl.full([FEW], BLOCK, tl.int32)  # BLOCK: no pick (after every lane)
+        for i in range(quota):
+            top = tl.max(packed, axis=0)
+            lane = (-(top & 0xFFFFFFFF) + (BLOCK - 1)).to(tl.int32)
+            picked = tl.where(slots == i, lane, picked)
+            packed = tl.where(lanes == lane, -9223372036854775807, packed)
+        taken = slots < quota
+        slot = tl.sum((picked[None, :] < picked[:, None]).to(tl.int32), axis=1)
+        tl.store(out + slot, tl.load(members + picked, mask=taken, other=0).to(tl.int64), mask=taken)
 
     @triton.jit
     def _keep_above_threshold(key, ok, quota, n):
@@ -169,15 +179,16 @@ if triton is not None:
 
     @triton.jit
     def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, WIDTH, ROWS_PER_HEAD, LOW, HIGH,
-                       BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr):
+                       BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FEW: tl.constexpr):
         """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring)."""
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
         c = tl.program_id(1)
         head = p // ROWS_PER_HEAD  # (batch row, KV head)
         n = tl.load(COUNTS + head * C + c)
+        quota = tl.load(QUOTAS + p * C + c)  # loaded with n, not after the test: one wait instead of two
+        first = tl.load(OFFSETS + p * C + c)
         if (n > LOW) & (n <= HIGH):
-            quota = tl.load(QUOTAS + p * C + c)
-            out = OUT + p * WIDTH + tl.load(OFFSETS + p * C + c)
+            out = OUT + p * WIDTH + first
             members = MEMBERS + (head * C + c) * S
             if quota >= n:  # the whole cluster (often, for small ones): its positions as listed, no scores read
                 for start in range(0, n, BLOCK):
@@ -188,7 +199,7 @@ if triton is not None:
                     _take_top_blockwise(members, SCORES + p * N, quota, n, out, BLOCK)
                 else:
                     pos, key, ok = _cluster_keys(members, SCORES + p * N, 0, n, BLOCK)
-                    take_top(pos, key, ok, quota, n, out)
+                    take_top(members, pos, key, ok, quota, n, out, BLOCK, FEW)
 
 
 def size_classes(largest: int) -> list[tuple[int, int, int]]:
@@ -205,6 +216,11 @@ def size_classes(largest: int) -> list[tuple[int, int, int]]:
     return classes
 
 
+def _warps(block: int) -> int:
+    """Warps per program for a block of ``block`` lanes (measured on the H200, batch 32, 32K: 2 up to 512 lanes)."""
+    return 2 if block <= 512 else max(4, min(8, block // 512))
+
+
 def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tensor, width: int) -> Tensor:
     """scores ``[B, Hkv, Gs, T, N]``, members/counts from ``cluster_members``, quotas ``[B, Hkv, Gs, T, C]`` (each
     q_b ≤ n_b, Σ_b q_b ≤ width) → positions ``[B, Hkv, Gs, T, width]``, -1 padded. No host-device sync."""
@@ -218,6 +234,6 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
         flat = scores.float().reshape(rows, N).contiguous()
         for low, high, block in size_classes(S):
             _select_kernel[(rows, C)](flat, members, counts, quotas, offsets, out, N, C, S, out.shape[-1], Gs * T,
-                                      low, high, BLOCK=block, BLOCKWISE=low >= block,
-                                      num_warps=max(4, min(8, block // 512)))
+                                      low, high, BLOCK=block, BLOCKWISE=low >= block, FEW=FEW_PICKS,
+                                      num_warps=_warps(block))
     return out[:, :width].view(B, Hkv, Gs, T, width)

@@ -53,8 +53,8 @@ def _cluster_major(reference, assignment):
 
 
 def test_size_classes_cover_every_cluster_size_once():
-    assert size_classes(1) == [(0, 1024, 1024)]
-    assert size_classes(3000) == [(0, 1024, 1024), (1024, 2048, 2048), (2048, 4096, 4096)]
+    assert size_classes(1) == [(0, 512, 512)]
+    assert size_classes(3000) == [(0, 512, 512), (512, 1024, 1024), (1024, 2048, 2048), (2048, 4096, 4096)]
     assert size_classes(5000)[-2:] == [(2048, 4096, 4096), (4096, 5000, 4096)]
     for largest in (1, 511, 512, 513, 4096, 4097, 10000):
         classes = size_classes(largest)
@@ -62,9 +62,12 @@ def test_size_classes_cover_every_cluster_size_once():
         assert all(a[1] == b[0] for a, b in zip(classes, classes[1:]))  # contiguous, not overlapping
 
 
-def test_every_size_class_matches_the_reference_layout(monkeypatch):
+@pytest.mark.parametrize("few", [16, 2], ids=["picks", "bisection"])
+def test_every_size_class_matches_the_reference_layout(few, monkeypatch):
     """Classes (0, 4], (4, 8], (8, 16] in registers and (16, 40] a block at a time, over ragged clusters (one
-    empty), with quotas 0, 1, n - 1, n and random, ties (across clusters, ±0) and negative scores."""
+    empty), with quotas 0, 1, n - 1, n and random, ties (across clusters, ±0) and negative scores; quotas above
+    ``few`` by bisection, the others picked one at a time."""
+    monkeypatch.setattr(selection, "FEW_PICKS", few)
     monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
     monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
     gen = torch.Generator().manual_seed(2)
@@ -99,10 +102,12 @@ def test_every_size_class_matches_the_reference_layout(monkeypatch):
     assert bool(((fast >= 0).sum(-1) == quotas.sum(-1)).all())
 
 
+@pytest.mark.parametrize("few", [16, 1])
 @pytest.mark.parametrize("size", [3, 7, 12, 30])
-def test_ties_at_the_top_are_taken_in_position_order(size, monkeypatch):
+def test_ties_at_the_top_are_taken_in_position_order(size, few, monkeypatch):
     """One cluster (of each size class below), its best score held by every other position, quotas below that
     count: exactly the first ones, nothing written past the quota (no later cluster's slot to hide it)."""
+    monkeypatch.setattr(selection, "FEW_PICKS", few)
     monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
     monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
     assignment = torch.zeros(1, 1, size, dtype=torch.long)
