@@ -489,8 +489,7 @@ class Pipeline:
         Gs = 1 if spec.gqa == "shared" else g
         plan = state.plan()
         index = plan.fixed[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
-        log_weight = torch.zeros(index.shape, device=query.device)
-        runs = None
+        runs, drawn = None, None
         if state.clusters is not None:
             sampling = spec.tail == "sample"
             samples = (spec.tail_samples * plan.selectable).round().long() if sampling else 0 * plan.selectable
@@ -499,16 +498,18 @@ class Pipeline:
             quotas = self._check_quotas(self.allocator.allocate(inputs), inputs, validate)
             chosen = self.selector.select(scores, inputs.assignment, quotas, width=plan.max_selectable,
                                           members=plan.members)
-            ends = quotas.cumsum(-1)
+            ends = quotas.cumsum(-1, dtype=torch.int32)
             self._check_chosen(chosen, ends, inputs.assignment, plan.max_selectable, validate)
-            runs = (index.shape[-1] + torch.cat([torch.zeros_like(ends[..., :1]), ends], -1)).to(torch.int32)
+            runs = torch.nn.functional.pad(ends, (1, 0)) + index.shape[-1]  # after the fixed rows
             index = torch.cat([index, chosen], dim=-1)
-            log_weight = torch.cat([log_weight, torch.zeros(chosen.shape, device=query.device)], dim=-1)
             most = round(spec.tail_samples * plan.max_selectable) if sampling else 0
             if most > 0:
                 drawn, log_eta = self._sample_tail(query, scores > -math.inf, index, samples, most, state)
                 index = torch.cat([index, drawn], dim=-1)
-                log_weight = torch.cat([log_weight, log_eta], dim=-1)
+        # Exact rows weigh 1 (ln 0); tail samples, last, weigh η.
+        log_weight = torch.zeros(index.shape, device=query.device)
+        if drawn is not None:
+            log_weight[..., -drawn.shape[-1]:] = log_eta
         if causal:
             own = torch.arange(n - T, n, device=query.device)[:, None]  # query t sits at position n − T + t
             index = index.masked_fill(index > own, -1)

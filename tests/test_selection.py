@@ -53,9 +53,9 @@ def _cluster_major(reference, assignment):
 
 
 def test_size_classes_cover_every_cluster_size_once():
-    assert size_classes(1) == [(0, 512, 512)]
-    assert size_classes(3000) == [(0, 512, 512), (512, 1024, 1024), (1024, 2048, 2048), (2048, 4096, 4096)]
-    assert size_classes(5000)[-2:] == [(2048, 4096, 4096), (4096, 5000, 4096)]
+    assert size_classes(1) == [(0, 1024, 1024)]
+    assert size_classes(3000) == [(0, 1024, 1024), (1024, 4096, 4096)]
+    assert size_classes(5000) == [(0, 1024, 1024), (1024, 4096, 4096), (4096, 5000, 4096)]
     for largest in (1, 511, 512, 513, 4096, 4097, 10000):
         classes = size_classes(largest)
         assert classes[0][0] == 0 and classes[-1][1] >= largest
@@ -64,9 +64,9 @@ def test_size_classes_cover_every_cluster_size_once():
 
 @pytest.mark.parametrize("few", [16, 2], ids=["picks", "bisection"])
 def test_every_size_class_matches_the_reference_layout(few, monkeypatch):
-    """Classes (0, 4], (4, 8], (8, 16] in registers and (16, 40] a block at a time, over ragged clusters (one
-    empty), with quotas 0, 1, n - 1, n and random, ties (across clusters, ±0) and negative scores; quotas above
-    ``few`` by bisection, the others picked one at a time."""
+    """Classes (0, 8] (paths of 4 and 8 lanes), (8, 16] in registers and (16, 40] a block at a time, over ragged
+    clusters (one empty), with quotas 0, 1, n - 1, n and random, ties (across clusters, ±0) and negative scores; quotas
+    above ``few`` by bisection, the others picked one at a time."""
     monkeypatch.setattr(selection, "FEW_PICKS", few)
     monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
     monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
@@ -81,7 +81,7 @@ def test_every_size_class_matches_the_reference_layout(few, monkeypatch):
         for h in range(H):
             assignment[b, h, 4:-6] = inside[torch.randperm(len(inside), generator=gen)]
     members, counts = cluster_members(assignment, C)
-    assert [low for low, _, _ in size_classes(members.shape[-1])] == [0, 4, 8, 16]
+    assert [low for low, _, _ in size_classes(members.shape[-1])] == [0, 8, 16]
     scores = torch.randn(B, H, Gs, T, N, generator=gen)
     scores[0, 0, 0] = torch.randint(-2, 3, (T, N), generator=gen).float()  # many ties
     scores[0, 1, 1] = torch.tensor([0.0, -0.0])[torch.randint(2, (T, N), generator=gen)]  # ±0 tie

@@ -6,14 +6,16 @@ each row read. A selection from the pipeline lists each cluster's selected rows 
 without runs is regrouped by cluster first. Four kernels; each KV byte is read once:
 
 1. ``_exact_logits`` (a program per block of index columns): z_i = s·q·k_i + ln η_i (float32, a K-wide buffer).
-2. ``_proxies`` (a program per row and chunk of clusters): from each cluster's run of logits and the pooled sums
-   minus the rows read, without reading a key again: n_T = n_b − |X∩b|, ℓ_b = (s·q·Σk_b − Σ_{X∩b} z_i)/n_T + ln n_T,
-   the per-token weight g_b = e^{ℓ_b}/n_T (stored), and the chunk's part of the softmax, Σ_b g_b Σv_b over
-   Σ_b e^{ℓ_b}, with its own running max.
+2. ``_proxies`` (a program per row, its clusters a tile of 16 at a time): from each cluster's run of logits
+   and the pooled sums minus the rows read, without reading a key again: n_T = n_b − |X∩b|,
+   ℓ_b = (s·q·Σk_b − Σ_{X∩b} z_i)/n_T + ln n_T, the per-token weight g_b = e^{ℓ_b}/n_T (stored), and the row's
+   proxy part of the softmax, Σ_b g_b Σv_b over Σ_b e^{ℓ_b}. The per-cluster sums are matrix products (with the
+   columns' one-hot clusters, the pooled key and value sums), not a loop over clusters: one cluster after another
+   measured latency-bound on the H200.
 3. ``_weighted_values`` (flash-decoding style, a program per row and split of the columns): reads the values of its
    split once. The proxy numerator Σ_b e^{ℓ_b} v̄_T = Σ_b g_b Σv_b − Σ_{i∈X} g_{c(i)} v_i folds into the row weights
    e^{z_i} − g_{c(i)} (a column's cluster follows from the runs), so the rows read need no per-cluster sums.
-4. ``_merge``: the parts (splits and chunks) rescaled to one max, summed, divided, written in the query's layout
+4. ``_merge``: the parts (the value pass's splits, the proxies' part) rescaled to one max, summed, divided, written in the query's layout
    and dtype.
 
 Each kernel's programs form one 1-D grid with the selection row varying fastest (keeping a row's programs together
@@ -82,13 +84,16 @@ if triton is not None:
 
     @triton.jit
     def _proxies(Z, IDX, LW, RUNS, Q, KSUM, VSUM, COUNT, LOG_G, M_OUT, L_OUT, ACC_OUT, USED_OUT,
-                 sq_b, sq_h, sq_t, ROWS, Hkv, Gs, T, KSEL, C, PER_PROGRAM, CHUNKS, PARTS, scale,
-                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
+                 sq_b, sq_h, sq_t, ROWS, Hkv, Gs, T, KSEL, C, PER_PROGRAM, PROGRAMS, PARTS, scale,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_C: tl.constexpr,
                  D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program (p, chunk): the proxies of clusters chunk·PER_PROGRAM, ... from their runs' logits: ℓ_b and
-        ln g_b = ℓ_b − ln n_T (stored for the value pass), and their part of the softmax, Σ_b e^{ℓ_b} Σv_b / n_T."""
+        """Program p: every cluster's proxy, CHUNK_C clusters at a time as one tile. A chunk's runs are contiguous
+        columns: one pass over them sums each cluster's logits Σ_{X∩b} s·q·k_i and rows read as a product with the
+        columns' one-hot cluster tile; then ℓ_b for the whole chunk (q·Σk_b a product with the chunk's pooled key
+        sums), ln g_b = ℓ_b − ln n_T (stored for the value pass), and the chunk's part of the softmax,
+        Σ_b e^{ℓ_b} Σv_b / n_T (a product with its pooled value sums), kept in a running max."""
         p = tl.program_id(0) % ROWS
-        chunk = tl.program_id(0) // ROWS
+        part = tl.program_id(0) // ROWS  # clusters part·PER_PROGRAM, ... (PER_PROGRAM: a multiple of CHUNK_C)
         b, h, s, t = _row(p, Hkv, Gs, T)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -97,47 +102,53 @@ if triton is not None:
         head = h * (G * Gs) + s * G + offs_g
         q = tl.load(Q + b * sq_b + head[:, None] * sq_h + t * sq_t + offs_d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        runs = RUNS + p * (C + 1)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         used = tl.zeros([], tl.int32)
-        for cluster in range(chunk * PER_PROGRAM, tl.minimum(chunk * PER_PROGRAM + PER_PROGRAM, C)):
-            pooled = (b * Hkv + h) * C + cluster
-            lo = tl.load(RUNS + p * (C + 1) + cluster)
-            hi = tl.load(RUNS + p * (C + 1) + cluster + 1)
-            read_z = tl.zeros([BLOCK_G], tl.float32)  # Σ_{X∩b} s·q·k_i
-            read_n = tl.zeros([], tl.int32)
-            for start in range(lo, hi, BLOCK_K):
+        for c0 in range(part * PER_PROGRAM, tl.minimum(part * PER_PROGRAM + PER_PROGRAM, C), CHUNK_C):
+            offs_c = c0 + tl.arange(0, CHUNK_C)
+            c_ok = offs_c < C
+            lo = tl.load(runs + offs_c, mask=c_ok, other=0)
+            hi = tl.load(runs + offs_c + 1, mask=c_ok, other=0)
+            read_z = tl.zeros([BLOCK_G, CHUNK_C], tl.float32)  # Σ_{X∩b} s·q·k_i
+            read_n = tl.zeros([CHUNK_C], tl.int32)
+            for start in range(tl.load(runs + c0), tl.load(runs + tl.minimum(c0 + CHUNK_C, C)), BLOCK_K):
                 offs_k = start + tl.arange(0, BLOCK_K)
-                in_run = offs_k < hi
-                valid = in_run & (tl.load(IDX + p * KSEL + offs_k, mask=in_run, other=-1) >= 0)
+                valid = tl.load(IDX + p * KSEL + offs_k, mask=offs_k < KSEL, other=-1) >= 0
                 z = tl.load(Z + (p * G + offs_g[:, None]) * KSEL + offs_k[None, :],
                             mask=g_ok[:, None] & valid[None, :], other=0.0)
                 z = z - tl.load(LW + p * KSEL + offs_k, mask=valid, other=0.0)[None, :]
-                read_z += tl.sum(tl.where(valid[None, :], z, 0.0), axis=1)
-                read_n += tl.sum(valid.to(tl.int32), axis=0)
-            tail = tl.load(COUNT + pooled) - read_n.to(tl.float32)
-            has_tail = tail > 0.5
+                z = tl.where(g_ok[:, None] & valid[None, :], z, 0.0)
+                one_hot = valid[:, None] & (offs_k[:, None] >= lo[None, :]) & (offs_k[:, None] < hi[None, :])
+                read_z += tl.dot(z, one_hot.to(tl.float32), input_precision="ieee")
+                read_n += tl.sum(one_hot.to(tl.int32), axis=0)
+            pooled = (b * Hkv + h) * C + offs_c
+            tail = tl.load(COUNT + pooled, mask=c_ok, other=0.0) - read_n.to(tl.float32)
+            has_tail = c_ok & (tail > 0.5)
             n_tail = tl.where(has_tail, tail, 1.0)
-            key_sum = tl.load(KSUM + pooled * D + offs_d, mask=d_ok, other=0.0)
-            ell = (tl.sum(q * key_sum[None, :], axis=1) * scale - read_z) / n_tail + tl.log(n_tail)  # ℓ_b
-            ell = tl.where(g_ok, tl.where(has_tail, ell, float("-inf")), float("-inf"))
-            tl.store(LOG_G + (p * G + offs_g) * C + cluster, ell - tl.log(n_tail), mask=g_ok)
-            if has_tail:
-                value_sum = tl.load(VSUM + pooled * D + offs_d, mask=d_ok, other=0.0)
-                m_new = tl.maximum(m, ell)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_safe)
-                e = tl.exp(ell - m_safe)
-                acc = acc * alpha[:, None] + (e / n_tail)[:, None] * value_sum[None, :]
-                den = den * alpha + e
-                m = m_new
-                used += 1
-        out = (p * PARTS + (PARTS - CHUNKS) + chunk) * G + offs_g
+            tile = pooled[:, None] * D + offs_d[None, :]
+            key_sum = tl.load(KSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(key_sum), input_precision="ieee")  # [BLOCK_G, CHUNK_C]: q·Σk_b
+            ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]  # ℓ_b
+            ell = tl.where(g_ok[:, None] & has_tail[None, :], ell, float("-inf"))
+            tl.store(LOG_G + (p * G + offs_g[:, None]) * C + offs_c[None, :], ell - tl.log(n_tail)[None, :],
+                     mask=g_ok[:, None] & c_ok[None, :])
+            value_sum = tl.load(VSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            m_new = tl.maximum(m, tl.max(ell, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            e = tl.exp(ell - m_safe[:, None])  # 0 for clusters without a tail
+            acc = acc * alpha[:, None] + tl.dot(e / n_tail[None, :], value_sum, input_precision="ieee")
+            den = den * alpha + tl.sum(e, axis=1)
+            m = m_new
+            used += tl.sum(has_tail.to(tl.int32), axis=0)
+        out = (p * PARTS + PARTS - PROGRAMS + part) * G + offs_g
         tl.store(M_OUT + out, m, mask=g_ok)
         tl.store(L_OUT + out, den, mask=g_ok)
         tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(USED_OUT + p * PARTS + (PARTS - CHUNKS) + chunk, used)
+        tl.store(USED_OUT + p * PARTS + PARTS - PROGRAMS + part, used)
 
     @triton.jit
     def _weighted_values(Z, IDX, RUNS, V, LOG_G, M_OUT, L_OUT, ACC_OUT, USED_OUT,
@@ -248,7 +259,8 @@ class FlashKernel(Kernel):
 
     name = "flash"
     block_k = 64  # index columns per block of the logits and value passes
-    clusters_per_program: int | None = None  # the proxy pass; None: 8 on a GPU, all under the interpreter
+    clusters_per_chunk: int | None = None  # clusters per tile of the proxy pass (a power of two ≥ 16); None: 16
+    chunks_per_program: int | None = None  # tiles per program of the proxy pass; None: all of a row's
     poison = False  # fill the output buffers with NaN before launching (tests: every element must be written)
 
     def __init__(self, config=None) -> None:
@@ -298,9 +310,10 @@ class FlashKernel(Kernel):
         splits = max(1, min(blocks, triton.cdiv(2048, P)))
         per_split = triton.cdiv(blocks, splits) * block_k
         splits = max(1, triton.cdiv(ksel, per_split))
-        per_program = self.clusters_per_program or (max(C, 1) if triton_path.interpreting() else 8)
-        chunks = triton.cdiv(C, per_program)
-        parts = splits + chunks
+        chunk_c = self.clusters_per_chunk or 16
+        per_program = chunk_c * (self.chunks_per_program or triton.cdiv(C, chunk_c))
+        programs = triton.cdiv(C, per_program) if proxy else 0
+        parts = splits + programs  # the value pass's splits, then the proxies' parts
 
         def empty(*shape, dtype=torch.float32):  # buffers every element of which the kernels write
             if self.poison:
@@ -319,10 +332,11 @@ class FlashKernel(Kernel):
             query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
             P, Hkv, Gs, T, ksel, scale, G=G, BLOCK_G=block_g, BLOCK_K=block_k, D=D, BLOCK_D=block_d, HALF=half)
         if proxy:
-            _proxies[(P * chunks,)](
+            _proxies[(P * programs,)](
                 logits, index, log_weight, runs, query, key_sum, value_sum, count, log_g, row_max, den, acc,
                 used_parts, query.stride(0), query.stride(1), query.stride(2), P, Hkv, Gs, T, ksel, C, per_program,
-                chunks, parts, scale, G=G, BLOCK_G=block_g, BLOCK_K=16, D=D, BLOCK_D=block_d)
+                programs, parts, scale, G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D,
+                BLOCK_D=block_d)
         _weighted_values[(P * splits,)](
             logits, index, runs, values, log_g, row_max, den, acc, used_parts,
             values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, max(C, 1), per_split,

@@ -36,11 +36,13 @@ def _case(tokens=203, batch=2, kv_heads=2, group=3, dim=32, queries=2, gqa="per_
     return (*cast, selection, proxies, 1 / math.sqrt(dim))
 
 
-def _compare(case, tolerance, clusters_per_program=None, block_k=64):
+def _compare(case, tolerance, **partition):
     query, keys, values, selection, proxies, scale = case
     reference, used_ref = TorchKernel().attend(query, keys, values, selection, proxies, scale)
     kernel = FlashKernel()
-    kernel.clusters_per_program, kernel.block_k = clusters_per_program, block_k
+    for knob, value in partition.items():  # block_k, clusters_per_chunk, chunks_per_program
+        assert hasattr(kernel, knob)
+        setattr(kernel, knob, value)
     kernel.poison = True  # NaN in every buffer first: a value the kernels do not write shows up
     out, used = kernel.attend(query, keys, values, selection, proxies, scale)
     assert kernel.note.startswith("triton")
@@ -60,9 +62,12 @@ def test_flash_matches_the_reference_fp32(gqa, tail):
 
 @pytest.mark.parametrize("tail", ["proxy", "discard"])
 def test_the_gpu_partition_of_rows_into_programs(tail):
-    # The GPU's split: several splits of the columns and several chunks of clusters per row, merged.
-    _compare(_case(gqa="shared", tail=tail, batch=1), 1e-4, clusters_per_program=1, block_k=16)
-    _compare(_case(gqa="shared", tail=tail, batch=1), 1e-4, clusters_per_program=3, block_k=32)
+    # The GPU's split: several splits of the columns merged; 40 clusters in tiles of 16 (the last one partial), all
+    # in one program per row or a program per tile.
+    case = _case(gqa="shared", tail=tail, batch=1, tokens=400, clusters=40, density=0.3)
+    _compare(case, 1e-4, clusters_per_chunk=16, block_k=16)
+    _compare(case, 1e-4, clusters_per_chunk=16, chunks_per_program=1, block_k=16)
+    _compare(case, 1e-4, clusters_per_chunk=32, chunks_per_program=1, block_k=32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
