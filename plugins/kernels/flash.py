@@ -260,7 +260,7 @@ class FlashKernel(Kernel):
     name = "flash"
     block_k = 64  # index columns per block of the logits and value passes
     clusters_per_chunk: int | None = None  # clusters per tile of the proxy pass (a power of two ≥ 16); None: 16
-    chunks_per_program: int | None = None  # tiles per program of the proxy pass; None: all of a row's
+    chunks_per_program: int | None = None  # tiles per program of the proxy pass; None: enough programs (~512)
     poison = False  # fill the output buffers with NaN before launching (tests: every element must be written)
 
     def __init__(self, config=None) -> None:
@@ -311,7 +311,9 @@ class FlashKernel(Kernel):
         per_split = triton.cdiv(blocks, splits) * block_k
         splits = max(1, triton.cdiv(ksel, per_split))
         chunk_c = self.clusters_per_chunk or 16
-        per_program = chunk_c * (self.chunks_per_program or triton.cdiv(C, chunk_c))
+        chunks = triton.cdiv(max(C, 1), chunk_c)
+        # Programs of the proxy pass: at least ~512 in all where the row's tiles allow (a small batch has few rows).
+        per_program = chunk_c * (self.chunks_per_program or triton.cdiv(chunks, min(chunks, triton.cdiv(512, P))))
         programs = triton.cdiv(C, per_program) if proxy else 0
         parts = splits + programs  # the value pass's splits, then the proxies' parts
 
