@@ -1,0 +1,1 @@
+"""Evaluation: RULER's synthetic tasks generated offline (``oa_core.eval.ruler``)."""
