@@ -1,4 +1,4 @@
-"""The ``oa`` command: ``oa plugins``, ``oa validate SPEC.yaml ...``, ``oa demo``."""
+"""The ``oa`` command: ``oa plugins``, ``oa validate SPEC.yaml ...``, ``oa demo``, ``oa eval``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,37 @@ def demo_command(args: argparse.Namespace) -> int:
     return run_demo(model=args.model, tokens=args.tokens, density=args.density)
 
 
+def default_specs() -> list[str]:
+    """Every baseline spec under ./specs (the ablations left out): what ``oa eval`` compares by default."""
+    from pathlib import Path
+
+    return sorted(str(p) for p in Path("specs").glob("*.yaml") if not p.name.startswith("ablate-"))
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from oa_core.eval import runner
+
+    specs = args.specs or default_specs()
+    if not specs:
+        print("oa eval: no spec given and no specs/*.yaml here; pass --specs", file=sys.stderr)
+        return 2
+    config = runner.EvalConfig(specs=specs, densities=args.densities, tasks=args.tasks, lengths=args.length,
+                               samples=args.samples, seed=args.seed, setup=args.setup, out=Path(args.out),
+                               model=args.model, sink=args.sink, local=args.local,
+                               max_new_tokens=args.max_new_tokens)
+    try:
+        rows = runner.run(config)
+    except (SpecError, ValueError) as exc:
+        print(f"oa eval: {exc}", file=sys.stderr)
+        return 2
+    if rows is not None:
+        print(runner.summary_table(rows))
+        print(f"records and summary in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oa", description="OpenAttention: sparse decode attention with tail proxies.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tokens", type=int, default=3000, help="context length in tokens")
     demo.add_argument("--density", type=float, default=0.03, help="read density")
     demo.set_defaults(run=demo_command)
+    from oa_core.eval.ruler import HARD_TASKS
+
+    evaluate = commands.add_parser("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
+    evaluate.add_argument("--model", default=None, help="transformers model path or id (default: the offline SmolLM2)")
+    evaluate.add_argument("--specs", nargs="+", default=None, metavar="SPEC.yaml",
+                          help="pipeline specs (default: every baseline spec in ./specs)")
+    evaluate.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.05, 0.03, 0.01])
+    evaluate.add_argument("--tasks", nargs="+", default=list(HARD_TASKS), help="RULER tasks (default: the HARD-like set)")
+    evaluate.add_argument("--length", nargs="+", type=int, default=[4096], help="prompt lengths in tokens")
+    evaluate.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--setup", choices=["A", "B"], default="B", help="B: question decoded sparsely; A: dense")
+    evaluate.add_argument("--sink", type=int, default=4, help="sink rows for every sparse spec")
+    evaluate.add_argument("--local", type=int, default=16, help="local window for every sparse spec")
+    evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
+    evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
+    evaluate.set_defaults(run=eval_command)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -125,3 +125,39 @@ def test_bad_arguments_are_named(model, tokenizer, tmp_path):
 
     with pytest.raises((SpecError, FileNotFoundError)):
         runner.run(_config(tmp_path, specs=["specs/no-such-spec.yaml"]), model, tokenizer)
+
+
+def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path):
+    """``torchrun --nproc-per-node 2 -m oa_core.cli eval``: gloo on the CPU, the units dealt to both ranks, each
+    cell run once, and one summary over both ranks' records — the same as one process's."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "ranks"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "OA_CACHE_DIR": str(tmp_path / "cache")}
+    command = [torchrun, "--nproc-per-node", "2", "--master-port", "29531", "-m", "oa_core.cli", "eval",
+               "--model", str(folder), "--specs", *SPECS, "--densities", "0.1", "--tasks", "niah_single_1", "vt",
+               "--length", "512", "--samples", "2", "--max-new-tokens", "3", "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "records-rank0.jsonl").is_file() and (out / "records-rank1.jsonl").is_file()
+    records = runner.read_records(out)
+    assert len(records) == 12 == len({runner.record_key(r) for r in records})
+    for rank in (0, 1):  # each rank ran whole units (2 of the 4)
+        mine = [json.loads(line) for line in (out / f"records-rank{rank}.jsonl").read_text().splitlines()]
+        assert len(mine) == 6 and len({(r["task"], r["sample"]) for r in mine}) == 2
+    rows = json.loads((out / "summary.json").read_text())
+    single = runner.run(_config(tmp_path / "single"), model, tokenizer)
+    assert [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in rows] == \
+        [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in single]
+    for a, b in zip(rows, single):
+        assert a["logprob_gap"] == pytest.approx(b["logprob_gap"], abs=1e-3)

@@ -266,3 +266,18 @@ def write_summary(out: Path, rows: list[dict]) -> None:
 
 def config_record(config: EvalConfig) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The summary as a Markdown table."""
+    head = "| spec | density | task | length | samples | score | dense | retention | log-lik gap | measured density |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['spec']} | {r['density']:.0%} | {r['task']} | {r['length']} | {r['samples']} | "
+                     f"{r['score']:.1f} | {r['dense_score']:.1f} | {_fmt(r['retention'], '.2f')} | "
+                     f"{_fmt(r['logprob_gap'], '+.2f')} | {r['measured_density']:.4f} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
