@@ -1,4 +1,4 @@
-"""The ``oa`` command: ``oa plugins``, ``oa validate SPEC.yaml ...``, ``oa demo``, ``oa eval``."""
+"""The ``oa`` command: ``oa plugins``, ``oa validate SPEC.yaml ...``, ``oa demo``, ``oa eval``, ``oa report``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,19 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def report_command(args: argparse.Namespace) -> int:
+    from oa_core.eval.report import build_report
+
+    try:
+        path = build_report(args.dir, dense_floor=args.dense_floor)
+    except FileNotFoundError as exc:
+        print(f"oa report: {exc}", file=sys.stderr)
+        return 2
+    print(path.read_text(encoding="utf-8"))
+    print(f"wrote {path} and its plots")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="oa", description="OpenAttention: sparse decode attention with tail proxies.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
     evaluate.set_defaults(run=eval_command)
+    report = commands.add_parser("report", help="Markdown table and plots of an `oa eval` folder")
+    report.add_argument("dir", help="the folder `oa eval --out` wrote")
+    report.add_argument("--dense-floor", type=float, default=20.0,
+                        help="tasks dense scores below this are reported apart (they cannot measure retention)")
+    report.set_defaults(run=report_command)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -161,3 +161,48 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
         [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in single]
     for a, b in zip(rows, single):
         assert a["logprob_gap"] == pytest.approx(b["logprob_gap"], abs=1e-3)
+
+
+def _colored_fraction(path):
+    import numpy as np
+    from PIL import Image
+
+    Image.open(path).verify()  # a valid PNG
+    pixels = np.asarray(Image.open(path).convert("RGB"), dtype=float)
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 500
+    return float(((pixels.max(-1) - pixels.min(-1)) > 60).mean())  # lines and bars; axes and text are grey
+
+
+def test_report_renders_tables_and_plots(tmp_path, capsys):
+    from oa_core.cli import main
+
+    records = []
+    for task, dense_score in (("niah_single_2", 80.0), ("vt", 60.0), ("cwe", 0.0)):
+        for sample in range(2):
+            records.append(dict(spec="dense", density=None, task=task, length=4096, sample=sample,
+                                score=dense_score, answer_logprob=-2.0, measured_density=1.0))
+            for density, factor in ((0.1, 1.0), (0.01, 0.5)):
+                records.append(dict(spec="openattention", density=density, task=task, length=4096, sample=sample,
+                                    score=dense_score * factor, answer_logprob=-2.0 - (1 - factor),
+                                    measured_density=density))
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    # Means over the tasks dense can do (niah 80, vt 60; cwe 0 is reported apart).
+    assert "| openattention | 1% | 2 | 35.0 | 0.50 | -0.50 | 0.0100 |" in text
+    assert "| openattention | 10% | 2 | 70.0 | 1.00 | +0.00 | 0.1000 |" in text
+    assert "## Tasks the model cannot do even dense\n\ncwe (4096)" in text
+    assert _colored_fraction(tmp_path / "per_task.png") > 0.05  # the bars
+    assert _colored_fraction(tmp_path / "accuracy_vs_density.png") > 0.002  # the line and its markers
+    assert main(["report", str(tmp_path / "nothing-here")]) == 2
+    assert "no records" in capsys.readouterr().err
+
+
+def test_report_of_a_real_run(uninterrupted):
+    from oa_core.eval.report import build_report
+
+    out, _ = uninterrupted
+    text = build_report(out).read_text()
+    # A random model scores 0 dense: every task is one it cannot do, and no retention is claimed.
+    assert "niah_single_1 (512), vt (512)" in text and "retention cannot be measured" in text
+    assert _colored_fraction(out / "per_task.png") > 0 and _colored_fraction(out / "accuracy_vs_density.png") > 0

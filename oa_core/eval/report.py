@@ -1,0 +1,135 @@
+"""``oa report DIR``: what an ``oa eval`` folder holds, as Markdown and plots.
+
+- ``report.md``: per spec and density, averaged over the tasks dense can do (score, retention vs dense, answer
+  log-likelihood gap, measured density); the same per task; and the tasks the model cannot do even dense.
+- ``accuracy_vs_density.png``: mean score against read density, a line per method, dense as a level (the paper's
+  figure); ``per_task.png``: a bar per method and task, a panel per density.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from oa_core.eval.runner import read_records, summarize, summary_table
+
+# A task dense scores below this (of 100) cannot measure retention: reported apart, left out of the means.
+DENSE_FLOOR = 20.0
+
+
+def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
+    """Writes report.md and the PNGs into ``out`` (an ``oa eval`` folder) → the report's path."""
+    out = Path(out)
+    records = read_records(out)
+    if not records:
+        raise FileNotFoundError(f"{out}: no records*.jsonl here; run `oa eval --out {out}` first")
+    rows = summarize(records)
+    dense = {(r["task"], r["length"]): r["score"] for r in rows if r["spec"] == "dense"}
+    unable = sorted({f"{task} ({length})" for (task, length), score in dense.items() if score < dense_floor})
+    usable = [r for r in rows if dense.get((r["task"], r["length"]), 0.0) >= dense_floor]
+    means = _means(usable)
+    lines = [f"# Evaluation report: `{out}`", "",
+             f"{len(records)} cells; model: {records[0].get('model', '?')}; setup {records[0].get('setup', '?')}; "
+             f"seed {records[0].get('seed', '?')}.", "",
+             f"## Mean over the tasks dense scores at least {dense_floor:g} on", ""]
+    if means:
+        lines += [_means_table(means), ""]
+    else:
+        lines += ["No task reached that dense score: retention cannot be measured.", ""]
+    lines += ["## Tasks the model cannot do even dense", "",
+              ", ".join(unable) if unable else f"None (every task's dense score ≥ {dense_floor:g}).", "",
+              "## Per task", "", summary_table(rows), "",
+              "![accuracy vs density](accuracy_vs_density.png)", "", "![per task](per_task.png)", ""]
+    plot_accuracy_vs_density(means or _means(rows), out / "accuracy_vs_density.png")
+    plot_per_task(rows, out / "per_task.png")
+    path = out / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _means(rows: list[dict]) -> list[dict]:
+    """Per (spec, density): the mean over tasks and lengths of score, retention, log-likelihood gap and density."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r["spec"], r["density"]].append(r)
+
+    def mean(values):
+        values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+        return sum(values) / len(values) if values else math.nan
+
+    return [{"spec": spec, "density": density, "tasks": len(rs), "score": mean(r["score"] for r in rs),
+             "retention": mean(r["retention"] for r in rs), "logprob_gap": mean(r["logprob_gap"] for r in rs),
+             "measured_density": mean(r["measured_density"] for r in rs)}
+            for (spec, density), rs in sorted(groups.items(), key=lambda g: (g[0][0], -g[0][1]))]
+
+
+def _means_table(means: list[dict]) -> str:
+    lines = ["| spec | density | tasks | score | retention | log-lik gap | measured density |", "|" + "---|" * 7]
+    for m in means:
+        lines.append(f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f} | "
+                     f"{_f(m['retention'], '.2f')} | {_f(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
+    return "\n".join(lines)
+
+
+def _f(value: float, spec: str) -> str:
+    return "n/a" if math.isnan(value) else format(value, spec)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy_vs_density(means: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    by_spec: dict[str, list[dict]] = defaultdict(list)
+    for m in means:
+        by_spec[m["spec"]].append(m)
+    for spec, ms in sorted(by_spec.items()):
+        if spec == "dense":
+            ax.axhline(ms[0]["score"], color="black", linestyle="--", linewidth=1, label="dense")
+            continue
+        ms = sorted(ms, key=lambda m: m["density"])
+        ax.plot([100 * m["density"] for m in ms], [m["score"] for m in ms], marker="o", label=spec)
+    ax.set_xscale("log")
+    ticks = sorted({100 * m["density"] for m in means if m["spec"] != "dense"})
+    ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("read density")
+    ax.set_ylabel("mean score")
+    ax.set_title("Score against read density")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_per_task(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    densities = sorted({r["density"] for r in rows if r["spec"] != "dense"}, reverse=True) or [1.0]
+    tasks = sorted({(r["task"], r["length"]) for r in rows})
+    specs = sorted({r["spec"] for r in rows})
+    score = {(r["spec"], r["density"], r["task"], r["length"]): r["score"] for r in rows}
+    fig, axes = plt.subplots(len(densities), 1, figsize=(max(6.4, 1.2 * len(tasks) + 2), 2.8 * len(densities)),
+                             dpi=120, squeeze=False)
+    width = 0.8 / max(len(specs), 1)
+    for ax, density in zip(axes[:, 0], densities):
+        for i, spec in enumerate(specs):
+            values = [score.get((spec, 1.0 if spec == "dense" else density, t, n), math.nan) for t, n in tasks]
+            ax.bar([x + i * width for x in range(len(tasks))], values, width=width, label=spec)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tasks))])
+        ax.set_xticklabels([f"{t}\n{n}" for t, n in tasks], fontsize=7)
+        ax.set_ylabel("score")
+        ax.set_ylim(0, 100)
+        ax.set_title(f"read density {density:.0%}", fontsize=9)
+    axes[0, 0].legend(fontsize=7, ncol=min(len(specs), 4))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
