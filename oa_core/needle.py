@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 from tqdm import tqdm
 

@@ -133,7 +133,6 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
     import os
     import shutil
     import subprocess
-    import sys
 
     torchrun = shutil.which("torchrun")
     if torchrun is None:

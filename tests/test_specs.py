@@ -1,6 +1,5 @@
 """Every ready spec in specs/ (issue: baselines and ablations) builds, runs and stays within its budget."""
 
-import math
 from pathlib import Path
 
 import pytest

@@ -25,7 +25,7 @@ import platform
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -262,10 +262,6 @@ def write_summary(out: Path, rows: list[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-
-
-def config_record(config: EvalConfig) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
 
 
 def summary_table(rows: list[dict]) -> str:
