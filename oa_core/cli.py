@@ -62,7 +62,8 @@ def eval_command(args: argparse.Namespace) -> int:
     config = runner.EvalConfig(specs=specs, densities=args.densities, tasks=args.tasks, lengths=args.length,
                                samples=args.samples, seed=args.seed, setup=args.setup, out=Path(args.out),
                                model=args.model, sink=args.sink, local=args.local,
-                               max_new_tokens=args.max_new_tokens)
+                               max_new_tokens=args.max_new_tokens, metric=args.metric, decode=args.decode,
+                               layers=args.layers)
     try:
         rows = runner.run(config)
     except (SpecError, ValueError) as exc:
@@ -115,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--local", type=int, default=16, help="local window for every sparse spec")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
+    evaluate.add_argument("--metric", choices=["ruler", "attention-error"], default="ruler",
+                          help="ruler: task scores; attention-error: relative output error on the model's caches")
+    evaluate.add_argument("--decode", type=int, default=64, help="attention-error: decode queries per length")
+    evaluate.add_argument("--layers", type=int, nargs="+", default=None,
+                          help="attention-error: layers (default: six spread over the model)")
     evaluate.set_defaults(run=eval_command)
     report = commands.add_parser("report", help="Markdown table and plots of an `oa eval` folder")
     report.add_argument("dir", help="the folder `oa eval --out` wrote")

@@ -2,6 +2,7 @@
 the dense reference, resuming after a crash to the same summary, and clear errors."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,22 @@ def test_report_of_a_real_run(uninterrupted):
     # A random model scores 0 dense: every task is one it cannot do, and no retention is claimed.
     assert "niah_single_1 (512), vt (512)" in text and "retention cannot be measured" in text
     assert _colored_fraction(out / "per_task.png") > 0 and _colored_fraction(out / "accuracy_vs_density.png") > 0
+
+
+def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp_path):
+    """``--metric attention-error``: units are layers, cells specs × densities, the same records and summary, and
+    a rerun resumes; the dense reference's error is ~0 and a sparse spec's is not."""
+    config = _config(tmp_path, metric="attention-error", lengths=[300], layers=[0, 1], decode=4)
+    rows = runner.run(config, model, tokenizer)
+    records = runner.read_records(tmp_path)
+    assert len(records) == 2 * (1 + 2) and {r["task"] for r in records} == {"attention-error"}
+    assert {r["sample"] for r in records} == {0, 1}  # one unit per layer
+    by_spec = {r["spec"]: r for r in rows}
+    assert by_spec["dense"]["score"] < 1e-5 and by_spec["openattention"]["score"] > 1e-4
+    assert all(math.isnan(r["retention"]) for r in rows)
+    assert _comparable(runner.run(config, model, tokenizer)) == _comparable(rows)  # nothing left to run
+    assert len(runner.read_records(tmp_path)) == 6
+    from oa_core.eval.report import build_report
+
+    text = build_report(tmp_path).read_text()
+    assert "## Attention error on the model's own caches" in text and (tmp_path / "error_vs_density.png").is_file()

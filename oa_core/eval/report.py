@@ -4,6 +4,8 @@
   log-likelihood gap, measured density); the same per task; and the tasks the model cannot do even dense.
 - ``accuracy_vs_density.png``: mean score against read density, a line per method, dense as a level (the paper's
   figure); ``per_task.png``: a bar per method and task, a panel per density.
+- For ``--metric attention-error`` records: the mean relative output error per spec and density, and
+  ``error_vs_density.png``.
 """
 
 from __future__ import annotations
@@ -24,15 +26,23 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
     records = read_records(out)
     if not records:
         raise FileNotFoundError(f"{out}: no records*.jsonl here; run `oa eval --out {out}` first")
-    rows = summarize(records)
+    every = summarize(records)
+    errors = [r for r in every if r["metric"] == "attention-error"]
+    rows = [r for r in every if r["metric"] != "attention-error"]
     dense = {(r["task"], r["length"]): r["score"] for r in rows if r["spec"] == "dense"}
     unable = sorted({f"{task} ({length})" for (task, length), score in dense.items() if score < dense_floor})
     usable = [r for r in rows if dense.get((r["task"], r["length"]), 0.0) >= dense_floor]
     means = _means(usable)
     lines = [f"# Evaluation report: `{out}`", "",
              f"{len(records)} cells; model: {records[0].get('model', '?')}; setup {records[0].get('setup', '?')}; "
-             f"seed {records[0].get('seed', '?')}.", "",
-             f"## Mean over the tasks dense scores at least {dense_floor:g} on", ""]
+             f"seed {records[0].get('seed', '?')}.", ""]
+    if errors:
+        lines += _error_section(errors, out)
+    if not rows:
+        path = out / "report.md"
+        path.write_text("\n".join(lines), encoding="utf-8")
+        return path
+    lines += [f"## Mean over the tasks dense scores at least {dense_floor:g} on", ""]
     if means:
         lines += [_means_table(means), ""]
     else:
@@ -46,6 +56,18 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def _error_section(rows: list[dict], out: Path) -> list[str]:
+    """attention-error rows: the mean relative output error over layers per spec, density and length, and its plot."""
+    table = ["| spec | density | length | layers | mean relative error | measured density |", "|" + "---|" * 6]
+    for r in rows:
+        table.append(f"| {r['spec']} | {r['density']:.0%} | {r['length']} | {r['samples']} | {r['score']:.4f} | "
+                     f"{r['measured_density']:.4f} |")
+    plot_accuracy_vs_density(_means(rows), out / "error_vs_density.png", ylabel="mean relative error ‖ô − o‖/‖o‖",
+                             title="Attention error against read density")
+    return ["## Attention error on the model's own caches", "", "\n".join(table), "",
+            "![error vs density](error_vs_density.png)", ""]
 
 
 def _means(rows: list[dict]) -> list[dict]:
@@ -85,7 +107,8 @@ def _pyplot():
     return plt
 
 
-def plot_accuracy_vs_density(means: list[dict], path: Path) -> None:
+def plot_accuracy_vs_density(means: list[dict], path: Path, ylabel: str = "mean score",
+                             title: str = "Score against read density") -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     by_spec: dict[str, list[dict]] = defaultdict(list)
@@ -102,8 +125,8 @@ def plot_accuracy_vs_density(means: list[dict], path: Path) -> None:
     ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("read density")
-    ax.set_ylabel("mean score")
-    ax.set_title("Score against read density")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

