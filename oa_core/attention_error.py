@@ -105,7 +105,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
                 out, stats = pipe.attend(queries, state, return_stats=True)
                 errors[density][method][layer] = relative_error(out, reference)[0]
                 if diagnostics:
-                    for name, value in _diagnostics(pipe, state, queries).items():
+                    for name, value in diagnostics(pipe, state, queries).items():
                         extra[density][method].setdefault(name, []).append(value)
                 read[density][method].append(stats.density)
                 kernels.add(stats.kernel)
@@ -153,7 +153,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     }
 
 
-def _diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
+def diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
     """E, top-32 recall and ErrorGate's Spearman per (query head, query) for one attend (None where they do not
     apply: recall and Spearman need clusters)."""
     from oa_core import metrics

@@ -63,7 +63,7 @@ def eval_command(args: argparse.Namespace) -> int:
                                samples=args.samples, seed=args.seed, setup=args.setup, out=Path(args.out),
                                model=args.model, sink=args.sink, local=args.local,
                                max_new_tokens=args.max_new_tokens, metric=args.metric, decode=args.decode,
-                               layers=args.layers)
+                               layers=args.layers, diagnostics=args.diagnostics)
     try:
         rows = runner.run(config)
     except (SpecError, ValueError) as exc:
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--decode", type=int, default=64, help="attention-error: decode queries per length")
     evaluate.add_argument("--layers", type=int, nargs="+", default=None,
                           help="attention-error: layers (default: six spread over the model)")
+    evaluate.add_argument("--diagnostics", action="store_true",
+                          help="attention-error: also E, the selector's top-32 recall and ErrorGate's Spearman")
     evaluate.set_defaults(run=eval_command)
     report = commands.add_parser("report", help="Markdown table and plots of an `oa eval` folder")
     report.add_argument("dir", help="the folder `oa eval --out` wrote")

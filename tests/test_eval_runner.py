@@ -195,7 +195,7 @@ def test_report_of_a_real_run(uninterrupted):
 def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp_path):
     """``--metric attention-error``: units are layers, cells specs × densities, the same records and summary, and
     a rerun resumes; the dense reference's error is ~0 and a sparse spec's is not."""
-    config = _config(tmp_path, metric="attention-error", lengths=[300], layers=[0, 1], decode=4)
+    config = _config(tmp_path, metric="attention-error", lengths=[300], layers=[0, 1], decode=4, diagnostics=True)
     rows = runner.run(config, model, tokenizer)
     records = runner.read_records(tmp_path)
     assert len(records) == 2 * (1 + 2) and {r["task"] for r in records} == {"attention-error"}
@@ -203,6 +203,8 @@ def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp
     by_spec = {r["spec"]: r for r in rows}
     assert by_spec["dense"]["score"] < 1e-5 and by_spec["openattention"]["score"] > 1e-4
     assert all(math.isnan(r["retention"]) for r in rows)
+    sparse = [r for r in records if r["spec"] == "openattention"]
+    assert all(0 <= r["top32_recall"] <= 1 and r["weight_discrepancy"] > 0 for r in sparse)  # --diagnostics
     assert _comparable(runner.run(config, model, tokenizer)) == _comparable(rows)  # nothing left to run
     assert len(runner.read_records(tmp_path)) == 6
     from oa_core.eval.report import build_report

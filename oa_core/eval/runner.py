@@ -55,6 +55,7 @@ class EvalConfig:
     metric: str = "ruler"  # ruler: task scores; attention-error: ‖ô − o‖/‖o‖ on the model's own caches
     decode: int = 64  # attention-error: decode queries after each length's context
     layers: list[int] | None = None  # attention-error: None, six spread over the model
+    diagnostics: bool = False  # attention-error: also E, the selector's top-32 recall and ErrorGate's Spearman
 
 
 def spec_name(path: str) -> str:
@@ -248,7 +249,7 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
     the cache; a cell's score is their mean relative output error against dense attention."""
     from tqdm import tqdm
 
-    from oa_core.attention_error import PREFILL_QUERIES, dense_attention, haystack_ids, relative_error
+    from oa_core.attention_error import PREFILL_QUERIES, dense_attention, diagnostics, haystack_ids, relative_error
     from oa_core.offline_model import capture_attention
 
     bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
@@ -272,12 +273,14 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
                 state = pipe.prepare(keys, values, prefill, scale=scale)
                 out, stats = pipe.attend(decode, state, return_stats=True)
                 error = relative_error(out, reference).flatten()
+                extra = {f"{k}": v.float().mean().item() for k, v in diagnostics(pipe, state, decode).items()} \
+                    if config.diagnostics else {}
                 name, target, *_ = key
                 writer.write({
                     "spec": name, "density": target, "task": ERROR_TASK, "length": length, "sample": layer,
                     "score": error.mean().item(), "p90_error": error.quantile(0.9).item(), "answer_logprob": None,
                     "measured_density": stats.density, "decode_queries": decode.shape[2],
-                    "seconds": round(time.perf_counter() - start, 3),
+                    "seconds": round(time.perf_counter() - start, 3), **extra,
                     "resolved_spec": pipe.spec.model_dump(mode="json"), **meta})
                 bar.update()
     finally:
