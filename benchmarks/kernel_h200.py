@@ -122,9 +122,8 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     # the CPU (float32 transcendentals may differ in the last bit between devices: rows whose quotas then differ).
     on_cpu = dataclasses.replace(inputs, **{f.name: getattr(inputs, f.name).cpu() for f in dataclasses.fields(inputs)
                                             if isinstance(getattr(inputs, f.name), torch.Tensor)})
-    torch_ops = WaterFillAllocator.allocate(pipe.allocator, inputs) if isinstance(pipe.allocator, WaterFillAllocator) \
-        else pipe.allocator.allocate(inputs)
-    same_allocation = bool(torch.equal(torch_ops, quotas))
+    same_allocation = bool(torch.equal(WaterFillAllocator.allocate(pipe.allocator, inputs), quotas)) \
+        if isinstance(pipe.allocator, WaterFillAllocator) else None  # None: no separate GPU path to compare
     rows_off_cpu = int((pipe.allocator.allocate(on_cpu) != quotas.cpu()).any(-1).sum())
     # The GPU selection against the reference's sort-based one: the same rows.
     width = state.plan().max_selectable

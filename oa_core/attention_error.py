@@ -16,6 +16,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -91,22 +92,16 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     bar = tqdm(total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline",
                disable=not progress)
     for layer in layers:
-        queries, keys, values, scale = captured.pop(layer)
-        keys, values = keys[:, :, :tokens].float(), values[:, :, :tokens].float()
-        prefill = queries[:, :, tokens - PREFILL_QUERIES:tokens].float()
-        queries = queries[:, :, tokens:tokens + decode].float()
-        reference = dense_attention(queries, keys, values, scale)
+        case = layer_case(captured.pop(layer), tokens, decode)
         for density in densities:
             for method, spec in methods.items():
-                pipe = oa.build({"budget": {"density": density}, **spec, "seed": seed})
+                error, stats, pipe, extra_values = attend_case({"budget": {"density": density}, **spec}, case, seed,
+                                                               diagnostics)
                 specs.setdefault(method, pipe.spec.model_dump(mode="json", exclude=set() if "budget" in spec
                                                               else {"budget"}))
-                state = pipe.prepare(keys, values, prefill, scale=scale)
-                out, stats = pipe.attend(queries, state, return_stats=True)
-                errors[density][method][layer] = relative_error(out, reference)[0]
-                if diagnostics:
-                    for name, value in diagnostics(pipe, state, queries).items():
-                        extra[density][method].setdefault(name, []).append(value)
+                errors[density][method][layer] = error
+                for name, value in extra_values.items():
+                    extra[density][method].setdefault(name, []).append(value)
                 read[density][method].append(stats.density)
                 kernels.add(stats.kernel)
                 bar.update()
@@ -153,7 +148,39 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     }
 
 
-def diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
+@dataclass
+class LayerCase:
+    """One layer under the protocol: the N-token cache (float32), QGC's prefill queries, the decode queries and the
+    dense reference output over the cache."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    prefill: torch.Tensor
+    queries: torch.Tensor
+    scale: float
+    reference: torch.Tensor
+
+
+def layer_case(captured: tuple, tokens: int, decode: int) -> LayerCase:
+    """A layer's captured (queries, keys, values, scale) over ``tokens + decode`` positions → its LayerCase."""
+    queries, keys, values, scale = captured
+    keys, values = keys[:, :, :tokens].float(), values[:, :, :tokens].float()
+    decode_queries = queries[:, :, tokens:tokens + decode].float()
+    return LayerCase(keys, values, queries[:, :, tokens - PREFILL_QUERIES:tokens].float(), decode_queries, scale,
+                     dense_attention(decode_queries, keys, values, scale))
+
+
+def attend_case(spec: dict, case: LayerCase, seed: int, with_diagnostics: bool = False):
+    """One pipeline on one LayerCase → (relative error ``[Hq, P]``, AttendStats, the pipeline, diagnostics: name →
+    ``[Hq, P]``, empty unless ``with_diagnostics``)."""
+    pipe = oa.build({**spec, "seed": seed})
+    state = pipe.prepare(case.keys, case.values, case.prefill, scale=case.scale)
+    out, stats = pipe.attend(case.queries, state, return_stats=True)
+    extra = layer_diagnostics(pipe, state, case.queries) if with_diagnostics else {}
+    return relative_error(out, case.reference)[0], stats, pipe, extra
+
+
+def layer_diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
     """E, top-32 recall and ErrorGate's Spearman per (query head, query) for one attend (None where they do not
     apply: recall and Spearman need clusters)."""
     from oa_core import metrics

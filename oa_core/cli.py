@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--density", type=float, default=0.03, help="read density")
     demo.set_defaults(run=demo_command)
     from oa_core.eval.ruler import HARD_TASKS
+    from oa_core.eval.runner import METRICS
 
     evaluate = commands.add_parser("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
     evaluate.add_argument("--model", default=None, help="transformers model path or id (default: the offline SmolLM2)")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--local", type=int, default=16, help="local window for every sparse spec")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
-    evaluate.add_argument("--metric", choices=["ruler", "attention-error"], default="ruler",
+    evaluate.add_argument("--metric", choices=list(METRICS), default="ruler",
                           help="ruler: task scores; attention-error: relative output error on the model's caches")
     evaluate.add_argument("--decode", type=int, default=64, help="attention-error: decode queries per length")
     evaluate.add_argument("--layers", type=int, nargs="+", default=None,

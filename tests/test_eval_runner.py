@@ -106,10 +106,23 @@ def test_bad_arguments_are_named(model, tokenizer, tmp_path):
         runner.run(_config(tmp_path, densities=[1.5]), model, tokenizer)
     with pytest.raises(ValueError, match="setup"):
         runner.run(_config(tmp_path, setup="C"), model, tokenizer)
+    with pytest.raises(ValueError, match="metric: unknown 'bleu'; known: ruler, attention-error"):
+        runner.run(_config(tmp_path, metric="bleu"), model, tokenizer)
+    with pytest.raises(ValueError, match="attention error needs at least 256 tokens, got 100"):
+        runner.run(_config(tmp_path, metric="attention-error", lengths=[100], layers=[0]), model, tokenizer)
     from oa_core.spec import SpecError
 
     with pytest.raises((SpecError, FileNotFoundError)):
         runner.run(_config(tmp_path, specs=["specs/no-such-spec.yaml"]), model, tokenizer)
+
+
+def test_oa_eval_names_bad_input(tmp_path, capsys):
+    from oa_core.cli import main
+
+    assert main(["eval", "--specs", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)]) == 2
+    assert "oa eval: spec file not found" in capsys.readouterr().err
+    assert main(["eval", "--specs", "specs/openattention.yaml", "--tasks", "qa_1", "--out", str(tmp_path)]) == 2
+    assert "oa eval: tasks: unknown 'qa_1'; known: niah_single_1" in capsys.readouterr().err
 
 
 def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path):
@@ -203,6 +216,8 @@ def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp
     by_spec = {r["spec"]: r for r in rows}
     assert by_spec["dense"]["score"] < 1e-5 and by_spec["openattention"]["score"] > 1e-4
     assert all(math.isnan(r["retention"]) for r in rows)
+    table = runner.summary_table(rows)  # relative errors printed as such, not rounded to a score's 0.0
+    assert f"| {by_spec['openattention']['score']:.4f} |" in table
     sparse = [r for r in records if r["spec"] == "openattention"]
     assert all(0 <= r["top32_recall"] <= 1 and r["weight_discrepancy"] > 0 for r in sparse)  # --diagnostics
     assert _comparable(runner.run(config, model, tokenizer)) == _comparable(rows)  # nothing left to run

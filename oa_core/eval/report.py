@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from oa_core.eval.runner import read_records, summarize, summary_table
+from oa_core.eval.runner import ATTENTION_ERROR, fmt, read_records, summarize, summary_table
 
 # A task dense scores below this (of 100) cannot measure retention: reported apart, left out of the means.
 DENSE_FLOOR = 20.0
@@ -27,8 +27,8 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
     if not records:
         raise FileNotFoundError(f"{out}: no records*.jsonl here; run `oa eval --out {out}` first")
     every = summarize(records)
-    errors = [r for r in every if r["metric"] == "attention-error"]
-    rows = [r for r in every if r["metric"] != "attention-error"]
+    errors = [r for r in every if r["metric"] == ATTENTION_ERROR]
+    rows = [r for r in every if r["metric"] != ATTENTION_ERROR]
     dense = {(r["task"], r["length"]): r["score"] for r in rows if r["spec"] == "dense"}
     unable = sorted({f"{task} ({length})" for (task, length), score in dense.items() if score < dense_floor})
     usable = [r for r in rows if dense.get((r["task"], r["length"]), 0.0) >= dense_floor]
@@ -90,12 +90,8 @@ def _means_table(means: list[dict]) -> str:
     lines = ["| spec | density | tasks | score | retention | log-lik gap | measured density |", "|" + "---|" * 7]
     for m in means:
         lines.append(f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f} | "
-                     f"{_f(m['retention'], '.2f')} | {_f(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
+                     f"{fmt(m['retention'], '.2f')} | {fmt(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
     return "\n".join(lines)
-
-
-def _f(value: float, spec: str) -> str:
-    return "n/a" if math.isnan(value) else format(value, spec)
 
 
 def _pyplot():

@@ -135,8 +135,8 @@ def _distributed() -> tuple[int, int]:
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
 
 
-METRICS = ("ruler", "attention-error")
-ERROR_TASK = "attention-error"  # the task name of attention-error records (a unit: one layer at one length)
+ATTENTION_ERROR = "attention-error"  # the metric, and the task name of its records (a unit: one layer at one length)
+METRICS = ("ruler", ATTENTION_ERROR)
 
 
 def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
@@ -166,7 +166,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         from oa_core.attention_error import default_layers
 
         layers = config.layers or default_layers(model.config.num_hidden_layers)
-        units = [(ERROR_TASK, length, layer) for length in config.lengths for layer in layers]
+        units = [(ATTENTION_ERROR, length, layer) for length in config.lengths for layer in layers]
     mine = [unit for i, unit in enumerate(units) if i % world == rank]
     todo = [(unit, cells) for unit in mine
             if (cells := [c for c in cells_of_unit(specs, config.densities, *unit) if c[0] not in done])]
@@ -203,12 +203,14 @@ def _run_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dic
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
     bar = tqdm(total=total, desc=f"eval (rank {rank})" if rank else "eval", unit="cell",
                disable=not config.progress, position=rank)
+    def encode(text: str) -> torch.Tensor:
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
     try:
         for (task, length, index), cells in todo:
             if (task, length) not in samples:
                 samples[task, length] = ruler.generate(task, tokenizer, length, config.samples, seed=config.seed)
             sample = samples[task, length][index]
-            encode = lambda text: tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
             context_ids, question_ids = encode(sample.context), encode(sample.question)
             answer_ids = encode(reference_answer(sample))
             start = time.perf_counter()
@@ -249,12 +251,12 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
     the cache; a cell's score is their mean relative output error against dense attention."""
     from tqdm import tqdm
 
-    from oa_core.attention_error import PREFILL_QUERIES, dense_attention, diagnostics, haystack_ids, relative_error
+    from oa_core.attention_error import PREFILL_QUERIES, attend_case, haystack_ids, layer_case
     from oa_core.offline_model import capture_attention
 
     bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
                disable=not config.progress, position=rank)
-    captured: dict[int, dict] = {}
+    captured: dict[int, dict] = {}  # the current length's layers
     try:
         for (_, length, layer), cells in todo:
             if length not in captured:
@@ -262,25 +264,18 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
                     raise ValueError(f"lengths: attention error needs at least {PREFILL_QUERIES} tokens, got {length}")
                 wanted = sorted({unit[2] for unit, _ in todo if unit[1] == length})
                 captured = {length: capture_attention(model, haystack_ids(tokenizer, length + config.decode), wanted)}
-            queries, keys, values, scale = captured[length][layer]
-            keys, values = keys[:, :, :length].float(), values[:, :, :length].float()
-            prefill = queries[:, :, length - PREFILL_QUERIES:length].float()
-            decode = queries[:, :, length:length + config.decode].float()
-            reference = dense_attention(decode, keys, values, scale)
+            case = layer_case(captured[length][layer], length, config.decode)
             for key, spec in cells:
                 start = time.perf_counter()
-                pipe = oa.build({**spec, "seed": config.seed})
-                state = pipe.prepare(keys, values, prefill, scale=scale)
-                out, stats = pipe.attend(decode, state, return_stats=True)
-                error = relative_error(out, reference).flatten()
-                extra = {f"{k}": v.float().mean().item() for k, v in diagnostics(pipe, state, decode).items()} \
-                    if config.diagnostics else {}
+                error, stats, pipe, extra = attend_case(spec, case, config.seed, config.diagnostics)
+                error = error.flatten()
                 name, target, *_ = key
                 writer.write({
-                    "spec": name, "density": target, "task": ERROR_TASK, "length": length, "sample": layer,
+                    "spec": name, "density": target, "task": ATTENTION_ERROR, "length": length, "sample": layer,
                     "score": error.mean().item(), "p90_error": error.quantile(0.9).item(), "answer_logprob": None,
-                    "measured_density": stats.density, "decode_queries": decode.shape[2],
-                    "seconds": round(time.perf_counter() - start, 3), **extra,
+                    "measured_density": stats.density, "decode_queries": case.queries.shape[2],
+                    "seconds": round(time.perf_counter() - start, 3),
+                    **{k: v.float().mean().item() for k, v in extra.items()},
                     "resolved_spec": pipe.spec.model_dump(mode="json"), **meta})
                 bar.update()
     finally:
@@ -306,7 +301,7 @@ def summarize(records: list[dict]) -> list[dict]:
     for (spec, density, task, length), rs in sorted(groups.items(), key=lambda g: (g[0][0], -(g[0][1] or 2), g[0][2],
                                                                                   g[0][3])):
         metric = rs[0].get("metric", "ruler")
-        digits = 6 if metric == "attention-error" else 2
+        digits = 6 if metric == ATTENTION_ERROR else 2
         paired = [(r, dense[r["task"], r["length"], r["sample"]]) for r in rs
                   if (r["task"], r["length"], r["sample"]) in dense]
         gaps = [r["answer_logprob"] - d["answer_logprob"] for r, d in paired
@@ -334,15 +329,17 @@ def write_summary(out: Path, rows: list[dict]) -> None:
 
 
 def summary_table(rows: list[dict]) -> str:
-    """The summary as a Markdown table."""
+    """The summary as a Markdown table (attention-error scores are relative errors: four decimals)."""
     head = "| spec | density | task | length | samples | score | dense | retention | log-lik gap | measured density |"
     lines = [head, "|" + "---|" * 10]
     for r in rows:
+        digits = ".4f" if r["metric"] == ATTENTION_ERROR else ".1f"
         lines.append(f"| {r['spec']} | {r['density']:.0%} | {r['task']} | {r['length']} | {r['samples']} | "
-                     f"{r['score']:.1f} | {r['dense_score']:.1f} | {_fmt(r['retention'], '.2f')} | "
-                     f"{_fmt(r['logprob_gap'], '+.2f')} | {r['measured_density']:.4f} |")
+                     f"{fmt(r['score'], digits)} | {fmt(r['dense_score'], digits)} | {fmt(r['retention'], '.2f')} | "
+                     f"{fmt(r['logprob_gap'], '+.2f')} | {r['measured_density']:.4f} |")
     return "\n".join(lines)
 
 
-def _fmt(value: float, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
+    """``format(value, spec)``, or n/a for None and NaN (a figure that does not apply)."""
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)

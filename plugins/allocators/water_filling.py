@@ -23,7 +23,7 @@ def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> 
     log_priority ``[..., C]``, capacity ``[..., C]`` and budget ``[...]`` (broadcastable) → quotas ``[..., C]`` (long). Clusters of zero
     priority take budget only once every other cluster is full. Rounding: floor, then the largest remainders.
     """
-    if log_priority.is_cuda and triton is not None and log_priority.shape[-1] <= MAX_TRITON_CLUSTERS:
+    if triton_applies(log_priority):
         return water_fill_triton(log_priority, capacity, budget)
     log_priority = log_priority.double()
     capacity = capacity.double().expand_as(log_priority)
