@@ -63,7 +63,8 @@ def eval_command(args: argparse.Namespace) -> int:
                                samples=args.samples, seed=args.seed, setup=args.setup, out=Path(args.out),
                                model=args.model, sink=args.sink, local=args.local,
                                max_new_tokens=args.max_new_tokens, metric=args.metric, decode=args.decode,
-                               layers=args.layers, diagnostics=args.diagnostics)
+                               layers=args.layers, diagnostics=args.diagnostics, batch=args.batch,
+                               device=args.device)
     try:
         rows = runner.run(config)
     except (SpecError, ValueError) as exc:
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--local", type=int, default=16, help="local window for every sparse spec")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
+    evaluate.add_argument("--batch", type=int, default=1,
+                          help="samples decoded together (same question length, contexts left-padded); 8 on a GPU")
+    evaluate.add_argument("--device", default=None,
+                          help="cpu, cuda, cuda:1 ... (default: cuda if there is one; torchrun: each rank's local GPU)")
     evaluate.add_argument("--metric", choices=list(METRICS), default="ruler",
                           help="ruler: task scores; attention-error: relative output error on the model's caches")
     evaluate.add_argument("--decode", type=int, default=64, help="attention-error: decode queries per length")

@@ -346,8 +346,22 @@ def prefill_context(model, input_ids: Tensor, attention_mask: Tensor | None = No
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
+                    use_cache=True, **_last_logits_only(model))
     return Context(input_ids, attention_mask, _output_cache(out))
+
+
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids that count valid tokens only, as ``generate`` derives them: a left-padded row's first real token
+    is at 0, so its context, question and answer agree with each other (RoPE sees true distances)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _last_logits_only(model) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model takes it: a prefill needs the cache, not [B, N, vocab] logits."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def _continue(context: Context, question_ids: Tensor) -> tuple[Tensor, Tensor, Any]:
@@ -366,12 +380,18 @@ def generate_from_context(model, context: Context, question_ids: Tensor, **gener
     return out[:, ids.shape[1]:]
 
 
-def answer_logprob(model, context: Context, question_ids: Tensor, answer_ids: Tensor) -> Tensor:
-    """Teacher-forced log-likelihood of ``answer_ids`` ``[B, A]`` after context + question → ``[B]`` (nats)."""
+def answer_logprob(model, context: Context, question_ids: Tensor, answer_ids: Tensor,
+                   answer_mask: Tensor | None = None) -> Tensor:
+    """Teacher-forced log-likelihood of ``answer_ids`` ``[B, A]`` after context + question → ``[B]`` (nats).
+
+    ``answer_mask`` ``[B, A]``: answers of different lengths in one batch, right-padded (False: padding, not
+    counted; a causal model's real tokens never see it)."""
     ids, mask, cache = _continue(context, question_ids)
     tail = torch.cat([question_ids, answer_ids], dim=1)
     mask = torch.cat([mask, torch.ones_like(answer_ids)], dim=1)
     with torch.no_grad():
-        logits = model(input_ids=tail, attention_mask=mask, use_cache=True, **cache_kwargs(model, cache)).logits
+        logits = model(input_ids=tail, attention_mask=mask, position_ids=positions(mask)[:, -tail.shape[1]:],
+                       use_cache=True, **cache_kwargs(model, cache)).logits
     predicted = logits[:, question_ids.shape[1] - 1:-1].float().log_softmax(-1)
-    return predicted.gather(-1, answer_ids[..., None]).squeeze(-1).sum(-1)
+    token = predicted.gather(-1, answer_ids[..., None]).squeeze(-1)
+    return (token if answer_mask is None else token * answer_mask).sum(-1)

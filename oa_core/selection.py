@@ -62,7 +62,9 @@ def cluster_members(assignment: Tensor, num_clusters: int, room: int = 0) -> tup
 
 def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """``cluster_members``' table and counts with the positions ``[t]`` (later than every listed one) added to the
-    clusters ``ids`` ``[B, H, t]`` (C: none), in a copy; the caller makes sure every cluster has room."""
+    clusters ``ids`` ``[B, H, t]`` (C: none), in a copy; the caller makes sure every cluster has room. The table is
+    a view of a buffer with one spare slot per (batch row, head): not contiguous (``select_per_cluster`` takes its
+    head stride)."""
     B, H, C, S = members.shape
     inside = ids < C
     cluster = ids.clamp_max(C - 1)
@@ -184,8 +186,8 @@ if triton is not None:
             ties_left -= tl.sum((tie & keep).to(tl.int32), axis=0)
 
     @triton.jit
-    def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, WIDTH, ROWS_PER_HEAD, LOW, HIGH,
-                       BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FEW: tl.constexpr):
+    def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, HEAD_STRIDE, WIDTH, ROWS_PER_HEAD, LOW,
+                       HIGH, BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FEW: tl.constexpr):
         """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring)."""
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
         c = tl.program_id(1)
@@ -195,7 +197,7 @@ if triton is not None:
         first = tl.load(OFFSETS + p * C + c)
         if (n > LOW) & (n <= HIGH):
             out = OUT + p * WIDTH + first
-            members = MEMBERS + (head * C + c) * S
+            members = MEMBERS + head * HEAD_STRIDE + c * S
             if quota >= n:  # the whole cluster (often, for small ones): its positions as listed, no scores read
                 for start in range(0, n, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
@@ -234,6 +236,8 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     q_b ≤ n_b, Σ_b q_b ≤ width) → positions ``[B, Hkv, Gs, T, width]``, -1 padded. No host-device sync."""
     B, Hkv, Gs, T, N = scores.shape
     C, S = members.shape[-2:]
+    if members.stride()[-2:] != (S, 1) or members.stride(0) != Hkv * members.stride(1):
+        members = members.contiguous()  # (B, Hkv) rows a fixed stride apart, each C × S contiguous: what the kernel reads
     rows = B * Hkv * Gs * T
     quotas = quotas.reshape(rows, C).long().contiguous()
     offsets = (quotas.cumsum(-1) - quotas).contiguous()
@@ -241,7 +245,7 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     if rows and C:
         flat = scores.float().reshape(rows, N).contiguous()
         for low, high, block in size_classes(S):
-            _select_kernel[(rows, C)](flat, members, counts, quotas, offsets, out, N, C, S, out.shape[-1], Gs * T,
-                                      low, high, BLOCK=block, BLOCKWISE=low >= block, FEW=FEW_PICKS,
-                                      num_warps=_warps(block))
+            _select_kernel[(rows, C)](flat, members, counts.contiguous(), quotas, offsets, out, N, C, S,
+                                      members.stride(1), out.shape[-1], Gs * T, low, high, BLOCK=block,
+                                      BLOCKWISE=low >= block, FEW=FEW_PICKS, num_warps=_warps(block))
     return out[:, :width].view(B, Hkv, Gs, T, width)

@@ -226,3 +226,33 @@ def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp
 
     text = build_report(tmp_path).read_text()
     assert "## Attention error on the model's own caches" in text and (tmp_path / "error_vs_density.png").is_file()
+
+
+def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
+    """``batch``: samples with one question length decoded together, contexts left-padded. Dense and oracle top-k
+    (no random draws) give each sample the log-likelihood and output it gets alone; a sparse spec reads its budget."""
+    from oa_core.eval import ruler
+
+    samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
+    questions = [len(runner._encode(tokenizer, s.question)) for s in samples]
+    batches = runner.sample_batches(questions, 4)
+    assert sorted(i for b in batches for i in b) == list(range(6)) and all(len(b) <= 4 for b in batches)
+    assert all(len({questions[i] for i in b}) == 1 for b in batches)
+    together = [b for b in batches if len(b) > 1]
+    assert together, "the test needs two samples with one question length"
+    contexts = {len(runner._encode(tokenizer, samples[i].context)) for i in together[0]}
+    assert len(contexts) > 1, "the test needs contexts of different lengths (padding)"
+
+    config = dict(specs=["specs/oracle-topk.yaml", "specs/openattention.yaml"], tasks=["niah_single_2"], samples=6)
+    runner.run(_config(tmp_path / "alone", **config), model, tokenizer)
+    runner.run(_config(tmp_path / "batched", batch=4, **config), model, tokenizer)
+    alone = {runner.record_key(r): r for r in runner.read_records(tmp_path / "alone")}
+    batched = {runner.record_key(r): r for r in runner.read_records(tmp_path / "batched")}
+    assert alone.keys() == batched.keys()
+    for key, r in batched.items():
+        assert r["batch"] == next(len(b) for b in batches if r["sample"] in b)
+        if r["spec"] in ("dense", "oracle-topk"):
+            assert r["answer_logprob"] == pytest.approx(alone[key]["answer_logprob"], abs=1e-3)
+            assert r["output"] == alone[key]["output"]
+        else:
+            assert r["measured_density"] < 1.0

@@ -44,6 +44,30 @@ def test_per_cluster_selection_matches_the_reference_set(register_limit, monkeyp
     assert bool(((fast >= 0).sum(-1) == quotas.sum(-1)).all())
 
 
+def test_selection_reads_a_grown_member_table(monkeypatch):
+    """After decode growth the member table is a view with a spare slot per (batch row, head) — not contiguous —
+    and the kernel must read every head's clusters where they are (a head read at a contiguous offset misses its
+    clusters' last members)."""
+    from oa_core.selection import add_members
+
+    gen = torch.Generator().manual_seed(1)
+    B, H, Gs, T, N, C = 2, 3, 2, 1, 120, 5
+    assignment = torch.randint(C, (B, H, N), generator=gen)
+    assignment[..., -12:] = C  # rows that join their clusters by growth
+    members, counts = cluster_members(assignment, C, room=16)
+    grown = torch.randint(C + 1, (B, H, 12), generator=gen)  # C: stays outside
+    members, counts = add_members(members, counts, grown, torch.arange(N - 12, N))
+    assert not members.is_contiguous()
+    assignment[..., -12:] = grown
+    scores = torch.randn(B, H, Gs, T, N, generator=gen).masked_fill((assignment == C)[:, :, None, None], -math.inf)
+    scores[..., -12:] += 3.0  # the newest members are the best: a head read at the wrong offset loses them
+    quotas = torch.minimum(torch.randint(1, 4, (B, H, Gs, T, C), generator=gen), counts[:, :, None, None])
+    width = int(quotas.sum(-1).max())
+    fast = select_per_cluster(scores, members, counts, quotas, width)
+    reference = Selector.select(None, scores, assignment, quotas, width)
+    assert torch.equal(fast, _cluster_major(reference, assignment))
+
+
 def _cluster_major(reference, assignment):
     """The reference's positions listed as the kernel lists them: by cluster, each in position order, -1 last."""
     N = assignment.shape[-1]

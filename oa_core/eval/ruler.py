@@ -168,7 +168,7 @@ def generate(task: str, tokenizer, length: int, count: int, seed: int = 0, cache
     samples = cached + [_sample(task, tokenizer, length, seed, index) for index in range(len(cached), count)]
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks generating at once never share a half-written file
         tmp.write_text("".join(json.dumps(asdict(s)) + "\n" for s in samples), encoding="utf-8")
         tmp.replace(path)  # never a half-written cache
     return samples
@@ -180,9 +180,10 @@ def cache_path(task: str, tokenizer, length: int, seed: int, cache_dir: str | os
 
 
 def tokenizer_key(tokenizer) -> str:
-    """A short digest of what the tokenizer does: its name, vocabulary size, chat template and a probe's ids."""
+    """A short digest of what the tokenizer does: its name (not the folder it was loaded from, so a cache carried to
+    another machine still serves), vocabulary size, chat template and a probe's ids."""
     probe = "The special magic number for amber-river is: 1234567. VAR QXKZT = 88. ....\n1. word"
-    parts = [getattr(tokenizer, "name_or_path", ""), str(len(tokenizer)), str(getattr(tokenizer, "chat_template", "")),
+    parts = [Path(str(getattr(tokenizer, "name_or_path", ""))).name, str(len(tokenizer)), str(getattr(tokenizer, "chat_template", "")),
              str(tokenizer(probe, add_special_tokens=False).input_ids)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:12]
 

