@@ -57,20 +57,62 @@ class ContextRecord:
     prepared: dict[int, PipelineState] = field(default_factory=dict)  # id(pipeline) → state
 
 
+class Span:
+    """A stretch of a layer call: host time on the CPU; on a GPU two CUDA events, read only when asked (one wait
+    then), so that timing every layer call never makes the host wait for the device."""
+
+    def __init__(self, like: Tensor) -> None:
+        self._cuda = like.is_cuda
+        self._start = _mark(self._cuda)
+        self._end = None
+
+    def stop(self) -> Span:
+        self._end = _mark(self._cuda)
+        return self
+
+    def __float__(self) -> float:
+        if not self._cuda:
+            return self._end - self._start
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000
+
+
+def _mark(cuda: bool):
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 @dataclass
 class StepRecord:
-    """One attention call of one layer."""
+    """One attention call of one layer. Its times and proxy count are read (from the device) when asked."""
 
     layer: int
     phase: str  # "prefill" | "question" | "decode"
     position: int  # tokens already cached before the call
     tokens: int  # T
     density: float  # exact rows read over the valid context (1.0 when dense)
-    proxies: float  # proxies per (query, selection head), mean
+    proxies_total: Tensor | float  # proxies per (query, selection head), summed over the call's blocks
+    blocks: int  # the call's causal blocks
     dense: bool
     reason: str
-    prepare_s: float
-    attend_s: float
+    prepare_span: Span | float
+    attend_span: Span | float
+
+    @property
+    def proxies(self) -> float:
+        """Proxies per (query, selection head), mean."""
+        return float(self.proxies_total) / max(self.blocks, 1)
+
+    @property
+    def prepare_s(self) -> float:
+        return float(self.prepare_span)
+
+    @property
+    def attend_s(self) -> float:
+        return float(self.attend_span)
 
 
 class LayerRuntime:
@@ -95,17 +137,17 @@ class LayerRuntime:
             self._log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else "dense layer")
             return out, weights
 
-        start = time.perf_counter()
+        prepare = Span(key)
         state = self._state_for(key, value, past, scale, attention_mask)
-        prepare_s = _elapsed(start, key)
+        prepare.stop()
         phase = "question" if T > 1 else "decode"
-        start = time.perf_counter()
-        if bool(state.dense_rows.all()) or (phase == "question" and self.setup == "A"):
+        attend = Span(key)
+        if state.plan().all_dense or (phase == "question" and self.setup == "A"):
             state.grow_to(key, value)
             out, weights = _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.live = state
             reason = "dense: setup A question" if phase == "question" and self.setup == "A" else "dense: budget >= context"
-            self._log(phase, past, T, dense=True, reason=reason, prepare_s=prepare_s, attend_s=_elapsed(start, key))
+            self._log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
             return out, weights
         outputs, stats = [], []
         block = max(self.pipeline.spec.local, 1)
@@ -116,9 +158,10 @@ class LayerRuntime:
             outputs.append(out)
             stats.append(step)
         self.live = state
-        self._log(phase, past, T, dense=False, reason=stats[-1].reason, prepare_s=prepare_s,
-                  attend_s=_elapsed(start, key), density=sum(s.density for s in stats) / len(stats),
-                  proxies=sum(float(s.proxies.float().mean()) for s in stats if s.proxies is not None) / len(stats))
+        proxies = [s.proxies.float().mean() for s in stats if s.proxies is not None]
+        self._log(phase, past, T, dense=False, reason=stats[-1].reason, prepare=prepare, attend=attend.stop(),
+                  density=sum(s.density for s in stats) / len(stats), proxies=sum(proxies) if proxies else 0.0,
+                  blocks=len(stats))
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
     def _record_context(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, scale: float) -> None:
@@ -144,10 +187,10 @@ class LayerRuntime:
         return self.pipeline.prepare(key[:, :, :past], value[:, :, :past], None, scale,
                                      mask=_key_mask(attention_mask, key)[:, :past])
 
-    def _log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare_s: float = 0.0,
-             attend_s: float = 0.0, density: float = 1.0, proxies: float = 0.0) -> None:
-        self.records.append(StepRecord(self.layer, phase, past, tokens, density, proxies, dense, reason, prepare_s,
-                                       attend_s))
+    def _log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare: Span | float = 0.0,
+             attend: Span | float = 0.0, density: float = 1.0, proxies: Tensor | float = 0.0, blocks: int = 1) -> None:
+        self.records.append(StepRecord(self.layer, phase, past, tokens, density, proxies, blocks, dense, reason,
+                                       prepare, attend))
 
 
 def _same_prefix(known: Tensor, key: Tensor, past: int) -> bool:
@@ -164,12 +207,6 @@ def _key_mask(attention_mask: Tensor | None, key: Tensor) -> Tensor:
         return torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
     row = attention_mask[:, 0, -1, -key.shape[2]:]
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-
-
-def _elapsed(start: float, like: Tensor) -> float:
-    if like.is_cuda:
-        torch.cuda.synchronize(like.device)
-    return time.perf_counter() - start
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs):

@@ -241,9 +241,17 @@ class PipelineState:
         if not isinstance(keys, Tensor) or not isinstance(values, Tensor) or keys.dim() != 4 or keys.shape[2] < n:
             raise ValueError(f"grow_to: expected the grown cache [B, Hkv, N' >= {n}, D], got "
                              f"{tuple(getattr(keys, 'shape', ()))}")
-        _check_cache(keys[:, :, n:], values[:, :, n:], like=self.keys, what="appended ")
-        if n and not (torch.equal(keys[:, :, n - 1], self.keys[:, :, n - 1])
-                      and torch.equal(values[:, :, n - 1], self.values[:, :, n - 1])):
+        new_keys, new_values = keys[:, :, n:], values[:, :, n:]
+        _check_cache(new_keys, new_values, like=self.keys, what="appended ", finite=False)
+        # One wait on the device for both checks (grow_to runs at every decode step of every layer).
+        finite = torch.isfinite(new_keys).all() & torch.isfinite(new_values).all()
+        same = finite
+        if n:
+            same = ((keys[:, :, n - 1] == self.keys[:, :, n - 1]).all()
+                    & (values[:, :, n - 1] == self.values[:, :, n - 1]).all())
+        if not bool(finite & same):
+            if not bool(finite):
+                _check_cache(new_keys, new_values, what="appended ")  # names the tensor holding NaN/Inf
             raise ValueError("grow_to: the grown cache's first rows are not this state's (its last row differs)")
         self._grow(keys, values)
 
@@ -579,7 +587,7 @@ def _check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:
     return mask
 
 
-def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "") -> None:
+def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "", finite: bool = True) -> None:
     for name, t in ((f"{what}keys", keys), (f"{what}values", values)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -596,9 +604,9 @@ def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what:
                              or keys.dtype != like.dtype or keys.device != like.device):
         raise ValueError(f"{what}keys {tuple(keys.shape)} {keys.dtype} {keys.device} do not match the cache "
                          f"{tuple(like.shape)} {like.dtype} {like.device} (only N may differ)")
-    for name, t in ((f"{what}keys", keys), (f"{what}values", values)):
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name}: the cache contains NaN or Inf")
+    if finite and not bool(torch.isfinite(keys).all() & torch.isfinite(values).all()):  # one wait on the device
+        name = f"{what}keys" if not bool(torch.isfinite(keys).all()) else f"{what}values"
+        raise ValueError(f"{name}: the cache contains NaN or Inf")
 
 
 def _check_query(query: Tensor, keys: Tensor, name: str, check_finite: bool = True) -> None:
