@@ -389,8 +389,8 @@ class Pipeline:
             raise violation(self.allocator, f"allocate must return integer quotas of shape {expected}, got "
                                             f"{getattr(quotas, 'dtype', type(quotas).__name__)} "
                                             f"{tuple(getattr(quotas, 'shape', ()))}")
-        if validate and not (bool((quotas >= 0).all()) and bool((quotas <= inputs.counts[:, :, None, None]).all())
-                             and bool((quotas.sum(-1) <= inputs.budget).all())):
+        if validate and not bool((quotas >= 0).all() & (quotas <= inputs.counts[:, :, None, None]).all()
+                                 & (quotas.sum(-1) <= inputs.budget).all()):  # one wait on the device
             raise violation(self.allocator, "quotas must lie in [0, n_b] and add up to at most the budget E_sel")
         return quotas
 
@@ -404,14 +404,16 @@ class Pipeline:
                                            f"got {tuple(getattr(chosen, 'shape', ()))}")
         if not validate:
             return
-        if bool(((chosen >= 0).sum(-1) > most).any()):
-            raise violation(self.selector, f"select read more than the {most} rows allowed")
+        too_many = ((chosen >= 0).sum(-1) > most).any()
         column = torch.arange(chosen.shape[-1], device=chosen.device).expand(chosen.shape).contiguous()
         run = torch.searchsorted(ends.contiguous(), column, right=True)  # the cluster whose run holds the column
         B, Hkv = assignment.shape[:2]
         cluster = assignment.gather(-1, chosen.clamp_min(0).reshape(B, Hkv, -1)).reshape(chosen.shape)
         expected = torch.where(run < ends.shape[-1], run, -1)
-        if not torch.equal(torch.where(chosen >= 0, cluster, -1), expected):
+        in_runs = (torch.where(chosen >= 0, cluster, -1) == expected).all()
+        if bool(too_many | ~in_runs):  # one wait on the device for both checks
+            if bool(too_many):
+                raise violation(self.selector, f"select read more than the {most} rows allowed")
             raise violation(self.selector, "select must list each cluster's q_b positions as one run, clusters in "
                                            "order, then -1 padding")
 
@@ -467,10 +469,10 @@ class Pipeline:
             reads = torch.full((*state.keys.shape[:2], 1, T), n, device=query.device)
         else:
             reads = selection.valid.sum(-1)
-        lengths = state.valid.sum(-1)
-        density = float((reads.double() / lengths.view(-1, 1, 1, 1)).mean())
+        lengths = plan.lengths  # on the host, as the plan's dense rows: the reason costs no wait on the device
+        density = float((reads.double() / lengths.to(reads.device).view(-1, 1, 1, 1)).mean())
         stats = AttendStats(density=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
-                            reason=self._reason(state, lengths), kernel=self._kernel_description())
+                            reason=self._reason(plan.dense_rows, lengths), kernel=self._kernel_description())
         return out, stats
 
     def _kernel_description(self) -> str:
@@ -478,9 +480,9 @@ class Pipeline:
         note = getattr(self.kernel, "note", "")
         return f"{self.kernel.name} ({self.kernel_note}{'; ' + note if note else ''})"
 
-    def _reason(self, state: PipelineState, lengths: Tensor) -> str:
+    def _reason(self, dense_rows: Tensor, lengths: Tensor) -> str:
         budget = self.spec.budget.rows(lengths)
-        dense = int(state.dense_rows.sum())
+        dense = int(dense_rows.sum())
         if dense == len(lengths):
             if bool((lengths == lengths[0]).all()) and bool((budget == budget[0]).all()):
                 return f"dense: budget of {int(budget[0])} rows >= context of {int(lengths[0])} tokens"
