@@ -87,19 +87,25 @@ def _mark(cuda: bool):
 
 @dataclass
 class StepRecord:
-    """One attention call of one layer. Its times and proxy count are read (from the device) when asked."""
+    """One attention call of one layer. Its density, proxy count and times are read (from the device) when asked:
+    recording a decode step never waits on the device."""
 
     layer: int
     phase: str  # "prefill" | "question" | "decode"
     position: int  # tokens already cached before the call
     tokens: int  # T
-    density: float  # exact rows read over the valid context (1.0 when dense)
+    density_total: Tensor | float  # exact rows read over the valid context (1.0 when dense), summed over the blocks
     proxies_total: Tensor | float  # proxies per (query, selection head), summed over the call's blocks
     blocks: int  # the call's causal blocks
     dense: bool
     reason: str
     prepare_span: Span | float
     attend_span: Span | float
+
+    @property
+    def density(self) -> float:
+        """Exact rows read over the valid context (1.0 when dense), mean over the call's blocks."""
+        return float(self.density_total) / max(self.blocks, 1)
 
     @property
     def proxies(self) -> float:
@@ -160,7 +166,7 @@ class LayerRuntime:
         self.live = state
         proxies = [s.proxies.float().mean() for s in stats if s.proxies is not None]
         self._log(phase, past, T, dense=False, reason=stats[-1].reason, prepare=prepare, attend=attend.stop(),
-                  density=sum(s.density for s in stats) / len(stats), proxies=sum(proxies) if proxies else 0.0,
+                  density=sum(s.density_tensor for s in stats), proxies=sum(proxies) if proxies else 0.0,
                   blocks=len(stats))
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -188,7 +194,8 @@ class LayerRuntime:
                                      mask=_key_mask(attention_mask, key)[:, :past])
 
     def _log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare: Span | float = 0.0,
-             attend: Span | float = 0.0, density: float = 1.0, proxies: Tensor | float = 0.0, blocks: int = 1) -> None:
+             attend: Span | float = 0.0, density: Tensor | float = 1.0, proxies: Tensor | float = 0.0,
+             blocks: int = 1) -> None:
         self.records.append(StepRecord(self.layer, phase, past, tokens, density, proxies, blocks, dense, reason,
                                        prepare, attend))
 

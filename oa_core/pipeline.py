@@ -74,15 +74,20 @@ def _instantiate(kind: str, component: ComponentSpec):
 @dataclass
 class AttendStats:
     """What one attend call read. ``reads``/``proxies``: ``[B, Hkv, Gs, T]`` exact rows read and proxies used;
-    ``density``: reads over each row's valid context length, averaged."""
+    ``density``: reads over each row's valid context length, averaged (kept on the device as ``density_tensor``
+    until asked: building the stats never waits on it)."""
 
-    density: float
+    density_tensor: Tensor
     num_tokens: int
     reads: Tensor
     proxies: Tensor | None
     dense: bool
     reason: str
     kernel: str
+
+    @property
+    def density(self) -> float:
+        return float(self.density_tensor)
 
 
 @dataclass
@@ -470,8 +475,8 @@ class Pipeline:
         else:
             reads = selection.valid.sum(-1)
         lengths = plan.lengths  # on the host, as the plan's dense rows: the reason costs no wait on the device
-        density = float((reads.double() / lengths.to(reads.device).view(-1, 1, 1, 1)).mean())
-        stats = AttendStats(density=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
+        density = (reads.double() / lengths.to(reads.device).view(-1, 1, 1, 1)).mean()
+        stats = AttendStats(density_tensor=density, num_tokens=n, reads=reads, proxies=proxies, dense=dense,
                             reason=self._reason(plan.dense_rows, lengths), kernel=self._kernel_description())
         return out, stats
 
