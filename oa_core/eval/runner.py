@@ -8,7 +8,8 @@ A *unit* is one (length, task, batch of samples): its contexts are prefilled den
 *cell* answers them from its own copy of the cache (setup B: question and answer decoded sparsely; A: question dense).
 ``batch`` > 1 decodes up to that many samples of a task together — the samples whose questions have the same token
 length, contexts left-padded (every component reads and clusters only a row's valid tokens, its budget counted on its
-own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample. A spec
+own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample (a
+record's measured density and times are then its batch's). A spec
 whose own budget is the whole context (``specs/dense.yaml``) is the reference: run once per unit, not per density,
 and added when no spec is dense — retention and the log-likelihood gap are measured against it.
 
