@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
     evaluate.add_argument("--batch", type=int, default=1,
-                          help="samples decoded together (same question length, contexts left-padded); 8 on a GPU")
+                          help="samples decoded together (same question length, contexts left-padded); e.g. 4 on a GPU")
     evaluate.add_argument("--device", default=None,
                           help="cpu, cuda, cuda:1 ... (default: cuda if there is one; torchrun: each rank's local GPU)")
     evaluate.add_argument("--metric", choices=list(METRICS), default="ruler",

@@ -62,27 +62,26 @@ class Span:
     then), so that timing every layer call never makes the host wait for the device."""
 
     def __init__(self, like: Tensor) -> None:
-        self._cuda = like.is_cuda
-        self._start = _mark(self._cuda)
+        self._device = like.device if like.is_cuda else None
+        self._start = self._mark()
         self._end = None
 
     def stop(self) -> Span:
-        self._end = _mark(self._cuda)
+        self._end = self._mark()
         return self
 
     def __float__(self) -> float:
-        if not self._cuda:
+        if self._device is None:
             return self._end - self._start
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1000
 
-
-def _mark(cuda: bool):
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
+    def _mark(self):
+        if self._device is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))  # the stream the layer's work goes to
+        return event
 
 
 @dataclass

@@ -248,15 +248,13 @@ class PipelineState:
                              f"{tuple(getattr(keys, 'shape', ()))}")
         new_keys, new_values = keys[:, :, n:], values[:, :, n:]
         _check_cache(new_keys, new_values, like=self.keys, what="appended ", finite=False)
-        # One wait on the device for both checks (grow_to runs at every decode step of every layer).
-        finite = torch.isfinite(new_keys).all() & torch.isfinite(new_values).all()
-        same = finite
+        # The new rows finite and the last known row unchanged, in one wait (grow_to runs at every decode step).
+        ok = torch.isfinite(new_keys).all() & torch.isfinite(new_values).all()
         if n:
-            same = ((keys[:, :, n - 1] == self.keys[:, :, n - 1]).all()
-                    & (values[:, :, n - 1] == self.values[:, :, n - 1]).all())
-        if not bool(finite & same):
-            if not bool(finite):
-                _check_cache(new_keys, new_values, what="appended ")  # names the tensor holding NaN/Inf
+            ok &= (keys[:, :, n - 1] == self.keys[:, :, n - 1]).all()
+            ok &= (values[:, :, n - 1] == self.values[:, :, n - 1]).all()
+        if not bool(ok):
+            _check_cache(new_keys, new_values, what="appended ")  # raises when the new rows hold NaN/Inf
             raise ValueError("grow_to: the grown cache's first rows are not this state's (its last row differs)")
         self._grow(keys, values)
 
@@ -594,7 +592,8 @@ def _check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:
     return mask
 
 
-def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "", finite: bool = True) -> None:
+def _check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "",
+                 finite: bool = True) -> None:
     for name, t in ((f"{what}keys", keys), (f"{what}values", values)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

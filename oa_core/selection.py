@@ -237,7 +237,7 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     B, Hkv, Gs, T, N = scores.shape
     C, S = members.shape[-2:]
     if members.stride()[-2:] != (S, 1) or members.stride(0) != Hkv * members.stride(1):
-        members = members.contiguous()  # (B, Hkv) rows a fixed stride apart, each C × S contiguous: what the kernel reads
+        members = members.contiguous()  # the kernel reads (B, Hkv) rows a fixed stride apart, each C × S contiguous
     rows = B * Hkv * Gs * T
     quotas = quotas.reshape(rows, C).long().contiguous()
     offsets = (quotas.cumsum(-1) - quotas).contiguous()

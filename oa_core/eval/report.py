@@ -84,9 +84,8 @@ def _means(rows: list[dict]) -> list[dict]:
         values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
         return sum(values) / len(values) if values else math.nan
 
-    return [{"spec": spec, "density": density, "tasks": len(rs), "score": mean(r["score"] for r in rs),
-             "dense_score": mean(r["dense_score"] for r in rs), "retention": mean(r["retention"] for r in rs), "logprob_gap": mean(r["logprob_gap"] for r in rs),
-             "measured_density": mean(r["measured_density"] for r in rs)}
+    keys = ("score", "dense_score", "retention", "logprob_gap", "measured_density")
+    return [{"spec": spec, "density": density, "tasks": len(rs), **{k: mean(r[k] for r in rs) for k in keys}}
             for (spec, density), rs in sorted(groups.items(), key=lambda g: (g[0][0], -g[0][1]))]
 
 
@@ -95,8 +94,8 @@ def _means_table(means: list[dict]) -> str:
              "|" + "---|" * 8]
     for m in means:
         lines.append(f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f} | "
-                     f"{fmt(m['dense_score'], '.1f')} | "
-                     f"{fmt(m['retention'], '.2f')} | {fmt(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
+                     f"{fmt(m['dense_score'], '.1f')} | {fmt(m['retention'], '.2f')} | "
+                     f"{fmt(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
     return "\n".join(lines)
 
 
@@ -110,7 +109,8 @@ def _pyplot():
 
 
 def plot_accuracy_vs_density(means: list[dict], path: Path,
-                             ylabel: str = "mean retention (score / dense, same samples)", title: str = "Retention against read density", key: str = "retention") -> None:
+                             ylabel: str = "mean retention (score / dense, same samples)",
+                             title: str = "Retention against read density", key: str = "retention") -> None:
     """A line per method of ``key`` against read density, dense as a level. RULER plots retention: a method's
     cells may cover fewer tasks than dense's (a sweep in progress), and retention compares each on its own tasks."""
     plt = _pyplot()

@@ -183,8 +183,8 @@ def tokenizer_key(tokenizer) -> str:
     """A short digest of what the tokenizer does: its name (not the folder it was loaded from, so a cache carried to
     another machine still serves), vocabulary size, chat template and a probe's ids."""
     probe = "The special magic number for amber-river is: 1234567. VAR QXKZT = 88. ....\n1. word"
-    parts = [Path(str(getattr(tokenizer, "name_or_path", ""))).name, str(len(tokenizer)), str(getattr(tokenizer, "chat_template", "")),
-             str(tokenizer(probe, add_special_tokens=False).input_ids)]
+    parts = [Path(str(getattr(tokenizer, "name_or_path", ""))).name, str(len(tokenizer)),
+             str(getattr(tokenizer, "chat_template", "")), str(tokenizer(probe, add_special_tokens=False).input_ids)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:12]
 
 
