@@ -106,6 +106,13 @@ def test_bad_arguments_are_named(model, tokenizer, tmp_path):
         runner.run(_config(tmp_path, densities=[1.5]), model, tokenizer)
     with pytest.raises(ValueError, match="setup"):
         runner.run(_config(tmp_path, setup="C"), model, tokenizer)
+    with pytest.raises(ValueError, match="batch: expected at least 1 sample, got 0"):
+        runner.run(_config(tmp_path, batch=0), model, tokenizer)
+    with pytest.raises(ValueError, match="device: 'gpu' is not a torch device"):
+        runner.run(_config(tmp_path, device="gpu"), model, tokenizer)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: cuda asked for, but torch sees no CUDA device"):
+            runner.run(_config(tmp_path, device="cuda"), model, tokenizer)
     with pytest.raises(ValueError, match="metric: unknown 'bleu'; known: ruler, attention-error"):
         runner.run(_config(tmp_path, metric="bleu"), model, tokenizer)
     with pytest.raises(ValueError, match="attention error needs at least 256 tokens, got 100"):

@@ -174,14 +174,14 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         raise ValueError(f"batch: expected at least 1 sample, got {config.batch}")
     specs = resolved_specs(config)
     rank, world = _distributed()
-    device = config.device
+    device = _rank_device(config.device, world) if config.device else None  # a clear error before the model loads
     if model is None:
         from oa_core.offline_model import load_offline_model
 
         model, tokenizer = load_offline_model(config.model)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or _rank_device("cuda" if torch.cuda.is_available() else "cpu", world)
     if device is not None:
-        model.to(_rank_device(device, world))
+        model.to(device)
     out = Path(config.out)
     done = {record_key(r) for r in read_records(out)}
     samples: dict[tuple[str, int], list[ruler.Sample]] = {}
@@ -224,7 +224,12 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
 def _rank_device(device: str, world: int) -> torch.device:
     """``device``; under torchrun a bare ``cuda`` is the rank's local GPU (LOCAL_RANK modulo the GPUs: more ranks
     than GPUs share them)."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device: {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device} asked for, but torch sees no CUDA device here")
     if device.type == "cuda" and device.index is None and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return device
