@@ -317,6 +317,8 @@ class OpenAttentionHandle:
         for layer, runtime in self.runtimes.items():
             runtime.pipeline = None if layer in self.dense_layers else pipelines.get(layer, default)
             runtime.live = None
+            if runtime.context is not None:  # states prepared for the old pipelines are never read again
+                runtime.context.prepared.clear()
 
     @property
     def stats(self) -> GenerationStats:

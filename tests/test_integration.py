@@ -154,6 +154,21 @@ def test_context_prefilled_once_serves_every_question(setup):
     assert all(not r.dense for r in records if r.phase == "decode")
 
 
+def test_switching_specs_keeps_only_the_current_pipelines_prepared_state():
+    model, context, question = tiny_llama(), prompt(240, seed=5), prompt(20, seed=6)
+    other = {**SPARSE, "budget": {"density": 0.1}}
+    with oa.patch(model, SPARSE) as handle:
+        ctx = oa.prefill_context(model, context)
+        first = oa.generate_from_context(model, ctx, question, max_new_tokens=5, pad_token_id=0)
+        runtimes = handle.runtimes.values()
+        assert all(len(r.context.prepared) == 1 for r in runtimes)
+        for spec in (other, SPARSE):  # a sweep: one spec after another on the same context
+            handle.use(spec)
+            assert all(not r.context.prepared for r in runtimes)  # the old pipelines' states are let go
+            again = oa.generate_from_context(model, ctx, question, max_new_tokens=5, pad_token_id=0)
+            assert all(len(r.context.prepared) == 1 for r in runtimes)
+    assert torch.equal(first, again)  # prepared again from the recorded context, the same state
+
 def test_answer_logprob_is_the_teacher_forced_likelihood():
     model, context, question, answer = tiny_llama(), prompt(100, seed=7), prompt(5, seed=8), prompt(4, seed=9)
     with oa.patch(model, DENSE_BUDGET):
