@@ -43,8 +43,8 @@ class LSHConfig(BaseModel):
 class LSHIndex:
     planes: Tensor  # [Hkv, D, L·K] float32, table t uses columns [tK, (t+1)K)
     center: Tensor  # [B, Hkv, 1, D] float32 (zeros when not centring)
-    signs: Tensor  # [B, Hkv, N, L·K] bool
-    buckets: Tensor  # [B, Hkv, N, L] int64
+    codes: Tensor  # [B, Hkv, N, ⌈L·K/8⌉] uint8: the L·K sign bits, packed (``unpack`` gives them back)
+    buckets: Tensor  # [B, Hkv, N, L] the smallest integer type that holds K bits
 
 
 class SimHashSelector(Selector):
@@ -64,45 +64,54 @@ class SimHashSelector(Selector):
             region = (clusters.assignment < clusters.num_clusters).unsqueeze(-1)  # [B, Hkv, N, 1]
             total = (keys.float() * region).sum(2, keepdim=True)
             center = total / region.sum(2, keepdim=True).clamp_min(1)
-        index = LSHIndex(planes, center, keys.new_zeros(B, Hkv, 0, L * K, dtype=torch.bool),
-                         keys.new_zeros(B, Hkv, 0, L, dtype=torch.long))
+        index = LSHIndex(planes, center, keys.new_zeros(B, Hkv, 0, -(-L * K // 8), dtype=torch.uint8),
+                         keys.new_zeros(B, Hkv, 0, L, dtype=_bucket_dtype(K)))
         return self.extend(index, keys)
 
     def extend(self, index: LSHIndex, keys: Tensor) -> LSHIndex:
-        signs, buckets = self._hash(index, keys.float() - index.center)
-        return LSHIndex(index.planes, index.center, torch.cat([index.signs, signs], 2),
+        codes, buckets = self._hash(index, keys.float() - index.center)
+        return LSHIndex(index.planes, index.center, torch.cat([index.codes, codes], 2),
                         torch.cat([index.buckets, buckets], 2))
 
     def _hash(self, index: LSHIndex, vectors: Tensor) -> tuple[Tensor, Tensor]:
-        """``[B, Hkv, n, D]`` → (sign bits ``[B, Hkv, n, L·K]``, bucket per table ``[B, Hkv, n, L]``)."""
+        """``[B, Hkv, n, D]`` → (sign bits, packed, ``[B, Hkv, n, ⌈L·K/8⌉]``; bucket per table ``[B, Hkv, n, L]``),
+        a few tables at a time: no temporary grows with L·K (at 8 × 4K keys and L·K = 1500 bits one was several GB,
+        and the index of 30 layers held 8 GB)."""
         K, L = self.config.K, self.config.L
-        signs = (vectors @ index.planes.unsqueeze(0)) > 0
-        powers = 2 ** torch.arange(K, device=vectors.device)
-        buckets = (signs.view(*signs.shape[:-1], L, K).long() * powers).sum(-1)
-        return signs, buckets
+        codes, buckets = [], []
+        for tables in _table_chunks(L):
+            bits = (vectors @ index.planes[:, :, tables.start * K:tables.stop * K].unsqueeze(0)) > 0
+            per_table = bits.view(*bits.shape[:-1], tables.stop - tables.start, K)
+            bucket = vectors.new_zeros(per_table.shape[:-1], dtype=torch.long)
+            for bit in range(K):
+                bucket |= per_table[..., bit].long() << bit
+            codes.append(_pack(bits))  # 16·K bits, whole bytes: the chunks' codes line up
+            buckets.append(bucket.to(_bucket_dtype(K)))
+        return torch.cat(codes, -1), torch.cat(buckets, -1)
 
     def _collisions(self, query: Tensor, index: LSHIndex) -> tuple[Tensor, Tensor]:
         """query ``[B, Hq, T, D]`` → (tables shared with each key, bits agreeing with each key), both
-        ``[B, Hkv, g·T, N]``."""
+        ``[B, Hkv, g·T, N]``, counted a few tables at a time."""
         B, Hq, T, D = query.shape
-        Hkv = index.planes.shape[0]
+        K, Hkv = self.config.K, index.planes.shape[0]
         q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
-        q_signs, q_buckets = self._hash(index, q)  # centring only shifts q·k: the query is hashed as it is
-        bits = q_signs.shape[-1]
-        # Agreement over all bits from ±1 codes: (bits + Σ ±1·±1) / 2.
-        dot = (2 * q_signs.float() - 1) @ (2 * index.signs.float() - 1).transpose(-1, -2)
-        agree = (bits + dot) / 2
-        collisions = torch.zeros_like(agree)
-        for start in range(0, self.config.L, 16):  # 16 tables at a time bounds the [.., g·T, N, tables] temporary
-            part = slice(start, start + 16)
-            same = q_buckets[..., None, part] == index.buckets[:, :, None, :, part]
+        q_codes, q_buckets = self._hash(index, q)  # centring only shifts q·k: the query is hashed as it is
+        collisions = q.new_zeros(B, Hkv, q.shape[2], index.buckets.shape[2])
+        agree = torch.zeros_like(collisions)
+        for tables in _table_chunks(self.config.L):
+            same = q_buckets[..., None, tables] == index.buckets[:, :, None, :, tables]
             collisions += same.sum(-1)
+            bits = (tables.stop - tables.start) * K
+            chunk = slice(tables.start * K // 8, -(-tables.stop * K // 8))  # 16·K bits a chunk: whole bytes
+            # Agreement over the chunk's bits from ±1 codes: (bits + Σ ±1·±1) / 2.
+            q_sign, k_sign = (2 * unpack(c[..., chunk], bits).float() - 1 for c in (q_codes, index.codes))
+            agree += (bits + q_sign @ k_sign.transpose(-1, -2)) / 2
         return collisions, agree
 
     def score(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
         B, Hq, T, _ = query.shape
         collisions, agree = self._collisions(query, index)
-        bits = max(index.signs.shape[-1], 1)
+        bits = max(self.config.K * self.config.L, 1)
         candidate = collisions >= self.config.min_collisions
         # Lexicographic: candidate, then tables shared (0..L), then bits agreeing (a fraction below 1).
         ranking = candidate * (self.config.L + 1.0) + collisions + agree / (bits + 1)
@@ -124,6 +133,30 @@ class SimHashSelector(Selector):
         log_p[candidate] = log_candidate_probability(1 - theta / math.pi, self.config.K, self.config.L,
                                                      self.config.min_collisions)
         return log_p.float().view(B, Hq, T, -1)
+
+
+def _table_chunks(tables: int, size: int = 16) -> list[slice]:
+    """The L tables in chunks of ``size``: what bounds every per-table temporary."""
+    return [slice(start, min(start + size, tables)) for start in range(0, tables, size)]
+
+
+def _bucket_dtype(K: int) -> torch.dtype:
+    return torch.int16 if K <= 15 else torch.int32 if K <= 31 else torch.int64
+
+
+def _pack(bits: Tensor) -> Tensor:
+    """bool ``[..., n]`` → uint8 ``[..., ⌈n/8⌉]``: bit i of byte j is bit 8j + i (0 past n)."""
+    pad = -bits.shape[-1] % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], -1)
+    weights = 2 ** torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.view(*bits.shape[:-1], -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack(codes: Tensor, bits: int) -> Tensor:
+    """The inverse of packing: uint8 ``[..., ⌈bits/8⌉]`` → bool ``[..., bits]``."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    return ((codes[..., None] >> shifts) & 1).bool().flatten(-2)[..., :bits]
 
 
 def log_candidate_probability(u: Tensor, K: int, L: int, min_collisions: int) -> Tensor:

@@ -10,7 +10,7 @@ import oa_core as oa
 from conftest import make_inputs
 from oa_core.components import Clusters
 from oa_core.metrics import estimator_weights
-from oa_plugins.selectors.lsh import LSHConfig, SimHashSelector, log_candidate_probability
+from oa_plugins.selectors.lsh import LSHConfig, SimHashSelector, log_candidate_probability, unpack
 
 
 def _clusters(batch, heads, tokens):
@@ -53,8 +53,8 @@ def test_candidates_collide_in_at_least_min_collisions_tables():
     index = selector.build(keys, None, _clusters(1, 2, 200), torch.Generator().manual_seed(3))
     collisions, _ = selector._collisions(decode, index)
     # Recount the collisions table by table from the sign bits.
-    q_signs, _ = selector._hash(index, decode.float().reshape(1, 2, -1, keys.shape[-1]))
-    agree = q_signs.view(1, 2, -1, 1, 12, 4) == index.signs.view(1, 2, 1, 200, 12, 4)
+    q_codes, _ = selector._hash(index, decode.float().reshape(1, 2, -1, keys.shape[-1]))
+    agree = unpack(q_codes, 48).view(1, 2, -1, 1, 12, 4) == unpack(index.codes, 48).view(1, 2, 1, 200, 12, 4)
     assert torch.equal(collisions, agree.all(-1).sum(-1).float())
     pool = selector.sample_pool(decode, index, keys, 0.2).view(1, 2, -1, 200)
     assert torch.equal(pool > -math.inf, collisions >= 2)
@@ -70,7 +70,7 @@ def test_extend_matches_building_on_all_keys():
     grown = selector.extend(selector.build(keys[:, :, :100], None, _clusters(2, 2, 100),
                                            torch.Generator().manual_seed(1)), keys[:, :, 100:])
     assert torch.allclose(whole.center, grown.center)
-    assert torch.equal(whole.signs, grown.signs) and torch.equal(whole.buckets, grown.buckets)
+    assert torch.equal(whole.codes, grown.codes) and torch.equal(whole.buckets, grown.buckets)
 
 
 def test_shared_selection_cannot_sample_per_head_pools():
