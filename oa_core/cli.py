@@ -70,6 +70,9 @@ def eval_command(args: argparse.Namespace) -> int:
     except (SpecError, ValueError) as exc:
         print(f"oa eval: {exc}", file=sys.stderr)
         return 2
+    except runner.IncompleteRun as exc:
+        print(f"oa eval: {exc}", file=sys.stderr)
+        return 1
     if rows is not None:
         print(runner.summary_table(rows))
         print(f"records and summary in {args.out}")

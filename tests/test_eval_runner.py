@@ -99,6 +99,30 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
     assert _comparable(rows) == _comparable(full)
 
 
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_cell_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninterrupted, tmp_path,
+                                                                monkeypatch, failures):
+    _, full = uninterrupted
+    original, calls = runner._answer, []
+
+    def short_of_memory(*args, **kwargs):  # the first cell's first ``failures`` attempts
+        calls.append(1)
+        if len(calls) <= failures:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_answer", short_of_memory)
+    if failures == 1:  # one failure: the retry answers, nothing is missing
+        assert _comparable(runner.run(_config(tmp_path), model, tokenizer)) == _comparable(full)
+        return
+    with pytest.raises(runner.IncompleteRun, match="1 cell.*ran out of memory twice.*again to retry"):
+        runner.run(_config(tmp_path), model, tokenizer)
+    assert len(runner.read_records(tmp_path)) == 12 - 1  # every other cell ran, the summary of them written
+    assert (tmp_path / "summary.json").is_file()
+    rows = runner.run(_config(tmp_path), model, tokenizer)  # the rerun runs the one cell left
+    assert _comparable(rows) == _comparable(full)
+
 def test_bad_arguments_are_named(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="unknown 'qa_1'"):
         runner.run(_config(tmp_path, tasks=["qa_1"]), model, tokenizer)
@@ -196,6 +220,9 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     assert "| openattention | 1% | 2 | 35.0 | 70.0 | 0.50 | -0.50 | 0.0100 |" in text
     assert "| openattention | 10% | 2 | 70.0 | 70.0 | 1.00 | +0.00 | 0.1000 |" in text
     assert "## Tasks the model cannot do even dense\n\ncwe (4096)" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())  # written from the records too
+    assert len(summary) == 3 * 3 and {(r["spec"], r["task"]) for r in summary} == {
+        (r["spec"], r["task"]) for r in records}
     assert _colored_fraction(tmp_path / "per_task.png") > 0.05  # the bars
     assert _colored_fraction(tmp_path / "accuracy_vs_density.png") > 0.002  # the line and its markers
     assert main(["report", str(tmp_path / "nothing-here")]) == 2

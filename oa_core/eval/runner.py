@@ -205,20 +205,31 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
             "versions": {"openattention": oa.__version__, "torch": torch.__version__,
                          "transformers": _transformers_version(), "python": platform.python_version()}}
     writer = _Writer(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
+    skipped = []
     try:
         if config.metric == "ruler":
-            _run_cells(model, tokenizer, config, samples, todo, total, meta, writer, rank)
+            skipped = _run_cells(model, tokenizer, config, samples, todo, total, meta, writer, rank)
         else:
             _run_error_cells(model, tokenizer, config, todo, total, meta, writer, rank)
     finally:
         writer.close()
     if world > 1:
         torch.distributed.barrier()
-    if rank != 0:
-        return None
-    rows = summarize(read_records(out))
-    write_summary(out, rows)
+    rows = None
+    if rank == 0:
+        rows = summarize(read_records(out))
+        write_summary(out, rows)
+    if world > 1:
+        torch.distributed.barrier()  # the summary is written before any rank reports an incomplete run
+    if skipped:
+        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice and are not in "
+                            f"{out}; the summary has the rest. Run the same command again to retry them (with fewer "
+                            "ranks per GPU or a smaller --batch if it happens again)")
     return rows
+
+
+class IncompleteRun(RuntimeError):
+    """Some cells could not run (out of memory); everything else was written, summary included."""
 
 
 def _rank_device(device: str, world: int) -> torch.device:
@@ -257,7 +268,8 @@ def _padded(rows: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.Tenso
 
 
 def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: _Writer,
-               rank: int) -> None:
+               rank: int) -> list[tuple]:
+    """Runs the cells → the keys of those that ran out of memory twice (left out of the records: a rerun retries)."""
     from tqdm import tqdm
 
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
@@ -265,6 +277,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                disable=not config.progress, position=rank)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = model.device
+    skipped = []  # cells that ran out of memory twice
     try:
         for (task, length, indices), cells in todo:
             batch = [samples[task, length][i] for i in indices]
@@ -278,15 +291,22 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             prefill_s = time.perf_counter() - start
             for key, spec, missing in cells:
                 handle.use(spec)
-                start = time.perf_counter()
-                new = oa.generate_from_context(model, context, question_ids,
-                                               max_new_tokens=config.max_new_tokens or batch[0].max_new_tokens,
-                                               pad_token_id=tokenizer.eos_token_id)
-                seconds = time.perf_counter() - start
-                density = handle.stats.density
-                handle.reset_stats()
-                logprobs = oa.answer_logprob(model, context, question_ids, answer_ids, answer_mask).tolist()
-                handle.reset_stats()
+                for _ in range(2):  # out of memory (ranks sharing a GPU): the cache let go, then once more
+                    try:
+                        answered = _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask,
+                                           config.max_new_tokens or batch[0].max_new_tokens)
+                        break
+                    except torch.OutOfMemoryError:
+                        answered = None
+                        handle.reset_stats()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                if answered is None:
+                    skipped.append(key)
+                    bar.write(f"eval (rank {rank}): {key[0]} at {key[1]} on {task} (samples {list(missing)}) ran out "
+                              "of memory twice: left for a rerun")
+                    continue
+                new, seconds, density, logprobs = answered
                 name, target, *_ = key
                 resolved = oa.load_spec(spec).model_dump(mode="json")
                 for row, (index, sample) in enumerate(zip(indices, batch)):
@@ -302,9 +322,25 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                         "prefill_s": round(prefill_s, 3), "generate_s": round(seconds, 3), "resolved_spec": resolved,
                         "device": str(device), **meta})
                 bar.update(len(missing))
+                if device.type == "cuda":  # ranks sharing a GPU: give this cell's peak back to the others
+                    torch.cuda.empty_cache()
     finally:
         bar.close()
         handle.unpatch()
+    return skipped
+
+
+def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask, max_new_tokens: int):
+    """One cell's work on one batch → (new tokens, generation seconds, measured density, answer log-likelihoods)."""
+    start = time.perf_counter()
+    new = oa.generate_from_context(model, context, question_ids, max_new_tokens=max_new_tokens,
+                                   pad_token_id=tokenizer.eos_token_id)
+    seconds = time.perf_counter() - start
+    density = handle.stats.density
+    handle.reset_stats()
+    logprobs = oa.answer_logprob(model, context, question_ids, answer_ids, answer_mask).tolist()
+    handle.reset_stats()
+    return new, seconds, density, logprobs
 
 
 def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: _Writer,
