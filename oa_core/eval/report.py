@@ -1,5 +1,6 @@
 """``oa report DIR``: what an ``oa eval`` folder holds, as Markdown and plots.
 
+- ``summary.csv`` / ``summary.json``: rewritten from the records (as ``oa eval`` writes them at its end).
 - ``report.md``: per spec and density, averaged over the tasks dense can do (score, retention vs dense, answer
   log-likelihood gap, measured density); the same per task; and the tasks the model cannot do even dense.
 - ``accuracy_vs_density.png``: mean retention against read density, a line per method, dense as a level (the paper's
@@ -14,7 +15,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from oa_core.eval.runner import ATTENTION_ERROR, fmt, read_records, summarize, summary_table
+from oa_core.eval.runner import ATTENTION_ERROR, fmt, read_records, summarize, summary_table, write_summary
 
 # A task dense scores below this (of 100) cannot measure retention: reported apart, left out of the means.
 DENSE_FLOOR = 20.0
@@ -27,6 +28,7 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
     if not records:
         raise FileNotFoundError(f"{out}: no records*.jsonl here; run `oa eval --out {out}` first")
     every = summarize(records)
+    write_summary(out, every)  # as of these records (a run cut short never wrote its own)
     errors = [r for r in every if r["metric"] == ATTENTION_ERROR]
     rows = [r for r in every if r["metric"] != ATTENTION_ERROR]
     dense = {(r["task"], r["length"]): r["score"] for r in rows if r["spec"] == "dense"}
@@ -108,31 +110,52 @@ def _pyplot():
     return plt
 
 
+ABLATION_PREFIX = "ablate-"  # specs/ablate-*.yaml: OpenAttention with one component changed
+
+
+def _colors(specs) -> dict[str, tuple]:
+    """One colour per spec, the same in every panel and plot (tab20: up to 20 specs told apart)."""
+    plt = _pyplot()
+    cycle = plt.get_cmap("tab20").colors
+    return {spec: cycle[i % len(cycle)] for i, spec in enumerate(sorted(set(specs) - {"dense"}))}
+
+
 def plot_accuracy_vs_density(means: list[dict], path: Path,
                              ylabel: str = "mean retention (score / dense, same samples)",
                              title: str = "Retention against read density", key: str = "retention") -> None:
     """A line per method of ``key`` against read density, dense as a level. RULER plots retention: a method's
-    cells may cover fewer tasks than dense's (a sweep in progress), and retention compares each on its own tasks."""
+    cells may cover fewer tasks than dense's (a sweep in progress), and retention compares each on its own tasks.
+    With ablation specs, two panels: the methods, and OpenAttention beside its ablations."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     by_spec: dict[str, list[dict]] = defaultdict(list)
     for m in means:
         by_spec[m["spec"]].append(m)
-    for spec, ms in sorted(by_spec.items()):
-        if spec == "dense":
-            ax.axhline(ms[0][key], color="black", linestyle="--", linewidth=1, label="dense")
-            continue
-        ms = sorted(ms, key=lambda m: m["density"])
-        ax.plot([100 * m["density"] for m in ms], [m[key] for m in ms], marker="o", label=spec)
-    ax.set_xscale("log")
+    methods = [s for s in sorted(by_spec) if not s.startswith(ABLATION_PREFIX)]
+    ablations = [s for s in sorted(by_spec) if s.startswith(ABLATION_PREFIX)]
+    panels = [("methods", methods)]
+    if ablations:
+        panels.append(("ablations of OpenAttention", [s for s in ("dense", "openattention") if s in by_spec]
+                       + ablations))
+    colors = _colors(by_spec)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.0), dpi=120, squeeze=False,
+                             sharey=True)
     ticks = sorted({100 * m["density"] for m in means if m["spec"] != "dense"})
-    ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel("read density")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, (name, specs) in zip(axes[0], panels):
+        for spec in specs:
+            ms = sorted(by_spec[spec], key=lambda m: m["density"])
+            if spec == "dense":
+                ax.axhline(ms[0][key], color="black", linestyle="--", linewidth=1, label="dense")
+                continue
+            ax.plot([100 * m["density"] for m in ms], [m[key] for m in ms], marker="o", label=spec,
+                    color=colors[spec], linewidth=2.5 if spec == "openattention" else 1.5)
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("read density")
+        ax.set_title(f"{title}: {name}" if len(panels) > 1 else title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
+    axes[0, 0].set_ylabel(ylabel)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -147,10 +170,11 @@ def plot_per_task(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(len(densities), 1, figsize=(max(6.4, 1.2 * len(tasks) + 2), 2.8 * len(densities)),
                              dpi=120, squeeze=False)
     width = 0.8 / max(len(specs), 1)
+    colors = {**_colors(specs), "dense": (0.2, 0.2, 0.2)}
     for ax, density in zip(axes[:, 0], densities):
         for i, spec in enumerate(specs):
             values = [score.get((spec, 1.0 if spec == "dense" else density, t, n), math.nan) for t, n in tasks]
-            ax.bar([x + i * width for x in range(len(tasks))], values, width=width, label=spec)
+            ax.bar([x + i * width for x in range(len(tasks))], values, width=width, label=spec, color=colors[spec])
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tasks))])
         ax.set_xticklabels([f"{t}\n{n}" for t, n in tasks], fontsize=7)
         ax.set_ylabel("score")
