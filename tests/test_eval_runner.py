@@ -100,27 +100,30 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
 
 
 
-@pytest.mark.parametrize("failures", [1, 2])
-def test_a_cell_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninterrupted, tmp_path,
-                                                                monkeypatch, failures):
+@pytest.mark.parametrize("where, failures", [("answer", 1), ("answer", 2), ("prefill", 2)])
+def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninterrupted, tmp_path, monkeypatch,
+                                                        where, failures):
     _, full = uninterrupted
-    original, calls = runner._answer, []
+    owner, name = (runner, "_answer") if where == "answer" else (runner.oa, "prefill_context")
+    original, calls = getattr(owner, name), []
 
-    def short_of_memory(*args, **kwargs):  # the first cell's first ``failures`` attempts
+    def short_of_memory(*args, **kwargs):  # the first unit's first ``failures`` tries
         calls.append(1)
         if len(calls) <= failures:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "_answer", short_of_memory)
+    monkeypatch.setattr(owner, name, short_of_memory)
     if failures == 1:  # one failure: the retry answers, nothing is missing
         assert _comparable(runner.run(_config(tmp_path), model, tokenizer)) == _comparable(full)
         return
-    with pytest.raises(runner.IncompleteRun, match="1 cell.*ran out of memory twice.*again to retry"):
+    lost = 1 if where == "answer" else 3  # a cell; or, with no prefilled context, the unit's three cells
+    with pytest.raises(runner.IncompleteRun, match=f"{lost} cell.*ran out of memory twice.*again to retry"):
         runner.run(_config(tmp_path), model, tokenizer)
-    assert len(runner.read_records(tmp_path)) == 12 - 1  # every other cell ran, the summary of them written
+    assert len(runner.read_records(tmp_path)) == 12 - lost  # every other cell ran, the summary of them written
     assert (tmp_path / "summary.json").is_file()
-    rows = runner.run(_config(tmp_path), model, tokenizer)  # the rerun runs the one cell left
+    monkeypatch.setattr(owner, name, original)
+    rows = runner.run(_config(tmp_path), model, tokenizer)  # the rerun runs what was left
     assert _comparable(rows) == _comparable(full)
 
 def test_bad_arguments_are_named(model, tokenizer, tmp_path):

@@ -287,24 +287,18 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                                               left=False)
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
             start = time.perf_counter()
-            context = oa.prefill_context(model, context_ids.to(device), context_mask.to(device))
+            context = _twice(lambda: oa.prefill_context(model, context_ids.to(device), context_mask.to(device)),
+                             handle, device)
             prefill_s = time.perf_counter() - start
             for key, spec, missing in cells:
                 handle.use(spec)
-                for _ in range(2):  # out of memory (ranks sharing a GPU): the cache let go, then once more
-                    try:
-                        answered = _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask,
-                                           config.max_new_tokens or batch[0].max_new_tokens)
-                        break
-                    except torch.OutOfMemoryError:
-                        answered = None
-                        handle.reset_stats()
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
+                answered = None if context is None else _twice(
+                    lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask,
+                                    config.max_new_tokens or batch[0].max_new_tokens), handle, device)
                 if answered is None:
                     skipped.append(key)
                     bar.write(f"eval (rank {rank}): {key[0]} at {key[1]} on {task} (samples {list(missing)}) ran out "
-                              "of memory twice: left for a rerun")
+                              f"of memory twice{'' if context else ' in the prefill'}: left for a rerun")
                     continue
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
@@ -328,6 +322,19 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
         bar.close()
         handle.unpatch()
     return skipped
+
+
+def _twice(work, handle, device: torch.device):
+    """``work()``, again once the cache is let go if it runs out of memory (ranks sharing a GPU); None if the second
+    try does too."""
+    for _ in range(2):
+        try:
+            return work()
+        except torch.OutOfMemoryError:
+            handle.reset_stats()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return None
 
 
 def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask, max_new_tokens: int):
