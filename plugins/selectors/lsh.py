@@ -43,8 +43,7 @@ class LSHConfig(BaseModel):
 class LSHIndex:
     planes: Tensor  # [Hkv, D, L·K] float32, table t uses columns [tK, (t+1)K)
     center: Tensor  # [B, Hkv, 1, D] float32 (zeros when not centring)
-    codes: Tensor  # [B, Hkv, N, ⌈L·K/8⌉] uint8: the L·K sign bits, packed (``unpack`` gives them back)
-    buckets: Tensor  # [B, Hkv, N, L] the smallest integer type that holds K bits
+    buckets: Tensor  # [B, Hkv, N, L]: table t's K sign bits as one integer (bit k: hyperplane tK + k)
 
 
 class SimHashSelector(Selector):
@@ -64,48 +63,43 @@ class SimHashSelector(Selector):
             region = (clusters.assignment < clusters.num_clusters).unsqueeze(-1)  # [B, Hkv, N, 1]
             total = (keys.float() * region).sum(2, keepdim=True)
             center = total / region.sum(2, keepdim=True).clamp_min(1)
-        index = LSHIndex(planes, center, keys.new_zeros(B, Hkv, 0, -(-L * K // 8), dtype=torch.uint8),
-                         keys.new_zeros(B, Hkv, 0, L, dtype=_bucket_dtype(K)))
+        index = LSHIndex(planes, center, keys.new_zeros(B, Hkv, 0, L, dtype=_bucket_dtype(K)))
         return self.extend(index, keys)
 
     def extend(self, index: LSHIndex, keys: Tensor) -> LSHIndex:
-        codes, buckets = self._hash(index, keys.float() - index.center)
-        return LSHIndex(index.planes, index.center, torch.cat([index.codes, codes], 2),
-                        torch.cat([index.buckets, buckets], 2))
+        buckets = self._hash(index, keys.float() - index.center)
+        return LSHIndex(index.planes, index.center, torch.cat([index.buckets, buckets], 2))
 
-    def _hash(self, index: LSHIndex, vectors: Tensor) -> tuple[Tensor, Tensor]:
-        """``[B, Hkv, n, D]`` → (sign bits, packed, ``[B, Hkv, n, ⌈L·K/8⌉]``; bucket per table ``[B, Hkv, n, L]``),
-        a few tables at a time: no temporary grows with L·K (at 8 × 4K keys and L·K = 1500 bits one was several GB,
-        and the index of 30 layers held 8 GB)."""
+    def _hash(self, index: LSHIndex, vectors: Tensor) -> Tensor:
+        """``[B, Hkv, n, D]`` → each table's bucket ``[B, Hkv, n, L]``, the smallest integer type that holds K bits.
+        The hyperplanes go in chunks of tables: the build's ``[.., N, tables, K]`` temporary stays bounded (one
+        chunk for a decode step's few rows)."""
         K, L = self.config.K, self.config.L
-        codes, buckets = [], []
-        for tables in _table_chunks(L):
+        powers = 2 ** torch.arange(K, device=vectors.device)
+        buckets = []
+        for tables in _table_chunks(L, vectors[..., 0].numel() * max(K, 1)):
             bits = (vectors @ index.planes[:, :, tables.start * K:tables.stop * K].unsqueeze(0)) > 0
             per_table = bits.view(*bits.shape[:-1], tables.stop - tables.start, K)
-            bucket = vectors.new_zeros(per_table.shape[:-1], dtype=torch.long)
-            for bit in range(K):
-                bucket |= per_table[..., bit].long() << bit
-            codes.append(_pack(bits))  # 16·K bits, whole bytes: the chunks' codes line up
-            buckets.append(bucket.to(_bucket_dtype(K)))
-        return torch.cat(codes, -1), torch.cat(buckets, -1)
+            buckets.append((per_table.long() * powers).sum(-1).to(_bucket_dtype(K)))
+        return torch.cat(buckets, -1)
 
-    def _collisions(self, query: Tensor, index: LSHIndex) -> tuple[Tensor, Tensor]:
-        """query ``[B, Hq, T, D]`` → (tables shared with each key, bits agreeing with each key), both
-        ``[B, Hkv, g·T, N]``, counted a few tables at a time."""
+    def _collisions(self, query: Tensor, index: LSHIndex, agreement: bool = True) -> tuple[Tensor, Tensor | None]:
+        """query ``[B, Hq, T, D]`` → (tables shared with each key, bits agreeing with each key or None if not
+        ``agreement``), both ``[B, Hkv, g·T, N]``. A bucket holds its table's K bits, so both come from the buckets: a table is shared
+        where the two buckets are equal; the bits agreeing are (bits + Σ ±1·±1) / 2 over the buckets' bits."""
         B, Hq, T, D = query.shape
-        K, Hkv = self.config.K, index.planes.shape[0]
+        K, Hkv, N = self.config.K, index.planes.shape[0], index.buckets.shape[2]
         q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
-        q_codes, q_buckets = self._hash(index, q)  # centring only shifts q·k: the query is hashed as it is
-        collisions = q.new_zeros(B, Hkv, q.shape[2], index.buckets.shape[2])
-        agree = torch.zeros_like(collisions)
-        for tables in _table_chunks(self.config.L):
+        q_buckets = self._hash(index, q)  # centring only shifts q·k: the query is hashed as it is
+        collisions = q.new_zeros(B, Hkv, q.shape[2], N)
+        agree = torch.zeros_like(collisions) if agreement else None
+        for tables in _table_chunks(self.config.L, max(collisions.numel(), B * Hkv * N * K)):
             same = q_buckets[..., None, tables] == index.buckets[:, :, None, :, tables]
             collisions += same.sum(-1)
-            bits = (tables.stop - tables.start) * K
-            chunk = slice(tables.start * K // 8, -(-tables.stop * K // 8))  # 16·K bits a chunk: whole bytes
-            # Agreement over the chunk's bits from ±1 codes: (bits + Σ ±1·±1) / 2.
-            q_sign, k_sign = (2 * unpack(c[..., chunk], bits).float() - 1 for c in (q_codes, index.codes))
-            agree += (bits + q_sign @ k_sign.transpose(-1, -2)) / 2
+            if not agreement:
+                continue
+            q_sign, k_sign = (_signs(b[..., tables], K) for b in (q_buckets, index.buckets))
+            agree += ((tables.stop - tables.start) * K + q_sign @ k_sign.transpose(-1, -2)) / 2
         return collisions, agree
 
     def score(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
@@ -120,7 +114,7 @@ class SimHashSelector(Selector):
     def sample_pool(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
         B, Hq, T, D = query.shape
         Hkv = keys.shape[1]
-        collisions, _ = self._collisions(query, index)
+        collisions, _ = self._collisions(query, index, agreement=False)
         # The probability a key had of becoming a candidate, from its exact angle to the query. A reference: a
         # kernel computes it only for the rows it draws, which it reads anyway.
         q = query.double().reshape(B, Hkv, Hq // Hkv * T, D)
@@ -135,8 +129,12 @@ class SimHashSelector(Selector):
         return log_p.float().view(B, Hq, T, -1)
 
 
-def _table_chunks(tables: int, size: int = 16) -> list[slice]:
-    """The L tables in chunks of ``size``: what bounds every per-table temporary."""
+CHUNK_ELEMENTS = 1 << 26  # what one chunk of tables may hold in a temporary: 64M elements (256 MB of float)
+
+
+def _table_chunks(tables: int, per_table: int) -> list[slice]:
+    """The L tables in chunks whose temporaries (``per_table`` elements a table) stay within CHUNK_ELEMENTS."""
+    size = max(1, CHUNK_ELEMENTS // max(per_table, 1))
     return [slice(start, min(start + size, tables)) for start in range(0, tables, size)]
 
 
@@ -144,19 +142,10 @@ def _bucket_dtype(K: int) -> torch.dtype:
     return torch.int16 if K <= 15 else torch.int32 if K <= 31 else torch.int64
 
 
-def _pack(bits: Tensor) -> Tensor:
-    """bool ``[..., n]`` → uint8 ``[..., ⌈n/8⌉]``: bit i of byte j is bit 8j + i (0 past n)."""
-    pad = -bits.shape[-1] % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], -1)
-    weights = 2 ** torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (bits.view(*bits.shape[:-1], -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
-
-
-def unpack(codes: Tensor, bits: int) -> Tensor:
-    """The inverse of packing: uint8 ``[..., ⌈bits/8⌉]`` → bool ``[..., bits]``."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
-    return ((codes[..., None] >> shifts) & 1).bool().flatten(-2)[..., :bits]
+def _signs(buckets: Tensor, K: int) -> Tensor:
+    """Buckets ``[..., tables]`` → their bits as ±1 floats ``[..., tables·K]`` (table-major, as the hyperplanes)."""
+    shifts = torch.arange(K, dtype=buckets.dtype, device=buckets.device)
+    return 2 * ((buckets[..., None] >> shifts) & 1).flatten(-2).float() - 1
 
 
 def log_candidate_probability(u: Tensor, K: int, L: int, min_collisions: int) -> Tensor:

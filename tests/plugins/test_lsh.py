@@ -10,7 +10,7 @@ import oa_core as oa
 from conftest import make_inputs
 from oa_core.components import Clusters
 from oa_core.metrics import estimator_weights
-from oa_plugins.selectors.lsh import LSHConfig, SimHashSelector, log_candidate_probability, unpack
+from oa_plugins.selectors.lsh import LSHConfig, SimHashSelector, log_candidate_probability
 
 
 def _clusters(batch, heads, tokens):
@@ -51,11 +51,13 @@ def test_candidates_collide_in_at_least_min_collisions_tables():
     keys, _, _, decode = make_inputs(batch=1, kv_heads=2, group=2, tokens=200, seed=2)
     selector = SimHashSelector(LSHConfig(K=4, L=12, min_collisions=2))
     index = selector.build(keys, None, _clusters(1, 2, 200), torch.Generator().manual_seed(3))
-    collisions, _ = selector._collisions(decode, index)
-    # Recount the collisions table by table from the sign bits.
-    q_codes, _ = selector._hash(index, decode.float().reshape(1, 2, -1, keys.shape[-1]))
-    agree = unpack(q_codes, 48).view(1, 2, -1, 1, 12, 4) == unpack(index.codes, 48).view(1, 2, 1, 200, 12, 4)
+    collisions, bits_agreeing = selector._collisions(decode, index)
+    # Recount table by table from the sign bits of the hyperplanes: collisions, and the bits that agree.
+    q_bits = decode.float().reshape(1, 2, -1, keys.shape[-1]) @ index.planes > 0
+    k_bits = (keys.float() - index.center) @ index.planes > 0
+    agree = q_bits.view(1, 2, -1, 1, 12, 4) == k_bits.view(1, 2, 1, 200, 12, 4)
     assert torch.equal(collisions, agree.all(-1).sum(-1).float())
+    assert torch.equal(bits_agreeing, agree.sum((-1, -2)).float())
     pool = selector.sample_pool(decode, index, keys, 0.2).view(1, 2, -1, 200)
     assert torch.equal(pool > -math.inf, collisions >= 2)
     assert 0 < int((collisions >= 2).sum()) < collisions.numel()  # a real filter on these inputs
@@ -70,7 +72,7 @@ def test_extend_matches_building_on_all_keys():
     grown = selector.extend(selector.build(keys[:, :, :100], None, _clusters(2, 2, 100),
                                            torch.Generator().manual_seed(1)), keys[:, :, 100:])
     assert torch.allclose(whole.center, grown.center)
-    assert torch.equal(whole.codes, grown.codes) and torch.equal(whole.buckets, grown.buckets)
+    assert torch.equal(whole.buckets, grown.buckets)
 
 
 def test_shared_selection_cannot_sample_per_head_pools():
