@@ -35,6 +35,7 @@ TASKS="niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2
 
 run() {  # length batch specs tasks...
   local length=$1 batch=$2 specs=$3; shift 3
+  if [ $# -eq 0 ]; then echo "$(date +%T) ${length} tokens: no task to run"; return; fi
   echo "$(date +%T) ${length} tokens: $(echo $specs | wc -w) specs on $*"
   torchrun --nproc-per-node "$RANKS" --master-port 29561 -m oa_core.cli eval --specs $specs --tasks "$@" \
     --length "$length" --samples 20 --batch "$batch" --device "$DEVICE" --out "$ROOT/ruler_smollm2_$((length / 1024))k" \
