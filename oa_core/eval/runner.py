@@ -9,9 +9,9 @@ A *unit* is one (length, task, batch of samples): its contexts are prefilled den
 ``batch`` > 1 decodes up to that many samples of a task together — the samples whose questions have the same token
 length, contexts left-padded (every component reads and clusters only a row's valid tokens, its budget counted on its
 own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample (a
-record's measured density and times are then its batch's). A spec
-whose own budget is the whole context (``specs/dense.yaml``) is the reference: run once per unit, not per density,
-and added when no spec is dense — retention and the log-likelihood gap are measured against it.
+record's measured density and times are then its batch's). A spec whose own budget is the whole context
+(``specs/dense.yaml``) is the reference: run once per unit, not per density, and added when no spec is dense —
+retention and the log-likelihood gap are measured against it.
 
 Resumable: each finished cell is appended to ``records[-rankR].jsonl`` and flushed to disk at once; a run started
 again over the same ``out`` skips the cells already there (and the units whose cells all are), so a crash or Ctrl-C
@@ -298,7 +298,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                 if answered is None:
                     skipped.append(key)
                     bar.write(f"eval (rank {rank}): {key[0]} at {key[1]} on {task} (samples {list(missing)}) ran out "
-                              f"of memory twice{'' if context else ' in the prefill'}: left for a rerun")
+                              f"of memory twice{' in the prefill' if context is None else ''}: left for a rerun")
                     continue
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
@@ -316,8 +316,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                         "prefill_s": round(prefill_s, 3), "generate_s": round(seconds, 3), "resolved_spec": resolved,
                         "device": str(device), **meta})
                 bar.update(len(missing))
-                if device.type == "cuda":  # ranks sharing a GPU: give this cell's peak back to the others
-                    torch.cuda.empty_cache()
+                _release(device)  # ranks sharing a GPU: this cell's peak back to the others
     finally:
         bar.close()
         handle.unpatch()
@@ -332,9 +331,14 @@ def _twice(work, handle, device: torch.device):
             return work()
         except torch.OutOfMemoryError:
             handle.reset_stats()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _release(device)
     return None
+
+
+def _release(device: torch.device) -> None:
+    """The caching allocator's free blocks back to the device."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask, max_new_tokens: int):

@@ -85,8 +85,8 @@ class SimHashSelector(Selector):
 
     def _collisions(self, query: Tensor, index: LSHIndex, agreement: bool = True) -> tuple[Tensor, Tensor | None]:
         """query ``[B, Hq, T, D]`` → (tables shared with each key, bits agreeing with each key or None if not
-        ``agreement``), both ``[B, Hkv, g·T, N]``. A bucket holds its table's K bits, so both come from the buckets: a table is shared
-        where the two buckets are equal; the bits agreeing are (bits + Σ ±1·±1) / 2 over the buckets' bits."""
+        ``agreement``), both ``[B, Hkv, g·T, N]``. A bucket holds its table's K bits, so both come from the
+        buckets: a table is shared where the two buckets are equal; the bits agreeing are (bits + Σ ±1·±1) / 2."""
         B, Hq, T, D = query.shape
         K, Hkv, N = self.config.K, index.planes.shape[0], index.buckets.shape[2]
         q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
