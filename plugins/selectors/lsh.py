@@ -77,7 +77,7 @@ class SimHashSelector(Selector):
         K, L = self.config.K, self.config.L
         powers = 2 ** torch.arange(K, device=vectors.device)
         buckets = []
-        for tables in _table_chunks(L, vectors[..., 0].numel() * max(K, 1)):
+        for tables in _chunks(L, vectors[..., 0].numel() * max(K, 1)):
             bits = (vectors @ index.planes[:, :, tables.start * K:tables.stop * K].unsqueeze(0)) > 0
             per_table = bits.view(*bits.shape[:-1], tables.stop - tables.start, K)
             buckets.append((per_table.long() * powers).sum(-1).to(_bucket_dtype(K)))
@@ -86,20 +86,19 @@ class SimHashSelector(Selector):
     def _collisions(self, query: Tensor, index: LSHIndex, agreement: bool = True) -> tuple[Tensor, Tensor | None]:
         """query ``[B, Hq, T, D]`` → (tables shared with each key, bits agreeing with each key or None if not
         ``agreement``), both ``[B, Hkv, g·T, N]``. A bucket holds its table's K bits, so both come from the
-        buckets: a table is shared where the two buckets are equal; the bits agreeing are (bits + Σ ±1·±1) / 2."""
+        buckets: a table is shared where the two buckets are equal, and the bits agreeing are counted by
+        ``_bits_agreeing``."""
         B, Hq, T, D = query.shape
         K, Hkv, N = self.config.K, index.planes.shape[0], index.buckets.shape[2]
         q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
         q_buckets = self._hash(index, q)  # centring only shifts q·k: the query is hashed as it is
-        collisions = q.new_zeros(B, Hkv, q.shape[2], N)
+        R, parts = q.shape[2], _bytes(K)
+        collisions = q.new_zeros(B, Hkv, R, N)
         agree = torch.zeros_like(collisions) if agreement else None
-        for tables in _table_chunks(self.config.L, max(collisions.numel(), B * Hkv * N * K)):
-            same = q_buckets[..., None, tables] == index.buckets[:, :, None, :, tables]
-            collisions += same.sum(-1)
-            if not agreement:
-                continue
-            q_sign, k_sign = (_signs(b[..., tables], K) for b in (q_buckets, index.buckets))
-            agree += ((tables.stop - tables.start) * K + q_sign @ k_sign.transpose(-1, -2)) / 2
+        for tables in _chunks(self.config.L, B * Hkv * max(R * N, N * parts, R * parts * 256)):
+            collisions += (q_buckets[..., None, tables] == index.buckets[:, :, None, :, tables]).sum(-1)
+            if agreement and K:
+                agree += _bits_agreeing(q_buckets[..., tables], index.buckets[..., tables], K)
         return collisions, agree
 
     def score(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
@@ -129,40 +128,64 @@ class SimHashSelector(Selector):
         return log_p.float().view(B, Hq, T, -1)
 
 
-CHUNK_ELEMENTS = 1 << 26  # what one chunk of tables may hold in a temporary: 64M elements (256 MB of float)
+CHUNK_ELEMENTS = 1 << 26  # what one chunk may hold in a temporary: 64M elements (256 MB of float)
 
 
-def _table_chunks(tables: int, per_table: int) -> list[slice]:
-    """The L tables in chunks whose temporaries (``per_table`` elements a table) stay within CHUNK_ELEMENTS."""
-    size = max(1, CHUNK_ELEMENTS // max(per_table, 1))
-    return [slice(start, min(start + size, tables)) for start in range(0, tables, size)]
+def _chunks(count: int, per_item: int) -> list[slice]:
+    """``range(count)`` (tables, rows) in chunks whose temporaries (``per_item`` elements each) stay within
+    CHUNK_ELEMENTS."""
+    size = max(1, CHUNK_ELEMENTS // max(per_item, 1))
+    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
 
 def _bucket_dtype(K: int) -> torch.dtype:
     return torch.int16 if K <= 15 else torch.int32 if K <= 31 else torch.int64
 
 
-def _signs(buckets: Tensor, K: int) -> Tensor:
-    """Buckets ``[..., tables]`` → their bits as ±1 floats ``[..., tables·K]`` (table-major, as the hyperplanes)."""
-    shifts = torch.arange(K, dtype=buckets.dtype, device=buckets.device)
-    return 2 * ((buckets[..., None] >> shifts) & 1).flatten(-2).float() - 1
+def _bytes(K: int) -> int:
+    return (K + 7) // 8
+
+
+def _bits_agreeing(q_buckets: Tensor, buckets: Tensor, K: int) -> Tensor:
+    """Σ over the tables of the bits that a query's and a key's buckets share, K − popcount(q ⊕ k): query buckets
+    ``[B, Hkv, R, t]``, key buckets ``[B, Hkv, N, t]`` → ``[B, Hkv, R, N]``.
+
+    Without expanding the keys' K·t bits: each bucket is cut into bytes; for every query, table and byte, a
+    256-entry table holds the bits shared with each possible key byte; one embedding bag then sums, for every key,
+    the entries its bytes pick (all R queries at once, one column each)."""
+    B, Hkv, R, t = q_buckets.shape
+    N, parts, device = buckets.shape[2], _bytes(K), buckets.device
+    shifts = 8 * torch.arange(parts, dtype=torch.int32, device=device)
+    width = (K - shifts).clamp(max=8)  # the bits in each byte
+    byte = torch.arange(256, dtype=torch.int32, device=device)
+    popcount = ((byte[:, None] >> torch.arange(8, device=device)) & 1).sum(-1)  # [256]
+    q_bytes = (q_buckets.int()[..., None] >> shifts) & 255  # [B, Hkv, R, t, parts]
+    shared = width[:, None] - popcount[(byte ^ q_bytes[..., None]).long()]  # [B, Hkv, R, t, parts, 256]
+    weight = shared.permute(0, 1, 3, 4, 5, 2).reshape(-1, R).float()  # row: (b, h, table, byte, key byte)
+    k_bytes = (buckets.int()[..., None] >> shifts) & 255  # [B, Hkv, N, t, parts]
+    first = 256 * torch.arange(B * Hkv * t * parts, dtype=torch.int32, device=device).view(B, Hkv, 1, t, parts)
+    summed = torch.nn.functional.embedding_bag((k_bytes + first).view(B * Hkv * N, t * parts), weight, mode="sum")
+    return summed.view(B, Hkv, N, R).transpose(-1, -2)
 
 
 def log_candidate_probability(u: Tensor, K: int, L: int, min_collisions: int) -> Tensor:
     """ln P(Binomial(L, u^K) ≥ c): the chance that a key whose sign bits each agree with the query's with probability
     u collides with it in at least c of L tables of K bits. float64; −inf where it is 0.
 
-    Summed over the upper tail j = c..L in log space (no 1 − Σ cancellation: a candidate of probability 1e-20 gets
-    its weight 1e20, not infinity)."""
+    The upper tail's terms j = c..L summed at once in log space (no 1 − Σ cancellation: a candidate of probability
+    1e-20 gets its weight 1e20, not infinity)."""
     u = u.double()
     log_hit = K * torch.log(u)  # ln u^K, per table
     log_miss = torch.log1p(-torch.exp(log_hit).clamp_max(1.0))  # ln(1 − u^K); −inf when u = 1
-    total = torch.full_like(u, -math.inf)
-    for j in range(min_collisions, L + 1):
-        choose = math.lgamma(L + 1) - math.lgamma(j + 1) - math.lgamma(L - j + 1)
-        miss = (L - j) * log_miss if j < L else torch.zeros_like(u)  # 0·ln 0 = 0: every table hit
-        total = torch.logaddexp(total, choose + j * log_hit + miss)
-    return total
+    j = torch.arange(min_collisions, L + 1, dtype=torch.float64, device=u.device)
+    choose = torch.tensor([math.lgamma(L + 1) - math.lgamma(i + 1) - math.lgamma(L - i + 1)  # ln C(L, j), exactly 0
+                           for i in range(min_collisions, L + 1)], dtype=torch.float64, device=u.device)  # at j = L
+    total = torch.empty_like(log_hit).view(-1)
+    log_hit, log_miss = log_hit.reshape(-1, 1), log_miss.reshape(-1, 1)
+    for rows in _chunks(total.numel(), max(len(j), 1)):
+        miss = torch.where(j < L, (L - j) * log_miss[rows], 0.0)  # 0·ln 0 = 0: every table hit
+        total[rows] = torch.logsumexp(choose + j * log_hit[rows] + miss, -1)  # −inf when no term (c > L)
+    return total.view(u.shape)
 
 
 @hookimpl

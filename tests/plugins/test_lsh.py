@@ -47,20 +47,22 @@ def test_k_zero_puts_every_token_in_every_bucket():
     assert torch.allclose(w_hat, w, rtol=1e-5)
 
 
-def test_candidates_collide_in_at_least_min_collisions_tables():
-    keys, _, _, decode = make_inputs(batch=1, kv_heads=2, group=2, tokens=200, seed=2)
-    selector = SimHashSelector(LSHConfig(K=4, L=12, min_collisions=2))
-    index = selector.build(keys, None, _clusters(1, 2, 200), torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("K, L", [(4, 12), (10, 7), (13, 3)])  # buckets of one byte, two, two with 5 bits over
+def test_candidates_collide_in_at_least_min_collisions_tables(K, L):
+    keys, _, _, decode = make_inputs(batch=2, kv_heads=2, group=2, tokens=200, seed=2)
+    selector = SimHashSelector(LSHConfig(K=K, L=L, min_collisions=2))
+    index = selector.build(keys, None, _clusters(2, 2, 200), torch.Generator().manual_seed(3))
     collisions, bits_agreeing = selector._collisions(decode, index)
     # Recount table by table from the sign bits of the hyperplanes: collisions, and the bits that agree.
-    q_bits = decode.float().reshape(1, 2, -1, keys.shape[-1]) @ index.planes > 0
+    q_bits = decode.float().reshape(2, 2, -1, keys.shape[-1]) @ index.planes > 0
     k_bits = (keys.float() - index.center) @ index.planes > 0
-    agree = q_bits.view(1, 2, -1, 1, 12, 4) == k_bits.view(1, 2, 1, 200, 12, 4)
+    agree = q_bits.view(2, 2, -1, 1, L, K) == k_bits.view(2, 2, 1, 200, L, K)
     assert torch.equal(collisions, agree.all(-1).sum(-1).float())
     assert torch.equal(bits_agreeing, agree.sum((-1, -2)).float())
-    pool = selector.sample_pool(decode, index, keys, 0.2).view(1, 2, -1, 200)
+    pool = selector.sample_pool(decode, index, keys, 0.2).view(2, 2, -1, 200)
     assert torch.equal(pool > -math.inf, collisions >= 2)
-    assert 0 < int((collisions >= 2).sum()) < collisions.numel()  # a real filter on these inputs
+    if K == 4:
+        assert 0 < int((collisions >= 2).sum()) < collisions.numel()  # a real filter on these inputs
 
 
 def test_extend_matches_building_on_all_keys():
