@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
+from oa_core import metrics
 from oa_core.attention_error import dense_attention, relative_error
 from oa_core.eval import ruler
 from oa_core.offline_model import capture_attention, load_offline_model
@@ -60,26 +61,21 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
     for layer, (queries, keys, values, scale) in sorted(captured.items()):
         keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
         reference = dense_attention(query, keys, values, scale)
-        group = queries.shape[1] // keys.shape[1]
-        logits = (query[0] @ keys[0].repeat_interleave(group, 0).transpose(-1, -2))[:, 0] * scale  # [Hq, N]
-        weights = torch.softmax(logits, -1)
+        heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
+        grouped = query.reshape(1, kv_heads, heads // kv_heads, 1, dim)  # query head h = KV head · g + its place
+        weights = torch.softmax(torch.einsum("bhgtd,bhnd->bhgtn", grouped, keys) * scale, -1).reshape(heads, n)
         for window, end in ends.items():
             prefill = queries[:, :, end - WINDOW:end].float()
             for name, spec in specs.items():
                 pipe = oa.build(spec)
                 state = pipe.prepare(keys, values, prefill, scale=scale)
                 error = relative_error(pipe.attend(query, state), reference)[0, :, 0]
-                index = pipe._select(query, state, causal=False).index[0, :, :, 0]  # [Hkv, Gs, width]
-                read = torch.zeros_like(weights, dtype=torch.bool)
-                for head in range(read.shape[0]):
-                    rows_read = index[head // group, head % group if index.shape[1] > 1 else 0]
-                    read[head, rows_read[rows_read >= 0]] = True
-                for head in range(read.shape[0]):
-                    rows.append({"layer": layer, "head": head, "window": window, "spec": name,
-                                 "error": round(float(error[head]), 5),
-                                 "mass_read": round(float(weights[head][read[head]].sum()), 5),
-                                 "needle_mass": round(float(weights[head, needle].sum()), 6),
-                                 "needle_read": round(float(weights[head, needle][read[head, needle]].sum()), 6)})
+                read = weights * metrics.exact_reads(pipe, state, query).reshape(heads, n)
+                measured = zip(error.tolist(), read.sum(-1).tolist(), weights[:, needle].sum(-1).tolist(),
+                               read[:, needle].sum(-1).tolist())
+                rows += [{"layer": layer, "head": head, "window": window, "spec": name, "error": round(e, 5),
+                          "mass_read": round(m, 5), "needle_mass": round(nm, 6), "needle_read": round(nr, 6)}
+                         for head, (e, m, nm, nr) in enumerate(measured)]
     return rows
 
 

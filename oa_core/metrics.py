@@ -66,9 +66,22 @@ def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tu
     per_token = torch.exp(state.scale * torch.einsum("bhgtd,bhgtcd->bhgtc", q, tail_key) - top)  # g_T per cluster
     per_token = torch.cat([per_token, torch.zeros_like(per_token[..., :1])], -1)  # slot C: not in a cluster
     tokens = per_token.gather(-1, assignment[:, :, None, None, :].expand(B, Hkv, g, T, N))
-    was_read = torch.zeros_like(w).scatter_add_(-1, index, valid.double()) > 0
-    unread = ~was_read & (assignment < C)[:, :, None, None, :]
+    unread = ~_was_read(selection, w.shape) & (assignment < C)[:, :, None, None, :]
     return torch.where(unread, tokens, w_hat), w
+
+
+def exact_reads(pipe: Pipeline, state: PipelineState, query: Tensor) -> Tensor:
+    """The rows each query reads exactly (sink, local, selected and sampled), bool ``[B, Hkv, g, T, N]``."""
+    B, Hq, T, _ = query.shape
+    B, Hkv, N, _ = state.keys.shape
+    return _was_read(pipe._select(query, state, causal=False), (B, Hkv, Hq // Hkv, T, N))
+
+
+def _was_read(selection, shape: tuple[int, ...]) -> Tensor:
+    """A Selection's valid rows as a bool mask of ``shape`` ``[B, Hkv, g, T, N]``."""
+    index = selection.index.clamp_min(0).expand(*shape[:-1], -1)
+    valid = selection.valid.expand_as(index)
+    return torch.zeros(shape, device=index.device).scatter_add_(-1, index, valid.float()) > 0
 
 
 def weight_discrepancy(pipe: Pipeline, state: PipelineState, query: Tensor) -> Tensor:
