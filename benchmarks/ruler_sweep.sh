@@ -13,9 +13,8 @@
 #
 # Phases, each resumable (a rerun skips the cells already under OUT_ROOT/ruler_smollm2_{4k,8k}; a phase whose cells
 # ran out of memory says so and the script goes on: run it again to retry them):
-#   1. dense on all eleven tasks at 4K (the reference, and which tasks the model can do: dense score >= 20)
-#   2. the baselines and OpenAttention on those tasks;  3. the ablations
-#   4-5. the same dense reference and baselines at 8K
+#   1-2. dense on all eleven tasks at 4K and 8K (the reference, and which tasks the model can do: dense score >= 20)
+#   3. the baselines and OpenAttention on the 4K tasks;  4. the ablations at 4K;  5. the baselines at 8K
 # Then `oa report` writes each folder's summary, report.md and plots.
 set -uo pipefail
 PER_GPU=${1:-14}
@@ -49,9 +48,9 @@ print(' '.join(r['task'] for r in rows if r['spec'] == 'dense' and r['score'] >=
 }
 
 run 4096 8 specs/dense.yaml $TASKS
+run 8192 4 specs/dense.yaml $TASKS
 run 4096 8 "$MAIN" $(doable 4096)
 run 4096 8 "$ABLATIONS" $(doable 4096)
-run 8192 4 specs/dense.yaml $TASKS
 run 8192 4 "$MAIN" $(doable 8192)
 oa report "$ROOT/ruler_smollm2_4k"
 oa report "$ROOT/ruler_smollm2_8k"

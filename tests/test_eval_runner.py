@@ -118,13 +118,58 @@ def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninte
         assert _comparable(runner.run(_config(tmp_path), model, tokenizer)) == _comparable(full)
         return
     lost = 1 if where == "answer" else 3  # a cell; or, with no prefilled context, the unit's three cells
-    with pytest.raises(runner.IncompleteRun, match=f"{lost} cell.*ran out of memory twice.*again to retry"):
+    with pytest.raises(runner.IncompleteRun, match=f"{lost} cell.*ran out of memory twice with one sample.*again"):
         runner.run(_config(tmp_path), model, tokenizer)
     assert len(runner.read_records(tmp_path)) == 12 - lost  # every other cell ran, the summary of them written
     assert (tmp_path / "summary.json").is_file()
     monkeypatch.setattr(owner, name, original)
     rows = runner.run(_config(tmp_path), model, tokenizer)  # the rerun runs what was left
     assert _comparable(rows) == _comparable(full)
+
+def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, monkeypatch):
+    """A batch whose prefill, then one cell's answer, run out of memory twice is split in halves until it fits: every
+    cell is answered in one run, each record with the batch it was decoded in."""
+    from oa_core.eval import ruler
+
+    config = _config(tmp_path, specs=["specs/oracle-topk.yaml"], tasks=["niah_single_2"], samples=6, batch=4)
+    samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
+    first = runner.sample_batches([len(runner._encode(tokenizer, s.question)) for s in samples], 4)[0]
+    assert len(first) >= 3, "the test needs a batch of three samples or more"
+    prefill, answer, sizes = runner.oa.prefill_context, runner._answer, []
+
+    def prefill_fits_one(model, ids, mask):  # the prefill of more than one sample runs out of memory
+        sizes.append(("prefill", len(ids)))
+        if len(ids) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return prefill(model, ids, mask)
+
+    def answer_fits_one(model, tokenizer, handle, context, question_ids, *args):  # so does oracle-topk's answer
+        sizes.append(("answer", len(question_ids)))
+        if len(question_ids) > 1 and handle.runtimes[0].pipeline.spec.budget.density < 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return answer(model, tokenizer, handle, context, question_ids, *args)
+
+    monkeypatch.setattr(runner.oa, "prefill_context", prefill_fits_one)
+    runner.run(config, model, tokenizer)
+    records = runner.read_records(tmp_path)
+    assert sorted(runner.record_key(r) for r in records) == sorted(
+        runner.cell_key(spec, density, "niah_single_2", 512, i)
+        for spec, density in (("dense", None), ("oracle-topk", 0.1)) for i in range(6))
+    assert all(r["batch"] == 1 for r in records if r["sample"] in first)
+    assert sizes[:2] == [("prefill", len(first))] * 2  # tried twice with the whole batch before it is split
+
+    other = tmp_path / "answer"
+    monkeypatch.setattr(runner.oa, "prefill_context", prefill)
+    monkeypatch.setattr(runner, "_answer", answer_fits_one)
+    runner.run(_config(other, **{k: getattr(config, k) for k in ("specs", "tasks", "samples", "batch")}), model,
+               tokenizer)
+    records = runner.read_records(other)
+    assert len(records) == 12
+    batch = {(r["spec"], r["sample"]): r["batch"] for r in records}
+    for i in first:
+        assert batch["dense", i] == len(first)  # the cell that fitted ran once, with the whole batch
+        assert batch["oracle-topk", i] == 1
+
 
 def test_bad_arguments_are_named(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="unknown 'qa_1'"):

@@ -28,7 +28,7 @@ import math
 import os
 import platform
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,8 +225,8 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     if world > 1:
         torch.distributed.barrier()  # the summary is written before any rank reports an incomplete run
     if skipped:
-        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice and are not in "
-                            f"{out}; the summary has the rest. Run the same command again to retry them (with fewer "
+        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample and are "
+                            f"not in {out}; the summary has the rest. Run the same command again to retry them (with fewer "
                             "ranks per GPU or a smaller --batch if it happens again)")
     return rows
 
@@ -282,7 +282,8 @@ def _padded(rows: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.Tenso
 
 def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: _Writer,
                rank: int) -> list[tuple]:
-    """Runs the cells → the keys of those that ran out of memory twice (left out of the records: a rerun retries)."""
+    """Runs the cells → the keys of those that ran out of memory twice with one sample (left out of the records: a
+    rerun retries). A batch that runs out of memory twice is split in halves that run next (ranks sharing a GPU)."""
     from tqdm import tqdm
 
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
@@ -290,9 +291,11 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                disable=not config.progress, position=rank)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = model.device
-    skipped = []  # cells that ran out of memory twice
+    skipped = []  # cells that ran out of memory twice with one sample
+    queue = deque(todo)
     try:
-        for (task, length, indices), cells in todo:
+        while queue:
+            (task, length, indices), cells = queue.popleft()
             batch = [samples[task, length][i] for i in indices]
             context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad, left=True)
             question_ids = torch.stack([_encode(tokenizer, s.question) for s in batch]).to(device)
@@ -303,15 +306,15 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             context = _twice(lambda: oa.prefill_context(model, context_ids.to(device), context_mask.to(device)),
                              handle, device)
             prefill_s = time.perf_counter() - start
-            for key, spec, missing in cells:
+            failed = []  # this batch's cells that ran out of memory twice
+            for cell in cells if context is not None else ():
+                key, spec, missing = cell
                 handle.use(spec)
-                answered = None if context is None else _twice(
-                    lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask,
-                                    config.max_new_tokens or batch[0].max_new_tokens), handle, device)
+                answered = _twice(lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids,
+                                                  answer_mask, config.max_new_tokens or batch[0].max_new_tokens),
+                                  handle, device)
                 if answered is None:
-                    skipped.append(key)
-                    bar.write(f"eval (rank {rank}): {key[0]} at {key[1]} on {task} (samples {list(missing)}) ran out "
-                              f"of memory twice{' in the prefill' if context is None else ''}: left for a rerun")
+                    failed.append(cell)
                     continue
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
@@ -330,10 +333,33 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                         "device": str(device), **meta})
                 bar.update(len(missing))
                 _release(device)  # ranks sharing a GPU: this cell's peak back to the others
+            where = " in the prefill" if context is None else ""
+            failed = cells if context is None else failed
+            del context  # before the halves run
+            for key, _, missing in failed if len(indices) == 1 else ():
+                skipped.append(key)
+                bar.write(f"eval (rank {rank}): {key[0]} at {key[1]} on {task} (sample {indices[0]}) ran out of "
+                          f"memory twice{where}, alone: left for a rerun")
+            if failed and len(indices) > 1:
+                bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (samples {list(indices)}) ran out of "
+                          f"memory twice{where}: running them again in two halves")
+                queue.extendleft(reversed(_halves(task, length, indices, failed)))
     finally:
         bar.close()
         handle.unpatch()
     return skipped
+
+
+def _halves(task: str, length: int, indices: tuple[int, ...], cells: list[tuple]) -> list[tuple]:
+    """A batch's units of work as two of half its samples each, every cell with the samples of its half it misses."""
+    middle = (len(indices) + 1) // 2
+    units = []
+    for half in (indices[:middle], indices[middle:]):
+        part = [(key[:4] + (half[0],), spec, tuple(i for i in missing if i in half)) for key, spec, missing in cells]
+        part = [cell for cell in part if cell[2]]
+        if part:
+            units.append(((task, length, half), part))
+    return units
 
 
 def _twice(work, handle, device: torch.device):
