@@ -4,7 +4,8 @@
 
 Runs a tiny random Llama (one layer, 9 query / 3 KV heads) through the transformers integration on the CPU, and
 counts, during ``steps`` greedy decode steps after the question, every ``Tensor.__bool__ / item / __int__ /
-__float__ / tolist / cpu`` and ``torch.equal`` call by the frame that made it. On the CPU every such call is counted
+__float__ / tolist / cpu``, ``torch.equal`` and ``torch.unique`` (its output's size is the data's) call by the frame that
+made it. On the CPU every such call is counted
 (host-side tensors too), so the total bounds the waits a GPU would see. Writes benchmarks/results/host_waits.json.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 CONVERSIONS = ("__bool__", "item", "__int__", "__float__", "tolist", "cpu")
+FUNCTIONS = ("equal", "unique")  # torch functions that wait on the device too
 
 
 def count(spec: str, steps: int) -> collections.Counter:
@@ -36,7 +38,7 @@ def count(spec: str, steps: int) -> collections.Counter:
     oa.generate_from_context(model, context, question, max_new_tokens=3, pad_token_id=0)  # prepare, question
     counts: collections.Counter = collections.Counter()
     originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
-    equal = torch.equal
+    functions = {name: getattr(torch, name) for name in FUNCTIONS}
 
     def site() -> str:
         frame = traceback.extract_stack(limit=4)[0]
@@ -48,16 +50,24 @@ def count(spec: str, steps: int) -> collections.Counter:
             return originals[name](self, *args, **kwargs)
         return conversion
 
+    def counted_function(name, function):
+        def call(*args, **kwargs):
+            counts[f"{name} @ {site()}"] += 1
+            return function(*args, **kwargs)
+        return call
+
     try:
         for name in CONVERSIONS:
             setattr(torch.Tensor, name, counted(name))
-        torch.equal = lambda a, b: (counts.update([f"equal @ {site()}"]), equal(a, b))[1]
+        for name, function in functions.items():
+            setattr(torch, name, counted_function(name, function))
         oa.generate_from_context(model, context, question, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
                                  pad_token_id=0)
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-        torch.equal = equal
+        for name, function in functions.items():
+            setattr(torch, name, function)
     return counts
 
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from oa_core.pipeline import Pipeline, PipelineState, build
+from oa_core.pipeline import CacheMismatch, Pipeline, PipelineState, build
 from oa_core.spec import PipelineSpec, SpecError
 
 IMPLEMENTATION = "openattention"
@@ -142,9 +142,21 @@ class LayerRuntime:
             self._log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else "dense layer")
             return out, weights
 
-        prepare = Span(key)
-        state = self._state_for(key, value, past, scale, attention_mask)
-        prepare.stop()
+        while True:
+            prepare = Span(key)
+            state = self._state_for(key, value, past, scale, attention_mask)
+            prepare.stop()
+            try:
+                return self._attend(state, prepare, module, query, key, value, attention_mask, scaling, dropout,
+                                    **kwargs)
+            except CacheMismatch:  # raised by the first growth, before anything changed
+                if state is not self.live:
+                    raise
+                self.live = None  # a cache of the live state's length, other rows: not its continuation
+
+    def _attend(self, state: PipelineState, prepare: Span, module, query, key, value, attention_mask, scaling,
+                dropout, **kwargs):
+        T, past = query.shape[2], key.shape[2] - query.shape[2]
         phase = "question" if T > 1 else "decode"
         attend = Span(key)
         if state.plan().all_dense or (phase == "question" and self.setup == "A"):
@@ -176,8 +188,10 @@ class LayerRuntime:
         self.live = None
 
     def _state_for(self, key: Tensor, value: Tensor, past: int, scale: float, attention_mask) -> PipelineState:
-        """The state this call continues: the live one, a fork of the recorded context's, or a new one."""
-        if self.live is not None and self.live.pipeline is self.pipeline and _same_prefix(self.live.keys, key, past):
+        """The state this call continues: the live one, a fork of the recorded context's, or a new one. The live
+        state is taken by its length alone (no wait on the device at every step): its growth then checks the rows
+        and raises CacheMismatch if they are another cache's."""
+        if self.live is not None and self.live.pipeline is self.pipeline and _same_length(self.live.keys, key, past):
             return self.live
         context = self.context
         if context is not None and _same_prefix(context.keys, key, past):
@@ -199,11 +213,16 @@ class LayerRuntime:
                                        prepare, attend))
 
 
+def _same_length(known: Tensor, key: Tensor, past: int) -> bool:
+    """Whether ``key``'s first ``past`` rows can be the ``known`` cache: same batch, heads, length and device."""
+    return known.shape[2] == past and known.shape[:2] == key.shape[:2] and known.device == key.device
+
+
 def _same_prefix(known: Tensor, key: Tensor, past: int) -> bool:
     """Whether ``key``'s first ``past`` rows are the ``known`` cache: same length, same rows at a few positions."""
-    if known.shape[2] != past or known.shape[:2] != key.shape[:2] or known.device != key.device:
+    if not _same_length(known, key, past):
         return False
-    probe = torch.unique(torch.tensor([0, past // 3, past // 2, past - 1], device=key.device))
+    probe = sorted({0, past // 3, past // 2, past - 1})
     return torch.equal(known[:, :, probe], key[:, :, probe])
 
 

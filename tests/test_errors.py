@@ -7,6 +7,7 @@ import torch
 
 import oa_core as oa
 from conftest import make_inputs
+from oa_core.pipeline import CacheMismatch
 
 SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 4, "local": 16, "budget": {"density": 0.2}}
 
@@ -136,8 +137,13 @@ def test_grow_to_a_cache_that_is_not_this_states(pipe, inputs):
     state = pipe.prepare(keys[:, :, :-4], values[:, :, :-4], prefill)
     with pytest.raises(ValueError, match="grow_to: expected the grown cache"):
         state.grow_to(keys[:, :, :10], values[:, :, :10])
-    with pytest.raises(ValueError, match="its last row differs"):
+    with pytest.raises(CacheMismatch, match="first rows are not this state's"):
         state.grow_to(keys + 1, values)
+    n = state.num_tokens
+    middle = keys.clone()
+    middle[1, 0, n // 2] += 1  # a row in the middle of the known ones, not the last
+    with pytest.raises(CacheMismatch, match=f"compared at positions 0, {n // 3}, {n // 2}, {n - 1}"):
+        state.grow_to(middle, values)
     bad = keys.clone()
     bad[0, 0, -1, 0] = float("nan")
     with pytest.raises(ValueError, match="appended keys: the cache contains NaN or Inf"):

@@ -241,6 +241,21 @@ def test_a_cache_prefilled_before_patching_is_prepared_on_first_use():
     assert state.valid.sum(-1).tolist() == [150 + 3 + 3, 220 + 3 + 3]
 
 
+def test_a_cache_of_the_live_states_length_but_other_rows_is_not_continued():
+    """After a generation the live state holds N rows; another cache of N rows must be prepared afresh, not taken
+    for the live state's continuation (its rows decide, not its length)."""
+    model, question = tiny_llama(), prompt(3, seed=22)
+    other = oa.prefill_context(model, prompt(206, seed=21))  # unpatched: no runtime saw it
+    with oa.patch(model, SPARSE) as handle:
+        alone = oa.generate_from_context(model, other, question, max_new_tokens=4, pad_token_id=0)
+    with oa.patch(model, SPARSE) as handle:
+        first = oa.prefill_context(model, prompt(200, seed=20))
+        oa.generate_from_context(model, first, question, max_new_tokens=4, pad_token_id=0)
+        assert handle.runtimes[0].live.num_tokens == 206 == other.cache.get_seq_length()
+        after = oa.generate_from_context(model, other, question, max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(after, alone)
+
+
 def test_patching_a_model_without_attention_layers_is_refused():
     with pytest.raises(TypeError, match="Linear: no attention layers with layer_idx found"):
         oa.patch(torch.nn.Linear(2, 2))
