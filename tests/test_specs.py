@@ -1,4 +1,5 @@
-"""Every ready spec in specs/ (issue: baselines and ablations) builds, runs and stays within its budget."""
+"""Every ready spec in specs/ (issue: baselines and ablations), and the diagnosis specs of benchmarks/diagnosis/,
+builds, runs and stays within its budget."""
 
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import oa_core as oa
 from conftest import make_inputs
 from oa_core.cli import main as oa_main
 
-SPECS = sorted((Path(__file__).resolve().parent.parent / "specs").glob("*.yaml"))
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = sorted(ROOT.glob("specs/*.yaml")) + sorted(ROOT.glob("benchmarks/diagnosis/*.yaml"))
 EXPECTED = {"dense", "oracle-topk", "quest", "magicpig", "vattention", "retroinfer", "openattention",
             "ablate-clusterer-kmeans", "ablate-clusterer-position", "ablate-selector-oracle", "ablate-selector-lsh",
             "ablate-allocator-mass", "ablate-allocator-variance", "ablate-allocator-uniform", "ablate-tail-discard",
