@@ -37,18 +37,23 @@ WINDOW = 256  # the integration's prefill query window under setup B: the contex
 MOSTLY, MISSED = 0.5, 0.1
 
 
-def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict]) -> list[dict]:
+def teacher_forced(tokenizer, sample: ruler.Sample) -> tuple[torch.Tensor, int, int]:
+    """(token ids ``[1, L]`` of context + question + reference answer, the context's length, the position of the query
+    that predicts the answer's first token)."""
     def encode(text: str) -> torch.Tensor:
         return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
 
     context, question, answer = encode(sample.context), encode(sample.question), encode(reference_answer(sample))
-    ids = torch.cat([context, question, answer])[None]
+    return torch.cat([context, question, answer])[None], len(context), len(context) + len(question) - 1
+
+
+def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict]) -> list[dict]:
+    ids, context, first = teacher_forced(tokenizer, sample)
     needle = needle_positions(tokenizer, sample)
-    first = len(context) + len(question) - 1  # the query that predicts the answer's first token
     rows = []
     captured = capture_attention(model, ids, range(model.config.num_hidden_layers))
     for layer, (queries, keys, values, scale) in sorted(captured.items()):
-        prefill = queries[:, :, len(context) - WINDOW:len(context)].float()
+        prefill = queries[:, :, context - WINDOW:context].float()
         for n in range(first, ids.shape[1] - 1):
             k, v, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
             heads, kv_heads, dim = query.shape[1], k.shape[1], query.shape[-1]
