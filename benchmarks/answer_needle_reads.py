@@ -56,14 +56,13 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
         prefill = queries[:, :, context - WINDOW:context].float()
         for n in range(first, ids.shape[1] - 1):
             k, v, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
-            heads, kv_heads, dim = query.shape[1], k.shape[1], query.shape[-1]
-            grouped = query.reshape(1, kv_heads, heads // kv_heads, 1, dim)
-            weights = torch.softmax(torch.einsum("bhgtd,bhnd->bhgtn", grouped, k) * scale, -1).reshape(heads, n)
+            heads = query.shape[1]
             reference = dense_attention(query, k, v, scale)
             for name, spec in specs.items():
                 pipe = oa.build(spec)
                 state = pipe.prepare(k, v, prefill, scale=scale)
                 error = relative_error(pipe.attend(query, state), reference)[0, :, 0]
+                weights = metrics.attention_weights(query, state).reshape(heads, n)
                 read = weights * metrics.exact_reads(pipe, state, query).reshape(heads, n)
                 measured = zip(error.tolist(), weights[:, needle].sum(-1).tolist(), read[:, needle].sum(-1).tolist())
                 rows += [{"layer": layer, "head": head, "token": n - first, "spec": name, "error": round(e, 5),

@@ -20,6 +20,7 @@ import torch
 
 import oa_core as oa
 from answer_needle_reads import SPECS, WINDOW, teacher_forced  # benchmarks/, the script's own folder
+from oa_core import metrics
 from oa_core.eval import ruler
 from oa_core.offline_model import capture_attention, load_offline_model
 from oa_plugins.allocators.errorgate import log_error_estimate
@@ -38,10 +39,9 @@ def needle_clusters(spec: dict, query, keys, values, prefill, scale: float, kv_h
     log_error = log_error[0, kv_head, :, 0]
     group = quotas.shape[0]
     assignment, C = state.pooled.assignment[0, kv_head], state.num_clusters
-    heads = query[0, kv_head * group:(kv_head + 1) * group, 0]
-    logits = heads @ keys[0, kv_head].T * scale  # [g, N]
+    logits = metrics.attention_logits(query, state)[0, kv_head, :, 0]  # [g, N]
     member = torch.nn.functional.one_hot(assignment, C + 1)[:, :C].T.bool()  # [C, N]; C: the rows read exactly
-    true_mass = torch.stack([torch.logsumexp(logits.masked_fill(~m, -torch.inf), -1) for m in member], -1)  # [g, C]
+    true_mass = torch.logsumexp(logits[:, None, :].masked_fill(~member, -torch.inf), -1)  # [g, C]
     rows = []
     for g in range(group):
         for b in sorted({int(c) for c in assignment[needle]}):

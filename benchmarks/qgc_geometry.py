@@ -61,15 +61,14 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
     for layer, (queries, keys, values, scale) in sorted(captured.items()):
         keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
         reference = dense_attention(query, keys, values, scale)
-        heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[-1]
-        grouped = query.reshape(1, kv_heads, heads // kv_heads, 1, dim)  # query head h = KV head · g + its place
-        weights = torch.softmax(torch.einsum("bhgtd,bhnd->bhgtn", grouped, keys) * scale, -1).reshape(heads, n)
+        heads = query.shape[1]
         for window, end in ends.items():
             prefill = queries[:, :, end - WINDOW:end].float()
             for name, spec in specs.items():
                 pipe = oa.build(spec)
                 state = pipe.prepare(keys, values, prefill, scale=scale)
                 error = relative_error(pipe.attend(query, state), reference)[0, :, 0]
+                weights = metrics.attention_weights(query, state).reshape(heads, n)
                 read = weights * metrics.exact_reads(pipe, state, query).reshape(heads, n)
                 measured = zip(error.tolist(), read.sum(-1).tolist(), weights[:, needle].sum(-1).tolist(),
                                read[:, needle].sum(-1).tolist())
@@ -111,7 +110,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"task": args.task, "length": args.length, "density": args.density,
                                     "samples": args.samples, "window": WINDOW, "summary": summary, "rows": rows}))
-    print(f"| window | spec | mean relative error | attention mass read | needle's mass read |\n|---|---|---|---|---|")
+    print("| window | spec | mean relative error | attention mass read | needle's mass read |\n|---|---|---|---|---|")
     for row in summary:
         print(f"| {row['window']} | {row['spec']} | {row['mean_error']:.3f} | {row['mass_read']:.3f} | "
               f"{row['needle_share_read']:.3f} |")

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from oa_core.pipeline import CacheMismatch, Pipeline, PipelineState, build
+from oa_core.pipeline import CacheMismatch, Pipeline, PipelineState, build, probe_rows
 from oa_core.spec import PipelineSpec, SpecError
 
 IMPLEMENTATION = "openattention"
@@ -222,7 +222,7 @@ def _same_prefix(known: Tensor, key: Tensor, past: int) -> bool:
     """Whether ``key``'s first ``past`` rows are the ``known`` cache: same length, same rows at a few positions."""
     if not _same_length(known, key, past):
         return False
-    probe = sorted({0, past // 3, past // 2, past - 1})
+    probe = probe_rows(past)
     return torch.equal(known[:, :, probe], key[:, :, probe])
 
 

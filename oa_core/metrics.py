@@ -24,8 +24,8 @@ from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.pipeline import Pipeline, PipelineState
 
 
-def _logits(query: Tensor, state: PipelineState) -> Tensor:
-    """s·q·k over every row, float64 ``[B, Hkv, g, T, N]``; padding -inf."""
+def attention_logits(query: Tensor, state: PipelineState) -> Tensor:
+    """s·q·k over every row, float64 ``[B, Hkv, g, T, N]`` (query head h = KV head · g + its place); padding -inf."""
     B, Hq, T, D = query.shape
     Hkv = state.keys.shape[1]
     q = query.double().reshape(B, Hkv, Hq // Hkv, T, D)
@@ -33,9 +33,14 @@ def _logits(query: Tensor, state: PipelineState) -> Tensor:
     return logits.masked_fill(~state.valid[:, None, None, None, :], -math.inf)
 
 
+def attention_weights(query: Tensor, state: PipelineState) -> Tensor:
+    """Dense attention weights softmax(s·q·k), float64 ``[B, Hkv, g, T, N]``."""
+    return torch.softmax(attention_logits(query, state), -1)
+
+
 def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tuple[Tensor, Tensor]:
     """(ŵ, w), float64 ``[B, Hkv, g, T, N]``, both relative to e^{max z} per query."""
-    logits = _logits(query, state)
+    logits = attention_logits(query, state)
     top = logits.amax(-1, keepdim=True)
     w = torch.exp(logits - top)
     if state.clusters is None and bool(state.valid.all()):
@@ -96,7 +101,7 @@ def topk_recall(pipe: Pipeline, state: PipelineState, query: Tensor, k: int = 32
     if state.clusters is None:
         return None
     scores = pipe._scores(query, state)  # [B, Hkv, Gs, T, N], -inf outside the clusters
-    logits = _logits(query, state)
+    logits = attention_logits(query, state)
     clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
     truth = logits.masked_fill(~clustered, -math.inf).topk(min(k, logits.shape[-1]), dim=-1).indices
     exact = state.exact_rows().sum(-1)  # [B, Hkv]
@@ -127,7 +132,7 @@ def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Ten
     if state.clusters is None:
         return None
     C = state.num_clusters
-    logits = _logits(query, state)
+    logits = attention_logits(query, state)
     top = logits.amax(-1, keepdim=True)
     mean, var = (m.double() for m in state.cluster_moments())
     counts = state.pooled.count.double()[:, :, None, None]

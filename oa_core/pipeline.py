@@ -116,6 +116,11 @@ class ReadPlan:
         return bool(self.dense_rows.all())
 
 
+def probe_rows(n: int) -> list[int]:
+    """The rows of an n-row cache compared to tell it from another cache of that length: first, a third, half, last."""
+    return sorted({0, n // 3, n // 2, n - 1}) if n else []
+
+
 class CacheMismatch(ValueError):
     """``grow_to`` was given a cache whose first rows are not the state's own."""
 
@@ -255,8 +260,8 @@ class PipelineState:
         # The new rows finite and known rows unchanged (a few, spread, the last included), in one wait: grow_to runs
         # at every decode step.
         ok = torch.isfinite(new_keys).all() & torch.isfinite(new_values).all()
+        known = probe_rows(n)
         if n:
-            known = sorted({0, n // 3, n // 2, n - 1})
             ok &= (keys[:, :, known] == self.keys[:, :, known]).all()
             ok &= (values[:, :, n - 1] == self.values[:, :, n - 1]).all()
         if not bool(ok):
