@@ -280,6 +280,13 @@ def _padded(rows: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.Tenso
     return ids, mask
 
 
+def batch_prompts(tokenizer, batch: list[ruler.Sample], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch as ``oa eval`` decodes it: the contexts left-padded ``[B, N]`` with their mask, and the questions
+    stacked ``[B, Q]`` (of one token length: ``sample_batches``)."""
+    context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad, left=True)
+    return context_ids, context_mask, torch.stack([_encode(tokenizer, s.question) for s in batch])
+
+
 def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: _Writer,
                rank: int) -> list[tuple]:
     """Runs the cells → the keys of those that ran out of memory twice with one sample (left out of the records: a
@@ -297,8 +304,8 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
         while queue:
             (task, length, indices), cells = queue.popleft()
             batch = [samples[task, length][i] for i in indices]
-            context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad, left=True)
-            question_ids = torch.stack([_encode(tokenizer, s.question) for s in batch]).to(device)
+            context_ids, context_mask, question_ids = batch_prompts(tokenizer, batch, pad)
+            question_ids = question_ids.to(device)
             answer_ids, answer_mask = _padded([_encode(tokenizer, reference_answer(s)) for s in batch], pad,
                                               left=False)
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
