@@ -23,6 +23,7 @@ Layers in ``dense_layers`` always run the model's own attention; ``layer_specs``
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import weakref
@@ -183,7 +184,10 @@ class LayerRuntime:
 
     def _record_context(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, scale: float) -> None:
         mask = _key_mask(attention_mask, key)
-        queries = (query * mask[:, None, :, None])[:, :, -PREFILL_QUERY_WINDOW:]
+        # The window is cut before the product: a slice of the product would keep all N queries alive (per layer,
+        # for as long as the context is kept).
+        window = slice(-PREFILL_QUERY_WINDOW, None)
+        queries = query[:, :, window] * mask[:, None, window, None]
         self.context = ContextRecord(key, value, queries, mask, scale)
         self.live = None
 
@@ -231,7 +235,8 @@ def _key_mask(attention_mask: Tensor | None, key: Tensor) -> Tensor:
     if attention_mask is None:
         return torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
     row = attention_mask[:, 0, -1, -key.shape[2]:]
-    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+    # A copy, never a view: the recorded context would keep the whole [B, 1, N, N] mask alive.
+    return row.clone() if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
@@ -428,18 +433,26 @@ def _last_logits_only(model) -> dict[str, Any]:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
-def _continue(context: Context, question_ids: Tensor) -> tuple[Tensor, Tensor, Any]:
+@contextlib.contextmanager
+def _continuation(model, context: Context, question_ids: Tensor):
+    """(ids, mask, a copy of the context's cache) for one continuation of ``context``. Afterwards the layers let go
+    of their live states: they point into that copy, which nothing can continue, so it is freed at once instead of
+    living on beside the next continuation's copy."""
     ids = torch.cat([context.input_ids, question_ids], dim=1)
     mask = torch.cat([context.attention_mask, torch.ones_like(question_ids)], dim=1)
-    return ids, mask, copy.deepcopy(context.cache)
+    try:
+        yield ids, mask, copy.deepcopy(context.cache)
+    finally:
+        handle = _HANDLES.get(model)
+        for runtime in handle.runtimes.values() if handle is not None else ():
+            runtime.live = None
 
 
 def generate_from_context(model, context: Context, question_ids: Tensor, **generate_kwargs) -> Tensor:
     """Greedy (by default) generation after ``context`` + ``question_ids`` ``[B, Q]``, the context's cache copied
     and reused → the new tokens ``[B, L]``."""
-    ids, mask, cache = _continue(context, question_ids)
     generate_kwargs.setdefault("do_sample", False)
-    with torch.no_grad():
+    with _continuation(model, context, question_ids) as (ids, mask, cache), torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), **generate_kwargs)
     return out[:, ids.shape[1]:]
 
@@ -450,10 +463,9 @@ def answer_logprob(model, context: Context, question_ids: Tensor, answer_ids: Te
 
     ``answer_mask`` ``[B, A]``: answers of different lengths in one batch, right-padded (False: padding, not
     counted; a causal model's real tokens never see it)."""
-    ids, mask, cache = _continue(context, question_ids)
     tail = torch.cat([question_ids, answer_ids], dim=1)
-    mask = torch.cat([mask, torch.ones_like(answer_ids)], dim=1)
-    with torch.no_grad():
+    with _continuation(model, context, question_ids) as (_, mask, cache), torch.no_grad():
+        mask = torch.cat([mask, torch.ones_like(answer_ids)], dim=1)
         logits = model(input_ids=tail, attention_mask=mask, position_ids=positions(mask)[:, -tail.shape[1]:],
                        use_cache=True, **cache_kwargs(model, cache)).logits
     predicted = logits[:, question_ids.shape[1] - 1:-1].float().log_softmax(-1)

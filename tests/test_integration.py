@@ -7,6 +7,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 import oa_core as oa
+from oa_core.integration import PREFILL_QUERY_WINDOW
 from oa_core.offline_model import capture_attention
 
 SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 2, "local": 8, "budget": {"density": 0.2}}
@@ -23,6 +24,17 @@ def tiny_llama(seed=0, layers=2, dtype=torch.float32):
 
 def prompt(length, seed=1, batch=1):
     return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def continue_context(model, context, question, tokens):
+    """``oa.generate_from_context`` as a user's own ``generate`` call on a copy of the context's cache: the layers'
+    live states stay (``generate_from_context`` lets go of them when it returns)."""
+    ids = torch.cat([context.input_ids, question], dim=1)
+    mask = torch.cat([context.attention_mask, torch.ones_like(question)], dim=1)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0, **oa.integration.cache_kwargs(model, copy.deepcopy(context.cache)))
+    return out[:, ids.shape[1]:]
 
 
 def greedy(model, ids, mask=None, tokens=12):
@@ -137,6 +149,23 @@ def test_left_padded_batch_answers_like_each_prompt_alone():
         assert torch.equal(batched[row], alone[row][0])
 
 
+def test_a_recorded_context_keeps_only_what_it_uses():
+    """Each layer's recorded context holds its window of prefill queries and its [B, N] mask as tensors of their own,
+    not views of the prefill's N queries or of the [B, 1, N, N] attention mask: memory kept for as long as the
+    context is (several GB a process in ``oa eval``'s 8K batches)."""
+    ids = prompt(600, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0  # left padding: the layers see a 4D mask
+    with oa.patch(tiny_llama(), SPARSE) as handle:
+        oa.prefill_context(handle.model, ids, mask)
+        for runtime in handle.runtimes.values():
+            record = runtime.context
+            assert record.queries.shape[2] == PREFILL_QUERY_WINDOW
+            assert torch.equal(record.mask, mask.bool())
+            for held in (record.queries, record.mask):
+                assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+
+
 @pytest.mark.parametrize("setup", ["A", "B"])
 def test_context_prefilled_once_serves_every_question(setup):
     model, context, question = tiny_llama(), prompt(240, seed=5), prompt(20, seed=6)
@@ -147,6 +176,8 @@ def test_context_prefilled_once_serves_every_question(setup):
         again = oa.generate_from_context(model, ctx, question, max_new_tokens=5, pad_token_id=0)
         records = handle.stats.records
     assert torch.equal(first, again)  # the context's cache and state are copied, never consumed
+    # Each continuation's copy is let go when it returns (no layer's live state points into it any more).
+    assert all(runtime.live is None for runtime in handle.runtimes.values())
     assert not any(r.phase == "prefill" for r in records)  # the context was not prefilled again
     question_calls = [r for r in records if r.phase == "question"]
     assert question_calls and all(r.dense == (setup == "A") for r in question_calls)
@@ -232,8 +263,7 @@ def test_a_cache_prefilled_before_patching_is_prepared_on_first_use():
         ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
     context = oa.prefill_context(model, ids, mask)  # unpatched: no runtime saw it
     with oa.patch(model, SPARSE) as handle:
-        out = oa.generate_from_context(model, context, prompt(3, seed=12).expand(2, 3), max_new_tokens=4,
-                                       pad_token_id=0)
+        out = continue_context(model, context, prompt(3, seed=12).expand(2, 3), tokens=4)
         first = [r for r in handle.stats.records if r.phase == "question"]
     assert out.shape == (2, 4) and first and all(not r.dense for r in first)
     # Each row's budget comes from its own length: the padding was recognised from the attention mask.
@@ -250,7 +280,7 @@ def test_a_cache_of_the_live_states_length_but_other_rows_is_not_continued():
         alone = oa.generate_from_context(model, other, question, max_new_tokens=4, pad_token_id=0)
     with oa.patch(model, SPARSE) as handle:
         first = oa.prefill_context(model, prompt(200, seed=20))
-        oa.generate_from_context(model, first, question, max_new_tokens=4, pad_token_id=0)
+        continue_context(model, first, question, tokens=4)
         assert handle.runtimes[0].live.num_tokens == 206 == other.cache.get_seq_length()
         after = oa.generate_from_context(model, other, question, max_new_tokens=4, pad_token_id=0)
     assert torch.equal(after, alone)
