@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/ruler_sweep.sh [RANKS_PER_GPU] [OUT_ROOT]    # default 14 ranks per GPU (1 process on a CPU)
 #   OA_MPS=1 bash benchmarks/ruler_sweep.sh                      # also start CUDA MPS first (see below)
+#   OA_BATCH_8K=8 bash benchmarks/ruler_sweep.sh                 # samples per batch at 8K (default 4; OA_BATCH_4K: 8)
 #
 # A 135M model cannot fill an H200: a decode step is bound by its kernel launches and host waits. So the sweep runs
 # many torchrun ranks per GPU, each decoding a batch of 8 samples (4 at 8K: a batch's 8K prefill is large). Without
@@ -19,6 +20,7 @@
 set -uo pipefail
 PER_GPU=${1:-14}
 ROOT=${2:-benchmarks/results}
+B4=${OA_BATCH_4K:-8} B8=${OA_BATCH_8K:-4}
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -gt 0 ]; then
   DEVICE=cuda RANKS=$((PER_GPU * GPUS))
@@ -47,10 +49,10 @@ rows = json.load(open('$ROOT/ruler_smollm2_$(($1 / 1024))k/summary.json'))
 print(' '.join(r['task'] for r in rows if r['spec'] == 'dense' and r['score'] >= 20))"
 }
 
-run 4096 8 specs/dense.yaml $TASKS
-run 8192 4 specs/dense.yaml $TASKS
-run 4096 8 "$MAIN" $(doable 4096)
-run 4096 8 "$ABLATIONS" $(doable 4096)
-run 8192 4 "$MAIN" $(doable 8192)
+run 4096 "$B4" specs/dense.yaml $TASKS
+run 8192 "$B8" specs/dense.yaml $TASKS
+run 4096 "$B4" "$MAIN" $(doable 4096)
+run 4096 "$B4" "$ABLATIONS" $(doable 4096)
+run 8192 "$B8" "$MAIN" $(doable 8192)
 oa report "$ROOT/ruler_smollm2_4k"
 oa report "$ROOT/ruler_smollm2_8k"
