@@ -23,12 +23,11 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core import metrics
-from oa_core.attention_error import dense_attention, relative_error
+from oa_core.attention_error import dense_attention
 from oa_core.eval import ruler
 from oa_core.eval.runner import reference_answer
 from oa_core.offline_model import capture_attention, load_offline_model
-from qgc_geometry import needle_positions  # benchmarks/, the script's own folder
+from qgc_geometry import attend_and_read, needle_positions  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {"qgc-errorgate": "specs/ablate-selector-oracle.yaml", "qgc-global": "benchmarks/diagnosis/qgc-oracle-global.yaml",
@@ -56,14 +55,9 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
         prefill = queries[:, :, context - WINDOW:context].float()
         for n in range(first, ids.shape[1] - 1):
             k, v, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
-            heads = query.shape[1]
             reference = dense_attention(query, k, v, scale)
             for name, spec in specs.items():
-                pipe = oa.build(spec)
-                state = pipe.prepare(k, v, prefill, scale=scale)
-                error = relative_error(pipe.attend(query, state), reference)[0, :, 0]
-                weights = metrics.attention_weights(query, state).reshape(heads, n)
-                read = weights * metrics.exact_reads(pipe, state, query).reshape(heads, n)
+                error, weights, read = attend_and_read(spec, k, v, prefill, query, scale, reference)
                 measured = zip(error.tolist(), weights[:, needle].sum(-1).tolist(), read[:, needle].sum(-1).tolist())
                 rows += [{"layer": layer, "head": head, "token": n - first, "spec": name, "error": round(e, 5),
                           "needle_mass": round(m, 5), "needle_read": round(r, 5)}

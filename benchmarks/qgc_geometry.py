@@ -49,6 +49,18 @@ def needle_positions(tokenizer, sample: ruler.Sample) -> torch.Tensor:
     return torch.tensor(sorted(found))
 
 
+def attend_and_read(spec: dict, keys, values, prefill, query, scale: float, reference):
+    """``spec`` prepared on the cache ``[1, Hkv, n, D]`` (QGC's window ``prefill``) and attending ``query``
+    ``[1, Hq, 1, D]`` → (each head's relative error against ``reference``, the true attention weights ``[Hq, n]``, the
+    part of them read exactly ``[Hq, n]``)."""
+    pipe = oa.build(spec)
+    state = pipe.prepare(keys, values, prefill, scale=scale)
+    heads, n = query.shape[1], keys.shape[2]
+    error = relative_error(pipe.attend(query, state), reference)[0, :, 0]
+    weights = metrics.attention_weights(query, state).reshape(heads, n)
+    return error, weights, weights * metrics.exact_reads(pipe, state, query).reshape(heads, n)
+
+
 def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict]) -> list[dict]:
     context = tokenizer(sample.context, add_special_tokens=False, return_tensors="pt").input_ids[0]
     question = tokenizer(sample.question, add_special_tokens=False, return_tensors="pt").input_ids[0]
@@ -61,15 +73,10 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
     for layer, (queries, keys, values, scale) in sorted(captured.items()):
         keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
         reference = dense_attention(query, keys, values, scale)
-        heads = query.shape[1]
         for window, end in ends.items():
             prefill = queries[:, :, end - WINDOW:end].float()
             for name, spec in specs.items():
-                pipe = oa.build(spec)
-                state = pipe.prepare(keys, values, prefill, scale=scale)
-                error = relative_error(pipe.attend(query, state), reference)[0, :, 0]
-                weights = metrics.attention_weights(query, state).reshape(heads, n)
-                read = weights * metrics.exact_reads(pipe, state, query).reshape(heads, n)
+                error, weights, read = attend_and_read(spec, keys, values, prefill, query, scale, reference)
                 measured = zip(error.tolist(), read.sum(-1).tolist(), weights[:, needle].sum(-1).tolist(),
                                read[:, needle].sum(-1).tolist())
                 rows += [{"layer": layer, "head": head, "window": window, "spec": name, "error": round(e, 5),
