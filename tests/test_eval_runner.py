@@ -100,6 +100,30 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
 
 
 
+def test_a_finished_run_again_loads_no_model(uninterrupted, tmp_path, monkeypatch):
+    """A resumed sweep's finished phase: nothing to run, so no model (nor its tokenizer) is loaded; one cell missing
+    and it is."""
+    import shutil
+
+    from oa_core import offline_model
+
+    full_out, full = uninterrupted
+    out = tmp_path / "copy"
+    shutil.copytree(full_out, out)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(offline_model, "load_offline_model", no_model)
+    before = (out / "records.jsonl").read_bytes()
+    assert _comparable(runner.run(_config(out))) == _comparable(full)
+    assert (out / "records.jsonl").read_bytes() == before
+    lines = before.decode().splitlines(keepends=True)
+    (out / "records.jsonl").write_text("".join(lines[:-1]))  # one cell missing
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        runner.run(_config(out))
+
+
 @pytest.mark.parametrize("where, failures", [("answer", 1), ("answer", 2), ("prefill", 2)])
 def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninterrupted, tmp_path, monkeypatch,
                                                         where, failures):

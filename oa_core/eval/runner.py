@@ -176,6 +176,10 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     specs = resolved_specs(config)
     rank, world = _distributed()
     device = _rank_device(config.device, world) if config.device else None  # a clear error before the model loads
+    out = Path(config.out)
+    done = {record_key(r) for r in read_records(out)}
+    if config.metric == "ruler" and not _ruler_missing(specs, config, done):
+        return _summarize(out, rank, world)  # every cell is done: no model to load (a resumed sweep's phase)
     if model is None:
         from oa_core.offline_model import load_offline_model
 
@@ -183,8 +187,6 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         device = device or _rank_device("cuda" if torch.cuda.is_available() else "cpu", world)
     if device is not None:
         model.to(device)
-    out = Path(config.out)
-    done = {record_key(r) for r in read_records(out)}
     samples: dict[tuple[str, int], list[ruler.Sample]] = {}
     if config.metric == "ruler":
         units = []
@@ -216,6 +218,23 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
             _run_error_cells(model, tokenizer, config, todo, total, meta, writer, rank)
     finally:
         writer.close()
+    rows = _summarize(out, rank, world)
+    if skipped:
+        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample and are "
+                            f"not in {out}; the summary has the rest. Run the same command again to retry them (with fewer "
+                            "ranks per GPU or a smaller --batch if it happens again)")
+    return rows
+
+
+def _ruler_missing(specs: dict[str, tuple[dict, bool]], config: EvalConfig, done: set[tuple]) -> int:
+    """How many of the run's RULER sample-cells are not yet ``done`` (known without the model or its tokenizer)."""
+    return sum(cell_key(name, None if dense else density, task, length, sample) not in done
+               for name, (_, dense) in specs.items() for density in ([None] if dense else config.densities)
+               for task in config.tasks for length in config.lengths for sample in range(config.samples))
+
+
+def _summarize(out: Path, rank: int, world: int) -> list[dict] | None:
+    """Rank 0 writes the summary over every rank's records, once all have finished; → its rows (None elsewhere)."""
     if world > 1:
         torch.distributed.barrier()
     rows = None
@@ -224,10 +243,6 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         write_summary(out, rows)
     if world > 1:
         torch.distributed.barrier()  # the summary is written before any rank reports an incomplete run
-    if skipped:
-        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample and are "
-                            f"not in {out}; the summary has the rest. Run the same command again to retry them (with fewer "
-                            "ranks per GPU or a smaller --batch if it happens again)")
     return rows
 
 
