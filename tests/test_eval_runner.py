@@ -99,7 +99,6 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
     assert _comparable(rows) == _comparable(full)
 
 
-
 def test_a_finished_run_again_loads_no_model(uninterrupted, tmp_path, monkeypatch):
     """A resumed sweep's finished phase: nothing to run, so no model (nor its tokenizer) is loaded; one cell missing
     and it is."""

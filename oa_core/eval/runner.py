@@ -226,11 +226,12 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     return rows
 
 
-def _ruler_missing(specs: dict[str, tuple[dict, bool]], config: EvalConfig, done: set[tuple]) -> int:
-    """How many of the run's RULER sample-cells are not yet ``done`` (known without the model or its tokenizer)."""
-    return sum(cell_key(name, None if dense else density, task, length, sample) not in done
-               for name, (_, dense) in specs.items() for density in ([None] if dense else config.densities)
-               for task in config.tasks for length in config.lengths for sample in range(config.samples))
+def _ruler_missing(specs: dict[str, tuple[dict, bool]], config: EvalConfig, done: set[tuple]) -> bool:
+    """Whether some RULER cell of the run is not yet ``done``: known without the model or its tokenizer (which the
+    units' batches need), from each (task, length)'s samples taken as one unit."""
+    every = tuple(range(config.samples))
+    return any(cells_of_unit(specs, config.densities, task, length, every, done)
+               for task in config.tasks for length in config.lengths)
 
 
 def _summarize(out: Path, rank: int, world: int) -> list[dict] | None:
