@@ -64,6 +64,7 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
         assert r["measured_density"] < 1.0  # really sparse
         assert r["resolved_spec"]["budget"]["density"] == r["density"] and r["resolved_spec"]["local"] == 16
         assert r["model"] and r["versions"]["openattention"] and r["setup"] == "B" and r["seed"] == 0
+        assert r["device"] == "cpu" and r["peak_gib"] is None  # (a GPU's allocated peak during the cell)
     assert {(r["spec"], r["density"], r["task"]) for r in rows} == \
         {("dense", 1.0, t) for t in ("niah_single_1", "vt")} | \
         {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}
@@ -123,31 +124,41 @@ def test_a_finished_run_again_loads_no_model(uninterrupted, tmp_path, monkeypatc
         runner.run(_config(out))
 
 
-@pytest.mark.parametrize("where, failures", [("answer", 1), ("answer", 2), ("prefill", 2)])
+@pytest.mark.parametrize("where, failures", [("answer", 1), ("answer", 2), ("answer", 4), ("prefill", 2),
+                                             ("prefill", 4)])
 def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninterrupted, tmp_path, monkeypatch,
                                                         where, failures):
-    _, full = uninterrupted
+    """Out of memory twice with one sample: the cells go to the end of the rank's queue; twice more there: left for a
+    rerun, which runs them."""
+    full_out, full = uninterrupted
     owner, name = (runner, "_answer") if where == "answer" else (runner.oa, "prefill_context")
-    original, calls = getattr(owner, name), []
+    original, first, calls = getattr(owner, name), [], []
 
-    def short_of_memory(*args, **kwargs):  # the first unit's first ``failures`` tries
-        calls.append(1)
-        if len(calls) <= failures:
+    def short_of_memory(*args, **kwargs):  # the first cell's (or unit's) first ``failures`` tries
+        which = args[1].tolist() if where == "prefill" else (
+            repr(args[2].runtimes[0].pipeline), args[4].tolist(), args[5].tolist())
+        first[:] = first or [which]
+        if which == first[0] and len(calls) < failures:
+            calls.append(1)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return original(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, short_of_memory)
-    if failures == 1:  # one failure: the retry answers, nothing is missing
+    cells = 1 if where == "answer" else 3  # a cell; or, with no prefilled context, the unit's three cells
+    in_order = [runner.record_key(r) for r in runner.read_records(full_out)]
+    if failures < 4:  # answered at once (one failure), or at the end of the run (two): nothing is missing
         assert _comparable(runner.run(_config(tmp_path), model, tokenizer)) == _comparable(full)
+        written = [runner.record_key(r) for r in runner.read_records(tmp_path)]
+        assert written == in_order if failures == 1 else written == in_order[cells:] + in_order[:cells]
         return
-    lost = 1 if where == "answer" else 3  # a cell; or, with no prefilled context, the unit's three cells
-    with pytest.raises(runner.IncompleteRun, match=f"{lost} cell.*ran out of memory twice with one sample.*again"):
+    with pytest.raises(runner.IncompleteRun, match=f"{cells} cell.*ran out of memory twice with one sample.*again"):
         runner.run(_config(tmp_path), model, tokenizer)
-    assert len(runner.read_records(tmp_path)) == 12 - lost  # every other cell ran, the summary of them written
+    assert len(runner.read_records(tmp_path)) == 12 - cells  # every other cell ran, the summary of them written
     assert (tmp_path / "summary.json").is_file()
     monkeypatch.setattr(owner, name, original)
     rows = runner.run(_config(tmp_path), model, tokenizer)  # the rerun runs what was left
     assert _comparable(rows) == _comparable(full)
+
 
 def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, monkeypatch):
     """A batch whose prefill, then one cell's answer, run out of memory twice is split in halves until it fits: every

@@ -9,7 +9,8 @@ A *unit* is one (length, task, batch of samples): its contexts are prefilled den
 ``batch`` > 1 decodes up to that many samples of a task together — the samples whose questions have the same token
 length, contexts left-padded (every component reads and clusters only a row's valid tokens, its budget counted on its
 own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample (a
-record's measured density and times are then its batch's). A spec whose own budget is the whole context
+record's measured density, times and ``peak_gib`` — the GPU memory its rank had allocated at most during the cell,
+None on the CPU — are then its batch's). A spec whose own budget is the whole context
 (``specs/dense.yaml``) is the reference: run once per unit, not per density, and added when no spec is dense —
 retention and the log-likelihood gap are measured against it.
 
@@ -187,6 +188,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         device = device or _rank_device("cuda" if torch.cuda.is_available() else "cpu", world)
     if device is not None:
         model.to(device)
+        _claim_solver(device)
     samples: dict[tuple[str, int], list[ruler.Sample]] = {}
     if config.metric == "ruler":
         units = []
@@ -220,9 +222,10 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         writer.close()
     rows = _summarize(out, rank, world)
     if skipped:
-        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample and are "
-                            f"not in {out}; the summary has the rest. Run the same command again to retry them (with fewer "
-                            "ranks per GPU or a smaller --batch if it happens again)")
+        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample, at "
+                            f"their turn and again at the end, and are not in {out}; the summary has the rest. Run the "
+                            "same command again to retry them (with fewer ranks per GPU or a smaller --batch if it "
+                            "happens again)")
     return rows
 
 
@@ -310,8 +313,10 @@ def batch_prompts(tokenizer, batch: list[ruler.Sample]) -> tuple[torch.Tensor, t
 
 def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: _Writer,
                rank: int) -> list[tuple]:
-    """Runs the cells → the keys of those that ran out of memory twice with one sample (left out of the records: a
-    rerun retries). A batch that runs out of memory twice is split in halves that run next (ranks sharing a GPU)."""
+    """Runs the cells → the keys of those that ran out of memory with one sample twice over (left out of the
+    records: a rerun retries). Ranks sharing a GPU run out of memory at one another's peaks: a batch that runs out
+    twice is split in halves that run next, and a sample that runs out twice alone goes to the end of the queue, to
+    be tried again once the rank's other work is done."""
     from tqdm import tqdm
 
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
@@ -319,7 +324,8 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                disable=not config.progress, position=rank)
     pad = pad_id(tokenizer)
     device = model.device
-    skipped = []  # cells that ran out of memory twice with one sample
+    skipped = []  # cells that ran out of memory twice with one sample, at their turn and at the end
+    deferred = set()  # those that have been sent to the end of the queue
     queue = deque(todo)
     try:
         while queue:
@@ -338,6 +344,8 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             for cell in cells if context is not None else ():
                 key, spec, missing = cell
                 handle.use(spec)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 answered = _twice(lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids,
                                                   answer_mask, config.max_new_tokens or batch[0].max_new_tokens),
                                   handle, device)
@@ -346,6 +354,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                     continue
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
+                peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
                 resolved = oa.load_spec(spec).model_dump(mode="json")
                 for row, (index, sample) in enumerate(zip(indices, batch)):
                     if index not in missing:
@@ -358,16 +367,19 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                         "prompt_tokens": sample.tokens, "context_tokens": int(context_mask[row].sum()),
                         "question_tokens": question_ids.shape[1], "batch": len(indices),
                         "prefill_s": round(prefill_s, 3), "generate_s": round(seconds, 3), "resolved_spec": resolved,
-                        "device": str(device), **meta})
+                        "device": str(device), "peak_gib": peak, **meta})
                 bar.update(len(missing))
                 _release(device)  # ranks sharing a GPU: this cell's peak back to the others
             where = " in the prefill" if context is None else ""
             failed = cells if context is None else failed
             del context  # before the halves run
-            for key, _, missing in failed if len(indices) == 1 else ():
-                skipped.append(key)
-                bar.write(f"eval (rank {rank}): {key[0]} at {key[1]} on {task} (sample {indices[0]}) ran out of "
-                          f"memory twice{where}, alone: left for a rerun")
+            if failed and len(indices) == 1:  # (a unit's cells were all sent to the end together, or none)
+                again = [cell for cell in failed if cell[0] not in deferred]
+                skipped += [cell[0] for cell in failed if cell[0] in deferred]
+                bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (sample {indices[0]}) ran out of "
+                          f"memory twice{where}, alone: " + ("tried again at the end" if again else "left for a rerun"))
+                deferred.update(cell[0] for cell in again)
+                queue.extend([((task, length, indices), again)] if again else [])
             if failed and len(indices) > 1:
                 bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (samples {list(indices)}) ran out of "
                           f"memory twice{where}: running them again in two halves")
@@ -400,6 +412,14 @@ def _twice(work, handle, device: torch.device):
             handle.reset_stats()
             _release(device)
     return None
+
+
+def _claim_solver(device: torch.device) -> None:
+    """cuSOLVER's handle made now, while the GPU has room: QGC's first eigh would make it, outside the caching
+    allocator, and on a GPU that ranks sharing it have filled that fails as CUSOLVER_STATUS_INTERNAL_ERROR (not an
+    out-of-memory error a retry handles), stopping every rank (15 ranks on one H200 at 8K)."""
+    if device.type == "cuda":
+        torch.linalg.eigh(torch.eye(2, device=device))
 
 
 def _release(device: torch.device) -> None:
