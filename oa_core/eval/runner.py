@@ -9,8 +9,8 @@ A *unit* is one (length, task, batch of samples): its contexts are prefilled den
 ``batch`` > 1 decodes up to that many samples of a task together — the samples whose questions have the same token
 length, contexts left-padded (every component reads and clusters only a row's valid tokens, its budget counted on its
 own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample (a
-record's measured density, times and ``peak_gib`` — the GPU memory its rank had allocated at most during the cell,
-None on the CPU — are then its batch's). A spec whose own budget is the whole context
+record's measured density, times and ``prefill_peak_gib`` / ``peak_gib`` — the GPU memory its rank had allocated at
+most during the prefill and the cell, None on the CPU — are then its batch's). A spec whose own budget is the whole context
 (``specs/dense.yaml``) is the reference: run once per unit, not per density, and added when no spec is dense —
 retention and the log-likelihood gap are measured against it.
 
@@ -336,16 +336,16 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             answer_ids, answer_mask = _padded([_encode(tokenizer, reference_answer(s)) for s in batch], pad,
                                               left=False)
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
+            _reset_peak(device)
             start = time.perf_counter()
             context = _twice(lambda: oa.prefill_context(model, context_ids.to(device), context_mask.to(device)),
                              handle, device)
-            prefill_s = time.perf_counter() - start
+            prefill_s, prefill_peak = time.perf_counter() - start, _peak(device)
             failed = []  # this batch's cells that ran out of memory twice
             for cell in cells if context is not None else ():
                 key, spec, missing = cell
                 handle.use(spec)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
+                _reset_peak(device)
                 answered = _twice(lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids,
                                                   answer_mask, config.max_new_tokens or batch[0].max_new_tokens),
                                   handle, device)
@@ -354,7 +354,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                     continue
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
-                peak = round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
+                peak = _peak(device)
                 resolved = oa.load_spec(spec).model_dump(mode="json")
                 for row, (index, sample) in enumerate(zip(indices, batch)):
                     if index not in missing:
@@ -367,7 +367,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                         "prompt_tokens": sample.tokens, "context_tokens": int(context_mask[row].sum()),
                         "question_tokens": question_ids.shape[1], "batch": len(indices),
                         "prefill_s": round(prefill_s, 3), "generate_s": round(seconds, 3), "resolved_spec": resolved,
-                        "device": str(device), "peak_gib": peak, **meta})
+                        "device": str(device), "prefill_peak_gib": prefill_peak, "peak_gib": peak, **meta})
                 bar.update(len(missing))
                 _release(device)  # ranks sharing a GPU: this cell's peak back to the others
             where = " in the prefill" if context is None else ""
@@ -420,6 +420,16 @@ def _claim_solver(device: torch.device) -> None:
     out-of-memory error a retry handles), stopping every rank (15 ranks on one H200 at 8K)."""
     if device.type == "cuda":
         torch.linalg.eigh(torch.eye(2, device=device))
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> float | None:
+    """The GPU memory allocated at most since ``_reset_peak``, GiB (None on the CPU)."""
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
 
 
 def _release(device: torch.device) -> None:
