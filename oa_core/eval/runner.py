@@ -10,8 +10,8 @@ A *unit* is one (length, task, batch of samples): its contexts are prefilled den
 length, contexts left-padded (every component reads and clusters only a row's valid tokens, its budget counted on its
 own length): the per-step overhead that bounds a small model on a GPU is paid once per batch, not per sample (a
 record's measured density, times and ``prefill_peak_gib`` / ``peak_gib`` — the GPU memory its rank had allocated at
-most during the prefill and the cell, None on the CPU — are then its batch's). A spec whose own budget is the whole context
-(``specs/dense.yaml``) is the reference: run once per unit, not per density, and added when no spec is dense —
+most during the prefill and the cell, None on the CPU — are then its batch's). A spec whose own budget is the whole
+context (``specs/dense.yaml``) is the reference: run once per unit, not per density, and added when no spec is dense —
 retention and the log-likelihood gap are measured against it.
 
 Resumable: each finished cell is appended to ``records[-rankR].jsonl`` and flushed to disk at once; a run started
@@ -325,7 +325,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
     pad = pad_id(tokenizer)
     device = model.device
     skipped = []  # cells that ran out of memory twice with one sample, at their turn and at the end
-    deferred = set()  # those that have been sent to the end of the queue
+    deferred = set()  # the cells sent to the end of the queue (their second chance)
     queue = deque(todo)
     try:
         while queue:
@@ -373,13 +373,16 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             where = " in the prefill" if context is None else ""
             failed = cells if context is None else failed
             del context  # before the halves run
-            if failed and len(indices) == 1:  # (a unit's cells were all sent to the end together, or none)
-                again = [cell for cell in failed if cell[0] not in deferred]
-                skipped += [cell[0] for cell in failed if cell[0] in deferred]
+            if failed and len(indices) == 1:  # a one-sample unit's failed cells go to the end together, once
+                last_try = failed[0][0] in deferred
+                then = "left for a rerun" if last_try else "tried again at the end"
                 bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (sample {indices[0]}) ran out of "
-                          f"memory twice{where}, alone: " + ("tried again at the end" if again else "left for a rerun"))
-                deferred.update(cell[0] for cell in again)
-                queue.extend([((task, length, indices), again)] if again else [])
+                          f"memory twice{where}, alone: {then}")
+                if last_try:
+                    skipped += [key for key, *_ in failed]
+                else:
+                    deferred.update(key for key, *_ in failed)
+                    queue.append(((task, length, indices), failed))
             if failed and len(indices) > 1:
                 bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (samples {list(indices)}) ran out of "
                           f"memory twice{where}: running them again in two halves")
