@@ -297,3 +297,31 @@ def test_an_invalid_spec_leaves_the_model_unpatched():
         oa.patch(model, {"budget": {"density": 2}})
     assert model.config._attn_implementation == "sdpa"
     assert not any(m in oa.integration._RUNTIMES for m in model.modules())
+
+
+def test_spelled_out_causal_mask_is_sdpas_own_causal_prefill():
+    """The mask ``_sdpa`` gives an unpadded float32 prefill of grouped heads on CUDA: transformers' sdpa with it (the
+    heads repeated) is sdpa without it (the groups passed as they are, ``is_causal``)."""
+    layer = tiny_llama().model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, heads, 40, 16, generator=gen) for heads in (6, 2, 2))
+    sdpa = AttentionInterface()["sdpa"]
+    expected, _ = sdpa(layer, query, key, value, None, scaling=0.25)
+    got, _ = sdpa(layer, query, key, value, oa.integration._causal_mask(40, "cpu"), scaling=0.25)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    shifted, _ = sdpa(layer, query, key, value, oa.integration._causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25)
+    assert not torch.allclose(shifted, expected, atol=1e-3)  # the mask's orientation matters: the check could fail
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the math-kernel fallback is CUDA's")
+def test_grouped_float32_prefill_on_cuda_does_not_materialise_the_scores():
+    """An unpadded float32 8K prefill of 9 query heads over 3 KV heads through ``_sdpa``: its scores alone would be
+    9 × 8192² × 4 B = 2.25 GiB; the memory-efficient kernel needs a fraction of that."""
+    layer = tiny_llama().model.layers[0].self_attn
+    query, key, value = (torch.randn(1, heads, 8192, 64, device="cuda") for heads in (9, 3, 3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out, _ = oa.integration._sdpa(layer, query, key, value, None, None, 0.0)
+    assert (torch.cuda.max_memory_allocated() - before) / 2**30 < 1.0
+    assert out.shape == (1, 8192, 9, 64)
