@@ -6,7 +6,7 @@ against OpenAttention's (``oa_core.integration._sdpa``, which spells out the cau
 Without a mask transformers passes the grouped heads to torch as they are (``enable_gqa``); in float32 on CUDA no
 fused kernel takes that and the math kernel materialises the [B, Hq, N, N] scores. Per batch: the peak allocated above
 the inputs for each call, and the largest difference between their outputs. Writes
-``benchmarks/results/prefill_memory_<device>.json``.
+``benchmarks/results/prefill_memory_cuda.json`` (``--out``).
 """
 
 from __future__ import annotations
