@@ -320,6 +320,16 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     assert "no records" in capsys.readouterr().err
 
 
+def test_a_method_keeps_its_colour_with_or_without_ablations():
+    from oa_core.eval.report import _colors
+
+    methods = ["dense", "magicpig", "openattention", "oracle-topk", "quest"]
+    alone = _colors(methods)
+    beside = _colors(methods + ["ablate-tail-discard", "ablate-clusterer-kmeans"])
+    assert "dense" not in alone and {m: beside[m] for m in alone} == alone
+    assert len(set(beside.values())) == len(beside)  # every spec told apart, ablations from their own palette
+
+
 def test_report_of_a_real_run(uninterrupted):
     from oa_core.eval.report import build_report
 

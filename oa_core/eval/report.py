@@ -114,10 +114,15 @@ ABLATION_PREFIX = "ablate-"  # specs/ablate-*.yaml: OpenAttention with one compo
 
 
 def _colors(specs) -> dict[str, tuple]:
-    """One colour per spec, the same in every panel and plot (tab20: up to 20 specs told apart)."""
+    """One colour per spec, the same in every panel and plot. Methods and ablations draw from separate palettes
+    (tab10, tab20b), so a method keeps its colour in reports with and without ablations (the 4K and 8K sweeps)."""
     plt = _pyplot()
-    cycle = plt.get_cmap("tab20").colors
-    return {spec: cycle[i % len(cycle)] for i, spec in enumerate(sorted(set(specs) - {"dense"}))}
+    colors = {}
+    for palette, group in (("tab10", [s for s in specs if not s.startswith(ABLATION_PREFIX)]),
+                           ("tab20b", [s for s in specs if s.startswith(ABLATION_PREFIX)])):
+        cycle = plt.get_cmap(palette).colors
+        colors.update({spec: cycle[i % len(cycle)] for i, spec in enumerate(sorted(set(group) - {"dense"}))})
+    return colors
 
 
 def plot_accuracy_vs_density(means: list[dict], path: Path,
