@@ -243,8 +243,9 @@ def _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     """transformers' ``sdpa``; an unpadded float32 prefill of grouped heads on CUDA gets its causal mask spelled out.
     Without a mask transformers hands torch the key/value groups as they are (``enable_gqa``), which no fused CUDA
     kernel takes in float32: the math kernel's [B, Hq, N, N] scores took 5.4 GiB per 8K layer call with SmolLM2's 9
-    heads on 3 (20.7 at batch 4), and 13 ranks sharing one H200 ran out of memory in their prefills. With a mask it repeats the heads and torch's
-    memory-efficient kernel runs. Not on the CPU, where the grouped call is the faster one (2.5× at 4K)."""
+    heads on 3 (20.7 at batch 4), and 15 ranks sharing one H200 ran out of memory in their prefills. With a mask it
+    repeats the heads and torch's memory-efficient kernel runs. Not on the CPU, where the grouped call is the faster
+    one (2.5× at 4K)."""
     from transformers import AttentionInterface
 
     if attention_mask is None and _grouped_float32_cuda_prefill(module, query, key, kwargs):

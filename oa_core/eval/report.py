@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -118,10 +119,9 @@ def _colors(specs) -> dict[str, tuple]:
     (tab10, tab20b), so a method keeps its colour in reports with and without ablations (the 4K and 8K sweeps)."""
     plt = _pyplot()
     colors = {}
-    for palette, group in (("tab10", [s for s in specs if not s.startswith(ABLATION_PREFIX)]),
-                           ("tab20b", [s for s in specs if s.startswith(ABLATION_PREFIX)])):
-        cycle = plt.get_cmap(palette).colors
-        colors.update({spec: cycle[i % len(cycle)] for i, spec in enumerate(sorted(set(group) - {"dense"}))})
+    for palette, ablations in (("tab10", False), ("tab20b", True)):
+        group = sorted(s for s in set(specs) - {"dense"} if s.startswith(ABLATION_PREFIX) == ablations)
+        colors.update(zip(group, itertools.cycle(plt.get_cmap(palette).colors)))
     return colors
 
 
