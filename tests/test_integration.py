@@ -325,3 +325,16 @@ def test_grouped_float32_prefill_on_cuda_does_not_materialise_the_scores():
     out, _ = oa.integration._sdpa(layer, query, key, value, None, None, 0.0)
     assert (torch.cuda.max_memory_allocated() - before) / 2**30 < 1.0
     assert out.shape == (1, 8192, 9, 64)
+
+
+def test_prefill_memory_benchmark_without_cuda_says_it_needs_a_gpu(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "prefill_memory.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "x.json")], capture_output=True,
+                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert done.returncode != 0 and "prefill_memory: needs a CUDA GPU" in done.stderr
+    assert not (tmp_path / "x.json").exists()
