@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from oa_core import references
 from oa_core.components import KINDS, AllocationInput, Clusters, Component, PooledClusters, Selection
 from oa_core.registry import default_registry
 
@@ -104,7 +105,8 @@ def check_clusterer(component, params: dict | None = None) -> None:
 
 
 def check_selector(component, params: dict | None = None) -> None:
-    """score: float32 ``[B, Hq, T, N]``, finite, deterministic; extend then score equals build on all keys;
+    """score: float32 ``[B, Hq, T, N]``, finite, deterministic; extend then score equals build on all keys (the
+    appended keys leave the keys' mean as it was);
     select: per cluster exactly its quota of positions, all distinct and inside the clusters."""
     selector = _instance("selector", component, params)
     keys, _, prefill, decode = _inputs()
@@ -121,10 +123,19 @@ def check_selector(component, params: dict | None = None) -> None:
     _expect(bool(torch.isfinite(scores[..., 4:]).all()), selector, "scores of clustered positions must be finite")
     again = selector.score(decode, selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3)), keys, 0.2)
     _expect(torch.equal(scores, again), selector, "build + score must be deterministic for the same seed")
-    grown = selector.extend(selector.build(keys[:, :, :N - 10], prefill, Clusters(assignment[..., :N - 10], C),
-                                           torch.Generator().manual_seed(3)), keys[:, :, N - 10:])
-    grown_scores = selector.score(decode, grown, keys, 0.2)
+    # Growth: build on the first N − 10 keys, extend by 10 whose mean is theirs (pairs m ± d), so that an index built
+    # on statistics of the keys (LSH centres on their mean) sees the same statistics either way.
+    first = keys[:, :, :N - 10]
+    mean = first[:, :, 4:].mean(2, keepdim=True)
+    spread = first[:, :, 4:9] - mean
+    grown_keys = torch.cat([first, mean + spread, mean - spread], dim=2)
+    grown = selector.extend(selector.build(first, prefill, Clusters(assignment[..., :N - 10], C),
+                                           torch.Generator().manual_seed(3)), grown_keys[:, :, N - 10:])
+    grown_scores = selector.score(decode, grown, grown_keys, 0.2)
     _expect(grown_scores.shape == scores.shape, selector, "extend must index the appended keys too")
+    whole = selector.build(grown_keys, prefill, clusters, torch.Generator().manual_seed(3))
+    _expect(torch.allclose(grown_scores, selector.score(decode, whole, grown_keys, 0.2), rtol=1e-4, atol=1e-4),
+            selector, "build on N − 10 keys then extend by 10 must score like build on all N keys")
     grouped = scores.view(B, H, Hq // H, T, N).masked_fill((assignment == C)[:, :, None, None], -math.inf)
     counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2)  # [B, H, C]
     quotas = torch.minimum(torch.full((B, H, Hq // H, T, C), 3), counts[:, :, None, None])
@@ -171,38 +182,44 @@ def check_allocator(component, params: dict | None = None) -> None:
 
 
 def check_kernel(component, params: dict | None = None) -> None:
-    """attend: the query's shape and dtype; dense attention without a selection; the same output as the torch
-    reference kernel for a selection with proxies, with discarded tails, and with weighted (sampled) rows."""
-    from oa_plugins.kernels.reference import TorchKernel
-
+    """attend: the query's shape and dtype; without a selection, dense softmax attention; with one, the estimator of
+    Eq. 1 (``oa_core.references.proxy_attention``, float64): exact rows plus one count-aware proxy per cluster's unread
+    tail, or the tail discarded, with weighted (sampled) rows, per query head and shared over the group."""
     kernel = _instance("kernel", component, params)
     keys, values, _, decode = _inputs()
     B, H, N, D = keys.shape
     Hq, T = decode.shape[1], decode.shape[2]
-    reference = TorchKernel()
     out, _ = kernel.attend(decode, keys, values, None, None, 0.2)
-    expected, _ = reference.attend(decode, keys, values, None, None, 0.2)
     _expect(out.shape == decode.shape and out.dtype == decode.dtype, kernel,
             "attend must return the query's shape and dtype")
-    _expect(torch.allclose(out, expected, atol=1e-4, rtol=1e-4), kernel, "without a selection attend is dense")
+    expected = references.proxy_attention(decode, keys, values, None, None, 0, 0.2)
+    _expect(_relative_error(out, expected) < 1e-5, kernel, "without a selection attend is dense softmax attention")
     gen = torch.Generator().manual_seed(9)
     C = 6
     assignment = torch.randint(C, (B, H, N), generator=gen)
     assignment[..., :4] = C
+    assignment[0, 0] = assignment[0, 0].masked_fill(assignment[0, 0] == 0, 1)
+    assignment[0, 0, 4:20] = 0  # a cluster one row of each selection below reads in full: no proxy for it there
     one_hot = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()
     pooled = PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys, one_hot.transpose(-1, -2) @ values,
-                            assignment)
+                            assignment, one_hot.transpose(-1, -2) @ (keys * keys))
     for Gs in (1, Hq // H):
         index = torch.rand(B, H, Gs, T, N, generator=gen).argsort(-1)[..., :24]
+        index[0, 0, 0, 0, :16] = torch.arange(4, 20)
         index[..., -3:] = -1  # padding
         log_weight = torch.rand(index.shape, generator=gen) * (torch.arange(24) >= 18)  # a few weighted rows
         selection = Selection(index, log_weight)
         for proxies in (pooled, None):
             out, used = kernel.attend(decode, keys, values, selection, proxies, 0.2)
-            expected, _ = reference.attend(decode, keys, values, selection, proxies, 0.2)
-            error = float((out.double() - expected.double()).norm() / expected.double().norm())
-            _expect(error < 1e-4, kernel, f"differs from the torch reference kernel (relative error {error:.2e}, "
-                                          f"Gs={Gs}, proxies={proxies is not None})")
+            expected = references.proxy_attention(decode, keys, values, index, assignment if proxies else None, C,
+                                                  0.2, log_weight)
+            error = _relative_error(out, expected)
+            _expect(error < 1e-5, kernel, f"differs from Eq. 1 (oa_core.references.proxy_attention): relative error "
+                                          f"{error:.2e}, Gs={Gs}, proxies={proxies is not None}")
+
+
+def _relative_error(got: Tensor, expected: Tensor) -> float:
+    return float((got.double() - expected).norm() / expected.norm())
 
 
 CHECKS = {"clusterer": check_clusterer, "selector": check_selector, "allocator": check_allocator,

@@ -46,6 +46,42 @@ def test_a_broken_selector_is_caught_by_rule():
         check_selector(FlatSelector)
 
 
+def test_a_kernel_with_a_wrong_proxy_is_caught():
+    """The kit holds kernels to Eq. 1, not to the torch kernel: one whose proxies keep the rows already read fails."""
+    from oa_core.testing import check_kernel
+    from oa_plugins.kernels.reference import TorchKernel
+
+    class UnsubtractedProxy(TorchKernel):
+        name = "unsubtracted-test"
+
+        @staticmethod
+        def _tails(selection, k, v, pooled):
+            count, _, _ = TorchKernel._tails(selection, k, v, pooled)
+            expand = (slice(None), slice(None), None, None)
+            return count, pooled.key_sum[expand].expand(*count.shape, -1), pooled.value_sum[expand].expand(
+                *count.shape, -1)
+
+    with pytest.raises(ContractError, match=r"UnsubtractedProxy \(unsubtracted-test\): differs from Eq. 1"):
+        check_kernel(UnsubtractedProxy)
+
+
+def test_a_selector_whose_growth_scores_differently_is_caught():
+    from oa_plugins.selectors.qgs import QGSIndex, QuerySubspaceSelector, quantize
+
+    class CoarseGrowth(QuerySubspaceSelector):
+        """Indexes appended keys at half their scale."""
+
+        name = "coarse-growth-test"
+
+        def extend(self, index, keys):
+            codes, scales = quantize(keys.float() @ index.basis)
+            return QGSIndex(index.basis, torch.cat([index.codes, codes], 2),
+                            torch.cat([index.scales, scales / 2], 2))
+
+    with pytest.raises(ContractError, match=r"coarse-growth-test\): build on N − 10 keys then extend"):
+        check_selector(CoarseGrowth)
+
+
 def test_an_unregistered_component_cannot_run_in_a_pipeline():
     from oa_plugins.allocators.uniform import UniformAllocator
 

@@ -225,13 +225,26 @@ def test_dense_layers_and_layer_specs():
 
 
 def test_attn_implementation_route_uses_the_config_spec():
+    """``attn_implementation="openattention"`` with ``config.openattention`` computes what ``oa.patch`` with that spec
+    computes: the same greedy tokens, and the same (sparse, setup B) answer log-likelihood after a recorded context,
+    which differs from dense."""
     model, ids = tiny_llama(), prompt(300)
+    context_ids, question, answer = ids[:, :260], ids[:, 260:290], ids[:, 290:]
+
+    def generation_and_logprob():
+        tokens = greedy(model, ids)
+        return tokens, oa.answer_logprob(model, oa.prefill_context(model, context_ids), question, answer)
+
+    dense_logprob = oa.answer_logprob(model, oa.prefill_context(model, context_ids), question, answer)
+    with oa.patch(model, SPARSE):
+        expected_tokens, expected_logprob = generation_and_logprob()
     oa.integration.register()
     model.config.openattention = SPARSE
-    expected_dense = greedy(model, ids)
     model.set_attn_implementation("openattention")
-    out = greedy(model, ids)
-    assert out.shape == expected_dense.shape
+    tokens, logprob = generation_and_logprob()
+    assert torch.equal(tokens, expected_tokens)
+    assert torch.equal(logprob, expected_logprob)
+    assert (logprob - dense_logprob).abs().max() > 1e-3, (logprob, dense_logprob)  # it can tell sparse from dense
     runtimes = [oa.integration._RUNTIMES[m] for m in model.modules() if m in oa.integration._RUNTIMES]
     assert len(runtimes) == 2 and all(r.pipeline.spec.budget.density == 0.2 for r in runtimes)
     assert any(not r.dense for rt in runtimes for r in rt.records)

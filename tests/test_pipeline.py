@@ -281,3 +281,52 @@ def test_causal_dense_state_is_causal_attention():
         queries.double(), keys.double().repeat_interleave(3, 1), values.double().repeat_interleave(3, 1),
         attn_mask=allowed)
     assert stats.dense and relative_error(out, expected) < 1e-5
+
+
+def _grown_state(spec, tokens=240, grown=40, seed=4):
+    """A state prepared on the first ``tokens − grown`` rows, then grown by ``grown`` (so some of them leave the
+    local window and join clusters), with the full inputs."""
+    keys, values, prefill, decode = make_inputs(tokens=tokens, seed=seed)
+    pipe = oa.build({"kernel": "torch", **spec})
+    state = pipe.prepare(keys[:, :, :-grown], values[:, :, :-grown], prefill)
+    state.append(keys[:, :, -grown:], values[:, :, -grown:])
+    return pipe, state, keys, values, decode
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_output_is_eq1_over_the_top_exact_logits_and_the_states_clusters_after_growth(gqa):
+    """The whole attend against the float64 reference of Eq. 1: with the oracle selector and global allocation the
+    exact set is sink ∪ local ∪ the best E − sink − local logits among the clustered rows (found here directly), and
+    every cluster's unread tail gets one count-aware proxy — including rows that joined by growth."""
+    from oa_core import references
+
+    budget, sink, local = 60, 4, 16
+    spec = {**SMALL, "selector": "oracle", "allocator": "global", "budget": {"tokens": budget}, "gqa": gqa}
+    pipe, state, keys, values, decode = _grown_state(spec)
+    B, Hkv, N, D = keys.shape
+    Hq, T = decode.shape[1:3]
+    g = Hq // Hkv
+    assignment, C = state.pooled.assignment, state.num_clusters
+    assert (assignment[..., sink:N - local] < C).all() and (assignment[..., N - local:] == C).all()
+    logits = decode.double().view(B, Hkv, g, T, D) @ keys.double().transpose(-1, -2)[:, :, None] / math.sqrt(D)
+    if gqa == "shared":
+        logits = logits.amax(2, keepdim=True)
+    logits = logits.masked_fill((assignment == C)[:, :, None, None], -math.inf)
+    top = logits.topk(budget - sink - local, dim=-1).indices
+    fixed = torch.cat([torch.arange(sink), torch.arange(N - local, N)]).expand(*top.shape[:4], -1)
+    expected = references.proxy_attention(decode, keys, values, torch.cat([fixed, top], -1), assignment, C,
+                                          1 / math.sqrt(D))
+    assert relative_error(pipe.attend(decode, state), expected) < 1e-5
+
+
+def test_allocators_see_each_clusters_own_statistics_after_growth():
+    """z̄_b and σ̂_b² from the state's pooled sums (what every allocator gets) equal those of each cluster's members,
+    computed from the keys themselves (oa_core.references.cluster_logit_stats), after rows joined by growth."""
+    from oa_core import references
+    from oa_core.cluster_stats import cluster_logit_stats
+
+    pipe, state, keys, values, decode = _grown_state({**SMALL, "budget": {"tokens": 60}})
+    got = cluster_logit_stats(decode, *state.cluster_moments(), state.scale)
+    expected = references.cluster_logit_stats(decode, keys, state.pooled.assignment, state.num_clusters, state.scale)
+    for a, b in zip(got, expected):
+        assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4)

@@ -52,7 +52,8 @@ def test_invalid_component_parameter_names_the_field():
         oa.build({"selector": {"name": "qgs", "bits": 4}})
 
 
-@pytest.mark.parametrize("spec, field", [({"tail": "drop"}, "tail"), ({"sink": -1}, "sink"),
+@pytest.mark.parametrize("spec, field", [({"tail": "drop"}, "tail"), ({"sink": -1}, "sink"), ({"local": -5}, "local"),
+                                         ({"tail_samples": 2}, "tail_samples"), ({"tail_samples": 0}, "tail_samples"),
                                          ({"gqa": "grouped"}, "gqa"), ({"bugdet": {"density": 0.1}}, "bugdet")])
 def test_invalid_spec_field_is_named(spec, field):
     with pytest.raises(oa.SpecError, match=rf"^{field}: "):
@@ -77,3 +78,10 @@ def test_missing_or_non_mapping_yaml(tmp_path):
     path.write_text("- qgc\n")
     with pytest.raises(oa.SpecError, match="a spec is a YAML mapping"):
         oa.build(path)
+
+
+def test_a_density_budget_rounds_down():
+    """E = ⌊ρ·N⌋, so the density read never exceeds the one asked for; per row for a batch of lengths."""
+    budget = oa.PipelineSpec.model_validate({"budget": {"density": 0.03}}).budget
+    assert budget.rows(1000) == 30 and budget.rows(1033) == 30 and budget.rows(1034) == 31
+    assert budget.rows(torch.tensor([1000, 1033, 1034, 10])).tolist() == [30, 30, 31, 0]

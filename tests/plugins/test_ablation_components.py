@@ -42,6 +42,23 @@ def test_mass_follows_the_mean_logit_and_variance_the_spread():
     assert flat.max() - flat.min() <= 1
 
 
+@pytest.mark.parametrize("allocator, priority", [
+    (MassAllocator, lambda z, var, n: n * z.exp()),  # n_b e^{z̄_b}: the cluster's attention mass
+    (VarianceAllocator, lambda z, var, n: var.sqrt()),  # σ̂_b
+], ids=["mass", "variance"])
+def test_mass_and_variance_water_fill_their_priorities(allocator, priority):
+    """Eq. 7 with the ablations' priorities against the float64 reference, clusters of different sizes."""
+    from oa_core import references
+
+    gen = torch.Generator().manual_seed(3)
+    for budget in (9, 120, 700):
+        z, var = torch.randn(16, generator=gen, dtype=torch.float64), torch.rand(16, generator=gen, dtype=torch.float64)
+        n = torch.randint(1, 80, (16,), generator=gen).double()
+        quotas = allocator().allocate(allocation(z.float(), var.float(), n.float(), budget)).flatten()
+        ideal = references.water_fill(priority(z, var, n).log(), n, budget)
+        assert not references.rounding_violations(quotas, ideal, n).any()
+
+
 def test_position_blocks_are_contiguous_runs_of_the_region():
     mask = torch.ones(2, 100, dtype=torch.bool)
     mask[0, :30] = False  # padding

@@ -198,3 +198,45 @@ def test_errorgate_takes_the_fused_path_where_it_applies(monkeypatch):
     monkeypatch.setattr(errorgate, "allocate_triton", counted)
     check_allocator(ErrorGate)
     assert calls
+
+
+def heads_that_differ(seed, shared):
+    """AllocationInput where the heads of a KV group live at different logit scales (head 0's Ẑ is e^25 times head
+    1's, so dividing by each head's Ẑ decides the shared split), with σ̂ spread over clusters: inputs on which a
+    missing Ẑ, a missing erf factor or a missing σ̂²/2 each change the quotas."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, g, T, C = 2, 2, 3, 2, 24
+    mean = torch.randn(B, H, g, T, C, generator=gen) * 2
+    mean[:, :, 0] += 25.0
+    mean[:, :, 2] -= 10.0
+    var = torch.rand(B, H, g, T, C, generator=gen) * 3
+    var[..., 5] = 0  # identical logits: no error
+    counts = torch.randint(1, 60, (B, H, C), generator=gen).float()
+    budget = torch.tensor([40, 150, 7, 600])[:B * H].view(B, H, 1, 1)
+    Gs = 1 if shared else g
+    return AllocationInput(mean, var, counts, torch.zeros(B, H, Gs, T, 8), torch.zeros(B, H, 8, dtype=torch.long),
+                           budget)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per head"])
+def test_quotas_are_eq7_water_filling_of_eq6_estimates(path, shared):
+    """Against the float64 references written from the paper (oa_core.references): ε̂_b of Eq. 6 over each head's Ẑ,
+    summed over a shared group, water-filled by Eq. 7 and rounded by largest remainders."""
+    from oa_core import references
+    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
+    from oa_plugins.allocators.water_filling import WaterFillAllocator
+
+    for seed in range(3):
+        inputs = heads_that_differ(seed, shared)
+        if path == "triton":
+            pytest.importorskip("triton")
+            if not fused_applies(inputs, on_cpu=True):
+                pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
+            quotas = allocate_triton(inputs)
+        else:
+            quotas = WaterFillAllocator.allocate(ErrorGate(), inputs)
+        priority = references.errorgate_priority(inputs.mean_logit, inputs.logit_var, inputs.counts, shared)
+        capacity = inputs.counts[:, :, None, None, :]
+        ideal = references.water_fill(priority, capacity, inputs.budget)
+        assert not references.rounding_violations(quotas, ideal, capacity).any()

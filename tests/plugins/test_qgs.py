@@ -120,3 +120,32 @@ def test_group_scores_reject_query_rows_that_do_not_form_the_groups():
     codes, scales = quantize(torch.randn(1, 1, 20, 16))
     with pytest.raises(ValueError, match="5 rows is not a multiple of group 2 × queries 1"):
         group_int8_scores(torch.randn(1, 1, 5, 16), codes, scales, 0.5, 1, 2)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
+@pytest.mark.parametrize("shared", [False, True], ids=["per head", "shared"])
+def test_scores_are_the_projected_logits_within_the_int8_bound(interpret, shared, monkeypatch):
+    """Eq. 5 against exact arithmetic (oa_core.references.qgs_error_bound): z̃_i is s·(U_rᵀq)·(U_rᵀk_i) up to the
+    int8 rounding of U_rᵀk_i, on the torch path (what a CPU run takes) and on the fused Triton path; a shared
+    selection takes the group's maximum. Keys are not confined to the subspace and their norms vary 100-fold."""
+    from oa_core import references
+
+    if interpret == "1":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(6)
+    B, Hkv, g, T, N, D, r = 2, 2, 3, 2, 300, 32, 8
+    keys = torch.randn(B, Hkv, N, D, generator=gen) * torch.logspace(-1, 1, N).view(1, 1, N, 1)
+    query = torch.randn(B, Hkv * g, T, D, generator=gen)
+    basis = torch.linalg.qr(torch.randn(B, Hkv, D, r, generator=gen)).Q
+    clusters = Clusters(torch.zeros(B, Hkv, N, dtype=torch.long), 1, basis=basis)
+    selector = QuerySubspaceSelector(QGSConfig(rank=r))
+    index = selector.build(keys, None, clusters)
+    scores = selector.group_scores(query, index, keys, 0.3, shared)
+    exact, bound = references.qgs_error_bound(query, keys, basis, 0.3)
+    exact, bound = (t.view(B, Hkv, g, T, N) for t in (exact, bound))
+    if shared:  # |max_j a_j − max_j b_j| ≤ max_j |a_j − b_j|
+        exact, bound = exact.amax(2, keepdim=True), bound.amax(2, keepdim=True)
+    assert scores.shape == exact.shape
+    assert ((scores.double() - exact).abs() <= bound + 1e-5).all()
+    assert (bound < 0.05 * exact.abs().amax(-1, keepdim=True)).all()  # the bound is tight enough to mean something

@@ -1,0 +1,307 @@
+"""Would the tests catch a wrong method? Plausible bugs, seeded one at a time into a copy of the project.
+
+    python benchmarks/mutations.py                  # every mutation (about 15 minutes on 2 CPU cores)
+    python benchmarks/mutations.py --only errorgate # those whose name contains a word
+    python benchmarks/mutations.py --list           # the list, without running anything
+
+Each mutation rewrites a few lines of one module (each edit must match exactly once, so the list fails loudly when
+the code moves on), in a temporary copy of the checkout — its tracked and untracked, not ignored, files — that the
+tests import instead of the installed package. The tests the mutation should trip run against it; it is caught when
+at least one fails. The same tests first run on the unchanged copy, which must pass. Writes
+``benchmarks/results/mutations.json`` — ``{"mutations": [{"name", "file", "caught", "by": [test ids]}]}`` — and
+prints a table. Not part of CI (it runs the relevant tests once per mutation); run it after changing a mechanism or
+its tests, and add a mutation for every mechanism added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULT = ROOT / "benchmarks" / "results" / "mutations.json"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    edits: tuple[tuple[str, str], ...]  # (text as it is, text as the bug would have it)
+    tests: tuple[str, ...]  # pytest paths or node ids expected to catch it
+    bug: str
+
+
+def mutation(name: str, file: str, edits, tests, bug: str) -> Mutation:
+    return Mutation(name, file, tuple(edits), tuple(tests), bug)
+
+
+QGS_TESTS = ("tests/plugins/test_qgs.py", "tests/test_selection.py", "tests/test_conformance.py")
+ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py")
+KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_flash_kernel.py",
+                "tests/test_conformance.py")
+QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_conformance.py")
+SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
+PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
+
+MUTATIONS = [
+    # -- QGS (Eq. 5) ------------------------------------------------------------------------------------------------
+    mutation("qgs-torch-score-without-int8-scale", "plugins/selectors/qgs.py",
+             [("* (scale * index.scales[:, :, None, :])", "* scale")], QGS_TESTS,
+             "the torch scoring path multiplies the codes by s but not by each key's int8 scale"),
+    mutation("qgs-triton-score-without-int8-scale", "plugins/selectors/qgs.py",
+             [("scores = best * factor", "scores = best * scale")], QGS_TESTS,
+             "the fused Triton scores drop each key's int8 scale"),
+    mutation("qgs-extend-codes-unprojected", "plugins/selectors/qgs.py",
+             [("codes, scales = quantize(keys.float() @ index.basis)\n        return QGSIndex(",
+               "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return QGSIndex(")],
+             QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
+    # -- QGC (Eq. 4) ------------------------------------------------------------------------------------------------
+    mutation("qgc-projection-without-sqrt-lambda", "plugins/clusterers/qgc.py",
+             [("projection = basis * eigenvalues.sqrt()[..., None, :]", "projection = basis")], QGC_TESTS,
+             "keys projected on U_r without Λ_r^½: k-means in the wrong metric"),
+    mutation("qgc-ignores-the-queries", "plugins/clusterers/qgc.py",
+             [("query_geometry(keys, queries, mask, cfg.rank", "query_geometry(keys, None, mask, cfg.rank")],
+             QGC_TESTS, "the geometry comes from the keys (key PCA), not from the queries"),
+    mutation("qgc-whole-prefill-instead-of-window", "plugins/clusterers/qgc.py",
+             [("samples = queries[:, :, -window:].double()", "samples = queries.double()")], QGC_TESTS,
+             "M̄_q from every prefill query instead of the last query_window"),
+    # -- ErrorGate (Eq. 6) ------------------------------------------------------------------------------------------
+    mutation("errorgate-without-head-normaliser", "plugins/allocators/errorgate.py",
+             [("return log_error - log_total(log_mass)", "return log_error"),
+              ("log_priority = log_error - total[:, None]", "log_priority = log_error")], ERRORGATE_TESTS,
+             "each head's ε̂ is not divided by its Ẑ (torch and Triton paths)"),
+    mutation("errorgate-torch-without-head-normaliser", "plugins/allocators/errorgate.py",
+             [("return log_error - log_total(log_mass)", "return log_error")], ERRORGATE_TESTS,
+             "the torch path alone drops −ln Ẑ"),
+    mutation("errorgate-triton-without-head-normaliser", "plugins/allocators/errorgate.py",
+             [("log_priority = log_error - total[:, None]", "log_priority = log_error")], ERRORGATE_TESTS,
+             "the Triton path alone drops −ln Ẑ"),
+    mutation("errorgate-without-erf-factor", "plugins/allocators/errorgate.py",
+             [("return log_mass + torch.log(torch.erf(sigma / math.sqrt(2))), log_mass", "return log_mass, log_mass"),
+              ("log_error = log_mass + tl.log(tl.erf(tl.div_rn(sigma, 1.4142135623730951)))", "log_error = log_mass")],
+             ERRORGATE_TESTS, "ε̂_b without the factor 2Φ(σ̂) − 1: the Gaussian mass instead of its error"),
+    mutation("errorgate-variance-without-half", "plugins/allocators/errorgate.py",
+             [("log_mass = torch.log(counts) + mean_logit + logit_var / 2",
+               "log_mass = torch.log(counts) + mean_logit + logit_var"),
+              ("log_mass = (tl.log(count)[None, :] + mean) + var * 0.5",
+               "log_mass = (tl.log(count)[None, :] + mean) + var")],
+             ERRORGATE_TESTS, "e^{σ̂²} instead of e^{σ̂²/2} in both paths"),
+    # -- water-filling (Eq. 7) --------------------------------------------------------------------------------------
+    mutation("water-fill-smallest-remainders", "plugins/allocators/water_filling.py",
+             [("rank = fraction.argsort(dim=-1, descending=True, stable=True)",
+               "rank = fraction.argsort(dim=-1, descending=False, stable=True)")],
+             ("tests/plugins/test_errorgate.py", "tests/plugins/test_ablation_components.py"),
+             "the rounding's leftover rows go to the smallest fractional parts (torch path)"),
+    mutation("water-fill-triton-smallest-remainders", "plugins/allocators/water_filling.py",
+             [("ahead = (fraction[:, None] > fraction[None, :])", "ahead = (fraction[:, None] < fraction[None, :])")],
+             ("tests/plugins/test_errorgate.py",), "the Triton water-filling ranks remainders ascending"),
+    mutation("mass-without-cluster-size", "plugins/allocators/mass.py",
+             [("log_mass = torch.log(counts) + inputs.mean_logit", "log_mass = inputs.mean_logit")],
+             ("tests/plugins/test_ablation_components.py",), "the mass ablation ranks by e^{z̄_b}, not n_b e^{z̄_b}"),
+    mutation("quest-bound-with-bounds-swapped", "plugins/selectors/quest.py",
+             [("q.clamp_min(0) @ hi.transpose(-1, -2) + q.clamp_max(0) @ lo.transpose(-1, -2)",
+               "q.clamp_min(0) @ lo.transpose(-1, -2) + q.clamp_max(0) @ hi.transpose(-1, -2)")],
+             ("tests/plugins/test_quest.py",), "Quest's page bound takes the minimum key where q_d > 0"),
+    # -- cluster statistics (§3.1) ----------------------------------------------------------------------------------
+    mutation("cluster-stats-variance-scaled-once", "oa_core/cluster_stats.py",
+             [('scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)',
+               'scale * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)')],
+             ("tests/test_cluster_stats.py", "tests/test_pipeline.py"), "σ̂² with s instead of s² (torch path)"),
+    # -- the kernels (Eq. 1) ----------------------------------------------------------------------------------------
+    mutation("kernel-proxy-not-minus-rows-read", "plugins/kernels/reference.py",
+             [("pooled.key_sum[expand] - read_key[..., :C, :],", "pooled.key_sum[expand] - 0 * read_key[..., :C, :],"),
+              ("pooled.value_sum[expand] - read_value[..., :C, :])",
+               "pooled.value_sum[expand] - 0 * read_value[..., :C, :])")],
+             KERNEL_TESTS, "the proxy means include the rows already read exactly"),
+    mutation("kernel-proxy-count-n-b", "plugins/kernels/reference.py",
+             [("return (pooled.count[expand] - read_count[..., :C],",
+               "return (pooled.count[expand] + 0 * read_count[..., :C],")],
+             KERNEL_TESTS, "the proxy counts n_b, not n_b − |X∩b|"),
+    mutation("kernel-proxy-without-log-count", "plugins/kernels/reference.py",
+             [(" + torch.log(tail_count.clamp_min(1))", "")], KERNEL_TESTS,
+             "the proxy logit without + ln n_T: one token's weight for the whole tail"),
+    mutation("kernel-ignores-row-weights", "plugins/kernels/reference.py",
+             [("(scale * q @ k.transpose(-1, -2)).squeeze(-2) + selection.log_weight.float()",
+               "(scale * q @ k.transpose(-1, -2)).squeeze(-2)")], KERNEL_TESTS,
+             "sampled tail rows weigh 1 instead of η"),
+    mutation("flash-proxy-without-log-count", "plugins/kernels/flash.py",
+             [("ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
+               "ell = (qk * scale - read_z) / n_tail[None, :]")], KERNEL_TESTS,
+             "the Triton kernel's proxy logit without + ln n_T"),
+    # -- selection ---------------------------------------------------------------------------------------------------
+    mutation("triton-selection-ties-to-the-last-position", "oa_core/selection.py",
+             [("| (-lanes + (BLOCK - 1)).to(tl.int64)", "| lanes.to(tl.int64)"),
+              ("lane = (-(top & 0xFFFFFFFF) + (BLOCK - 1)).to(tl.int32)", "lane = (top & 0xFFFFFFFF).to(tl.int32)")],
+             ("tests/test_selection.py",), "among tied scores a cluster's pick goes to the last position"),
+    mutation("lsh-extend-without-centering", "plugins/selectors/lsh.py",
+             [("buckets = self._hash(index, keys.float() - index.center)",
+               "buckets = self._hash(index, keys.float())")],
+             ("tests/plugins/test_lsh.py", "tests/test_conformance.py"),
+             "decode-time growth hashes new keys without the centring the build applied"),
+    # -- spec ---------------------------------------------------------------------------------------------------------
+    mutation("spec-budget-rounds-up", "oa_core/spec.py",
+             [("torch.floor(num_tokens.double() * self.density)", "torch.ceil(num_tokens.double() * self.density)")],
+             SPEC_TESTS + ("tests/test_pipeline.py", "tests/test_conformance.py"),
+             "a density budget rounds up, reading more than the density"),
+    mutation("spec-tail-samples-unbounded", "oa_core/spec.py",
+             [("tail_samples: float = Field(default=0.5, gt=0, le=1,",
+               "tail_samples: float = Field(default=0.5, gt=0,")],
+             SPEC_TESTS, "tail_samples above 1 is accepted (it fails later, blaming the allocator)"),
+    mutation("spec-local-unbounded", "oa_core/spec.py",
+             [("local: int = Field(default=64, ge=0)", "local: int = Field(default=64)")], SPEC_TESTS,
+             "a negative local window is accepted and runs"),
+    # -- the pipeline --------------------------------------------------------------------------------------------------
+    mutation("pipeline-budget-ignores-fixed-rows", "oa_core/pipeline.py",
+             [("selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)",
+               "selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] + 0 * fixed_counts).clamp_min(0)")],
+             PIPELINE_TESTS, "the selector gets the whole budget on top of sink and local"),
+    mutation("pipeline-growth-skips-pooled-sums", "oa_core/pipeline.py",
+             [("            self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])\n", "")],
+             PIPELINE_TESTS, "rows leaving the local window join a cluster but not its pooled sums"),
+    mutation("pipeline-variance-without-mean-square", "oa_core/pipeline.py",
+             [("(self.pooled.key_square_sum / n - mean * mean)", "(self.pooled.key_square_sum / n)")],
+             PIPELINE_TESTS, "Var_b(k) from the pooled sums as E[k²], not E[k²] − k̄²"),
+    mutation("pipeline-growth-leaves-one-late", "oa_core/pipeline.py",
+             [("leaving_end = self.num_tokens - pipe.spec.local",
+               "leaving_end = self.num_tokens - pipe.spec.local - 1")],
+             PIPELINE_TESTS, "the local window keeps one row too many after growth"),
+    mutation("pipeline-causal-hides-own-position", "oa_core/pipeline.py",
+             [("index = index.masked_fill(index > own, -1)", "index = index.masked_fill(index >= own, -1)")],
+             PIPELINE_TESTS + ("tests/test_integration.py",), "a causal query does not see its own key"),
+    mutation("pipeline-tail-samples-weigh-pool-size", "oa_core/pipeline.py",
+             [("log_eta = torch.log(size / taken).expand(drawn.shape)",
+               "log_eta = torch.log(size).expand(drawn.shape)")],
+             PIPELINE_TESTS, "a tail sample weighs |pool| instead of |pool|/m"),
+    # -- the transformers integration --------------------------------------------------------------------------------
+    mutation("integration-route-dense-question", "oa_core/integration.py",
+             [('LayerRuntime(module.layer_idx, build(spec), "B")', 'LayerRuntime(module.layer_idx, build(spec), "A")')],
+             ("tests/test_integration.py",),
+             "attn_implementation='openattention' attends the question densely (setup A) though B is the default"),
+]
+
+
+def _copy_checkout(destination: Path) -> None:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def _apply(source: Path, m: Mutation) -> str:
+    """Rewrite ``m.file`` in the copy; → its original text. Each edit must match exactly once."""
+    path = source / m.file
+    original = text = path.read_text()
+    for old, new in m.edits:
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(f"mutation {m.name}: {old!r} occurs {count} times in {m.file}, not once: update the list")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return original
+
+
+def _environment(site: Path) -> dict[str, str]:
+    """The copy first on the path (``site`` links ``oa_core`` and ``oa_plugins`` to it), no bytecode cache (a module
+    rewritten twice within a second must not load stale), the Triton kernels in their interpreter."""
+    return {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1", "TRITON_INTERPRET": "1"}
+
+
+def _check_imports_from(source: Path, site: Path) -> None:
+    """Both import packages must load from the copy (an installed package found first would test nothing)."""
+    code = "import oa_core, oa_plugins; print(oa_core.__file__); print(oa_plugins.__file__)"
+    files = subprocess.run([sys.executable, "-c", code], cwd=source, env=_environment(site), check=True,
+                           capture_output=True, text=True).stdout.split()
+    resolved = [Path(f).resolve() for f in files]
+    if not all(f.is_relative_to(source.resolve()) for f in resolved):
+        raise SystemExit(f"the copy's packages are shadowed by {', '.join(map(str, resolved))}")
+
+
+def _pytest(source: Path, site: Path, tests: tuple[str, ...]) -> tuple[int, list[str], str]:
+    """→ (exit code, ids of the failed tests, output's tail)."""
+    env = _environment(site)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
+                          cwd=source, env=env, capture_output=True, text=True)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
+    return proc.returncode, sorted(set(failed)), (proc.stdout + proc.stderr)[-2000:]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run the mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--output", type=Path, default=RESULT)
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.only in m.name]
+    if args.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name:45s} {m.file:38s} {m.bug}")
+        return 0 if args.list else 2
+
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="oa-mutations-") as tmp:
+        source, site = Path(tmp) / "src", Path(tmp) / "site"
+        _copy_checkout(source)
+        site.mkdir()
+        (site / "oa_core").symlink_to(source / "oa_core")
+        (site / "oa_plugins").symlink_to(source / "plugins")
+        _check_imports_from(source, site)
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        print(f"baseline: {len(tests)} test files on the unchanged copy ...", flush=True)
+        code, failed, tail = _pytest(source, site, tests)
+        if code != 0:
+            print(tail)
+            raise SystemExit(f"the tests fail without any mutation ({', '.join(failed) or 'see above'}): "
+                             "fix them first")
+        rows = []
+        for m in tqdm(chosen, desc="mutations", unit="mutation"):
+            original = _apply(source, m)
+            try:
+                code, failed, tail = _pytest(source, site, m.tests)
+            finally:
+                (source / m.file).write_text(original)
+            if code not in (0, 1):  # 1: tests failed; anything else: pytest itself could not run them
+                print(tail)
+                raise SystemExit(f"mutation {m.name}: pytest exited with {code}")
+            rows.append({"name": m.name, "file": m.file, "bug": m.bug, "caught": bool(failed), "by": failed,
+                         "tests_run": list(m.tests)})
+    result = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
+                          "cpus": os.cpu_count()},
+              "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip(),
+              "seconds": round(time.time() - start, 1), "caught": sum(r["caught"] for r in rows),
+              "total": len(rows), "mutations": rows}
+    if args.only and args.output.exists():  # a partial run updates its rows in the full record
+        previous = json.loads(args.output.read_text())
+        ran = {r["name"] for r in rows}
+        result["mutations"] = [r for r in previous.get("mutations", []) if r["name"] not in ran] + rows
+        result["caught"] = sum(r["caught"] for r in result["mutations"])
+        result["total"] = len(result["mutations"])
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    print(f"\n{'mutation':45s} {'caught':7s} by")
+    for r in rows:
+        by = (r["by"][0] + (f" (+{len(r['by']) - 1})" if len(r["by"]) > 1 else "")) if r["by"] else "-"
+        print(f"{r['name']:45s} {'yes' if r['caught'] else 'NO':7s} {by}")
+    print(f"\n{sum(r['caught'] for r in rows)} of {len(rows)} caught in {time.time() - start:.0f} s; "
+          f"{args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}")
+    return 0 if all(r["caught"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
