@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
-from oa_core.components import Selector
+from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.pipeline import Pipeline
-from oa_plugins.allocators.water_filling import WaterFillAllocator
+from oa_core.selection import select, select_by_sorting
+from oa_core.water_filling import WaterFillAllocator
 from oa_plugins.kernels.reference import TorchKernel
 
 HQ, HKV, D = 32, 8, 128
@@ -103,7 +104,8 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     rows = pipe.spec.budget.rows(context)
 
     # Correctness on this shape: flash against the reference, output poisoned first.
-    selection = pipe._select(query, state, causal=False)
+    explained = pipe.explain(query, state)
+    selection, scores, inputs, quotas = explained.selection, explained.scores, explained.allocation, explained.quotas
     reference, _ = TorchKernel().attend(query.float(), state.keys.float(), state.values.float(), selection,
                                         state.pooled, state.scale)
     pipe.kernel.poison = True  # every buffer NaN first: the output must be fully written
@@ -113,11 +115,17 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     error = float((out.float() - reference).norm() / reference.norm())
     finite = bool(torch.isfinite(out).all()) and bool(torch.isfinite(out_full).all())
 
-    scores = pipe._scores(query, state)
-    exact = state.exact_rows().sum(-1)
-    selectable = (rows - exact).clamp_min(0)[:, :, None, None]
-    inputs = pipe._allocation_inputs(query, state, scores, selectable)
-    quotas = pipe.allocator.allocate(inputs)
+    plan = state.plan()
+    grouped = oa.group_queries(query, HKV, pipe.spec.gqa == "shared")
+
+    def score():  # the selector's scores as attend takes them: -inf outside the clusters
+        return pipe.selector.score(grouped, state.index, state.keys, state.scale).masked_fill(plan.unclustered,
+                                                                                              -math.inf)
+
+    def allocate():  # the cluster statistics, then the allocator
+        mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
+        return pipe.allocator.allocate(dataclasses.replace(inputs, mean_logit=mean_logit, logit_var=logit_var))
+
     # The allocator's GPU path (ErrorGate: one Triton kernel) against its torch ops on the same device, and against
     # the CPU (float32 transcendentals may differ in the last bit between devices: rows whose quotas then differ).
     on_cpu = dataclasses.replace(inputs, **{f.name: getattr(inputs, f.name).cpu() for f in dataclasses.fields(inputs)
@@ -126,29 +134,24 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         if isinstance(pipe.allocator, WaterFillAllocator) else None  # None: no separate GPU path to compare
     rows_off_cpu = int((pipe.allocator.allocate(on_cpu) != quotas.cpu()).any(-1).sum())
     # The GPU selection against the reference's sort-based one: the same rows.
-    width = state.plan().max_selectable
-    fast = pipe.selector.select(scores, inputs.assignment, quotas, width=width, members=state.plan().members)
-    slow = Selector.select(pipe.selector, scores, inputs.assignment, quotas, width=width)
+    width = plan.max_selectable
+    fast = select(scores, inputs.assignment, quotas, width=width, members=plan.members)
+    slow = select_by_sorting(scores, inputs.assignment, quotas, width=width)
     same_selection = bool(torch.equal(fast.sort(-1).values, slow.sort(-1).values))
     times = {
-        "scores_ms": bench(lambda: pipe._scores(query, state)),
-        "allocation_ms": bench(lambda: pipe.allocator.allocate(pipe._allocation_inputs(query, state, scores,
-                                                                                       selectable))),
-        "selection_ms": bench(lambda: pipe.selector.select(scores, inputs.assignment, quotas, width=width,
-                                                           members=state.plan().members)),
-        "selection_sort_ms": bench(lambda: Selector.select(pipe.selector, scores, inputs.assignment, quotas,
-                                                           width=width)),
+        "scores_ms": bench(score),
+        "allocation_ms": bench(allocate),
+        "selection_ms": bench(lambda: select(scores, inputs.assignment, quotas, width=width, members=plan.members)),
+        "selection_sort_ms": bench(lambda: select_by_sorting(scores, inputs.assignment, quotas, width=width)),
         "kernel_ms": bench(lambda: pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled,
                                                       state.scale)),
         "attend_ms": bench(lambda: pipe.attend(query, state)),
     }
     # The same stages replayed from CUDA graphs: the GPU's own time, without Python's launch overhead.
     stages = {
-        "scores": lambda: pipe._scores(query, state),
-        "allocation": lambda: pipe.allocator.allocate(pipe._allocation_inputs(query, state, scores, selectable,
-                                                                              state.plan().max_selectable)),
-        "selection": lambda: pipe.selector.select(scores, inputs.assignment, quotas, width=state.plan().max_selectable,
-                                                  members=state.plan().members),
+        "scores": score,
+        "allocation": allocate,
+        "selection": lambda: select(scores, inputs.assignment, quotas, width=width, members=plan.members),
         "kernel": lambda: pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled, state.scale),
         "attend": lambda: pipe.attend(query, state, validate=False),
     }

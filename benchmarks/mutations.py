@@ -51,9 +51,11 @@ QGS_TESTS = ("tests/plugins/test_qgs.py", "tests/test_selection.py", "tests/test
 ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py")
 KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_flash_kernel.py",
                 "tests/test_conformance.py")
-QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_conformance.py")
+QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_geometry.py", "tests/test_conformance.py")
 SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
 PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
+WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
+                    "tests/plugins/test_ablation_components.py")
 
 MUTATIONS = [
     # -- QGS (Eq. 5) ------------------------------------------------------------------------------------------------
@@ -61,7 +63,7 @@ MUTATIONS = [
              [("* (scale * index.scales[:, :, None, :])", "* scale")], QGS_TESTS,
              "the torch scoring path multiplies the codes by s but not by each key's int8 scale"),
     mutation("qgs-triton-score-without-int8-scale", "plugins/selectors/qgs.py",
-             [("scores = best * factor", "scores = best * scale")], QGS_TESTS,
+             [("best * factor, mask=in_n)", "best * scale, mask=in_n)")], QGS_TESTS,
              "the fused Triton scores drop each key's int8 scale"),
     mutation("qgs-extend-codes-unprojected", "plugins/selectors/qgs.py",
              [("codes, scales = quantize(keys.float() @ index.basis)\n        return QGSIndex(",
@@ -74,7 +76,7 @@ MUTATIONS = [
     mutation("qgc-ignores-the-queries", "plugins/clusterers/qgc.py",
              [("query_geometry(keys, queries, mask, cfg.rank", "query_geometry(keys, None, mask, cfg.rank")],
              QGC_TESTS, "the geometry comes from the keys (key PCA), not from the queries"),
-    mutation("qgc-whole-prefill-instead-of-window", "plugins/clusterers/qgc.py",
+    mutation("qgc-whole-prefill-instead-of-window", "oa_core/geometry.py",
              [("samples = queries[:, :, -window:].double()", "samples = queries.double()")], QGC_TESTS,
              "M̄_q from every prefill query instead of the last query_window"),
     # -- ErrorGate (Eq. 6) ------------------------------------------------------------------------------------------
@@ -99,14 +101,13 @@ MUTATIONS = [
                "log_mass = (tl.log(count)[None, :] + mean) + var")],
              ERRORGATE_TESTS, "e^{σ̂²} instead of e^{σ̂²/2} in both paths"),
     # -- water-filling (Eq. 7) --------------------------------------------------------------------------------------
-    mutation("water-fill-smallest-remainders", "plugins/allocators/water_filling.py",
+    mutation("water-fill-smallest-remainders", "oa_core/water_filling.py",
              [("rank = fraction.argsort(dim=-1, descending=True, stable=True)",
                "rank = fraction.argsort(dim=-1, descending=False, stable=True)")],
-             ("tests/plugins/test_errorgate.py", "tests/plugins/test_ablation_components.py"),
-             "the rounding's leftover rows go to the smallest fractional parts (torch path)"),
-    mutation("water-fill-triton-smallest-remainders", "plugins/allocators/water_filling.py",
+             WATER_FILL_TESTS, "the rounding's leftover rows go to the smallest fractional parts (torch path)"),
+    mutation("water-fill-triton-smallest-remainders", "oa_core/water_filling.py",
              [("ahead = (fraction[:, None] > fraction[None, :])", "ahead = (fraction[:, None] < fraction[None, :])")],
-             ("tests/plugins/test_errorgate.py",), "the Triton water-filling ranks remainders ascending"),
+             WATER_FILL_TESTS, "the Triton water-filling ranks remainders ascending"),
     mutation("mass-without-cluster-size", "plugins/allocators/mass.py",
              [("log_mass = torch.log(counts) + inputs.mean_logit", "log_mass = inputs.mean_logit")],
              ("tests/plugins/test_ablation_components.py",), "the mass ablation ranks by e^{z̄_b}, not n_b e^{z̄_b}"),
@@ -121,13 +122,14 @@ MUTATIONS = [
              ("tests/test_cluster_stats.py", "tests/test_pipeline.py"), "σ̂² with s instead of s² (torch path)"),
     # -- the kernels (Eq. 1) ----------------------------------------------------------------------------------------
     mutation("kernel-proxy-not-minus-rows-read", "plugins/kernels/reference.py",
-             [("pooled.key_sum[expand] - read_key[..., :C, :],", "pooled.key_sum[expand] - 0 * read_key[..., :C, :],"),
-              ("pooled.value_sum[expand] - read_value[..., :C, :])",
-               "pooled.value_sum[expand] - 0 * read_value[..., :C, :])")],
+             [("pooled.key_sum[expand] - sum_by_slot(cluster, k, C),",
+               "pooled.key_sum[expand] - 0 * sum_by_slot(cluster, k, C),"),
+              ("pooled.value_sum[expand] - sum_by_slot(cluster, v, C))",
+               "pooled.value_sum[expand] - 0 * sum_by_slot(cluster, v, C))")],
              KERNEL_TESTS, "the proxy means include the rows already read exactly"),
     mutation("kernel-proxy-count-n-b", "plugins/kernels/reference.py",
-             [("return (pooled.count[expand] - read_count[..., :C],",
-               "return (pooled.count[expand] + 0 * read_count[..., :C],")],
+             [("return (pooled.count[expand] - count_by_slot(cluster, C, k.dtype),",
+               "return (pooled.count[expand] + 0 * count_by_slot(cluster, C, k.dtype),")],
              KERNEL_TESTS, "the proxy counts n_b, not n_b − |X∩b|"),
     mutation("kernel-proxy-without-log-count", "plugins/kernels/reference.py",
              [(" + torch.log(tail_count.clamp_min(1))", "")], KERNEL_TESTS,
@@ -163,30 +165,32 @@ MUTATIONS = [
              [("local: int = Field(default=64, ge=0)", "local: int = Field(default=64)")], SPEC_TESTS,
              "a negative local window is accepted and runs"),
     # -- the pipeline --------------------------------------------------------------------------------------------------
-    mutation("pipeline-budget-ignores-fixed-rows", "oa_core/pipeline.py",
+    mutation("pipeline-budget-ignores-fixed-rows", "oa_core/state.py",
              [("selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)",
                "selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] + 0 * fixed_counts).clamp_min(0)")],
              PIPELINE_TESTS, "the selector gets the whole budget on top of sink and local"),
-    mutation("pipeline-growth-skips-pooled-sums", "oa_core/pipeline.py",
+    mutation("pipeline-growth-skips-pooled-sums", "oa_core/state.py",
              [("            self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])\n", "")],
              PIPELINE_TESTS, "rows leaving the local window join a cluster but not its pooled sums"),
-    mutation("pipeline-variance-without-mean-square", "oa_core/pipeline.py",
+    mutation("pipeline-variance-without-mean-square", "oa_core/state.py",
              [("(self.pooled.key_square_sum / n - mean * mean)", "(self.pooled.key_square_sum / n)")],
              PIPELINE_TESTS, "Var_b(k) from the pooled sums as E[k²], not E[k²] − k̄²"),
-    mutation("pipeline-growth-leaves-one-late", "oa_core/pipeline.py",
+    mutation("pipeline-growth-leaves-one-late", "oa_core/state.py",
              [("leaving_end = self.num_tokens - pipe.spec.local",
                "leaving_end = self.num_tokens - pipe.spec.local - 1")],
              PIPELINE_TESTS, "the local window keeps one row too many after growth"),
     mutation("pipeline-causal-hides-own-position", "oa_core/pipeline.py",
-             [("index = index.masked_fill(index > own, -1)", "index = index.masked_fill(index >= own, -1)")],
+             [("selection.index.masked_fill(selection.index > own, -1)",
+               "selection.index.masked_fill(selection.index >= own, -1)")],
              PIPELINE_TESTS + ("tests/test_integration.py",), "a causal query does not see its own key"),
     mutation("pipeline-tail-samples-weigh-pool-size", "oa_core/pipeline.py",
              [("log_eta = torch.log(size / taken).expand(drawn.shape)",
                "log_eta = torch.log(size).expand(drawn.shape)")],
              PIPELINE_TESTS, "a tail sample weighs |pool| instead of |pool|/m"),
     # -- the transformers integration --------------------------------------------------------------------------------
-    mutation("integration-route-dense-question", "oa_core/integration.py",
-             [('LayerRuntime(module.layer_idx, build(spec), "B")', 'LayerRuntime(module.layer_idx, build(spec), "A")')],
+    mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
+             [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',
+               'LayerRuntime(module.layer_idx, build(spec), question="dense")')],
              ("tests/test_integration.py",),
              "attn_implementation='openattention' attends the question densely (setup A) though B is the default"),
 ]

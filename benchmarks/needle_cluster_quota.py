@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def needle_clusters(spec: dict, query, keys, values, prefill, scale: float, kv_head: int, needle) -> list[dict]:
     pipe = oa.build(spec)
     state = pipe.prepare(keys, values, prefill, scale=scale)
-    plan = state.plan()
-    inputs = pipe._allocation_inputs(query, state, pipe._scores(query, state), plan.selectable, plan.max_selectable)
-    quotas = pipe.allocator.allocate(inputs)[0, kv_head, :, 0]  # [g, C]
+    explained = pipe.explain(query, state)
+    inputs = explained.allocation
+    quotas = explained.quotas[0, kv_head, :, 0]  # [g, C]
     log_error, _ = log_error_estimate(inputs.mean_logit, inputs.logit_var, inputs.counts[:, :, None, None])
     log_error = log_error[0, kv_head, :, 0]
     group = quotas.shape[0]

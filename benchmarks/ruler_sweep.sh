@@ -39,7 +39,8 @@ run() {  # length batch specs tasks...
   if [ $# -eq 0 ]; then echo "$(date +%T) ${length} tokens: no task to run"; return; fi
   echo "$(date +%T) ${length} tokens: $(echo $specs | wc -w) specs on $*"
   torchrun --nproc-per-node "$RANKS" --master-port 29561 -m oa_core.cli eval --specs $specs --tasks "$@" \
-    --length "$length" --samples 20 --batch "$batch" --device "$DEVICE" --out "$ROOT/ruler_smollm2_$((length / 1024))k" \
+    --length "$length" --samples 20 --batch "$batch" --sink 4 --local-window 16 --device "$DEVICE" \
+    --out "$ROOT/ruler_smollm2_$((length / 1024))k" \
     || echo "$(date +%T) ${length} tokens: incomplete (see above); run the script again to retry what is missing"
 }
 doable() {  # the tasks dense scores at least 20 on at this length

@@ -7,10 +7,12 @@ with one count-aware proxy per cluster of keys.
 
 from oa_core.hookspecs import hookimpl
 from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Component, Kernel,
-                                PooledClusters, Selection, Selector)
+                                PooledClusters, Selection, Selector, group_queries)
+from oa_core.contracts import ContractViolation
 from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_spec
 from oa_core.registry import available
-from oa_core.pipeline import AttendStats, Pipeline, PipelineState, build
+from oa_core.pipeline import AttendStats, Explanation, Pipeline, build
+from oa_core.state import PipelineState
 from oa_core.integration import (Context, GenerationStats, OpenAttentionHandle, answer_logprob, generate_from_context,
                                  patch, prefill_context, unpatch)
 from oa_core.integration import register as register_attention
@@ -19,7 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AllocationInput", "Allocator", "AttendStats", "Budget", "Clusterer", "Clusters", "Component", "ComponentSpec",
-    "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector", "SpecError",
+    "Explanation", "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector",
+    "SpecError", "ContractViolation", "group_queries",
     "available", "build", "hookimpl", "load_spec",
     "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "generate_from_context", "patch",
     "prefill_context", "register_attention", "unpatch",

@@ -181,17 +181,22 @@ def attend_case(spec: dict, case: LayerCase, seed: int, with_diagnostics: bool =
 
 
 def layer_diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
-    """E, top-32 recall and ErrorGate's Spearman per (query head, query) for one attend (None where they do not
-    apply: recall and Spearman need clusters)."""
+    """E, top-32 recall and what every registered component measures (``Component.diagnose``: ErrorGate's Spearman)
+    per (query head, query) for one attend, batch row 0; recall and the components' measures only where they apply
+    (they need clusters)."""
     from oa_core import metrics
+    from oa_core.components import KINDS
+    from oa_core.registry import default_registry
 
     out = {"weight_discrepancy": metrics.weight_discrepancy(pipe, state, queries)[0]}
     recall = metrics.topk_recall(pipe, state, queries, k=32)
     if recall is not None:
         out["top32_recall"] = recall[0]
-    spearman = metrics.errorgate_spearman(state, queries)
-    if spearman is not None:
-        out["errorgate_spearman"], out["errorgate_spearman_full_variance"] = (s[0] for s in spearman)
+    registry = default_registry()
+    for kind in KINDS:
+        for name in registry.names(kind):
+            out.update({key: value[0] for key, value in registry.get(kind, name).cls.diagnose(pipe, state,
+                                                                                               queries).items()})
     return out
 
 

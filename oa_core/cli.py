@@ -54,6 +54,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from oa_core.eval import runner
+    from oa_core.eval.records import summary_table
 
     specs = args.specs or default_specs()
     if not specs:
@@ -74,7 +75,7 @@ def eval_command(args: argparse.Namespace) -> int:
         print(f"oa eval: {exc}", file=sys.stderr)
         return 1
     if rows is not None:
-        print(runner.summary_table(rows))
+        print(summary_table(rows))
         print(f"records and summary in {args.out}")
     return 0
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--density", type=float, default=0.03, help="read density")
     demo.set_defaults(run=demo_command)
     from oa_core.eval.ruler import HARD_TASKS
-    from oa_core.eval.runner import METRICS
+    from oa_core.eval.records import METRICS
 
     evaluate = commands.add_parser("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
     evaluate.add_argument("--model", default=None, help="transformers model path or id (default: the offline SmolLM2)")
@@ -117,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--samples", type=int, default=20, help="samples per task and length")
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--setup", choices=["A", "B"], default="B", help="B: question decoded sparsely; A: dense")
-    evaluate.add_argument("--sink", type=int, default=4, help="sink rows for every sparse spec")
-    evaluate.add_argument("--local", type=int, default=16, help="local window for every sparse spec")
+    evaluate.add_argument("--sink", type=int, default=None,
+                          help="sink rows for every sparse spec (default: each spec's own)")
+    evaluate.add_argument("--local-window", dest="local", type=int, default=None,
+                          help="local window for every sparse spec (default: each spec's own; not --local: torchrun "
+                               "takes that for one of its own options)")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
     evaluate.add_argument("--batch", type=int, default=1,

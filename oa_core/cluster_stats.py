@@ -13,11 +13,7 @@ from torch import Tensor
 
 from oa_core import triton_path
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
+from oa_core.triton_path import tl, triton
 
 
 def cluster_logit_stats(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float,

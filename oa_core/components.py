@@ -16,20 +16,6 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 
-class ContractViolation(RuntimeError):
-    """A component returned something its kind's contract forbids (wrong shape, over budget, ...)."""
-
-
-def violation(component: Component, rule: str) -> ContractViolation:
-    """A ContractViolation naming the component, its kind and the package that registered it."""
-    from oa_core.registry import default_registry
-
-    kind = next((k for k, base in KINDS.items() if isinstance(component, base)), "component")
-    info = default_registry().get(kind, getattr(component, "name", ""))
-    package = info.package if info is not None and info.cls is type(component) else type(component).__module__
-    return ContractViolation(f"{kind} {component.name!r} (package {package!r}) broke its contract: {rule}")
-
-
 class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -47,19 +33,25 @@ class Component:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config.model_dump().items())
         return f"{type(self).__name__}({params})"
 
+    @classmethod
+    def diagnose(cls, pipe: Any, state: Any, query: Tensor) -> dict[str, Tensor]:
+        """Measurements this component's idea makes on any pipeline's prepared state for decode queries
+        ``[B, Hq, T, D]`` (e.g. how well ErrorGate's estimate ranks the clusters, whatever the allocator), each
+        ``[B, Hq, T]`` under a name of its own; {} where it has none or they do not apply. ``oa eval
+        --diagnostics`` asks every registered component."""
+        return {}
+
 
 @dataclass
 class Clusters:
     """A clusterer's output for the clusterable region R of one layer.
 
     ``assignment``: ``[B, Hkv, N]`` cluster ids in ``[0, num_clusters)`` on R, ``num_clusters`` elsewhere.
-    ``basis``: ``[B, Hkv, D, r]`` query-geometry basis U_r when the clusterer computed one (QGS reuses it).
     ``space``: whatever the clusterer's ``assign`` needs to place new tokens (projection, centroids).
     """
 
     assignment: Tensor
     num_clusters: int
-    basis: Tensor | None = None
     space: Any = None
 
 
@@ -115,11 +107,15 @@ class Allocator(Component):
 
 
 class Selector(Component):
-    """Scores keys cheaply and reads, inside each cluster, its q_b best (DESIGN.md §1 steps 3 and 6)."""
+    """Scores keys cheaply, so that the pipeline reads each cluster's q_b best (DESIGN: steps 3 and 6).
+
+    Queries reach ``score`` and ``sample_pool`` grouped as ``[B, Hkv, Gs, G, T, D]`` (``group_queries``): per KV head,
+    Gs selection heads, each shared by G query heads (G = 1 with ``gqa: per_head``, the whole group with ``shared``).
+    """
 
     def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator) -> Any:
-        """Once per request: keys ``[B, Hkv, N, D]`` → an index (plain tensors). ``generator``: a CPU generator
-        seeded from the spec, for selectors that draw (LSH hyperplanes)."""
+        """Once per request: keys ``[B, Hkv, N, D]``, prefill queries ``[B, Hq, M, D]`` or None → an index (plain
+        tensors). ``generator``: a CPU generator seeded from the spec, for selectors that draw (LSH hyperplanes)."""
         return None
 
     def extend(self, index: Any, keys: Tensor) -> Any:
@@ -127,76 +123,26 @@ class Selector(Component):
         return index
 
     def score(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor:
-        """query ``[B, Hq, T, D]`` → approximate logits ``[B, Hq, T, N]`` (float32)."""
+        """query ``[B, Hkv, Gs, G, T, D]`` → approximate logits ``[B, Hkv, Gs, T, N]`` (float32): for each selection
+        head, the largest over its G query heads (any order-preserving score will do: only the ranking matters)."""
         raise NotImplementedError
-
-    def group_scores(self, query: Tensor, index: Any, keys: Tensor, scale: float, shared: bool,
-                     outside: Tensor | None = None) -> Tensor:
-        """``[B, Hkv, Gs, T, N]``: ``score`` per query head (Gs = g), or its maximum over each KV head's group
-        (Gs = 1) when the group shares one selection. ``outside``: None, or a bool mask broadcastable to the output
-        (in practice ``[B, Hkv, 1, 1, N]``: the positions outside every cluster), True where the score is -inf.
-        A selector may override it to fuse the reduction and the mask."""
-        B, Hq, T, _ = query.shape
-        scores = self.score(query, index, keys, scale).view(B, keys.shape[1], Hq // keys.shape[1], T, -1)
-        scores = scores.amax(dim=2, keepdim=True) if shared else scores
-        return scores if outside is None else scores.masked_fill(outside, float("-inf"))
 
     def sample_pool(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor | None:
         """``tail: sample``: ln p_i, the log probability that token i is in the pool the tail samples are drawn
-        from, ``[B, Hq, T, N]`` (-inf: not in the pool). None: every unread token, p = 1 (uniform sampling).
+        from, ``[B, Hkv, Gs, G, T, N]`` for query ``[B, Hkv, Gs, G, T, D]`` (-inf: not in the pool). None: every
+        unread token, p = 1 (uniform sampling).
 
         The pipeline draws m tokens uniformly from the unread part of the pool and weights each η_i = |pool|/m · 1/p_i
         (Horvitz–Thompson), so the estimate stays unbiased when the pool is itself random (LSH candidates)."""
         return None
 
-    def select(self, scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None,
-               members: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Per-cluster top-q_b by score.
 
-        scores ``[B, Hkv, Gs, T, N]`` (-inf outside R), assignment ``[B, Hkv, N]`` (C outside R), quotas
-        ``[..., C]`` → positions ``[B, Hkv, Gs, T, K]``, padded with -1; K = ``width`` (a bound on Σ_b q_b known on
-        the host, so that nothing waits on the device), or the largest Σ_b q_b when None. ``members``: the clusters'
-        positions and sizes (``oa_core.selection.cluster_members``); with them and a width, CUDA tensors are
-        selected by a Triton kernel that reads each cluster's scores instead of sorting the row (same set).
-        """
-        if members is not None and width is not None and scores.is_cuda:
-            from oa_core.selection import select_per_cluster, triton
-
-            if triton is not None:
-                return select_per_cluster(scores, *members, quotas, width)
-        num_tokens = scores.shape[-1]
-        num_clusters = quotas.shape[-1]
-        # Order positions by score, then (stably) by cluster: each cluster's tokens become one run, best first.
-        by_score = scores.argsort(dim=-1, descending=True, stable=True)
-        cluster = assignment[:, :, None, None, :].expand_as(scores).gather(-1, by_score)
-        by_cluster = cluster.argsort(dim=-1, stable=True)
-        ranked = by_score.gather(-1, by_cluster)
-        cluster = cluster.gather(-1, by_cluster)
-        sizes = torch.zeros(*assignment.shape[:2], num_clusters + 1, dtype=torch.long, device=scores.device)
-        sizes.scatter_add_(-1, assignment, torch.ones_like(assignment))
-        starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
-        rank = torch.arange(num_tokens, device=scores.device) - starts.gather(-1, cluster)
-        quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1).gather(-1, cluster)
-        taken = positions(rank < quota, width)
-        return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
-
-
-def positions(mask: Tensor, width: int | None = None) -> Tensor:
-    """``[..., N]`` bool → the True positions in order ``[..., K]``, padded with -1; K = ``width`` (at least every
-    row's count) or, when None, the largest count."""
-    if width is None:
-        width = int(mask.sum(-1).max()) if mask.numel() else 0
-    return compact(torch.arange(mask.shape[-1], device=mask.device).expand(mask.shape), mask, width)
-
-
-def compact(values: Tensor, keep: Tensor, width: int) -> Tensor:
-    """``values`` ``[..., N]`` (integer) where ``keep`` → those kept, in order, ``[..., width]``, padded with -1."""
-    width = min(width, values.shape[-1])
-    # The k-th kept value goes to slot k (a running count, no sort); the rest to a spare slot, dropped.
-    slot = keep.long().cumsum(-1) - 1
-    slot = torch.where(keep & (slot < width), slot, width)
-    out = torch.full((*values.shape[:-1], width + 1), -1, dtype=values.dtype, device=values.device)
-    return out.scatter_(-1, slot, values)[..., :width]
+def group_queries(query: Tensor, kv_heads: int, shared: bool) -> Tensor:
+    """``[B, Hq, T, D]`` → the view ``[B, Hkv, Gs, G, T, D]`` selectors take: query head h·g + j of KV head h is
+    selection head j // G's member j % G (Gs = 1, G = g when ``shared``; Gs = g, G = 1 otherwise)."""
+    B, Hq, T, D = query.shape
+    g = Hq // kv_heads
+    return query.view(B, kv_heads, 1 if shared else g, g if shared else 1, T, D)
 
 
 @dataclass
@@ -232,7 +178,17 @@ class PooledClusters:
 
 
 class Kernel(Component):
-    """Attention over the exact rows plus one count-aware proxy per cluster (DESIGN.md §1 step 7)."""
+    """Attention over the exact rows plus one count-aware proxy per cluster (DESIGN: step 7).
+
+    ``kernel: auto`` takes, among the registered kernels that apply on the device, the one of highest ``priority``.
+    """
+
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        """Why this kernel can't run on tensors of ``device`` (None: it can)."""
+        return None
 
     def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
                proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:

@@ -5,9 +5,9 @@
   is Σŵ_i v_i / Σŵ_i, and E = Σ|ŵ_i − w_i| / Σw_i is the weight discrepancy of the paper's Eq. 2.
 - ``topk_recall``: the share of the true top-k logits of the clusterable region that the selector ranks within its
   E_sel best scores (paper Table 2: top-32 recall at a read fraction).
-- ``errorgate_spearman``: rank agreement of ErrorGate's per-cluster estimate ε̂_b (Eq. 6, diagonal variance) with
-  the true discrepancy of each cluster's proxy, ε_b = Σ_{i∈b} |w_i − e^{z̄_b}|, and with the same estimate from the
-  full covariance (the paper's 0.92).
+
+ErrorGate's own diagnostic (the rank agreement of its estimate with the true per-cluster discrepancy) lives with
+ErrorGate: ``oa_plugins.allocators.errorgate.errorgate_spearman``.
 
 Every function takes a pipeline, the state its ``prepare`` returned and decode queries ``[B, Hq, T, D]`` that see
 the whole cache, and returns per (batch row, query head, query) values ``[B, Hq, T]``.
@@ -20,8 +20,8 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core.cluster_stats import cluster_logit_stats
-from oa_core.pipeline import Pipeline, PipelineState
+from oa_core.pipeline import Pipeline
+from oa_core.state import PipelineState
 
 
 def attention_logits(query: Tensor, state: PipelineState) -> Tensor:
@@ -45,7 +45,7 @@ def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tu
     w = torch.exp(logits - top)
     if state.clusters is None and bool(state.valid.all()):
         return w.clone(), w
-    selection = pipe._select(query, state, causal=False)
+    selection = pipe.explain(query, state).selection
     B, Hkv, g, T, N = w.shape
     index = selection.index.clamp_min(0).expand(B, Hkv, g, T, -1)
     valid = selection.valid.expand_as(index)
@@ -79,7 +79,7 @@ def exact_reads(pipe: Pipeline, state: PipelineState, query: Tensor) -> Tensor:
     """The rows each query reads exactly (sink, local, selected and sampled), bool ``[B, Hkv, g, T, N]``."""
     B, Hq, T, _ = query.shape
     B, Hkv, N, _ = state.keys.shape
-    return _was_read(pipe._select(query, state, causal=False), (B, Hkv, Hq // Hkv, T, N))
+    return _was_read(pipe.explain(query, state).selection, (B, Hkv, Hq // Hkv, T, N))
 
 
 def _was_read(selection, shape: tuple[int, ...]) -> Tensor:
@@ -100,7 +100,7 @@ def topk_recall(pipe: Pipeline, state: PipelineState, query: Tensor, k: int = 32
     scores (E_sel = budget − sink − local of each row), ``[B, Hq, T]``; None when every row is dense."""
     if state.clusters is None:
         return None
-    scores = pipe._scores(query, state)  # [B, Hkv, Gs, T, N], -inf outside the clusters
+    scores = pipe.explain(query, state).scores  # [B, Hkv, Gs, T, N], -inf outside the clusters
     logits = attention_logits(query, state)
     clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
     truth = logits.masked_fill(~clustered, -math.inf).topk(min(k, logits.shape[-1]), dim=-1).indices
@@ -111,49 +111,3 @@ def topk_recall(pipe: Pipeline, state: PipelineState, query: Tensor, k: int = 32
     chosen = rank < budget[:, :, None, None, None]
     hit = chosen.expand(*logits.shape).gather(-1, truth)
     return hit.double().mean(-1).flatten(1, 2)
-
-
-def _ranks(values: Tensor) -> Tensor:
-    return values.argsort(dim=-1, stable=True).argsort(dim=-1).double()
-
-
-def _masked_correlation(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
-    n = mask.sum(-1, keepdim=True).clamp_min(1)
-    a = a - (a * mask).sum(-1, keepdim=True) / n
-    b = b - (b * mask).sum(-1, keepdim=True) / n
-    return (a * b * mask).sum(-1) / ((a * a * mask).sum(-1) * (b * b * mask).sum(-1)).sqrt().clamp_min(1e-300)
-
-
-def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Tensor] | None:
-    """(Spearman of ε̂_b with the true ε_b, Spearman of ε̂_b with the full-covariance ε̂_b), each ``[B, Hq, T]``,
-    over the non-empty clusters of the state's clustering; None when every row is dense."""
-    from oa_plugins.allocators.errorgate import log_error_estimate
-
-    if state.clusters is None:
-        return None
-    C = state.num_clusters
-    logits = attention_logits(query, state)
-    top = logits.amax(-1, keepdim=True)
-    mean, var = (m.double() for m in state.cluster_moments())
-    counts = state.pooled.count.double()[:, :, None, None]
-    mean_logit, logit_var = cluster_logit_stats(query, mean, var, state.scale)  # float64: torch
-    estimate, _ = log_error_estimate(mean_logit, logit_var, counts)
-
-    assignment = state.pooled.assignment[:, :, None, None, :].expand(*logits.shape)
-    proxy = torch.cat([torch.exp(mean_logit - top), torch.zeros_like(top)], -1).gather(-1, assignment)
-    gap = (torch.exp(logits - top) - proxy).abs().masked_fill(assignment == C, 0).nan_to_num()
-    truth = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64).scatter_add_(-1, assignment, gap)[..., :C]
-
-    # The full covariance's σ_b² = s²·qᵀΣ_b q is the variance of the logits inside the cluster: taken from them.
-    spare = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64)
-    z = logits.masked_fill(assignment == C, 0)
-    sums = spare.scatter_add(-1, assignment, z)[..., :C] / counts.clamp_min(1)
-    squares = spare.scatter_add(-1, assignment, z * z)[..., :C] / counts.clamp_min(1)
-    full, _ = log_error_estimate(mean_logit, (squares - sums * sums).clamp_min(0), counts)
-
-    nonempty = (counts > 0).expand_as(truth).double()
-    low = torch.finfo(torch.float64).min
-    ranked = [_ranks(x.nan_to_num(nan=low, neginf=low).masked_fill(nonempty == 0, low))
-              for x in (estimate, truth, full)]
-    return (_masked_correlation(ranked[0], ranked[1], nonempty).flatten(1, 2),
-            _masked_correlation(ranked[0], ranked[2], nonempty).flatten(1, 2))

@@ -1,6 +1,9 @@
-"""Per-cluster top-q_b selection on the GPU without sorting the context (DESIGN.md §1 step 6).
+"""Per-cluster top-q_b selection (DESIGN: step 6): inside each cluster b, the q_b positions of highest score.
 
-The torch reference (``Selector.select``) sorts every row's N scores twice. Here each (selection row, cluster)
+``select`` is the entry: the torch reference (``select_by_sorting``) on any device, or on CUDA tensors the Triton
+kernel below (``select_per_cluster``), which gives the same set without sorting the context.
+
+The torch reference sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
 prepare and extended by growth — and takes its q_b best on the scores' order-preserving 32-bit keys. Up to
 ``FEW_PICKS`` are picked one at a time: each pick is one max-reduction over (key, lane) packed in 64 bits, so the
@@ -29,16 +32,44 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
+from oa_core.scatter import count_by_slot, positions
+from oa_core.triton_path import tl, triton
 
 
 SMALL_CLUSTER = 512  # the smallest block (a power of two): about a typical cluster at 64 clusters of 32K tokens
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
 FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
+
+
+def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None,
+           members: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """scores ``[B, Hkv, Gs, T, N]`` (-inf outside the clusters), assignment ``[B, Hkv, N]`` (C outside), quotas
+    ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run, in
+    position order, clusters in order, then -1 padding. Ties go to the earlier position. K = ``width`` (a bound on
+    Σ_b q_b known on the host, so that nothing waits on the device), or the largest Σ_b q_b when None. ``members``
+    (``cluster_members``): with them and a width, CUDA tensors take the Triton kernel."""
+    if members is not None and width is not None and scores.is_cuda and triton is not None:
+        return select_per_cluster(scores, *members, quotas, width)
+    return select_by_sorting(scores, assignment, quotas, width)
+
+
+def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None) -> Tensor:
+    """``select`` in torch: the scores sorted (descending, stable), then stably by cluster, so that each cluster's
+    positions form one run, best first; the first q_b of each run are kept and listed in position order."""
+    num_tokens = scores.shape[-1]
+    num_clusters = quotas.shape[-1]
+    by_score = scores.argsort(dim=-1, descending=True, stable=True)
+    cluster = assignment[:, :, None, None, :].expand_as(scores).gather(-1, by_score)
+    by_cluster = cluster.argsort(dim=-1, stable=True)
+    ranked = by_score.gather(-1, by_cluster)
+    cluster = cluster.gather(-1, by_cluster)
+    sizes = count_by_slot(assignment, num_clusters)
+    starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
+    starts = torch.cat([starts, starts.new_zeros(*starts.shape[:-1], 1)], -1)  # slot C: outside, never taken
+    rank = torch.arange(num_tokens, device=scores.device) - starts.gather(-1, cluster)
+    quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1).gather(-1, cluster)
+    taken = positions(rank < quota, width)
+    return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
 def cluster_members(assignment: Tensor, num_clusters: int, room: int = 0) -> tuple[Tensor, Tensor]:

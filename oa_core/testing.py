@@ -8,35 +8,28 @@ A plugin author runs them against a component class (or a registered name) from 
         check_component("selector", MySelector)
 
 Each check builds seeded random inputs with GQA (3 query heads per KV head), a batch of 2 with one left-padded row,
-and float32/bfloat16 caches, calls the component directly, then runs it inside a pipeline. A broken contract raises
-``ContractError`` saying which rule and with which shapes. The built-in components pass the same checks
+and float32/bfloat16 caches, calls the component directly, then runs it inside a pipeline. The rules are the ones the
+pipeline enforces at run time (``oa_core.contracts``), plus what only seeded inputs can show: determinism, values
+against the float64 references of the paper's equations (``oa_core.references``), growth. A broken rule raises
+``ContractViolation`` naming the component and the rule. The built-in components pass the same checks
 (``tests/test_conformance.py``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from oa_core import references
-from oa_core.components import KINDS, AllocationInput, Clusters, Component, PooledClusters, Selection
+from oa_core.components import KINDS, AllocationInput, Clusters, Component, PooledClusters, Selection, group_queries
+from oa_core.contracts import ContractViolation, check_clusters, check_output, check_quotas, check_scores, expect
 from oa_core.registry import default_registry
 
 # Pipelines of the built-in defaults that each check swaps one component into.
 BASE_SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": "qgs", "allocator": "errorgate",
              "kernel": "torch", "sink": 4, "local": 16, "budget": {"density": 0.2}}
-
-
-class ContractError(AssertionError):
-    """A component broke the contract of its kind."""
-
-
-def _expect(condition: bool, component: Any, rule: str) -> None:
-    if not condition:
-        raise ContractError(f"{type(component).__name__} ({getattr(component, 'name', '?')}): {rule}")
 
 
 def make_inputs(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 300, dim: int = 32, queries: int = 2,
@@ -66,15 +59,17 @@ def _instance(kind: str, component: Component | type[Component] | str, params: d
     if isinstance(component, str):
         info = default_registry().get(kind, component)
         if info is None:
-            raise ContractError(f"no {kind} named {component!r} is registered; known: "
-                                f"{', '.join(default_registry().names(kind))}")
+            raise ContractViolation(f"no {kind} named {component!r} is registered; known: "
+                                    f"{', '.join(default_registry().names(kind))}")
         component = info.cls
     if isinstance(component, type):
-        _expect(issubclass(component, KINDS[kind]), component, f"is not a {KINDS[kind].__name__} subclass")
-        _expect(isinstance(getattr(component, "name", None), str) and component.name, component,
-                "needs a non-empty class attribute `name`")
+        if not issubclass(component, KINDS[kind]):
+            raise ContractViolation(f"{component.__name__} is not a {KINDS[kind].__name__} subclass")
+        if not (isinstance(getattr(component, "name", None), str) and component.name):
+            raise ContractViolation(f"{component.__name__} needs a non-empty class attribute `name`")
         component = component(component.Config.model_validate(params or {}))
-    _expect(isinstance(component, KINDS[kind]), component, f"is not a {KINDS[kind].__name__}")
+    if not isinstance(component, KINDS[kind]):
+        raise ContractViolation(f"{type(component).__name__} is not a {KINDS[kind].__name__}")
     return component
 
 
@@ -90,24 +85,18 @@ def check_clusterer(component, params: dict | None = None) -> None:
     mask[:, -16:] = False  # local window
     fit = [clusterer.fit(keys, prefill, mask, torch.Generator().manual_seed(7)) for _ in range(2)]
     clusters = fit[0]
-    _expect(isinstance(clusters, Clusters), clusterer, "fit must return oa_core.Clusters")
-    C, a = clusters.num_clusters, clusters.assignment
-    _expect(isinstance(C, int) and C >= 1, clusterer, f"num_clusters must be a positive int, got {C!r}")
-    _expect(a.shape == (B, H, N) and a.dtype == torch.long, clusterer,
-            f"assignment must be long [B, Hkv, N] = {(B, H, N)}, got {a.dtype} {tuple(a.shape)}")
-    inside = mask[:, None, :].expand(B, H, N)
-    _expect(bool((a[~inside] == C).all()), clusterer, "positions outside the mask must get id C (num_clusters)")
-    _expect(bool(((a[inside] >= 0) & (a[inside] < C)).all()), clusterer, "positions inside the mask need ids in [0, C)")
-    _expect(torch.equal(a, fit[1].assignment), clusterer, "fit must be deterministic for the same generator seed")
+    check_clusters(clusterer, clusters, mask, H)
+    C = clusters.num_clusters
+    expect(torch.equal(clusters.assignment, fit[1].assignment), clusterer,
+           "fit must be deterministic for the same generator seed")
     new = clusterer.assign(clusters, keys[:, :, :5])
-    _expect(new.shape == (B, H, 5) and bool(((new >= 0) & (new < C)).all()), clusterer,
-            "assign must return ids in [0, C) of shape [B, Hkv, t]")
+    expect(new.shape == (B, H, 5) and bool(((new >= 0) & (new < C)).all()), clusterer,
+           "assign must return ids in [0, C) of shape [B, Hkv, t]")
 
 
 def check_selector(component, params: dict | None = None) -> None:
-    """score: float32 ``[B, Hq, T, N]``, finite, deterministic; extend then score equals build on all keys (the
-    appended keys leave the keys' mean as it was);
-    select: per cluster exactly its quota of positions, all distinct and inside the clusters."""
+    """score: float32 ``[B, Hkv, Gs, T, N]``, per query head and shared by the group, finite on the clusters,
+    deterministic; extend then score equals build on all keys (the appended keys leave the keys' mean as it was)."""
     selector = _instance("selector", component, params)
     keys, _, prefill, decode = _inputs()
     B, H, N, _ = keys.shape
@@ -117,37 +106,28 @@ def check_selector(component, params: dict | None = None) -> None:
     assignment[..., :4] = C
     clusters = Clusters(assignment, C)
     index = selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3))
-    scores = selector.score(decode, index, keys, 0.2)
-    _expect(scores.shape == (B, Hq, T, N) and scores.dtype == torch.float32, selector,
-            f"score must return float32 [B, Hq, T, N] = {(B, Hq, T, N)}, got {scores.dtype} {tuple(scores.shape)}")
-    _expect(bool(torch.isfinite(scores[..., 4:]).all()), selector, "scores of clustered positions must be finite")
-    again = selector.score(decode, selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3)), keys, 0.2)
-    _expect(torch.equal(scores, again), selector, "build + score must be deterministic for the same seed")
+    for shared in (False, True):
+        query = group_queries(decode, H, shared)
+        scores = selector.score(query, index, keys, 0.2)
+        check_scores(selector, scores, (B, H, query.shape[2], T, N))
+        expect(bool(torch.isfinite(scores[..., 4:]).all()), selector, "scores of clustered positions must be finite")
+        again = selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3))
+        expect(torch.equal(scores, selector.score(query, again, keys, 0.2)), selector,
+               "build + score must be deterministic for the same seed")
     # Growth: build on the first N − 10 keys, extend by 10 whose mean is theirs (pairs m ± d), so that an index built
     # on statistics of the keys (LSH centres on their mean) sees the same statistics either way.
     first = keys[:, :, :N - 10]
     mean = first[:, :, 4:].mean(2, keepdim=True)
     spread = first[:, :, 4:9] - mean
     grown_keys = torch.cat([first, mean + spread, mean - spread], dim=2)
+    query = group_queries(decode, H, shared=False)
     grown = selector.extend(selector.build(first, prefill, Clusters(assignment[..., :N - 10], C),
                                            torch.Generator().manual_seed(3)), grown_keys[:, :, N - 10:])
-    grown_scores = selector.score(decode, grown, grown_keys, 0.2)
-    _expect(grown_scores.shape == scores.shape, selector, "extend must index the appended keys too")
+    grown_scores = selector.score(query, grown, grown_keys, 0.2)
+    check_scores(selector, grown_scores, (B, H, Hq // H, T, N))
     whole = selector.build(grown_keys, prefill, clusters, torch.Generator().manual_seed(3))
-    _expect(torch.allclose(grown_scores, selector.score(decode, whole, grown_keys, 0.2), rtol=1e-4, atol=1e-4),
-            selector, "build on N − 10 keys then extend by 10 must score like build on all N keys")
-    grouped = scores.view(B, H, Hq // H, T, N).masked_fill((assignment == C)[:, :, None, None], -math.inf)
-    counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2)  # [B, H, C]
-    quotas = torch.minimum(torch.full((B, H, Hq // H, T, C), 3), counts[:, :, None, None])
-    chosen = selector.select(grouped, assignment, quotas)
-    _expect(chosen.shape[:4] == quotas.shape[:4], selector, "select must return [B, Hkv, Gs, T, K]")
-    valid = chosen >= 0
-    picked = assignment[:, :, None, None, :].expand(*quotas.shape[:4], N).gather(-1, chosen.clamp_min(0))
-    per_cluster = torch.nn.functional.one_hot(picked.masked_fill(~valid, C), C + 1)[..., :C].sum(-2)
-    _expect(torch.equal(per_cluster, quotas), selector, "select must take exactly q_b positions from each cluster b")
-    ordered = chosen.masked_fill(~valid, -1).sort(-1).values
-    _expect(bool(((ordered[..., 1:] != ordered[..., :-1]) | (ordered[..., 1:] < 0)).all()), selector,
-            "select must not repeat a position")
+    expect(torch.allclose(grown_scores, selector.score(query, whole, grown_keys, 0.2), rtol=1e-4, atol=1e-4),
+           selector, "build on N − 10 keys then extend by 10 must score like build on all N keys")
 
 
 def check_allocator(component, params: dict | None = None) -> None:
@@ -158,7 +138,6 @@ def check_allocator(component, params: dict | None = None) -> None:
     B, H, g, T, C, N = 2, 2, 3, 2, 6, 90
     assignment = torch.randint(C, (B, H, N), generator=gen)
     assignment[..., :3] = C
-    counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2).float()
     assignment[0, 0] = assignment[0, 0].masked_fill(assignment[0, 0] == 2, C)  # an empty cluster
     assignment[1, 1] = C  # a row without clusters (read densely inside a sparse batch)
     counts = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].sum(2).float()
@@ -170,15 +149,8 @@ def check_allocator(component, params: dict | None = None) -> None:
         inputs = AllocationInput(torch.randn(B, H, g, T, C, generator=gen), torch.rand(B, H, g, T, C, generator=gen),
                                  counts, scores, assignment, budget)
         quotas = allocator.allocate(inputs)
-        _expect(quotas.shape == (B, H, Gs, T, C) and not quotas.is_floating_point(), allocator,
-                f"allocate must return integer quotas [B, Hkv, Gs, T, C] = {(B, H, Gs, T, C)}, got "
-                f"{quotas.dtype} {tuple(quotas.shape)}")
-        _expect(bool((quotas >= 0).all()) and bool((quotas <= counts[:, :, None, None]).all()), allocator,
-                "quotas must lie in [0, n_b]")
-        target = torch.minimum(budget.view(B, H, 1, 1), counts.sum(-1).view(B, H, 1, 1)).long()
-        _expect(torch.equal(quotas.sum(-1), target.expand(B, H, Gs, T)), allocator,
-                "quotas must add up to min(E_sel, Σ n_b)")
-        _expect(torch.equal(quotas, allocator.allocate(inputs)), allocator, "allocate must be deterministic")
+        check_quotas(allocator, quotas, inputs, exact=True)
+        expect(torch.equal(quotas, allocator.allocate(inputs)), allocator, "allocate must be deterministic")
 
 
 def check_kernel(component, params: dict | None = None) -> None:
@@ -190,10 +162,9 @@ def check_kernel(component, params: dict | None = None) -> None:
     B, H, N, D = keys.shape
     Hq, T = decode.shape[1], decode.shape[2]
     out, _ = kernel.attend(decode, keys, values, None, None, 0.2)
-    _expect(out.shape == decode.shape and out.dtype == decode.dtype, kernel,
-            "attend must return the query's shape and dtype")
+    check_output(kernel, out, decode)
     expected = references.proxy_attention(decode, keys, values, None, None, 0, 0.2)
-    _expect(_relative_error(out, expected) < 1e-5, kernel, "without a selection attend is dense softmax attention")
+    expect(_relative_error(out, expected) < 1e-5, kernel, "without a selection attend is dense softmax attention")
     gen = torch.Generator().manual_seed(9)
     C = 6
     assignment = torch.randint(C, (B, H, N), generator=gen)
@@ -214,8 +185,8 @@ def check_kernel(component, params: dict | None = None) -> None:
             expected = references.proxy_attention(decode, keys, values, index, assignment if proxies else None, C,
                                                   0.2, log_weight)
             error = _relative_error(out, expected)
-            _expect(error < 1e-5, kernel, f"differs from Eq. 1 (oa_core.references.proxy_attention): relative error "
-                                          f"{error:.2e}, Gs={Gs}, proxies={proxies is not None}")
+            expect(error < 1e-5, kernel, f"differs from Eq. 1 (oa_core.references.proxy_attention): relative error "
+                                         f"{error:.2e}, Gs={Gs}, proxies={proxies is not None}")
 
 
 def _relative_error(got: Tensor, expected: Tensor) -> float:
@@ -245,11 +216,11 @@ def check_pipeline(kind: str, component, params: dict | None = None) -> None:
             state.append(keys[:, :, :2], values[:, :, :2])
             out, stats = pipe.attend(decode, state, return_stats=True)
             runs.append(out)
-        _expect(out.shape == decode.shape and out.dtype == dtype and bool(torch.isfinite(out).all()), pipe,
-                f"the pipeline output must be finite, of the query's shape and dtype ({dtype})")
+        tested = getattr(pipe, kind)
+        expect(bool(torch.isfinite(out).all()), tested, f"the pipeline's output must be finite ({dtype})")
         budget = pipe.spec.budget.rows(state.valid.sum(-1))
-        _expect(bool((stats.reads <= budget.view(-1, 1, 1, 1)).all()), pipe, "a pipeline must stay within its budget")
-        _expect(torch.equal(runs[0], runs[1]), pipe, "a pipeline must be deterministic for a fixed seed")
+        expect(bool((stats.reads <= budget.view(-1, 1, 1, 1)).all()), tested, "a pipeline must stay within its budget")
+        expect(torch.equal(runs[0], runs[1]), tested, "a pipeline must be deterministic for a fixed seed")
 
 
 def check_component(kind: str, component: Component | type[Component] | str, params: dict | None = None,
@@ -262,6 +233,6 @@ def check_component(kind: str, component: Component | type[Component] | str, par
     if pipeline:
         registered = component if isinstance(component, str) else getattr(component, "name", None)
         if default_registry().get(kind, registered) is None:
-            raise ContractError(f"{kind} {registered!r} is not registered through the 'openattention' entry points, "
-                                "so a spec cannot name it (install the package, or pass pipeline=False)")
+            raise ContractViolation(f"{kind} {registered!r} is not registered through the 'openattention' entry "
+                                    "points, so a spec cannot name it (install the package, or pass pipeline=False)")
         check_pipeline(kind, registered, params)

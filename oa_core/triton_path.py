@@ -1,6 +1,9 @@
 """Where the Triton fast paths run: on CUDA tensors, and on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set before any kernel is defined, as the test suite does). Elsewhere each component runs its
-torch reference and, where it reports one, says why."""
+torch reference and, where it reports one, says why.
+
+The one guarded import of Triton: modules with kernels take ``triton``, ``tl`` and ``libdevice`` from here (None without Triton) and
+define their kernels under ``if triton is not None``."""
 
 from __future__ import annotations
 
@@ -10,8 +13,19 @@ import torch
 
 try:
     import triton
+    import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
+    triton = tl = None
+
+libdevice = None  # CUDA's libdevice math (e.g. the exp torch uses on CUDA), where this Triton has it
+if triton is not None:
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:  # pragma: no cover - older triton
+        try:
+            from triton.language.extra.cuda import libdevice
+        except ImportError:
+            pass
 
 
 def interpreting() -> bool:

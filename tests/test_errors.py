@@ -7,7 +7,7 @@ import torch
 
 import oa_core as oa
 from conftest import make_inputs
-from oa_core.pipeline import CacheMismatch
+from oa_core.state import CacheMismatch
 
 SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 4, "local": 16, "budget": {"density": 0.2}}
 

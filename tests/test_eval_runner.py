@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import oa_core as oa
+from oa_core.eval import records as eval_records
 from oa_core.eval import runner
 
 SPECS = ["specs/openattention.yaml", "specs/oracle-topk.yaml"]
@@ -37,7 +39,7 @@ def model(tokenizer):
 
 def _config(out, **overrides):
     base = dict(specs=SPECS, densities=[0.1], tasks=["niah_single_1", "vt"], lengths=[512], samples=2,
-                out=Path(out), max_new_tokens=3, progress=False)
+                out=Path(out), max_new_tokens=3, progress=False, sink=4, local=16)
     return runner.EvalConfig(**{**base, **overrides})
 
 
@@ -54,9 +56,9 @@ def uninterrupted(model, tokenizer, tmp_path_factory):
 
 def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
     out, rows = uninterrupted
-    records = runner.read_records(out)
+    records = eval_records.read_records(out)
     # 2 tasks × 2 samples, each: dense once + 2 specs at one density
-    assert len(records) == 4 * (1 + 2) == len({runner.record_key(r) for r in records})
+    assert len(records) == 4 * (1 + 2) == len({eval_records.record_key(r) for r in records})
     dense = [r for r in records if r["spec"] == "dense"]
     assert len(dense) == 4 and all(r["density"] is None and r["measured_density"] == 1.0 for r in dense)
     sparse = [r for r in records if r["spec"] != "dense"]
@@ -68,7 +70,7 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
     assert {(r["spec"], r["density"], r["task"]) for r in rows} == \
         {("dense", 1.0, t) for t in ("niah_single_1", "vt")} | \
         {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}
-    assert (out / "summary.csv").read_text().splitlines()[0].split(",") == list(runner.SUMMARY_FIELDS)
+    assert (out / "summary.csv").read_text().splitlines()[0].split(",") == list(eval_records.SUMMARY_FIELDS)
     for row in rows:
         if row["spec"] == "dense":
             assert row["logprob_gap"] == 0.0
@@ -77,7 +79,7 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
 def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupted, tmp_path, monkeypatch):
     _, full = uninterrupted
     written = []
-    original = runner._Writer.write
+    original = eval_records.RecordWriter.write
 
     def crash_after_five(self, record):
         if len(written) == 5:
@@ -85,16 +87,16 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
         written.append(record)
         original(self, record)
 
-    monkeypatch.setattr(runner._Writer, "write", crash_after_five)
+    monkeypatch.setattr(eval_records.RecordWriter, "write", crash_after_five)
     with pytest.raises(KeyboardInterrupt):
         runner.run(_config(tmp_path), model, tokenizer)
-    monkeypatch.setattr(runner._Writer, "write", original)
-    assert len(runner.read_records(tmp_path)) == 5  # nothing written was lost
+    monkeypatch.setattr(eval_records.RecordWriter, "write", original)
+    assert len(eval_records.read_records(tmp_path)) == 5  # nothing written was lost
     with (tmp_path / "records.jsonl").open("a") as f:
         f.write('{"spec": "openattention", "dens')  # a line cut short by the crash: ignored, its cell runs again
 
     ran = []
-    monkeypatch.setattr(runner._Writer, "write", lambda self, record: (ran.append(record), original(self, record)))
+    monkeypatch.setattr(eval_records.RecordWriter, "write", lambda self, record: (ran.append(record), original(self, record)))
     rows = runner.run(_config(tmp_path), model, tokenizer)
     assert len(ran) == 12 - 5  # only the cells not yet done
     assert _comparable(rows) == _comparable(full)
@@ -145,15 +147,15 @@ def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninte
 
     monkeypatch.setattr(owner, name, short_of_memory)
     cells = 1 if where == "answer" else 3  # a cell; or, with no prefilled context, the unit's three cells
-    in_order = [runner.record_key(r) for r in runner.read_records(full_out)]
+    in_order = [eval_records.record_key(r) for r in eval_records.read_records(full_out)]
     if failures < 4:  # answered at once (one failure), or at the end of the run (two): nothing is missing
         assert _comparable(runner.run(_config(tmp_path), model, tokenizer)) == _comparable(full)
-        written = [runner.record_key(r) for r in runner.read_records(tmp_path)]
+        written = [eval_records.record_key(r) for r in eval_records.read_records(tmp_path)]
         assert written == in_order if failures == 1 else written == in_order[cells:] + in_order[:cells]
         return
     with pytest.raises(runner.IncompleteRun, match=f"{cells} cell.*ran out of memory twice with one sample.*again"):
         runner.run(_config(tmp_path), model, tokenizer)
-    assert len(runner.read_records(tmp_path)) == 12 - cells  # every other cell ran, the summary of them written
+    assert len(eval_records.read_records(tmp_path)) == 12 - cells  # every other cell ran, the summary of them written
     assert (tmp_path / "summary.json").is_file()
     monkeypatch.setattr(owner, name, original)
     rows = runner.run(_config(tmp_path), model, tokenizer)  # the rerun runs what was left
@@ -167,7 +169,7 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
 
     config = _config(tmp_path, specs=["specs/oracle-topk.yaml"], tasks=["niah_single_2"], samples=6, batch=4)
     samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
-    first = runner.sample_batches([len(runner._encode(tokenizer, s.question)) for s in samples], 4)[0]
+    first = runner.sample_batches([len(runner.encode(tokenizer, s.question)) for s in samples], 4)[0]
     assert len(first) >= 3, "the test needs a batch of three samples or more"
     prefill, answer, sizes = runner.oa.prefill_context, runner._answer, []
 
@@ -185,9 +187,9 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
 
     monkeypatch.setattr(runner.oa, "prefill_context", prefill_fits_one)
     runner.run(config, model, tokenizer)
-    records = runner.read_records(tmp_path)
-    assert sorted(runner.record_key(r) for r in records) == sorted(
-        runner.cell_key(spec, density, "niah_single_2", 512, i)
+    records = eval_records.read_records(tmp_path)
+    assert sorted(eval_records.record_key(r) for r in records) == sorted(
+        eval_records.cell_key(spec, density, "niah_single_2", 512, i)
         for spec, density in (("dense", None), ("oracle-topk", 0.1)) for i in range(6))
     assert all(r["batch"] == 1 for r in records if r["sample"] in first)
     assert sizes[:2] == [("prefill", len(first))] * 2  # tried twice with the whole batch before it is split
@@ -197,7 +199,7 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
     monkeypatch.setattr(runner, "_answer", answer_fits_one)
     runner.run(_config(other, **{k: getattr(config, k) for k in ("specs", "tasks", "samples", "batch")}), model,
                tokenizer)
-    records = runner.read_records(other)
+    records = eval_records.read_records(other)
     assert len(records) == 12
     batch = {(r["spec"], r["sample"]): r["batch"] for r in records}
     for i in first:
@@ -240,7 +242,7 @@ def test_oa_eval_names_bad_input(tmp_path, capsys):
 
 def test_cells_are_dealt_in_turn_and_grouped_by_unit():
     pairs = [(unit, cell) for unit in ("u0", "u1", "u2") for cell in range(5)]  # a unit's cells: specs × densities
-    shares = [runner._deal(pairs, rank, 4) for rank in range(4)]
+    shares = [runner.deal_to_ranks(pairs, rank, 4) for rank in range(4)]
     dealt = [(unit, cell) for share in shares for unit, cells in share for cell in cells]
     assert sorted(dealt) == sorted(pairs)  # every cell once
     assert [sum(len(cells) for _, cells in share) for share in shares] == [4, 4, 4, 3]
@@ -265,12 +267,13 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
            "OA_CACHE_DIR": str(tmp_path / "cache")}
     command = [torchrun, "--nproc-per-node", "2", "--master-port", "29531", "-m", "oa_core.cli", "eval",
                "--model", str(folder), "--specs", *SPECS, "--densities", "0.1", "--tasks", "niah_single_1", "vt",
-               "--length", "512", "--samples", "2", "--max-new-tokens", "3", "--out", str(out)]
+               "--length", "512", "--samples", "2", "--max-new-tokens", "3", "--sink", "4", "--local-window", "16",
+               "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "records-rank0.jsonl").is_file() and (out / "records-rank1.jsonl").is_file()
-    records = runner.read_records(out)
-    assert len(records) == 12 == len({runner.record_key(r) for r in records})
+    records = eval_records.read_records(out)
+    assert len(records) == 12 == len({eval_records.record_key(r) for r in records})
     for rank in (0, 1):  # the cells are dealt in turn: each rank has half of them, from every unit
         mine = [json.loads(line) for line in (out / f"records-rank{rank}.jsonl").read_text().splitlines()]
         assert len(mine) == 6 and len({(r["task"], r["sample"]) for r in mine}) == 4
@@ -345,18 +348,18 @@ def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp
     a rerun resumes; the dense reference's error is ~0 and a sparse spec's is not."""
     config = _config(tmp_path, metric="attention-error", lengths=[300], layers=[0, 1], decode=4, diagnostics=True)
     rows = runner.run(config, model, tokenizer)
-    records = runner.read_records(tmp_path)
+    records = eval_records.read_records(tmp_path)
     assert len(records) == 2 * (1 + 2) and {r["task"] for r in records} == {"attention-error"}
     assert {r["sample"] for r in records} == {0, 1}  # one unit per layer
     by_spec = {r["spec"]: r for r in rows}
     assert by_spec["dense"]["score"] < 1e-5 and by_spec["openattention"]["score"] > 1e-4
     assert all(math.isnan(r["retention"]) for r in rows)
-    table = runner.summary_table(rows)  # relative errors printed as such, not rounded to a score's 0.0
+    table = eval_records.summary_table(rows)  # relative errors printed as such, not rounded to a score's 0.0
     assert f"| {by_spec['openattention']['score']:.4f} |" in table
     sparse = [r for r in records if r["spec"] == "openattention"]
     assert all(0 <= r["top32_recall"] <= 1 and r["weight_discrepancy"] > 0 for r in sparse)  # --diagnostics
     assert _comparable(runner.run(config, model, tokenizer)) == _comparable(rows)  # nothing left to run
-    assert len(runner.read_records(tmp_path)) == 6
+    assert len(eval_records.read_records(tmp_path)) == 6
     from oa_core.eval.report import build_report
 
     text = build_report(tmp_path).read_text()
@@ -369,20 +372,20 @@ def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
     from oa_core.eval import ruler
 
     samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
-    questions = [len(runner._encode(tokenizer, s.question)) for s in samples]
+    questions = [len(runner.encode(tokenizer, s.question)) for s in samples]
     batches = runner.sample_batches(questions, 4)
     assert sorted(i for b in batches for i in b) == list(range(6)) and all(len(b) <= 4 for b in batches)
     assert all(len({questions[i] for i in b}) == 1 for b in batches)
     together = [b for b in batches if len(b) > 1]
     assert together, "the test needs two samples with one question length"
-    contexts = {len(runner._encode(tokenizer, samples[i].context)) for i in together[0]}
+    contexts = {len(runner.encode(tokenizer, samples[i].context)) for i in together[0]}
     assert len(contexts) > 1, "the test needs contexts of different lengths (padding)"
 
     config = dict(specs=["specs/oracle-topk.yaml", "specs/openattention.yaml"], tasks=["niah_single_2"], samples=6)
     runner.run(_config(tmp_path / "alone", **config), model, tokenizer)
     runner.run(_config(tmp_path / "batched", batch=4, **config), model, tokenizer)
-    alone = {runner.record_key(r): r for r in runner.read_records(tmp_path / "alone")}
-    batched = {runner.record_key(r): r for r in runner.read_records(tmp_path / "batched")}
+    alone = {eval_records.record_key(r): r for r in eval_records.read_records(tmp_path / "alone")}
+    batched = {eval_records.record_key(r): r for r in eval_records.read_records(tmp_path / "batched")}
     assert alone.keys() == batched.keys()
     for key, r in batched.items():
         assert r["batch"] == next(len(b) for b in batches if r["sample"] in b)
@@ -391,3 +394,16 @@ def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
             assert r["output"] == alone[key]["output"]
         else:
             assert r["measured_density"] < 1.0
+
+
+def test_sink_and_local_are_the_specs_own_unless_overridden(tmp_path):
+    """Without sink=/local= each spec keeps its own (the YAML's local 64); a budget below them is refused, naming the
+    spec, before any model loads (no model is passed here: a load would fail the test)."""
+    config = _config(tmp_path, sink=None, local=None)
+    specs = runner.resolved_specs(config)
+    assert all(data.get("local", 64) == 64 for data, dense in specs.values() if not dense)
+    with pytest.raises(oa.SpecError, match=r"budget: .* at 10% of 512 tokens reads 51 rows, fewer than its sink \+ "
+                                           r"local = 4 \+ 64"):
+        runner.run(config)
+    overridden = runner.resolved_specs(_config(tmp_path, sink=2, local=8))
+    assert all(data["sink"] == 2 and data["local"] == 8 for data, dense in overridden.values() if not dense)

@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 import oa_core as oa
-from oa_core.integration import PREFILL_QUERY_WINDOW
+from oa_core.geometry import QUERY_WINDOW
 from oa_core.offline_model import capture_attention
 
 SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 2, "local": 8, "budget": {"density": 0.2}}
@@ -160,7 +160,7 @@ def test_a_recorded_context_keeps_only_what_it_uses():
         oa.prefill_context(handle.model, ids, mask)
         for runtime in handle.runtimes.values():
             record = runtime.context
-            assert record.queries.shape[2] == PREFILL_QUERY_WINDOW
+            assert record.queries.shape[2] == QUERY_WINDOW
             assert torch.equal(record.mask, mask.bool())
             for held in (record.queries, record.mask):
                 assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
@@ -245,7 +245,7 @@ def test_attn_implementation_route_uses_the_config_spec():
     assert torch.equal(tokens, expected_tokens)
     assert torch.equal(logprob, expected_logprob)
     assert (logprob - dense_logprob).abs().max() > 1e-3, (logprob, dense_logprob)  # it can tell sparse from dense
-    runtimes = [oa.integration._RUNTIMES[m] for m in model.modules() if m in oa.integration._RUNTIMES]
+    runtimes = list(oa.integration.runtimes(model).values())
     assert len(runtimes) == 2 and all(r.pipeline.spec.budget.density == 0.2 for r in runtimes)
     assert any(not r.dense for rt in runtimes for r in rt.records)
 
@@ -309,7 +309,7 @@ def test_an_invalid_spec_leaves_the_model_unpatched():
     with pytest.raises(oa.SpecError, match="budget.density"):
         oa.patch(model, {"budget": {"density": 2}})
     assert model.config._attn_implementation == "sdpa"
-    assert not any(m in oa.integration._RUNTIMES for m in model.modules())
+    assert oa.integration.runtimes(model) == {}
 
 
 def test_spelled_out_causal_mask_is_sdpas_own_causal_prefill():
@@ -320,9 +320,9 @@ def test_spelled_out_causal_mask_is_sdpas_own_causal_prefill():
     query, key, value = (torch.randn(2, heads, 40, 16, generator=gen) for heads in (6, 2, 2))
     sdpa = AttentionInterface()["sdpa"]
     expected, _ = sdpa(layer, query, key, value, None, scaling=0.25)
-    got, _ = sdpa(layer, query, key, value, oa.integration._causal_mask(40, "cpu"), scaling=0.25)
+    got, _ = sdpa(layer, query, key, value, oa.integration.runtime.causal_mask(40, "cpu"), scaling=0.25)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    shifted, _ = sdpa(layer, query, key, value, oa.integration._causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25)
+    shifted, _ = sdpa(layer, query, key, value, oa.integration.runtime.causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25)
     assert not torch.allclose(shifted, expected, atol=1e-3)  # the mask's orientation matters: the check could fail
 
 
@@ -335,7 +335,7 @@ def test_grouped_float32_prefill_on_cuda_does_not_materialise_the_scores():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    out, _ = oa.integration._sdpa(layer, query, key, value, None, None, 0.0)
+    out, _ = oa.integration.runtime.model_sdpa(layer, query, key, value, None, None, 0.0)
     assert (torch.cuda.max_memory_allocated() - before) / 2**30 < 1.0
     assert out.shape == (1, 8192, 9, 64)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import oa_core as oa
-from oa_core import pipeline
+from oa_core import state as state_module
 from conftest import dense_attention, make_inputs, relative_error
 
 SMALL = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16}
@@ -173,8 +173,8 @@ def _listed_members(plan):
 def test_growth_updates_the_plan_as_a_fresh_one_would_be(budget, monkeypatch):
     # Without sorting the context again: the positions read every step, the budget's split, the member lists (here
     # on the CPU too), through a table that fills up (2 clusters), in a left-padded batch with a dense row.
-    monkeypatch.setattr(pipeline, "_wants_members", lambda keys: True)
-    monkeypatch.setattr(pipeline, "MEMBER_ROOM", 2)  # the table fills up: checked, then built anew
+    monkeypatch.setattr(state_module, "_wants_members", lambda keys: True)
+    monkeypatch.setattr(state_module, "MEMBER_ROOM", 2)  # the table fills up: checked, then built anew
     keys, values, prefill, decode = make_inputs(batch=1, tokens=330, seed=8)
     rows = [(keys[:, :, :300], values[:, :, :300]), (keys[:, :, :250], values[:, :, :250]),
             (keys[:, :, :18], values[:, :, :18])]  # the last is read densely (shorter than sink + local)

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from oa_core.components import Selector  # noqa: E402
+from oa_core.selection import select_by_sorting  # noqa: E402
 from oa_core import selection  # noqa: E402
 from oa_core.selection import cluster_members, select_per_cluster, size_classes  # noqa: E402
 from oa_plugins.selectors.qgs import group_int8_scores, quantize  # noqa: E402
@@ -38,7 +38,7 @@ def test_per_cluster_selection_matches_the_reference_set(register_limit, monkeyp
     quotas[1, 0, 1, 0] = 0  # nothing
     width = int(quotas.sum(-1).max()) + 2
     fast = select_per_cluster(scores, members, counts, quotas, width)
-    reference = Selector.select(None, scores, assignment, quotas, width)
+    reference = select_by_sorting(scores, assignment, quotas, width)
     assert fast.shape == reference.shape
     assert torch.equal(fast.sort(-1).values, reference.sort(-1).values)
     assert bool(((fast >= 0).sum(-1) == quotas.sum(-1)).all())
@@ -64,7 +64,7 @@ def test_selection_reads_a_grown_member_table(monkeypatch):
     quotas = torch.minimum(torch.randint(1, 4, (B, H, Gs, T, C), generator=gen), counts[:, :, None, None])
     width = int(quotas.sum(-1).max())
     fast = select_per_cluster(scores, members, counts, quotas, width)
-    reference = Selector.select(None, scores, assignment, quotas, width)
+    reference = select_by_sorting(scores, assignment, quotas, width)
     assert torch.equal(fast, _cluster_major(reference, assignment))
 
 
@@ -121,7 +121,7 @@ def test_every_size_class_matches_the_reference_layout(few, monkeypatch):
     quotas[1, 1, 1] = draw[1, 1, 1]
     width = int(quotas.sum(-1).max()) + 3
     fast = select_per_cluster(scores, members, counts, quotas, width)
-    reference = Selector.select(None, scores, assignment, quotas, width)
+    reference = select_by_sorting(scores, assignment, quotas, width)
     assert torch.equal(fast, _cluster_major(reference, assignment))
     assert bool(((fast >= 0).sum(-1) == quotas.sum(-1)).all())
 
@@ -139,7 +139,7 @@ def test_ties_at_the_top_are_taken_in_position_order(size, few, monkeypatch):
     scores = torch.where(torch.arange(size) % 2 == 0, 3.0, -torch.arange(size).float()).expand(1, 1, 1, 3, size)
     quotas = torch.tensor([1, 2, size - 1]).view(1, 1, 1, 3, 1)
     fast = select_per_cluster(scores, members, counts, quotas, size)
-    reference = Selector.select(None, scores, assignment, quotas, size)
+    reference = select_by_sorting(scores, assignment, quotas, size)
     assert torch.equal(fast, _cluster_major(reference, assignment))
 
 
@@ -151,17 +151,3 @@ def test_int8_scores_match_the_reference():
     fast = group_int8_scores(projected, codes, scales, 0.125, Q, 1).view(B, H, Q, N)  # each row its own group
     reference = (projected @ codes.float().transpose(-1, -2)) * (0.125 * scales[:, :, None, :])
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("width", [None, 0, 3, 1000])
-def test_positions_lists_each_rows_true_positions_in_order(width):
-    from oa_core.components import positions
-
-    mask = torch.rand(3, 2, 40, generator=torch.Generator().manual_seed(2)) < 0.3
-    mask[0, 0] = False  # a row with none
-    out = positions(mask, width)
-    expected_width = min(int(mask.sum(-1).max()) if width is None else width, 40)
-    assert out.shape == (3, 2, expected_width)
-    for row, listed in zip(mask.view(-1, 40), out.reshape(6, expected_width)):
-        truth = row.nonzero().flatten().tolist()[:expected_width]
-        assert listed.tolist() == truth + [-1] * (expected_width - len(truth))

@@ -23,9 +23,34 @@ def test_defaults_are_the_paper_pipeline():
     # auto: flash on CUDA, the torch reference elsewhere, with the reason.
     expected = "flash" if torch.cuda.is_available() else "torch"
     assert pipe.spec.kernel.name == "auto" and pipe.kernel.name == expected
-    assert pipe.kernel_note == ("auto: flash (CUDA available)" if expected == "flash"
-                                else "auto: torch reference (no CUDA device)")
+    assert pipe.kernel_note == ("auto: flash (runs on cuda)" if expected == "flash"
+                                else "auto: torch (flash: no CUDA device)")
     assert pipe.spec.tail == "proxy"
+
+
+def test_auto_takes_the_highest_priority_kernel_that_runs_here(monkeypatch):
+    """The core names no kernel: each says where it runs and with what priority (a plugin's too)."""
+    from oa_core.registry import ComponentInfo, default_registry
+    from oa_plugins.kernels.reference import TorchKernel
+
+    class Everywhere(TorchKernel):
+        name = "everywhere-test"
+        priority = 100
+
+    class Nowhere(TorchKernel):
+        name = "nowhere-test"
+        priority = 1000
+
+        @classmethod
+        def unavailable(cls, device):
+            return "needs a device that does not exist"
+
+    kernels = default_registry().components["kernel"]
+    for cls in (Everywhere, Nowhere):
+        monkeypatch.setitem(kernels, cls.name, ComponentInfo("kernel", cls.name, cls, "test", "tests"))
+    pipe = oa.build({})
+    assert pipe.kernel.name == "everywhere-test"
+    assert pipe.kernel_note == "auto: everywhere-test (nowhere-test: needs a device that does not exist)"
 
 
 @pytest.mark.parametrize("budget, message", [

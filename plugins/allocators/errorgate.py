@@ -9,6 +9,8 @@ With a GQA group sharing one selection, each head's ε̂ is divided by its Gauss
 
 On CUDA tensors all of it — the priority, the sum over the group and the water-filling — is one Triton kernel, a
 program per selection row (``allocate_triton``); on the CPU the torch ops below run, the reference.
+
+``errorgate_spearman`` measures how well ε̂_b ranks the clusters by the error their proxies really leave.
 """
 
 from __future__ import annotations
@@ -20,22 +22,15 @@ import torch
 from torch import Tensor
 
 from oa_core import hookimpl, triton_path
+from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.components import AllocationInput
-from oa_plugins.allocators.water_filling import WaterFillAllocator, launch_config, log_total, triton, triton_applies
+from oa_core.metrics import attention_logits
+from oa_core.state import PipelineState
+from oa_core.triton_path import libdevice, tl, triton
+from oa_core.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies
 
-libdevice = None
 if triton is not None:
-    import triton.language as tl
-
-    from oa_plugins.allocators.water_filling import water_fill_row
-
-    try:
-        from triton.language.extra import libdevice
-    except ImportError:  # pragma: no cover - older triton
-        try:
-            from triton.language.extra.cuda import libdevice
-        except ImportError:
-            pass
+    from oa_core.water_filling import water_fill_row  # a Triton function, defined where Triton is
 
 
 def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,6 +54,13 @@ class ErrorGate(WaterFillAllocator):
         if fused_applies(inputs):
             return allocate_triton(inputs)
         return super().allocate(inputs)
+
+    @classmethod
+    def diagnose(cls, pipe, state: PipelineState, query: Tensor) -> dict[str, Tensor]:
+        spearman = errorgate_spearman(state, query)
+        if spearman is None:
+            return {}
+        return {"errorgate_spearman": spearman[0], "errorgate_spearman_full_variance": spearman[1]}
 
 
 # True: ErrorGate runs the fused kernel on CPU tensors too when Triton's interpreter is on (tests that exercise the
@@ -153,6 +155,52 @@ if triton is not None:
         budget = tl.load(BUDGET + b * sb_b + h * sb_h + s * sb_s + t * sb_t).to(tl.float64)
         quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget, offs_c, ok)
         tl.store(OUT + p.to(tl.int64) * C + offs_c, quotas, mask=ok)
+
+
+# -- diagnostics -------------------------------------------------------------------------------------------------
+
+def _ranks(values: Tensor) -> Tensor:
+    return values.argsort(dim=-1, stable=True).argsort(dim=-1).double()
+
+
+def _masked_correlation(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
+    n = mask.sum(-1, keepdim=True).clamp_min(1)
+    a = a - (a * mask).sum(-1, keepdim=True) / n
+    b = b - (b * mask).sum(-1, keepdim=True) / n
+    return (a * b * mask).sum(-1) / ((a * a * mask).sum(-1) * (b * b * mask).sum(-1)).sqrt().clamp_min(1e-300)
+
+
+def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(Spearman of ε̂_b with the true ε_b, Spearman of ε̂_b with the full-covariance ε̂_b), each ``[B, Hq, T]``,
+    over the non-empty clusters of the state's clustering; None when every row is dense."""
+    if state.clusters is None:
+        return None
+    C = state.num_clusters
+    logits = attention_logits(query, state)
+    top = logits.amax(-1, keepdim=True)
+    mean, var = (m.double() for m in state.cluster_moments())
+    counts = state.pooled.count.double()[:, :, None, None]
+    mean_logit, logit_var = cluster_logit_stats(query, mean, var, state.scale)  # float64: torch
+    estimate, _ = log_error_estimate(mean_logit, logit_var, counts)
+
+    assignment = state.pooled.assignment[:, :, None, None, :].expand(*logits.shape)
+    proxy = torch.cat([torch.exp(mean_logit - top), torch.zeros_like(top)], -1).gather(-1, assignment)
+    gap = (torch.exp(logits - top) - proxy).abs().masked_fill(assignment == C, 0).nan_to_num()
+    truth = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64).scatter_add_(-1, assignment, gap)[..., :C]
+
+    # The full covariance's σ_b² = s²·qᵀΣ_b q is the variance of the logits inside the cluster: taken from them.
+    spare = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64)
+    z = logits.masked_fill(assignment == C, 0)
+    sums = spare.scatter_add(-1, assignment, z)[..., :C] / counts.clamp_min(1)
+    squares = spare.scatter_add(-1, assignment, z * z)[..., :C] / counts.clamp_min(1)
+    full, _ = log_error_estimate(mean_logit, (squares - sums * sums).clamp_min(0), counts)
+
+    nonempty = (counts > 0).expand_as(truth).double()
+    low = torch.finfo(torch.float64).min
+    ranked = [_ranks(x.nan_to_num(nan=low, neginf=low).masked_fill(nonempty == 0, low))
+              for x in (estimate, truth, full)]
+    return (_masked_correlation(ranked[0], ranked[1], nonempty).flatten(1, 2),
+            _masked_correlation(ranked[0], ranked[2], nonempty).flatten(1, 2))
 
 
 @hookimpl

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import AllocationInput, Allocator
+from oa_core.scatter import count_by_slot
 
 
 class GlobalTopK(Allocator):
@@ -27,8 +28,7 @@ class GlobalTopK(Allocator):
         assignment = inputs.assignment[:, :, None, None, :].expand_as(scores)
         beyond = torch.arange(width, device=scores.device) >= inputs.budget[..., None]  # a row's own budget
         clusters = assignment.gather(-1, top).masked_fill((top_scores == float("-inf")) | beyond, num_clusters)
-        quotas = torch.zeros(*scores.shape[:-1], num_clusters + 1, dtype=torch.long, device=scores.device)
-        return quotas.scatter_add_(-1, clusters, torch.ones_like(clusters))[..., :num_clusters]
+        return count_by_slot(clusters, num_clusters)
 
 
 @hookimpl

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Clusterer, Clusters
-from oa_plugins.clusterers.qgc import _nearest, lloyd
+from oa_core.geometry import lloyd, nearest
 
 
 class KMeansConfig(BaseModel):
@@ -33,7 +33,7 @@ class KeyKMeans(Clusterer):
         return Clusters(assignment.masked_fill(~mask, num_clusters), num_clusters, space=centroids)
 
     def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:
-        return _nearest(keys.float(), clusters.space)
+        return nearest(keys.float(), clusters.space)
 
 
 @hookimpl

@@ -35,13 +35,8 @@ from torch import Tensor
 
 from oa_core import hookimpl, triton_path
 from oa_core.components import Kernel, PooledClusters, Selection
+from oa_core.triton_path import tl, triton
 from oa_plugins.kernels.reference import TorchKernel
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
 
 
 if triton is not None:
@@ -258,6 +253,7 @@ class FlashKernel(Kernel):
     """OpenAttention.flash: Triton decode kernels over the exact rows and one proxy per cluster."""
 
     name = "flash"
+    priority = 10  # ``kernel: auto`` takes it wherever it runs: on CUDA
     block_k = 64  # index columns per block of the logits and value passes
     clusters_per_chunk: int | None = None  # clusters per tile of the proxy pass (a power of two ≥ 16); None: 16
     chunks_per_program: int | None = None  # tiles per program of the proxy pass; None: enough programs (~512)
@@ -266,6 +262,12 @@ class FlashKernel(Kernel):
     def __init__(self, config=None) -> None:
         super().__init__(config)
         self.note = ""
+
+    @classmethod
+    def unavailable(cls, device: torch.device) -> str | None:
+        if triton is None:
+            return "triton is not installed"
+        return None if device.type == "cuda" else "no CUDA device"
 
     def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
                proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:

@@ -13,12 +13,14 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Kernel, PooledClusters, Selection
+from oa_core.scatter import count_by_slot, sum_by_slot
 
 
 class TorchKernel(Kernel):
     """Reference kernel in plain torch (float32 accumulation, any device)."""
 
     name = "torch"
+    priority = 1  # what ``kernel: auto`` falls back to
 
     def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
                proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
@@ -58,16 +60,11 @@ class TorchKernel(Kernel):
         C = pooled.count.shape[-1]
         B, Hkv = pooled.assignment.shape[:2]
         cluster = pooled.assignment.gather(-1, selection.index.clamp_min(0).reshape(B, Hkv, -1))
-        cluster = cluster.reshape(selection.index.shape).masked_fill(~selection.valid, C)  # slot C: not a cluster
-        read_count = torch.zeros(*cluster.shape[:-1], C + 1, device=k.device)
-        read_count.scatter_add_(-1, cluster, torch.ones_like(k[..., 0]))
-        slots = cluster.unsqueeze(-1).expand_as(k)
-        read_key = torch.zeros(*cluster.shape[:-1], C + 1, k.shape[-1], device=k.device).scatter_add_(-2, slots, k)
-        read_value = torch.zeros_like(read_key).scatter_add_(-2, slots, v)
+        cluster = cluster.reshape(selection.index.shape).masked_fill(~selection.valid, C)  # C: not a cluster
         expand = (slice(None), slice(None), None, None)
-        return (pooled.count[expand] - read_count[..., :C],
-                pooled.key_sum[expand] - read_key[..., :C, :],
-                pooled.value_sum[expand] - read_value[..., :C, :])
+        return (pooled.count[expand] - count_by_slot(cluster, C, k.dtype),
+                pooled.key_sum[expand] - sum_by_slot(cluster, k, C),
+                pooled.value_sum[expand] - sum_by_slot(cluster, v, C))
 
 
 @hookimpl

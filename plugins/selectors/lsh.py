@@ -84,13 +84,13 @@ class SimHashSelector(Selector):
         return torch.cat(buckets, -1)
 
     def _collisions(self, query: Tensor, index: LSHIndex, agreement: bool = True) -> tuple[Tensor, Tensor | None]:
-        """query ``[B, Hq, T, D]`` → (tables shared with each key, bits agreeing with each key or None if not
-        ``agreement``), both ``[B, Hkv, g·T, N]``. A bucket holds its table's K bits, so both come from the
-        buckets: a table is shared where the two buckets are equal, and the bits agreeing are counted by
+        """query ``[B, Hkv, Gs, G, T, D]`` → (tables shared with each key, bits agreeing with each key or None if
+        not ``agreement``), both ``[B, Hkv, g·T, N]`` (rows: head, query). A bucket holds its table's K bits, so both
+        come from the buckets: a table is shared where the two buckets are equal, and the bits agreeing are counted by
         ``_bits_agreeing``."""
-        B, Hq, T, D = query.shape
-        K, Hkv, N = self.config.K, index.planes.shape[0], index.buckets.shape[2]
-        q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
+        B, Hkv, Gs, G, T, D = query.shape
+        K, N = self.config.K, index.buckets.shape[2]
+        q = query.float().reshape(B, Hkv, Gs * G * T, D)
         q_buckets = self._hash(index, q)  # centring only shifts q·k: the query is hashed as it is
         R, parts = q.shape[2], _bytes(K)
         collisions = q.new_zeros(B, Hkv, R, N)
@@ -102,21 +102,20 @@ class SimHashSelector(Selector):
         return collisions, agree
 
     def score(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
-        B, Hq, T, _ = query.shape
+        B, Hkv, Gs, G, T, _ = query.shape
         collisions, agree = self._collisions(query, index)
         bits = max(self.config.K * self.config.L, 1)
         candidate = collisions >= self.config.min_collisions
         # Lexicographic: candidate, then tables shared (0..L), then bits agreeing (a fraction below 1).
         ranking = candidate * (self.config.L + 1.0) + collisions + agree / (bits + 1)
-        return ranking.view(B, Hq, T, -1)
+        return ranking.view(B, Hkv, Gs, G, T, -1).amax(3)
 
     def sample_pool(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
-        B, Hq, T, D = query.shape
-        Hkv = keys.shape[1]
+        B, Hkv, Gs, G, T, D = query.shape
         collisions, _ = self._collisions(query, index, agreement=False)
         # The probability a key had of becoming a candidate, from its exact angle to the query. A reference: a
         # kernel computes it only for the rows it draws, which it reads anyway.
-        q = query.double().reshape(B, Hkv, Hq // Hkv * T, D)
+        q = query.double().reshape(B, Hkv, Gs * G * T, D)
         k = keys.double() - index.center.double()
         cosine = (q @ k.transpose(-1, -2)) / (q.norm(dim=-1, keepdim=True) * k.norm(dim=-1).unsqueeze(-2)).clamp_min(
             1e-30)
@@ -125,7 +124,7 @@ class SimHashSelector(Selector):
         log_p = torch.full(collisions.shape, -math.inf, dtype=torch.float64, device=query.device)
         log_p[candidate] = log_candidate_probability(1 - theta / math.pi, self.config.K, self.config.L,
                                                      self.config.min_collisions)
-        return log_p.float().view(B, Hq, T, -1)
+        return log_p.float().view(B, Hkv, Gs, G, T, -1)
 
 
 CHUNK_ELEMENTS = 1 << 26  # what one chunk may hold in a temporary: 64M elements (256 MB of float)

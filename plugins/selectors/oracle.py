@@ -15,10 +15,9 @@ class OracleSelector(Selector):
     name = "oracle"
 
     def score(self, query: Tensor, index: None, keys: Tensor, scale: float) -> Tensor:
-        B, Hq, T, D = query.shape
-        Hkv = keys.shape[1]
-        q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
-        return (scale * q @ keys.float().transpose(-1, -2)).view(B, Hq, T, -1)
+        B, Hkv, Gs, G, T, D = query.shape
+        logits = scale * query.float().reshape(B, Hkv, -1, D) @ keys.float().transpose(-1, -2)
+        return logits.view(B, Hkv, Gs, G, T, -1).amax(3)
 
 
 @hookimpl

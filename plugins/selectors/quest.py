@@ -73,24 +73,24 @@ class QuestSelector(Selector):
         return QuestIndex(index.start, page_min, page_max, n)
 
     def page_bounds(self, query: Tensor, index: QuestIndex, scale: float) -> Tensor:
-        """query ``[B, Hq, T, D]`` → s·Σ_d max(q_d·min_d, q_d·max_d) per page, ``[B, Hkv, g·T, P]``."""
-        B, Hq, T, D = query.shape
-        Hkv = index.page_min.shape[1]
-        q = query.float().reshape(B, Hkv, Hq // Hkv * T, D)
+        """query ``[B, Hkv, Gs, G, T, D]`` → s·Σ_d max(q_d·min_d, q_d·max_d) per page, ``[B, Hkv, g·T, P]`` (rows:
+        head, query)."""
+        B, Hkv = query.shape[:2]
+        q = query.float().reshape(B, Hkv, -1, query.shape[-1])
         # max(q·lo, q·hi) = q⁺·hi + q⁻·lo. Pages not yet holding a key have ±inf bounds: zeroed, never gathered.
         lo = torch.nan_to_num(index.page_min, posinf=0.0)
         hi = torch.nan_to_num(index.page_max, neginf=0.0)
         return scale * (q.clamp_min(0) @ hi.transpose(-1, -2) + q.clamp_max(0) @ lo.transpose(-1, -2))
 
     def score(self, query: Tensor, index: QuestIndex, keys: Tensor, scale: float) -> Tensor:
-        B, Hq, T, _ = query.shape
+        B, Hkv, Gs, G, T, _ = query.shape
         N = index.num_tokens
         bounds = self.page_bounds(query, index, scale)  # [B, Hkv, g·T, P]
         pages = self._pages(index, torch.arange(N, device=query.device))  # [B, 1, N]
         per_token = bounds.gather(-1, pages.clamp_min(0).expand(*bounds.shape[:2], N).unsqueeze(2)
                                   .expand(*bounds.shape[:3], N))
         per_token = per_token.masked_fill((pages < 0).unsqueeze(2), -math.inf)
-        return per_token.view(B, Hq, T, N)
+        return per_token.view(B, Hkv, Gs, G, T, N).amax(3)
 
 
 @hookimpl

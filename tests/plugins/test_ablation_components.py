@@ -13,7 +13,7 @@ from oa_plugins.allocators.uniform import UniformAllocator
 from oa_plugins.allocators.variance import VarianceAllocator
 from oa_plugins.clusterers.kmeans import KeyKMeans, KMeansConfig
 from oa_plugins.clusterers.position import PositionBlocks, PositionConfig
-from oa_plugins.clusterers.qgc import _nearest
+from oa_core.geometry import nearest
 
 
 def allocation(mean_logit, logit_var, counts, budget):
@@ -87,7 +87,7 @@ def test_key_kmeans_converges_to_a_fixed_point():
     clusters = KeyKMeans(KMeansConfig(num_clusters=10, iterations=100)).fit(keys, None, mask,
                                                                           torch.Generator().manual_seed(0))
     centroids = clusters.space
-    assert torch.equal(_nearest(keys.float(), centroids), clusters.assignment)
+    assert torch.equal(nearest(keys.float(), centroids), clusters.assignment)
     one_hot = torch.nn.functional.one_hot(clusters.assignment, 10).float()
     means = one_hot.transpose(-1, -2) @ keys / one_hot.sum(-2)[..., None].clamp_min(1)
     assert torch.allclose(means, centroids, atol=1e-4)

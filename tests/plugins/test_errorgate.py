@@ -5,7 +5,6 @@ import torch
 
 from oa_core.components import AllocationInput
 from oa_plugins.allocators.errorgate import ErrorGate, log_error_estimate
-from oa_plugins.allocators.water_filling import water_fill
 
 
 def allocation(mean_logit, logit_var, counts, budget, shared=False):
@@ -14,31 +13,6 @@ def allocation(mean_logit, logit_var, counts, budget, shared=False):
     scores = torch.zeros(1, 1, 1, 1, int(counts.sum()))
     return AllocationInput(mean_logit.view(shape), logit_var.view(shape), counts.view(1, 1, -1), scores,
                            torch.zeros(1, 1, int(counts.sum()), dtype=torch.long), torch.tensor(budget).view(1, 1, 1, 1))
-
-
-@pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("budget", [1, 17, 100, 399])
-def test_quotas_sum_to_the_budget_and_respect_cluster_sizes(seed, budget):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.randint(1, 30, (3, 24), generator=gen).float()
-    log_priority = torch.randn(3, 24, generator=gen) * 10
-    quotas = water_fill(log_priority, counts, budget)
-    assert torch.equal(quotas.sum(-1), torch.minimum(torch.tensor(budget), counts.sum(-1).long()))
-    assert (quotas >= 0).all() and (quotas <= counts).all()
-
-
-def test_each_row_gets_its_own_budget():
-    counts = torch.full((3, 10), 8.0)
-    quotas = water_fill(torch.zeros(3, 10), counts, torch.tensor([5, 0, 200]))
-    assert quotas.sum(-1).tolist() == [5, 0, 80]
-
-
-def test_quotas_are_proportional_to_the_estimate_until_a_cluster_is_full():
-    counts = torch.tensor([100.0, 100.0, 100.0, 2.0])
-    priority = torch.log(torch.tensor([4.0, 2.0, 1.0, 8.0]))
-    quotas = water_fill(priority, counts, 30)
-    # Cluster 3 caps at 2; the rest (28) splits 4:2:1 → 16, 8, 4.
-    assert quotas.tolist() == [16, 8, 4, 2]
 
 
 def test_quotas_are_monotone_in_the_estimated_error():
@@ -90,25 +64,6 @@ def test_shared_selection_sums_each_heads_relative_error():
     assert quotas.flatten().tolist()[0] == quotas.flatten().tolist()[3] and int(quotas.sum()) == 12
 
 
-def test_the_triton_water_fill_matches_the_torch_one():
-    """The GPU path of water-filling (one Triton program per row, no sort), run by Triton's interpreter here."""
-    pytest.importorskip("triton")
-    from oa_plugins.allocators.water_filling import water_fill, water_fill_triton
-
-    gen = torch.Generator().manual_seed(0)
-    rows, C = 40, 24
-    log_priority = torch.randn(rows, C, generator=gen, dtype=torch.float64) * 4
-    log_priority[0, 3:] = -math.inf  # only three clusters may take budget first
-    log_priority[1] = 2.0  # all tied
-    capacity = torch.randint(0, 30, (rows, C), generator=gen).double()
-    capacity[2] = 0  # nothing to read
-    budget = torch.randint(0, 400, (rows,), generator=gen).double()
-    fast = water_fill_triton(log_priority, capacity, budget)
-    reference = water_fill(log_priority, capacity, budget)
-    assert torch.equal(fast, reference)
-    assert torch.equal(fast.sum(-1), torch.minimum(budget, capacity.sum(-1)).long())
-
-
 def fused_inputs(seed, B=2, H=2, g=4, T=2, C=20, shared=False):
     """Random AllocationInput with the hard cases: ragged and empty clusters, a row without clusters, clusters of
     identical logits (σ = 0) in one head and in every head, budgets of 0, ordinary and above Σ n_b, strided stats."""
@@ -133,7 +88,7 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
     interpreter here, gives the torch ops' quotas exactly."""
     pytest.importorskip("triton")
     from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
-    from oa_plugins.allocators.water_filling import WaterFillAllocator
+    from oa_core.water_filling import WaterFillAllocator
 
     for seed in range(2):
         inputs = fused_inputs(seed, g=g, shared=shared)
@@ -150,7 +105,7 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
 def test_the_fused_triton_errorgate_handles_extreme_logits_like_the_torch_one():
     pytest.importorskip("triton")
     from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
-    from oa_plugins.allocators.water_filling import WaterFillAllocator
+    from oa_core.water_filling import WaterFillAllocator
 
     counts = torch.full((8,), 20.0)
     mean_logit = torch.tensor([1e4, -1e4, 9990.0, 0.0, 1e4, -5e3, 3.0, 9999.0])
@@ -160,21 +115,6 @@ def test_the_fused_triton_errorgate_handles_extreme_logits_like_the_torch_one():
         if not fused_applies(inputs, on_cpu=True):
             pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
         assert torch.equal(allocate_triton(inputs), WaterFillAllocator.allocate(ErrorGate(), inputs))
-
-
-@pytest.mark.parametrize("C", [5, 64])
-def test_the_triton_water_fill_matches_the_torch_one_at_other_sizes(C):
-    pytest.importorskip("triton")
-    from oa_plugins.allocators.water_filling import water_fill_triton
-
-    gen = torch.Generator().manual_seed(C)
-    rows = 12
-    log_priority = torch.randn(rows, C, generator=gen, dtype=torch.float64) * 3
-    log_priority[0] = -math.inf  # no priorities at all: split by size
-    capacity = torch.randint(0, 50, (rows, C), generator=gen).double()
-    budget = torch.randint(0, 40 * C, (rows,), generator=gen).double()
-    budget[1] = 0
-    assert torch.equal(water_fill_triton(log_priority, capacity, budget), water_fill(log_priority, capacity, budget))
 
 
 def test_errorgate_takes_the_fused_path_where_it_applies(monkeypatch):
@@ -225,7 +165,7 @@ def test_quotas_are_eq7_water_filling_of_eq6_estimates(path, shared):
     summed over a shared group, water-filled by Eq. 7 and rounded by largest remainders."""
     from oa_core import references
     from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
-    from oa_plugins.allocators.water_filling import WaterFillAllocator
+    from oa_core.water_filling import WaterFillAllocator
 
     for seed in range(3):
         inputs = heads_that_differ(seed, shared)

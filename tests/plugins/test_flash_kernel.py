@@ -30,7 +30,7 @@ def _case(tokens=203, batch=2, kv_heads=2, group=3, dim=32, queries=2, gqa="per_
     pipe = oa.build({"kernel": "torch", "gqa": gqa, "tail": tail, "sink": 4, "local": 16, "seed": seed,
                      "budget": {"density": density}, "clusterer": {"name": "qgc", "num_clusters": clusters}})
     state = pipe.prepare(keys, values, prefill)
-    selection = pipe._select(decode, state, False)
+    selection = pipe.explain(decode, state).selection
     proxies = state.pooled if tail == "proxy" else None
     cast = [t.to(dtype) for t in (decode, keys, values)]
     return (*cast, selection, proxies, 1 / math.sqrt(dim))

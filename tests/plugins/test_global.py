@@ -1,6 +1,7 @@
 import torch
 
-from oa_core.components import AllocationInput, Selector
+from oa_core.components import AllocationInput
+from oa_core.selection import select_by_sorting
 from oa_plugins.allocators.global_topk import GlobalTopK
 
 
@@ -13,7 +14,7 @@ def test_per_cluster_selection_takes_each_clusters_best():
     quotas = torch.randint(0, 4, (2, 2, 3, 4, 5), generator=gen)
     sizes = torch.nn.functional.one_hot(assignment, 6)[..., :5].sum(2)[:, :, None, None]
     quotas = torch.minimum(quotas, sizes)
-    chosen = Selector().select(scores, assignment, quotas)
+    chosen = select_by_sorting(scores, assignment, quotas)
     for idx in torch.cartesian_prod(*(torch.arange(s) for s in scores.shape[:4])).tolist():
         row, picks = scores[tuple(idx)], chosen[tuple(idx)]
         picks = picks[picks >= 0]
@@ -33,7 +34,7 @@ def test_global_quotas_select_the_global_top_k():
                              torch.tensor([17, 9]).view(1, 2, 1, 1))
     quotas = GlobalTopK().allocate(inputs)
     assert (quotas[:, 0].sum(-1) == 17).all() and (quotas[:, 1].sum(-1) == 9).all()  # each KV head its own budget
-    chosen = Selector().select(scores, assignment, quotas)
+    chosen = select_by_sorting(scores, assignment, quotas)
     assert torch.equal(chosen[:, 0].sort(-1).values, scores[:, 0].topk(17, dim=-1).indices.sort(-1).values)
     top9 = scores[:, 1].topk(9, dim=-1).indices.sort(-1).values
     assert torch.equal(chosen[:, 1, ..., :9].sort(-1).values, top9) and (chosen[:, 1, ..., 9:] == -1).all()

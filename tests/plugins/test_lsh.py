@@ -8,7 +8,7 @@ from scipy import stats
 
 import oa_core as oa
 from conftest import make_inputs
-from oa_core.components import Clusters
+from oa_core.components import Clusters, group_queries
 from oa_core.metrics import estimator_weights
 from oa_plugins.selectors.lsh import LSHConfig, SimHashSelector, log_candidate_probability
 
@@ -29,9 +29,10 @@ def test_k_zero_puts_every_token_in_every_bucket():
     keys, values, prefill, decode = make_inputs(batch=2, kv_heads=2, group=3, tokens=120, seed=1)
     selector = SimHashSelector(LSHConfig(K=0, L=4))
     index = selector.build(keys, None, _clusters(2, 2, 120), torch.Generator().manual_seed(0))
-    pool = selector.sample_pool(decode, index, keys, 0.2)
+    query = group_queries(decode, 2, shared=False)
+    pool = selector.sample_pool(query, index, keys, 0.2)
     assert bool((pool == 0).all())  # every token a candidate, with probability 1
-    scores = selector.score(decode, index, keys, 0.2)
+    scores = selector.score(query, index, keys, 0.2)
     assert bool((scores == scores[..., :1]).all())  # no token preferred over another
     # So a MagicPIG pipeline with K = 0 is plain uniform sampling over the whole tail: the same draws and weights.
     common = {"clusterer": {"name": "position", "num_blocks": 4}, "allocator": "uniform", "tail": "sample",
@@ -52,14 +53,15 @@ def test_candidates_collide_in_at_least_min_collisions_tables(K, L):
     keys, _, _, decode = make_inputs(batch=2, kv_heads=2, group=2, tokens=200, seed=2)
     selector = SimHashSelector(LSHConfig(K=K, L=L, min_collisions=2))
     index = selector.build(keys, None, _clusters(2, 2, 200), torch.Generator().manual_seed(3))
-    collisions, bits_agreeing = selector._collisions(decode, index)
+    query = group_queries(decode, 2, shared=False)
+    collisions, bits_agreeing = selector._collisions(query, index)
     # Recount table by table from the sign bits of the hyperplanes: collisions, and the bits that agree.
     q_bits = decode.float().reshape(2, 2, -1, keys.shape[-1]) @ index.planes > 0
     k_bits = (keys.float() - index.center) @ index.planes > 0
     agree = q_bits.view(2, 2, -1, 1, L, K) == k_bits.view(2, 2, 1, 200, L, K)
     assert torch.equal(collisions, agree.all(-1).sum(-1).float())
     assert torch.equal(bits_agreeing, agree.sum((-1, -2)).float())
-    pool = selector.sample_pool(decode, index, keys, 0.2).view(2, 2, -1, 200)
+    pool = selector.sample_pool(query, index, keys, 0.2).view(2, 2, -1, 200)
     assert torch.equal(pool > -math.inf, collisions >= 2)
     if K == 4:
         assert 0 < int((collisions >= 2).sum()) < collisions.numel()  # a real filter on these inputs
@@ -100,7 +102,8 @@ def test_importance_weighted_sampling_is_unbiased():
         z = float(w.sum())
         den.append((float(w_hat.sum()) - z) / z)
         num.append(((w_hat - w)[0, 0, 0, 0] @ values[0, 0].double()) / z)
-        pools.append(int((pipe.selector.sample_pool(decode, state.index, keys, scale) > -math.inf).sum()))
+        query = group_queries(decode, 1, shared=False)
+        pools.append(int((pipe.selector.sample_pool(query, state.index, keys, scale) > -math.inf).sum()))
     den, num = torch.tensor(den), torch.stack(num)
     pools = torch.tensor(pools, dtype=torch.float64)
     assert float((pools > 40).double().mean()) > 0.2  # the pool often exceeds the 40 samples: subsampling is tested

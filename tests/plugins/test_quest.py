@@ -6,7 +6,7 @@ import torch
 
 import oa_core as oa
 from conftest import make_inputs
-from oa_core.components import Clusters
+from oa_core.components import Clusters, group_queries
 from oa_plugins.selectors.oracle import OracleSelector
 from oa_plugins.selectors.quest import QuestConfig, QuestSelector
 
@@ -21,19 +21,20 @@ def test_page_bound_is_at_least_every_logit_in_its_page():
     keys, _, _, decode = make_inputs(batch=2, kv_heads=2, group=3, tokens=203, queries=5, seed=1)
     selector = QuestSelector(QuestConfig(page_size=16))
     index = selector.build(keys, None, _region(2, 203, 7, 180))
-    scores = selector.score(decode, index, keys, 0.2)
-    logits = OracleSelector().score(decode, None, keys, 0.2)
+    query = group_queries(decode, 2, shared=False)
+    scores = selector.score(query, index, keys, 0.2)
+    logits = OracleSelector().score(query, None, keys, 0.2)
     paged = torch.arange(203) >= 7
     assert bool((scores[..., paged] >= logits[..., paged] - 1e-5).all())
     assert bool((scores[..., ~paged] == -math.inf).all())
     # The bound is attained by a key only when it holds every coordinate's extreme; pages of one token are exact.
     single = QuestSelector(QuestConfig(page_size=1))
-    exact = single.score(decode, single.build(keys, None, _region(2, 203, 7, 180)), keys, 0.2)
+    exact = single.score(query, single.build(keys, None, _region(2, 203, 7, 180)), keys, 0.2)
     assert torch.allclose(exact[..., paged], logits[..., paged], atol=1e-5)
     # Tokens of one page share one score, different pages differ.
     page = (torch.arange(203) - 7) // 16
     same = (page[7:, None] == page[None, 7:])
-    equal = scores[0, 0, 0, 7:, None] == scores[0, 0, 0, None, 7:]
+    equal = scores[0, 0, 0, 0, 7:, None] == scores[0, 0, 0, 0, None, 7:]
     assert torch.equal(equal, same)
 
 
@@ -58,7 +59,7 @@ def test_selection_is_whole_pages_with_global_allocation():
     pipe = oa.build({"clusterer": {"name": "position", "num_blocks": 8}, "selector": {"name": "quest", "page_size": 8},
                      "allocator": "global", "tail": "discard", "sink": 4, "local": 16, "budget": {"tokens": 84}})
     state = pipe.prepare(keys, values, prefill)
-    index = pipe._select(decode, state, causal=False).index  # [B, Hkv, g, T, K]
+    index = pipe.explain(decode, state).selection.index  # [B, Hkv, g, T, K]
     selected = index[..., 20:]  # after the 4 sink and 16 local rows: 64 selected rows
     page = (selected - 4) // 8  # pages of 8 from position 4; the region ends at 384, so the last page holds 4
     size = torch.full((48,), 8)

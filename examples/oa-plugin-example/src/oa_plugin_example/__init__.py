@@ -54,9 +54,8 @@ class KeyNormSelector(Selector):
         return torch.cat([index, keys.float().norm(dim=-1)], dim=2)
 
     def score(self, query: Tensor, index: Tensor, keys: Tensor, scale: float) -> Tensor:
-        B, Hq, T, _ = query.shape
-        g = Hq // index.shape[1]
-        return index.repeat_interleave(g, dim=1)[:, :, None, :].expand(B, Hq, T, -1).contiguous()
+        B, Hkv, Gs, G, T, _ = query.shape
+        return index[:, :, None, None, :].expand(B, Hkv, Gs, T, -1).contiguous()
 
 
 class ProportionalAllocator(Allocator):

@@ -1,5 +1,7 @@
 """Water-filling (OpenAttention paper, Eq. 7): the selectable budget split in proportion to a per-cluster priority,
-capped by cluster sizes. ErrorGate's priority is its error estimate; the ablation allocators swap in another."""
+capped by cluster sizes. ErrorGate's priority is its error estimate; the ablation allocators swap in another: each
+subclasses ``WaterFillAllocator`` and gives ``log_priority``. On CUDA tensors one Triton program per row fills it
+(``water_fill_row``, which fused allocation kernels call too); elsewhere the torch ops run."""
 
 from __future__ import annotations
 
@@ -8,13 +10,7 @@ from torch import Tensor
 
 from oa_core import triton_path
 from oa_core.components import AllocationInput, Allocator
-
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None
+from oa_core.triton_path import tl, triton
 
 
 def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:

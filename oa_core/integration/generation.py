@@ -1,0 +1,98 @@
+"""Prefill a context once, then answer many questions from copies of its cache — what the demo, the needle and the
+RULER harnesses do with one prefill per sample and many methods."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from oa_core.integration.runtime import runtimes
+
+
+@dataclass
+class Context:
+    """A context prefilled once (densely); every ``generate_from_context`` call works on its own copy of the cache."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    cache: Any
+
+
+def cache_kwargs(model, cache) -> dict[str, Any]:
+    """The cache as the model's forward names it: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
+def _output_cache(output) -> Any:
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+def prefill_context(model, input_ids: Tensor, attention_mask: Tensor | None = None) -> Context:
+    """Dense prefill of ``input_ids`` ``[B, N]`` (left-padded batches: pass ``attention_mask``) → a reusable Context.
+
+    Prefill the context with the model patched (``oa.patch``) so each layer records what its pipelines need."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
+                    use_cache=True, **_last_logits_only(model))
+    return Context(input_ids, attention_mask, _output_cache(out))
+
+
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids that count valid tokens only, as ``generate`` derives them: a left-padded row's first real token
+    is at 0, so its context, question and answer agree with each other (RoPE sees true distances)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _last_logits_only(model) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model takes it: a prefill needs the cache, not [B, N, vocab] logits."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+@contextlib.contextmanager
+def _continuation(model, context: Context, question_ids: Tensor):
+    """(ids, mask, a copy of the context's cache) for one continuation of ``context``. Afterwards the layers let go
+    of their live states: they point into that copy, which nothing can continue, so it is freed at once instead of
+    living on beside the next continuation's copy."""
+    ids = torch.cat([context.input_ids, question_ids], dim=1)
+    mask = torch.cat([context.attention_mask, torch.ones_like(question_ids)], dim=1)
+    try:
+        yield ids, mask, copy.deepcopy(context.cache)
+    finally:
+        for runtime in runtimes(model).values():
+            runtime.live = None
+
+
+def generate_from_context(model, context: Context, question_ids: Tensor, **generate_kwargs) -> Tensor:
+    """Greedy (by default) generation after ``context`` + ``question_ids`` ``[B, Q]``, the context's cache copied
+    and reused → the new tokens ``[B, L]``."""
+    generate_kwargs.setdefault("do_sample", False)
+    with _continuation(model, context, question_ids) as (ids, mask, cache), torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), **generate_kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def answer_logprob(model, context: Context, question_ids: Tensor, answer_ids: Tensor,
+                   answer_mask: Tensor | None = None) -> Tensor:
+    """Teacher-forced log-likelihood of ``answer_ids`` ``[B, A]`` after context + question → ``[B]`` (nats).
+
+    ``answer_mask`` ``[B, A]``: answers of different lengths in one batch, right-padded (False: padding, not
+    counted; a causal model's real tokens never see it)."""
+    tail = torch.cat([question_ids, answer_ids], dim=1)
+    with _continuation(model, context, question_ids) as (_, mask, cache), torch.no_grad():
+        mask = torch.cat([mask, torch.ones_like(answer_ids)], dim=1)
+        logits = model(input_ids=tail, attention_mask=mask, position_ids=positions(mask)[:, -tail.shape[1]:],
+                       use_cache=True, **cache_kwargs(model, cache)).logits
+    predicted = logits[:, question_ids.shape[1] - 1:-1].float().log_softmax(-1)
+    token = predicted.gather(-1, answer_ids[..., None]).squeeze(-1)
+    return (token if answer_mask is None else token * answer_mask).sum(-1)
