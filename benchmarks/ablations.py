@@ -1,4 +1,4 @@
-"""Every spec in specs/ on a real model's caches: baselines and ablations (paper Tables 1–4, BENCHMARKS.md Metrics).
+"""Every spec in specs/ on a real model's caches: baselines and ablations (paper Tables 1–4).
 
 The protocol is the attention-error benchmark's (``oa_core.attention_error``): N context tokens of the essay haystack,
 the model's own queries at the P positions after them as decode queries, scored against dense float32 attention.
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                      layers=args.layers, seed=args.seed, diagnostics=True)
     result.update(benchmark="ablations", sink=SINK, local=LOCAL, note=(
         f"Every spec of specs/ with sink={SINK}, local={LOCAL} and the budget set per density (dense keeps its "
-        "whole-context budget). E: weight discrepancy (DESIGN.md §1). top32_recall: share of the true top-32 logits "
+        "whole-context budget). E: weight discrepancy (docs/design.md §1). top32_recall: share of the true top-32 logits "
         "of the clusterable region within the selector's E_sel best scores. errorgate_spearman: ErrorGate's ε̂_b "
         "(diagonal variance, no reads) against the true per-cluster proxy discrepancy; _full_variance: against "
         "the same estimate with the logits' exact within-cluster variance."))

@@ -1,4 +1,4 @@
-"""Attention error on a real model's caches: OpenAttention against oracle top-k (BENCHMARKS.md, Metrics).
+"""Attention error on a real model's caches: OpenAttention against oracle top-k.
 
 The protocol is ``oa_core.attention_error``'s: N context tokens of the essay haystack, the model's own queries at the
 P positions after them as decode queries over the N-token prefix, relative output error against dense per

@@ -1,4 +1,4 @@
-"""Decode-attention speed on the GPU: the whole sparse stage against dense SDPA (BENCHMARKS.md, GPU).
+"""Decode-attention speed on the GPU: the whole sparse stage against dense SDPA.
 
 Shapes of Llama-3.1-8B decode (32 query / 8 KV heads, head dim 128, bf16, one query per row), batch × context ×
 density. Per configuration, timed with ``triton.testing.do_bench`` (median) in one run:

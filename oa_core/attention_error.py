@@ -1,4 +1,4 @@
-"""Attention error on a real model's caches (BENCHMARKS.md, Metrics): any set of pipeline specs against dense.
+"""Attention error on a real model's caches: any set of pipeline specs against dense.
 
 Protocol. Tokenize the essay haystack; take N context tokens and the P tokens that follow; capture the chosen layers'
 attention inputs in one forward pass (``capture_attention``). Per layer: the cache is the first N keys/values; the

@@ -99,7 +99,7 @@ class AllocationInput:
 
 
 class Allocator(Component):
-    """Splits the selectable budget E_sel over clusters (DESIGN.md §1 step 5)."""
+    """Splits the selectable budget E_sel over clusters (docs/design.md, step 5)."""
 
     def allocate(self, inputs: AllocationInput) -> Tensor:
         """→ quotas q_b, integer ``[B, Hkv, Gs, T, C]`` with q_b ≤ n_b and Σ_b q_b = min(E_sel, Σ_b n_b)."""
@@ -107,7 +107,7 @@ class Allocator(Component):
 
 
 class Selector(Component):
-    """Scores keys cheaply, so that the pipeline reads each cluster's q_b best (DESIGN: steps 3 and 6).
+    """Scores keys cheaply, so that the pipeline reads each cluster's q_b best (docs/design.md, steps 3 and 6).
 
     Queries reach ``score`` and ``sample_pool`` grouped as ``[B, Hkv, Gs, G, T, D]`` (``group_queries``): per KV head,
     Gs selection heads, each shared by G query heads (G = 1 with ``gqa: per_head``, the whole group with ``shared``).
@@ -178,7 +178,7 @@ class PooledClusters:
 
 
 class Kernel(Component):
-    """Attention over the exact rows plus one count-aware proxy per cluster (DESIGN: step 7).
+    """Attention over the exact rows plus one count-aware proxy per cluster (docs/design.md, step 7).
 
     ``kernel: auto`` takes, among the registered kernels that apply on the device, the one of highest ``priority``.
     """

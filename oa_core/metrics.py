@@ -1,4 +1,4 @@
-"""Diagnostics of one attend call beyond the output error (BENCHMARKS.md, Metrics; DESIGN.md §1).
+"""Diagnostics of one attend call beyond the output error (docs/design.md §1).
 
 - ``estimator_weights``: the estimator's unnormalised per-token weights ŵ_i (exact and sampled rows e^{z_i}·η_i, a
   proxy's tail tokens g_T = e^{s·q·k̄_T}, discarded or unsampled tokens 0) beside the true w_i = e^{z_i}; the output

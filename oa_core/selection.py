@@ -1,4 +1,4 @@
-"""Per-cluster top-q_b selection (DESIGN: step 6): inside each cluster b, the q_b positions of highest score.
+"""Per-cluster top-q_b selection (docs/design.md, step 6): inside each cluster b, the q_b positions of highest score.
 
 ``select`` is the entry: the torch reference (``select_by_sorting``) on any device, or on CUDA tensors the Triton
 kernel below (``select_per_cluster``), which gives the same set without sorting the context.
@@ -21,10 +21,9 @@ smaller block when its cluster fits it, and ends at once when its cluster is not
 launched follow from the largest cluster, which the host knows from ``members``' shape: nothing waits on the device
 (CUDA-graph capturable).
 
-Measured on the H200 (batch 32, 32K, 64 clusters of 1 to 624 members): a program's cost is latency, not bytes.
-Scores read contiguously instead of through ``members`` saved only 15%; a program scoring its cluster's codes itself
-(QGS fused into the selection, the codes stored cluster-major) took as long as the two kernels apart; one launch with
-two paths instead of one launch per block size saved 15-20% (0.119 → 0.102 ms at 1% read, 0.172 → 0.146 at 3%).
+Why this shape: a program's cost is latency, not bytes. Reading the scores contiguously instead of through
+``members``, or scoring a cluster's codes inside the selection, gained little; one launch with two paths instead of
+one launch per block size gained most (``benchmarks/kernel_h200.py``; the figures are in the README).
 """
 
 from __future__ import annotations
@@ -257,8 +256,8 @@ def size_classes(largest: int) -> list[tuple[int, int, int]]:
 
 
 def _warps(block: int) -> int:
-    """Warps per program of a launch whose largest block is ``block`` lanes (measured on the H200, batch 32, 32K:
-    2 for the class of 512 and 1024)."""
+    """Warps per program of a launch whose largest block is ``block`` lanes: 2 for the classes up to 1024 lanes (the
+    fastest in ``benchmarks/kernel_h200.py``), 8 above."""
     return 2 if block <= 1024 else 8
 
 

@@ -74,7 +74,7 @@ class Budget(BaseModel):
 
 
 class PipelineSpec(BaseModel):
-    """A whole OpenAttention pipeline (DESIGN.md §3)."""
+    """A whole OpenAttention pipeline (docs/design.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -2,7 +2,7 @@
 (what every attend reads regardless of the query, known on the host), and decode-time growth.
 
 ``Pipeline.prepare`` makes a state; ``Pipeline.attend`` reads it; ``append``/``grow_to`` grow it by new rows, which
-join their nearest cluster once they leave the local window (DESIGN: decode-time growth).
+join their nearest cluster once they leave the local window (docs/design.md §1, decode-time growth).
 """
 
 from __future__ import annotations

@@ -62,9 +62,8 @@ def triton_applies(tensor: Tensor, on_cpu: bool = False) -> bool:
 
 
 def launch_config(num_clusters: int) -> tuple[int, int]:
-    """(BLOCK_C, num_warps) of the one-row-per-program kernels over ``num_clusters``. Two warps up to 64 clusters:
-    a row is latency-bound, and one warp spills the [C × C] float64 tiles (sm_90 build: 155 registers, no spills);
-    eight above."""
+    """(BLOCK_C, num_warps) of the one-row-per-program kernels over ``num_clusters``. Two warps up to 64 clusters
+    (a row is latency-bound, and one warp spills the [C × C] float64 tiles), eight above."""
     block = max(16, triton.next_power_of_2(num_clusters))
     return block, 2 if block <= 64 else 8
 

@@ -1,4 +1,4 @@
-"""Theory checks run through the real pipeline (oa.build → prepare → attend), DESIGN.md §1 "Identities that must hold".
+"""Theory checks run through the real pipeline (oa.build → prepare → attend), docs/design.md §1 "Identities that must hold".
 
 1. Eq. 2 of the paper on Gaussian logits: E_d = τ, E_p = τ·erf(σ/√2), E[E_s] = 2τ(1 − m/N).
 2. The output-error bound ‖ô − o‖ ≤ (Z/Ẑ)·E·max_i ‖v_i − o‖ on heavy-tailed random inputs.
@@ -229,7 +229,7 @@ def _dense_logits(query, keys, scale):
 
 @pytest.mark.parametrize("tail", ["proxy", "discard", "sample"])
 def test_output_error_bound(tail):
-    """‖ô − o‖ ≤ (Z/Ẑ)·E·max_i ‖v_i − o‖ (DESIGN.md §1), default pipeline with several clusters.
+    """‖ô − o‖ ≤ (Z/Ẑ)·E·max_i ‖v_i − o‖ (docs/design.md §1), default pipeline with several clusters.
 
     The bound follows from ô − o = (1/Ẑ)Σ_i (ŵ_i − w_i)(v_i − o), which holds when the output is Σ ŵ_i v_i / Σ ŵ_i
     with Ẑ = Σ ŵ_i: the pipeline's proxies must use value sums that match their key sums and counts.

@@ -90,7 +90,7 @@ TASKS = {
     "cwe": TaskConfig("cwe"),
     "fwe": TaskConfig("fwe"),
 }
-# The paper's "RULER HARD" (BENCHMARKS.md), without qa: where sparse methods lose most.
+# The paper's "RULER HARD", without qa: where sparse methods lose most.
 HARD_TASKS = ("vt", "cwe", "fwe", "niah_multikey_2", "niah_multikey_3", "niah_multivalue")
 
 VT_HOPS, VT_CHAINS = 4, 1

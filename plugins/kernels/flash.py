@@ -1,4 +1,4 @@
-"""OpenAttention.flash — Triton decode kernels for DESIGN.md §1 step 7.
+"""OpenAttention.flash — Triton decode kernels for docs/design.md step 7.
 
 Per selection row p (a batch row, KV head, selection head and query) the exact rows X_p are read by index and the G
 query heads that share the selection (the whole GQA group with ``gqa: shared``, one head otherwise) are served by
@@ -11,7 +11,7 @@ without runs is regrouped by cluster first. Four kernels; each KV byte is read o
    ℓ_b = (s·q·Σk_b − Σ_{X∩b} z_i)/n_T + ln n_T, the per-token weight g_b = e^{ℓ_b}/n_T (stored), and the row's
    proxy part of the softmax, Σ_b g_b Σv_b over Σ_b e^{ℓ_b}. The per-cluster sums are matrix products (with the
    columns' one-hot clusters, the pooled key and value sums), not a loop over clusters: one cluster after another
-   measured latency-bound on the H200.
+   is latency-bound.
 3. ``_weighted_values`` (flash-decoding style, a program per row and split of the columns): reads the values of its
    split once. The proxy numerator Σ_b e^{ℓ_b} v̄_T = Σ_b g_b Σv_b − Σ_{i∈X} g_{c(i)} v_i folds into the row weights
    e^{z_i} − g_{c(i)} (a column's cluster follows from the runs), so the rows read need no per-cluster sums.
@@ -19,7 +19,7 @@ without runs is regrouped by cluster first. Four kernels; each KV byte is read o
    and dtype.
 
 Each kernel's programs form one 1-D grid with the selection row varying fastest (keeping a row's programs together
-measured slower on the H200).
+was slower).
 
 Inputs may be float32, float16 or bfloat16; accumulation is float32. 16-bit inputs use tensor-core dots for q·k and
 w·v; everything else (and float32 inputs throughout) uses ``ieee`` float32 dots, no TF32.

@@ -1,4 +1,4 @@
-"""The torch reference kernel: DESIGN.md §1 step 7 written plainly, in float32, for any device.
+"""The torch reference kernel: docs/design.md step 7 written plainly, in float32, for any device.
 
 Output = (Σ_X e^{z_i} v_i + Σ_b e^{ℓ_b} v̄_T) / (Σ_X e^{z_i} + Σ_b e^{ℓ_b}), one max-subtracted softmax over the
 exact rows X and one proxy per cluster whose tail T_b = b \\ X is not empty. The proxy is built from the pooled sums
