@@ -34,6 +34,7 @@ import oa_core as oa
 from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.pipeline import Pipeline
 from oa_core.selection import select, select_by_sorting
+from oa_core.static import StaticState
 from oa_core.water_filling import WaterFillAllocator
 from oa_plugins.kernels.reference import TorchKernel
 
@@ -164,6 +165,7 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
             graph_errors[name] = f"{type(exc).__name__}: {exc}"[:300]
             torch.cuda.synchronize()
     breakdown = kernel_breakdown(lambda: pipe.attend(query, state, validate=False))
+    static = static_step(pipe, state, query)
     floor_bytes = sparse_bytes(batch, context, rows, state.num_clusters, 16)
     floor_ms = floor_bytes / dense_bandwidth * 1e3
     return {
@@ -183,7 +185,52 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         "attend_over_floor": times["attend_ms"] / floor_ms,
         "kernel_note": pipe.kernel.note,
         "attend_kernels_ms": breakdown,
+        **static,
+        "speedup_static_step_graph": dense_graph_ms / static["static_step_graph_ms"],
     }
+
+
+def rows_read(index) -> list[list[int]]:
+    """Each selection row's positions read, in order (padding dropped)."""
+    return [sorted(i for i in row if i >= 0) for row in index.reshape(-1, index.shape[-1]).tolist()]
+
+
+def static_step(pipe: Pipeline, state, query) -> dict:
+    """The fast decode path's step (``oa_core.static``: growth of one token + attend, on buffers at a capacity of
+    N + 64): checked against the reference pipeline after the same append (rows read, output), then timed eagerly
+    and in a CUDA graph. A timed step's growth repeats on the same token: its member count is restored each time."""
+    keys, values = state.keys, state.values
+    B, H, n, D = keys.shape
+    capacity = n + 64
+    cache_k = keys.new_zeros(B, H, capacity, D)
+    cache_v = values.new_zeros(B, H, capacity, D)
+    cache_k[:, :, :n], cache_v[:, :, :n] = keys, values
+    new_k, new_v = keys[:, :, -1:] * 0.9, values[:, :, -1:] * 0.9
+    cache_k[:, :, n:n + 1], cache_v[:, :, n:n + 1] = new_k, new_v
+    static = StaticState.from_state(state, capacity)
+    static.length += 1
+    reference = state.fork()
+    reference.append(new_k, new_v)
+    expected = pipe.attend(query, reference).float()
+    reference_rows = rows_read(pipe.explain(query, reference).selection.index)
+    counts = static.member_counts.clone()
+    pooled = [t.clone() for t in (static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
+                                  static.pooled.key_square_sum)]
+    out = static.step(query, cache_k, cache_v).float()
+    same_rows = rows_read(static.selection(query, cache_k).index) == reference_rows
+
+    def step():
+        static.member_counts.copy_(counts)
+        for buffer, saved in zip((static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
+                                  static.pooled.key_square_sum), pooled):
+            buffer.copy_(saved)
+        return static.step(query, cache_k, cache_v)
+
+    times = {"static_step_ms": bench(step), "static_attend_graph_ms": bench(graphed(
+        lambda: static.attend(query, cache_k, cache_v)))}
+    times["static_step_graph_ms"] = bench(graphed(step))
+    return {"static_vs_reference_rel_error": float((out - expected).norm() / expected.norm()),
+            "static_rows_match_reference": same_rows, **{k: round(v, 4) for k, v in times.items()}}
 
 
 def main(argv=None) -> int:
@@ -234,7 +281,11 @@ def main(argv=None) -> int:
                           + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
                           f"reference: {row['allocation_matches_reference']} ({row['allocation_rows_differing_from_cpu']}"
                           " rows differ from the CPU's)"
-                          + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else ""), flush=True)
+                          + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else "")
+                          + f"; static step (grow + attend) {row['static_step_graph_ms']:.3f} ms in a graph "
+                          f"({row['speedup_static_step_graph']:.2f}× dense), = reference rows: "
+                          f"{row['static_rows_match_reference']}, err {row['static_vs_reference_rel_error']:.1e}",
+                          flush=True)
                 # A decode step's growth, outside attend: one token (a token leaving the local window joins its
                 # cluster) and the plan rebuilt; `append` concatenates the cache itself, `grow_to` follows a cache that
                 # grew by itself (the transformers integration: DynamicCache has concatenated already).

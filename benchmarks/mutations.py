@@ -66,8 +66,8 @@ MUTATIONS = [
              [("best * factor, mask=in_n)", "best * scale, mask=in_n)")], QGS_TESTS,
              "the fused Triton scores drop each key's int8 scale"),
     mutation("qgs-extend-codes-unprojected", "plugins/selectors/qgs.py",
-             [("codes, scales = quantize(keys.float() @ index.basis)\n        return QGSIndex(",
-               "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return QGSIndex(")],
+             [("codes, scales = quantize(keys.float() @ index.basis)\n        return {",
+               "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return {")],
              QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
     # -- QGC (Eq. 4) ------------------------------------------------------------------------------------------------
     mutation("qgc-projection-without-sqrt-lambda", "plugins/clusterers/qgc.py",
@@ -148,8 +148,8 @@ MUTATIONS = [
               ("lane = (-(top & 0xFFFFFFFF) + (BLOCK - 1)).to(tl.int32)", "lane = (top & 0xFFFFFFFF).to(tl.int32)")],
              ("tests/test_selection.py",), "among tied scores a cluster's pick goes to the last position"),
     mutation("lsh-extend-without-centering", "plugins/selectors/lsh.py",
-             [("buckets = self._hash(index, keys.float() - index.center)",
-               "buckets = self._hash(index, keys.float())")],
+             [('{"buckets": self._hash(index, keys.float() - index.center)}',
+               '{"buckets": self._hash(index, keys.float())}')],
              ("tests/plugins/test_lsh.py", "tests/test_conformance.py"),
              "decode-time growth hashes new keys without the centring the build applied"),
     # -- spec ---------------------------------------------------------------------------------------------------------

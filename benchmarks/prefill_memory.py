@@ -1,5 +1,5 @@
 """One prefill attention call's GPU memory: an unpadded float32 prefill of grouped heads, transformers' ``sdpa`` as is
-against OpenAttention's (``oa_core.integration.runtime.model_sdpa``, which spells out the causal mask there).
+against OpenAttention's (``oa_core.integration.prefill.model_sdpa``, which spells out the causal mask there).
 
     python benchmarks/prefill_memory.py                     # 8192 tokens, 9 query heads on 3 KV heads, batch 1 and 4
 
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     for batch in args.batch:
         query, key, value = (torch.randn(batch, h, args.length, 64, device="cuda") for h in (hq, hkv, hkv))
         plain, expected = peak_gib(lambda: AttentionInterface()["sdpa"](layer, query, key, value, None, scaling=0.125))
-        ours, got = peak_gib(lambda: oa.integration.runtime.model_sdpa(layer, query, key, value, None, 0.125, 0.0))
+        ours, got = peak_gib(lambda: oa.integration.prefill.model_sdpa(layer, query, key, value, None, 0.125, 0.0))
         rows.append({"batch": batch, "length": args.length, "query_heads": hq, "kv_heads": hkv,
                      "transformers_sdpa_gib": plain, "openattention_sdpa_gib": ours,
                      "max_abs_diff": (got - expected).abs().max().item()})

@@ -8,6 +8,7 @@ group (``gqa: shared``), so every per-query tensor below is ``[B, Hkv, Gs, T, ..
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -119,8 +120,20 @@ class Selector(Component):
         return None
 
     def extend(self, index: Any, keys: Tensor) -> Any:
-        """Decode-time growth: index the new keys ``[B, Hkv, t, D]`` appended after the old ones."""
-        return index
+        """Decode-time growth: index the new keys ``[B, Hkv, t, D]`` appended after the old ones. By default the
+        per-token fields of ``token_codes`` are appended (the index unchanged when there are none)."""
+        codes = self.token_codes(index, keys)
+        if not codes:
+            return index
+        return dataclasses.replace(index, **{name: torch.cat([getattr(index, name), new], 2)
+                                             for name, new in codes.items()})
+
+    def token_codes(self, index: Any, keys: Tensor) -> dict[str, Tensor] | None:
+        """What the index keeps per token, for keys ``[B, Hkv, t, D]``: the index's own field names → tensors with the
+        token dim at 2 (so that the fast decode path holds each at its capacity and writes new tokens in place); {}
+        when it keeps nothing per token (the oracle). None, the default: the index is not of that form (growth then
+        needs ``extend`` overridden, and the fast path does not apply)."""
+        return None
 
     def score(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor:
         """query ``[B, Hkv, Gs, G, T, D]`` → approximate logits ``[B, Hkv, Gs, T, N]`` (float32): for each selection

@@ -320,9 +320,9 @@ def test_spelled_out_causal_mask_is_sdpas_own_causal_prefill():
     query, key, value = (torch.randn(2, heads, 40, 16, generator=gen) for heads in (6, 2, 2))
     sdpa = AttentionInterface()["sdpa"]
     expected, _ = sdpa(layer, query, key, value, None, scaling=0.25)
-    got, _ = sdpa(layer, query, key, value, oa.integration.runtime.causal_mask(40, "cpu"), scaling=0.25)
+    got, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu"), scaling=0.25)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    shifted, _ = sdpa(layer, query, key, value, oa.integration.runtime.causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25)
+    shifted, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25)
     assert not torch.allclose(shifted, expected, atol=1e-3)  # the mask's orientation matters: the check could fail
 
 
@@ -335,7 +335,7 @@ def test_grouped_float32_prefill_on_cuda_does_not_materialise_the_scores():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    out, _ = oa.integration.runtime.model_sdpa(layer, query, key, value, None, None, 0.0)
+    out, _ = oa.integration.prefill.model_sdpa(layer, query, key, value, None, None, 0.0)
     assert (torch.cuda.max_memory_allocated() - before) / 2**30 < 1.0
     assert out.shape == (1, 8192, 9, 64)
 

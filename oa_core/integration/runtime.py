@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from oa_core.geometry import QUERY_WINDOW
+from oa_core.integration.prefill import key_mask, model_sdpa, recorded_queries
 from oa_core.integration.stats import GenerationStats, Span, StepRecord
 from oa_core.pipeline import Pipeline, build
 from oa_core.spec import PipelineSpec, SpecError
@@ -64,9 +64,17 @@ class LayerRuntime:
         self.question = question
         self.context: ContextRecord | None = None
         self.live: PipelineState | None = None
+        self.static = None  # the static cache layer of this call, set by its update (the fast decode path)
         self.records: list[StepRecord] = []
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        static, self.static = self.static, None
+        if static is not None:  # a static cache (the fast decode path): the prompt, then one token per step
+            from oa_core.integration import static_cache
+
+            stage = static_cache.prefill if query.shape[2] > 1 else static_cache.decode
+            return stage(self, static, module, query, key, value, attention_mask, scaling, dropout, model_sdpa,
+                         **kwargs)
         T, N = query.shape[2], key.shape[2]
         past = N - T
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
@@ -74,7 +82,7 @@ class LayerRuntime:
             out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if self.pipeline is not None:
                 self._record_context(query, key, value, attention_mask, scale)
-            self._log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else "dense layer")
+            self.log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else "dense layer")
             return out, weights
 
         while True:
@@ -100,7 +108,7 @@ class LayerRuntime:
             out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.live = state
             reason = "dense: question attended densely (setup A)" if dense_question else "dense: budget >= context"
-            self._log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
+            self.log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
             return out, weights
         outputs, stats = [], []
         block = max(self.pipeline.spec.local, 1)
@@ -112,18 +120,14 @@ class LayerRuntime:
             stats.append(step)
         self.live = state
         proxies = [s.proxies.float().mean() for s in stats if s.proxies is not None]
-        self._log(phase, past, T, dense=False, reason=stats[-1].reason, prepare=prepare, attend=attend.stop(),
+        self.log(phase, past, T, dense=False, reason=stats[-1].reason, prepare=prepare, attend=attend.stop(),
                   density=sum(s.density_tensor for s in stats), proxies=sum(proxies) if proxies else 0.0,
                   blocks=len(stats))
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
     def _record_context(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, scale: float) -> None:
-        mask = _key_mask(attention_mask, key)
-        # The window is cut before the product: a slice of the product would keep all N queries alive (per layer,
-        # for as long as the context is kept).
-        window = slice(-QUERY_WINDOW, None)
-        queries = query[:, :, window] * mask[:, None, window, None]
-        self.context = ContextRecord(key, value, queries, mask, scale)
+        mask = key_mask(attention_mask, key)
+        self.context = ContextRecord(key, value, recorded_queries(query, mask), mask, scale)
         self.live = None
 
     def _state_for(self, key: Tensor, value: Tensor, past: int, scale: float, attention_mask) -> PipelineState:
@@ -143,9 +147,9 @@ class LayerRuntime:
         # A cache this runtime never saw prefilled (e.g. built before patching): no prefill queries to use; the
         # padding comes from this call's mask.
         return self.pipeline.prepare(key[:, :, :past], value[:, :, :past], None, scale,
-                                     mask=_key_mask(attention_mask, key)[:, :past])
+                                     mask=key_mask(attention_mask, key)[:, :past])
 
-    def _log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare: Span | float = 0.0,
+    def log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare: Span | float = 0.0,
              attend: Span | float = 0.0, density: Tensor | float = 1.0, proxies: Tensor | float = 0.0,
              blocks: int = 1) -> None:
         self.records.append(StepRecord(self.layer, phase, past, tokens, density, proxies, blocks, dense, reason,
@@ -163,41 +167,6 @@ def _same_prefix(known: Tensor, key: Tensor, past: int) -> bool:
         return False
     probe = probe_rows(past)
     return torch.equal(known[:, :, probe], key[:, :, probe])
-
-
-def _key_mask(attention_mask: Tensor | None, key: Tensor) -> Tensor:
-    """``[B, N]`` valid keys from a 4D prefill mask (the last query row sees every valid key); all True if None."""
-    if attention_mask is None:
-        return torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-    row = attention_mask[:, 0, -1, -key.shape[2]:]
-    # A copy, never a view: the recorded context would keep the whole [B, 1, N, N] mask alive.
-    return row.clone() if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-
-
-def model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    """transformers' ``sdpa`` — the model's own dense attention — except that an unpadded float32 prefill of grouped
-    heads on CUDA gets its causal mask spelled out. Without a mask transformers hands torch the key/value groups as
-    they are (``enable_gqa``), which no fused CUDA kernel takes in float32: torch's math kernel then materialises the
-    [B, Hq, N, N] scores (``benchmarks/prefill_memory.py`` measures it). With a mask it repeats the heads and the
-    memory-efficient kernel runs. Not on the CPU, where the grouped call is the faster one."""
-    from transformers import AttentionInterface
-
-    if attention_mask is None and _grouped_float32_cuda_prefill(module, query, key, kwargs):
-        attention_mask = causal_mask(query.shape[2], query.device)
-    return AttentionInterface()["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
-                                        scaling=scaling, **kwargs)
-
-
-def _grouped_float32_cuda_prefill(module, query: Tensor, key: Tensor, kwargs: Mapping[str, Any]) -> bool:
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
-    return (bool(causal) and query.is_cuda and query.dtype == torch.float32 and key.shape[1] < query.shape[1]
-            and query.shape[2] == key.shape[2] > 1)
-
-
-def causal_mask(length: int, device: torch.device | str) -> Tensor:
-    """``[1, 1, N, N]`` boolean: query i sees keys 0..i (sdpa's ``is_causal`` for a prefill with no past)."""
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
 
 
 def openattention_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -257,6 +226,14 @@ class OpenAttentionHandle:
             runtime.live = None
             if runtime.context is not None:  # states prepared for the old pipelines are never read again
                 runtime.context.prepared.clear()
+
+    def static_cache(self, max_new_tokens: int):
+        """A static cache for the fast decode path: ``model.generate(..., max_new_tokens=n,
+        past_key_values=handle.static_cache(max_new_tokens=n))``. Its capacity is set at the prefill: the prompt plus
+        ``max_new_tokens``; generating past it raises."""
+        from oa_core.integration.static_cache import OACache
+
+        return OACache(self.runtimes, max_new_tokens)
 
     @property
     def stats(self) -> GenerationStats:

@@ -66,9 +66,8 @@ class SimHashSelector(Selector):
         index = LSHIndex(planes, center, keys.new_zeros(B, Hkv, 0, L, dtype=_bucket_dtype(K)))
         return self.extend(index, keys)
 
-    def extend(self, index: LSHIndex, keys: Tensor) -> LSHIndex:
-        buckets = self._hash(index, keys.float() - index.center)
-        return LSHIndex(index.planes, index.center, torch.cat([index.buckets, buckets], 2))
+    def token_codes(self, index: LSHIndex, keys: Tensor) -> dict[str, Tensor]:
+        return {"buckets": self._hash(index, keys.float() - index.center)}
 
     def _hash(self, index: LSHIndex, vectors: Tensor) -> Tensor:
         """``[B, Hkv, n, D]`` → each table's bucket ``[B, Hkv, n, L]``, the smallest integer type that holds K bits.

@@ -14,6 +14,9 @@ class OracleSelector(Selector):
 
     name = "oracle"
 
+    def token_codes(self, index: None, keys: Tensor) -> dict[str, Tensor]:
+        return {}  # it reads the keys themselves
+
     def score(self, query: Tensor, index: None, keys: Tensor, scale: float) -> Tensor:
         B, Hkv, Gs, G, T, D = query.shape
         logits = scale * query.float().reshape(B, Hkv, -1, D) @ keys.float().transpose(-1, -2)

@@ -56,9 +56,9 @@ class QuerySubspaceSelector(Selector):
         codes, scales = quantize(keys.float() @ basis)
         return QGSIndex(basis, codes, scales)
 
-    def extend(self, index: QGSIndex, keys: Tensor) -> QGSIndex:
+    def token_codes(self, index: QGSIndex, keys: Tensor) -> dict[str, Tensor]:
         codes, scales = quantize(keys.float() @ index.basis)
-        return QGSIndex(index.basis, torch.cat([index.codes, codes], 2), torch.cat([index.scales, scales], 2))
+        return {"codes": codes, "scales": scales}
 
     def score(self, query: Tensor, index: QGSIndex, keys: Tensor, scale: float) -> Tensor:
         B, Hkv, Gs, G, T, D = query.shape

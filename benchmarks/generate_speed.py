@@ -1,0 +1,172 @@
+"""Decode speed where users decode: tokens per second inside ``model.generate``, OpenAttention against the fastest
+dense decode in the same run.
+
+    python benchmarks/generate_speed.py                               # on a GPU: the Llama-3.1-8B shape, 16x16K, 8x32K
+    python benchmarks/generate_speed.py --configs 1x32768 --densities 0.01
+    python benchmarks/generate_speed.py --tiny --device cpu           # the same code on a toy model (a smoke test)
+
+A Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab 128256) is
+built from its config with random bf16 weights: speed does not depend on the weights' values, and nothing is
+downloaded. Per batch × context, a random prompt; every method generates ``--warmup`` + ``--tokens`` tokens greedily
+in one ``generate`` call, and a stopping criterion waits for the device and reads the clock after every step: the time
+per token is the mean gap over the last ``--tokens`` steps (the first ones include compiling and capturing the step).
+
+- ``dense-default``: the model's own sdpa with transformers' default (dynamic) cache, eager.
+- ``dense-static``: transformers' static cache (``cache_implementation="static"``), compiled by generate.
+- ``dense-engine``: this project's static cache with every row read (``oa_core.dense_decode``), compiled by generate:
+  the same engine as OpenAttention, so that the ratio measures sparsity and not a better cache.
+- ``openattention``: ``oa.patch(model, spec)`` and ``past_key_values=handle.static_cache(...)``, compiled by generate,
+  at each ``--densities``.
+
+``dense-fastest`` in the table is the faster of dense-static and dense-engine. Writes
+``benchmarks/results/generate_speed.json``: ``{"machine", "runs": [{"batch", "context", "method", "density",
+"per_token_ms", "prefill_s", "prepare_s", "tokens"}]}`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+import oa_core as oa
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=1024, max_position_embeddings=8192)
+
+
+class StepClock(StoppingCriteria):
+    """Waits for the device after every generated token and records the time: per-step gaps, not overlap."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def build_model(tiny: bool, layers: int | None, device: torch.device) -> LlamaForCausalLM:
+    shape = dict(TINY if tiny else LLAMA_8B)
+    if layers:
+        shape["num_hidden_layers"] = layers
+    config = LlamaConfig(**shape, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def timed_generate(model, ids: torch.Tensor, warmup: int, tokens: int, **kwargs) -> dict:
+    clock = StepClock(ids.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=warmup + tokens,
+                       min_new_tokens=warmup + tokens, do_sample=False, pad_token_id=0,
+                       stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
+    gaps = [b - a for a, b in zip(clock.times[warmup:-1], clock.times[warmup + 1:])]
+    return {"per_token_ms": 1000 * sum(gaps) / len(gaps), "prefill_s": clock.times[0] - start,
+            "tokens": len(gaps)}
+
+
+def run_method(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
+    kwargs, handle = {}, None
+    if method == "dense-static":
+        kwargs["cache_implementation"] = "static"
+    elif method in ("dense-engine", "openattention"):
+        handle = oa.patch(model, {**spec, "budget": {"density": 1.0 if density is None else density}})
+        kwargs["past_key_values"] = handle.static_cache(max_new_tokens=args.warmup + args.tokens)
+    try:
+        result = timed_generate(model, ids, args.warmup, args.tokens, **kwargs)
+        result["prepare_s"] = handle.stats.prepare_seconds if method == "openattention" else None
+        if handle is not None:
+            dense = [layer.dense_reason for layer in kwargs["past_key_values"].layers if layer.state is None]
+            result["dense_layers"] = len(dense)
+            result["dense_reason"] = sorted(set(dense))
+    except torch.OutOfMemoryError as exc:
+        result = {"per_token_ms": None, "prefill_s": None, "prepare_s": None, "tokens": 0,
+                  "error": f"out of memory: {str(exc).splitlines()[0]}"}
+    finally:
+        if handle is not None:
+            handle.unpatch()
+        kwargs.clear()
+        gc.collect()
+        if ids.is_cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=["16x16384", "8x32768"], help="BATCHxCONTEXT")
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
+    parser.add_argument("--methods", nargs="+", default=["dense-default", "dense-static", "dense-engine",
+                                                         "openattention"])
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
+    parser.add_argument("--gqa", default="shared", choices=["shared", "per_head"])
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (a quick look)")
+    parser.add_argument("--tiny", action="store_true", help="a toy model instead of the 8B shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "generate_speed.json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch._dynamo.config.cache_size_limit = 64  # one compiled step per method and shape: more than the default 8
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    model = build_model(args.tiny, args.layers, device)
+    spec = {"gqa": args.gqa}
+    machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+               "layers": model.config.num_hidden_layers, "model": "tiny" if args.tiny else "Llama-3.1-8B shape",
+               "spec": spec, "warmup": args.warmup}
+    runs = []
+    for config in args.configs:
+        batch, context = (int(x) for x in config.lower().split("x"))
+        ids = torch.randint(10, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device)
+        for method in args.methods:
+            for density in args.densities if method == "openattention" else [None]:
+                result = run_method(model, ids, method, density, spec, args)
+                runs.append({"batch": batch, "context": context, "method": method, "density": density, **result})
+                print(json.dumps(runs[-1]), flush=True)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1) + "\n")
+    print(table(runs))
+    return 0
+
+
+def table(runs: list[dict]) -> str:
+    """Per batch × context: each method's ms per token and its speed over dense-fastest."""
+    lines = ["| batch × context | method | density | ms / token | tokens/s vs dense-fastest | prefill s | prepare s |",
+             "|---|---|---|---|---|---|---|"]
+    for config in dict.fromkeys((r["batch"], r["context"]) for r in runs):
+        rows = [r for r in runs if (r["batch"], r["context"]) == config]
+        dense = [r["per_token_ms"] for r in rows if r["method"] in ("dense-static", "dense-engine")
+                 and r["per_token_ms"]]
+        fastest = min(dense) if dense else None
+        for r in rows:
+            ms, density = r["per_token_ms"], r["density"]
+            cells = [f"{config[0]} × {config[1]}", r["method"], "" if density is None else f"{density:.0%}",
+                     "n/a" if ms is None else f"{ms:.2f}", f"{fastest / ms:.2f}×" if ms and fastest else "n/a",
+                     "n/a" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
+                     "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The fast decode path's state: one layer's pipeline state in buffers of a fixed capacity, grown and attended one
+token at a time on the device, with nothing computed on the host (docs/design.md §2).
+
+``StaticState.from_state`` turns a prepared ``PipelineState`` (the prefill's) into preallocated buffers: the cluster
+of every cache slot, the pooled sums, the clusters' member lists (room for every token still to come), and the
+selector's per-token codes (``Selector.token_codes``). ``StaticState.step`` then does one decode step for a cache
+whose new row is already written: the new row gets its codes, the row leaving the local window joins its nearest
+cluster (assignment, pooled sums, member list), and the query attends — selector scores over every slot, cluster
+statistics, the allocator's quotas, each cluster's best rows, the kernel. Every shape is fixed by the capacity and
+every index comes from the ``length`` tensor, so the step can be captured in a CUDA graph; its rows and output are the
+reference pipeline's (``tests/test_static.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from oa_core import triton_path
+from oa_core.cluster_stats import cluster_logit_stats
+from oa_core.components import AllocationInput, Clusters, PooledClusters, Selection, group_queries
+from oa_core.selection import cluster_members, select_by_sorting, select_per_cluster
+from oa_core.state import PipelineState
+
+
+class StaticUnsupported(ValueError):
+    """A state the fast path cannot hold; the message says why (the caller falls back to the eager path)."""
+
+
+@dataclass
+class StaticState:
+    """One layer's state at a fixed capacity (keys and values live in the cache beside it, ``[B, Hkv, capacity, D]``).
+
+    ``length``: 0-d long, the rows written (the new token's included, during a step); ``start`` ``[B]``: each row's
+    first valid slot (left padding); ``assignment`` ``[B, Hkv, capacity]``: every slot's cluster, C for the sink, the
+    local window, padding and unwritten slots; ``pooled``: the pooled sums; ``members`` ``[B, Hkv, C, S]`` and
+    ``member_counts`` ``[B, Hkv, C]``: the clusters' slots (S: the largest cluster at prefill plus every token still to
+    come); ``index``: the selector's index with its per-token tensors at capacity."""
+
+    pipeline: Any
+    capacity: int
+    scale: float
+    length: Tensor
+    start: Tensor
+    clusters: Clusters
+    assignment: Tensor
+    pooled: PooledClusters
+    members: Tensor
+    member_counts: Tensor
+    index: Any
+    token_fields: tuple[str, ...]
+
+    @classmethod
+    def from_state(cls, state: PipelineState, capacity: int, length: Tensor | None = None) -> StaticState:
+        """The prefill's prepared state at ``capacity`` slots (≥ its length). ``length``: the cache's own 0-d count of
+        rows written, which the cache advances (a tensor of the state's own when None). Raises StaticUnsupported
+        where the fast path does not apply: every batch row must be sparse, the tail a proxy or discarded, and the
+        selector must say how to index one token in place (``Selector.token_codes``)."""
+        pipe, n = state.pipeline, state.num_tokens
+        if capacity < n:
+            raise ValueError(f"capacity: {capacity} slots cannot hold the {n} tokens already cached")
+        if state.clusters is None or bool(state.dense_rows.any()):
+            raise StaticUnsupported("a batch row's budget covers its context (it is read in full)")
+        if pipe.spec.tail == "sample":
+            raise StaticUnsupported("tail: sample draws a new sample at every step")
+        sample = pipe.selector.token_codes(state.index, state.keys[:, :, :1])
+        if sample is None:
+            raise StaticUnsupported(f"selector {pipe.selector.name!r} has no per-token codes (Selector.token_codes)")
+        B, H, _, D = state.keys.shape
+        C, device = state.num_clusters, state.keys.device
+        grow = capacity - n
+
+        def at_capacity(tensor: Tensor, fill) -> Tensor:
+            shape = (*tensor.shape[:2], capacity, *tensor.shape[3:])
+            out = torch.full(shape, fill, dtype=tensor.dtype, device=device)
+            out[:, :, :n] = tensor
+            return out
+
+        index = dataclasses.replace(state.index, **{name: at_capacity(getattr(state.index, name), 0)
+                                                    for name in sample}) if sample else state.index
+        members, counts = cluster_members(state.pooled.assignment, C, room=grow)
+        pooled = state.pooled
+        start = (~state.valid).sum(-1)  # left padding: the first valid slot
+        return cls(pipeline=pipe, capacity=capacity, scale=state.scale,
+                   length=torch.tensor(n, device=device) if length is None else length, start=start,
+                   clusters=state.clusters,
+                   assignment=at_capacity(pooled.assignment, C),
+                   pooled=PooledClusters(pooled.count.clone(), pooled.key_sum.clone(), pooled.value_sum.clone(),
+                                         None, pooled.key_square_sum.clone()),
+                   members=members.contiguous(), member_counts=counts, index=index, token_fields=tuple(sample))
+
+    @property
+    def num_clusters(self) -> int:
+        return self.clusters.num_clusters
+
+    def buffers(self) -> list[Tensor]:
+        """Every tensor a step reads or writes, in the order ``with_buffers`` takes: a compiled step passes these to
+        its custom op (and marks them static: fixed addresses for CUDA graphs)."""
+        return [self.length, self.start, self.assignment, self.pooled.count, self.pooled.key_sum,
+                self.pooled.value_sum, self.pooled.key_square_sum, self.members, self.member_counts,
+                *(getattr(self.index, name) for name in self.token_fields)]
+
+    def with_buffers(self, buffers: list[Tensor]) -> StaticState:
+        """This state over other tensors of the same layout (``buffers``' order): a compiled op receives its
+        arguments as copies that it must write, not the state's own tensors."""
+        length, start, assignment, count, key_sum, value_sum, key_square_sum, members, member_counts, *codes = buffers
+        index = dataclasses.replace(self.index, **dict(zip(self.token_fields, codes))) if self.token_fields \
+            else self.index
+        return dataclasses.replace(self, length=length, start=start, assignment=assignment,
+                                   pooled=PooledClusters(count, key_sum, value_sum, None, key_square_sum),
+                                   members=members, member_counts=member_counts, index=index)
+
+    # -- one decode step --------------------------------------------------------------------------------------------
+
+    def step(self, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """The new row (slot ``length`` − 1 of ``keys``/``values`` ``[B, Hkv, capacity, D]``, already written) joins
+        the state, then ``query`` ``[B, Hq, 1, D]`` attends → ``[B, Hq, 1, D]``."""
+        self.grow(keys, values)
+        return self.attend(query, keys, values)
+
+    def grow(self, keys: Tensor, values: Tensor) -> None:
+        """Index the new row; the row leaving the local window joins its nearest cluster (docs/design.md §1)."""
+        pipe, C = self.pipeline, self.num_clusters
+        B, H, _, D = keys.shape
+        newest = (self.length - 1).view(1)
+        for name, codes in pipe.selector.token_codes(self.index, keys.index_select(2, newest)).items():
+            getattr(self.index, name).index_copy_(2, newest, codes)
+        leaving = newest - pipe.spec.local
+        row = keys.index_select(2, leaving)  # [B, Hkv, 1, D]
+        ids = pipe.clusterer.assign(self.clusters, row)  # [B, Hkv, 1]
+        self.assignment.scatter_(2, leaving.expand(B, H, 1), ids)
+        k = row.float()
+        self.pooled.count.scatter_add_(2, ids, torch.ones_like(k[..., 0]))
+        slots = ids[..., None].expand(B, H, 1, D)
+        self.pooled.key_sum.scatter_add_(2, slots, k)
+        self.pooled.value_sum.scatter_add_(2, slots, values.index_select(2, leaving).float())
+        self.pooled.key_square_sum.scatter_add_(2, slots, k * k)
+        S = self.members.shape[-1]
+        slot = ids * S + self.member_counts.gather(2, ids)
+        self.members.view(B, H, C * S).scatter_(2, slot, leaving.to(self.members.dtype).expand(B, H, 1))
+        self.member_counts.scatter_add_(2, ids, torch.ones_like(ids))
+
+    def attend(self, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """Steps 4–7 of docs/design.md §1 for one decode query per row."""
+        selection = self.selection(query, keys)
+        pooled = self.pooled
+        proxies = PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, self.assignment) \
+            if self.pipeline.spec.tail == "proxy" else None
+        out, _ = self.pipeline.kernel.attend(query, keys, values, selection, proxies, self.scale)
+        return out
+
+    def selection(self, query: Tensor, keys: Tensor) -> Selection:
+        """Steps 4–6: the rows ``query`` ``[B, Hq, 1, D]`` reads — sink, local window, then each cluster's q_b best
+        as one run (``Selection.runs``), -1 padded to the width at capacity."""
+        pipe, spec, C = self.pipeline, self.pipeline.spec, self.num_clusters
+        B, Hq, T, D = query.shape
+        H = keys.shape[1]
+        grouped = group_queries(query, H, spec.gqa == "shared")
+        scores = pipe.selector.score(grouped, self.index, keys, self.scale)
+        scores = scores.masked_fill((self.assignment == C)[:, :, None, None, :], -math.inf)
+        n = self.pooled.count.clamp_min(1).unsqueeze(-1)
+        mean = self.pooled.key_sum / n
+        var = (self.pooled.key_square_sum / n - mean * mean).clamp_min(0)
+        mean_logit, logit_var = cluster_logit_stats(query, mean, var, self.scale)
+        fixed = self.fixed_rows()
+        budget = spec.budget.rows(self.length - self.start) - fixed.shape[-1]  # [B]: E_sel of each row
+        width = self.width()
+        allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=self.pooled.count,
+                                     scores=scores, assignment=self.assignment,
+                                     budget=budget.clamp_min(0).view(B, 1, 1, 1).expand(B, H, 1, 1), width=width)
+        quotas = pipe.allocator.allocate(allocation)
+        if triton_path.unavailable_reason(scores.device) is None:
+            chosen = select_per_cluster(scores, self.members, self.member_counts, quotas, width)
+        else:
+            chosen = select_by_sorting(scores, self.assignment, quotas, width)
+        index = torch.cat([fixed[:, None, None, None, :].expand(B, H, *chosen.shape[2:4], -1), chosen], dim=-1)
+        runs = torch.nn.functional.pad(quotas.cumsum(-1, dtype=torch.int32), (1, 0)) + fixed.shape[-1]
+        return Selection(index, torch.zeros(index.shape, device=query.device), runs)
+
+    def fixed_rows(self) -> Tensor:
+        """``[B, sink + local]``: each row's sink (from its first valid slot) and the local window, in order."""
+        spec = self.pipeline.spec
+        sink = self.start[:, None] + torch.arange(spec.sink, device=self.start.device)
+        local = self.length - spec.local + torch.arange(spec.local, device=self.start.device)
+        return torch.cat([sink, local.expand(len(self.start), -1)], dim=-1)
+
+    def width(self) -> int:
+        """The most rows a step may select: E_sel at capacity (a host number fixed by the spec and the capacity)."""
+        spec = self.pipeline.spec
+        return max(spec.budget.rows(self.capacity) - spec.sink - spec.local, 0)

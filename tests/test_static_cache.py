@@ -1,0 +1,94 @@
+"""The fast decode path in transformers (oa_core.integration.static_cache): generate() through the static cache
+against the default cache, eagerly and compiled (fullgraph, on the CPU), with a left-padded batch."""
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import oa_core as oa
+from test_integration import DENSE_BUDGET, SPARSE, prompt, tiny_llama
+
+
+def generate(model, ids, mask, tokens, **kwargs):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
+
+
+def padded_batch(length=300):
+    ids = prompt(length, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    return ids, mask
+
+
+def test_the_static_cache_decodes_like_the_default_cache():
+    """The same prepared state, grown and attended on the device: the same logits at every step (to float rounding:
+    the static path pads its rows to the width at capacity)."""
+    model, (ids, mask) = tiny_llama(), padded_batch()
+    with oa.patch(model, SPARSE) as handle:
+        tokens, scores = generate(model, ids, mask, 6)
+        cache = handle.static_cache(max_new_tokens=6)
+        fast_tokens, fast_scores = generate(model, ids, mask, 6, past_key_values=cache)
+    torch.testing.assert_close(fast_scores, scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast_tokens, tokens)
+    assert all(layer.state is not None for layer in cache.layers)  # every layer took the fast path
+    assert not torch.equal(scores, generate(model, ids, mask, 6)[1])  # and it is sparse: not the model's own
+
+
+def test_the_compiled_step_has_no_graph_break_and_the_same_logits():
+    """What generate() does on a GPU, here with the aot_eager backend: one graph for the whole decode step
+    (fullgraph=True raises at any break), the custom op inside it."""
+    model, (ids, mask) = tiny_llama(), padded_batch()
+    config = CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True  # generate compiles on accelerators only, unless asked
+    with oa.patch(model, SPARSE) as handle:
+        _, eager = generate(model, ids, mask, 5, past_key_values=handle.static_cache(max_new_tokens=5))
+        _, compiled = generate(model, ids, mask, 5, past_key_values=handle.static_cache(max_new_tokens=5),
+                               compile_config=config)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_covering_budget_decodes_the_dense_tokens():
+    model, (ids, mask) = tiny_llama(), padded_batch()
+    dense_tokens, dense_scores = generate(model, ids, mask, 8)
+    with oa.patch(model, DENSE_BUDGET) as handle:
+        cache = handle.static_cache(max_new_tokens=8)
+        tokens, scores = generate(model, ids, mask, 8, past_key_values=cache)
+        records = handle.stats.records
+    assert torch.equal(tokens, dense_tokens)
+    torch.testing.assert_close(scores, dense_scores, rtol=1e-5, atol=1e-5)
+    assert all(layer.state is None and "budget covers its context" in layer.dense_reason for layer in cache.layers)
+    assert all("budget covers its context" in r.reason for r in records if r.phase == "prefill")
+
+
+def test_capacity_is_checked_before_a_step_overflows():
+    model, (ids, mask) = tiny_llama(), padded_batch()
+    with oa.patch(model, SPARSE) as handle:
+        cache = handle.static_cache(max_new_tokens=3)
+        with pytest.raises(ValueError, match="static cache: full at 303 slots .* max_new_tokens it was made for, 3"):
+            generate(model, ids, mask, 6, past_key_values=cache)
+        with pytest.raises(ValueError, match=r"static cache: \d+ new tokens after its prompt; .* cache.reset\(\)"):
+            generate(model, torch.cat([ids, ids[:, :50]], 1), torch.cat([mask, mask[:, :50]], 1), 1,
+                     past_key_values=cache)  # generate continues a cache that holds tokens
+        cache.reset()
+        first, _ = generate(model, ids[:, 50:], mask[:, 50:], 3, past_key_values=cache)  # a shorter prompt fits
+        assert first.shape == (2, 3)
+        cache.reset()
+        with pytest.raises(ValueError, match="a prompt of 301 tokens and 3 new ones do not fit its capacity of 303"):
+            generate(model, prompt(301, batch=2), torch.ones(2, 301, dtype=torch.long), 3, past_key_values=cache)
+
+
+def test_specs_the_fast_path_cannot_run_are_refused_up_front():
+    model = tiny_llama()
+    with oa.patch(model, {**SPARSE, "selector": "quest"}) as handle:
+        with pytest.raises(ValueError, match="layer 0's spec cannot run on the fast path: selector 'quest' has no "
+                                             "per-token codes"):
+            handle.static_cache(max_new_tokens=4)
+    with oa.patch(model, {**SPARSE, "tail": "sample"}) as handle:
+        with pytest.raises(ValueError, match="tail: sample draws a new sample at every step"):
+            handle.static_cache(max_new_tokens=4)
+    with oa.patch(model, SPARSE) as handle:
+        with pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
+            handle.static_cache(max_new_tokens=0)
