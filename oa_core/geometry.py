@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -19,18 +21,39 @@ def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int
     """Top-``rank`` eigenpairs of the query second moment per KV head.
 
     keys ``[B, Hkv, N, D]``, queries ``[B, Hq, M, D]`` or None (then the second moment of the keys ``mask`` ``[B, N]``
-    selects) → (U_r ``[B, Hkv, D, r]``, Λ_r ``[B, Hkv, r]``), float32.
+    selects) → (U_r ``[B, Hkv, D, r]``, Λ_r ``[B, Hkv, r]``), float32. The eigendecomposition runs in float64 on the
+    CPU (LAPACK), where a batch of small matrices is much faster than on a GPU and a seed means the same basis on
+    every device; a request's queries are decomposed once for all the components that ask (QGC and QGS).
     """
     B, Hkv, _, D = keys.shape
-    if queries is None:
-        samples = keys.double() * mask[:, None, :, None]
-        count = mask.sum(-1).clamp_min(1).view(B, 1, 1, 1)
-    else:
+    if queries is not None:
+        owner, version, decomposed = _DECOMPOSED.get(id(queries), (None, None, None))
+        if owner is not None and owner() is queries and version == (queries._version, window, Hkv):
+            return _top(*decomposed, rank)
         samples = queries[:, :, -window:].double().reshape(B, Hkv, -1, D)  # the group's heads share one geometry
         count = samples.shape[2]
+    else:
+        samples = keys.double() * mask[:, None, :, None]
+        count = mask.sum(-1).clamp_min(1).view(B, 1, 1, 1)
     moment = samples.transpose(-1, -2) @ samples / count
-    eigenvalues, eigenvectors = torch.linalg.eigh(moment)  # ascending
-    r = min(rank, D)
+    eigenvalues, eigenvectors = (t.to(keys.device) for t in torch.linalg.eigh(moment.cpu()))  # ascending
+    if queries is not None:
+        _remember(queries, (queries._version, window, Hkv), (eigenvalues, eigenvectors))
+    return _top(eigenvalues, eigenvectors, rank)
+
+
+# id(queries) → (a weak reference to them, (their version, window, KV heads), their eigendecomposition): one per
+# request, shared by its components; an entry goes with its queries.
+_DECOMPOSED: dict[int, tuple] = {}
+
+
+def _remember(queries: Tensor, version: tuple, decomposed: tuple[Tensor, Tensor]) -> None:
+    key = id(queries)
+    _DECOMPOSED[key] = (weakref.ref(queries, lambda _: _DECOMPOSED.pop(key, None)), version, decomposed)
+
+
+def _top(eigenvalues: Tensor, eigenvectors: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    r = min(rank, eigenvectors.shape[-1])
     top = eigenvectors[..., -r:].flip(-1)
     return top.float(), eigenvalues[..., -r:].flip(-1).clamp_min(0).float()
 
