@@ -33,10 +33,24 @@ def cluster_logit_stats(query: Tensor, key_mean: Tensor, key_var: Tensor, scale:
             scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var))
 
 
+def cluster_logit_stats_from_sums(query: Tensor, count: Tensor, key_sum: Tensor, key_square_sum: Tensor,
+                                  scale: float) -> tuple[Tensor, Tensor]:
+    """``cluster_logit_stats`` from the pooled sums themselves (count ``[B, Hkv, C]``, Σk and Σk⊙k
+    ``[B, Hkv, C, D]``, float32): k̄_b = Σk/n_b and Var_b(k) = Σk⊙k/n_b − k̄_b² (0 at least; n_b ≥ 1), computed
+    inside the kernel on CUDA — the fast decode path's step, where the sums change every token."""
+    if triton_path.unavailable_reason(query.device) is None:
+        return _stats_triton(query, key_sum, key_square_sum, scale, count)
+    n = count.clamp_min(1).unsqueeze(-1)
+    mean = key_sum / n
+    return cluster_logit_stats(query, mean, (key_square_sum / n - mean * mean).clamp_min(0), scale, use_triton=False)
+
+
 BLOCK_C = 16  # clusters per program
 
 
-def _stats_triton(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _stats_triton(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float,
+                  count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """With ``count``, ``key_mean`` and ``key_var`` are the pooled Σk and Σk⊙k, turned into moments in the kernel."""
     B, Hq, T, D = query.shape
     Hkv, C = key_mean.shape[1:3]
     g = Hq // Hkv
@@ -44,15 +58,17 @@ def _stats_triton(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float
     logit_var = torch.empty_like(mean_logit)
     if mean_logit.numel():
         grid = (B * Hkv, triton.cdiv(C, BLOCK_C))
-        _cluster_stats[grid](query.contiguous(), key_mean.contiguous(), key_var.contiguous(), mean_logit, logit_var,
-                             C, D, g * T, scale, BLOCK_C=BLOCK_C, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        counts = count.contiguous() if count is not None else mean_logit  # never read without FROM_SUMS
+        _cluster_stats[grid](query.contiguous(), key_mean.contiguous(), key_var.contiguous(), counts, mean_logit,
+                             logit_var, C, D, g * T, scale, FROM_SUMS=count is not None, BLOCK_C=BLOCK_C,
+                             BLOCK_D=triton.next_power_of_2(D), num_warps=4)
     return mean_logit, logit_var
 
 
 if triton is not None:
 
     @triton.jit
-    def _cluster_stats(Q, MEAN, VAR, MEAN_LOGIT, LOGIT_VAR, C, D, ROWS, scale,
+    def _cluster_stats(Q, MEAN, VAR, COUNT, MEAN_LOGIT, LOGIT_VAR, C, D, ROWS, scale, FROM_SUMS: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
         """One program per (batch row, KV head, block of BLOCK_C clusters): the block's moments stay in registers
         while each of the head's ROWS = g·T query rows (a KV head's query heads are adjacent) takes two dot products
@@ -65,6 +81,10 @@ if triton is not None:
         ok = in_c[:, None] & (offs_d[None, :] < D)
         mean = tl.load(MEAN + tile, mask=ok, other=0.0)
         var = tl.load(VAR + tile, mask=ok, other=0.0)
+        if FROM_SUMS:  # Σk, Σk⊙k → k̄, Var(k), as the state's cluster_moments computes them
+            n = tl.maximum(tl.load(COUNT + head * C + offs_c, mask=in_c, other=1.0), 1.0)[:, None]
+            mean = tl.div_rn(mean, n)
+            var = tl.maximum(tl.div_rn(var, n) - mean * mean, 0.0)
         for row in range(0, ROWS):
             q = tl.load(Q + (head * ROWS + row) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
             out = (head * ROWS + row) * C + offs_c

@@ -100,7 +100,13 @@ class AllocationInput:
 
 
 class Allocator(Component):
-    """Splits the selectable budget E_sel over clusters (docs/design.md, step 5)."""
+    """Splits the selectable budget E_sel over clusters (docs/design.md, step 5).
+
+    ``reads_scores``: whether ``allocate`` reads ``inputs.scores`` (global top-k does; water-filling by a
+    per-cluster priority does not, and the fast decode path then skips setting the positions outside the clusters to
+    -inf)."""
+
+    reads_scores: ClassVar[bool] = True
 
     def allocate(self, inputs: AllocationInput) -> Tensor:
         """→ quotas q_b, integer ``[B, Hkv, Gs, T, C]`` with q_b ≤ n_b and Σ_b q_b = min(E_sel, Σ_b n_b)."""

@@ -22,10 +22,11 @@ import torch
 from torch import Tensor
 
 from oa_core import triton_path
-from oa_core.cluster_stats import cluster_logit_stats
+from oa_core.cluster_stats import cluster_logit_stats_from_sums
 from oa_core.components import AllocationInput, Clusters, PooledClusters, Selection, group_queries
 from oa_core.selection import cluster_members, select_by_sorting, select_per_cluster
 from oa_core.state import PipelineState
+from oa_core.triton_path import tl, triton
 
 
 class StaticUnsupported(ValueError):
@@ -54,6 +55,8 @@ class StaticState:
     member_counts: Tensor
     index: Any
     token_fields: tuple[str, ...]
+    # What every step reuses (fixed rows' parts, the zero row weights), shared by the copies ``with_buffers`` makes.
+    _reused: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
     def from_state(cls, state: PipelineState, capacity: int, length: Tensor | None = None) -> StaticState:
@@ -131,8 +134,13 @@ class StaticState:
         for name, codes in pipe.selector.token_codes(self.index, keys.index_select(2, newest)).items():
             getattr(self.index, name).index_copy_(2, newest, codes)
         leaving = newest - pipe.spec.local
-        row = keys.index_select(2, leaving)  # [B, Hkv, 1, D]
-        ids = pipe.clusterer.assign(self.clusters, row)  # [B, Hkv, 1]
+        ids = pipe.clusterer.assign(self.clusters, keys.index_select(2, leaving))  # [B, Hkv, 1]
+        if triton_path.unavailable_reason(keys.device) is None:
+            _join[(B * H,)](ids, keys, values, leaving, self.assignment, self.pooled.count, self.pooled.key_sum,
+                            self.pooled.value_sum, self.pooled.key_square_sum, self.members, self.member_counts,
+                            self.capacity, C, self.members.shape[-1], D, BLOCK_D=triton.next_power_of_2(D))
+            return
+        row = keys.index_select(2, leaving)
         self.assignment.scatter_(2, leaving.expand(B, H, 1), ids)
         k = row.float()
         self.pooled.count.scatter_add_(2, ids, torch.ones_like(k[..., 0]))
@@ -162,11 +170,10 @@ class StaticState:
         H = keys.shape[1]
         grouped = group_queries(query, H, spec.gqa == "shared")
         scores = pipe.selector.score(grouped, self.index, keys, self.scale)
-        scores = scores.masked_fill((self.assignment == C)[:, :, None, None, :], -math.inf)
-        n = self.pooled.count.clamp_min(1).unsqueeze(-1)
-        mean = self.pooled.key_sum / n
-        var = (self.pooled.key_square_sum / n - mean * mean).clamp_min(0)
-        mean_logit, logit_var = cluster_logit_stats(query, mean, var, self.scale)
+        if pipe.allocator.reads_scores:  # the selection reads each cluster's own scores only
+            scores = scores.masked_fill((self.assignment == C)[:, :, None, None, :], -math.inf)
+        mean_logit, logit_var = cluster_logit_stats_from_sums(query, self.pooled.count, self.pooled.key_sum,
+                                                              self.pooled.key_square_sum, self.scale)
         fixed = self.fixed_rows()
         budget = spec.budget.rows(self.length - self.start) - fixed.shape[-1]  # [B]: E_sel of each row
         width = self.width()
@@ -180,16 +187,52 @@ class StaticState:
             chosen = select_by_sorting(scores, self.assignment, quotas, width)
         index = torch.cat([fixed[:, None, None, None, :].expand(B, H, *chosen.shape[2:4], -1), chosen], dim=-1)
         runs = torch.nn.functional.pad(quotas.cumsum(-1, dtype=torch.int32), (1, 0)) + fixed.shape[-1]
-        return Selection(index, torch.zeros(index.shape, device=query.device), runs)
+        weights = self._reused.get("weights")
+        if weights is None or weights.shape != index.shape:  # every row read exactly: ln 1
+            weights = self._reused["weights"] = torch.zeros(index.shape, device=query.device)
+        return Selection(index, weights, runs)
 
     def fixed_rows(self) -> Tensor:
-        """``[B, sink + local]``: each row's sink (from its first valid slot) and the local window, in order."""
-        spec = self.pipeline.spec
-        sink = self.start[:, None] + torch.arange(spec.sink, device=self.start.device)
-        local = self.length - spec.local + torch.arange(spec.local, device=self.start.device)
-        return torch.cat([sink, local.expand(len(self.start), -1)], dim=-1)
+        """``[B, sink + local]``: each row's sink (from its first valid slot) and the local window, in order: the
+        sink's slots stay, the window's move with ``length``."""
+        if "fixed" not in self._reused:
+            spec, device = self.pipeline.spec, self.start.device
+            sink = self.start[:, None] + torch.arange(spec.sink, device=device)
+            local = (torch.arange(spec.local, device=device) - spec.local).expand(len(self.start), -1)
+            moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long), torch.ones(spec.local, dtype=torch.long)])
+            self._reused["fixed"] = torch.cat([sink, local], dim=-1), moves.to(device)
+        base, moves = self._reused["fixed"]
+        return base + self.length * moves
 
     def width(self) -> int:
         """The most rows a step may select: E_sel at capacity (a host number fixed by the spec and the capacity)."""
         spec = self.pipeline.spec
         return max(spec.budget.rows(self.capacity) - spec.sink - spec.local, 0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _join(IDS, K, V, LEAVING, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
+              BLOCK_D: tl.constexpr):
+        """Program (batch row · KV head): the row leaving the local window joins cluster ``ids`` — its slot's
+        assignment, the pooled count, Σk, Σv, Σk⊙k, and the end of the cluster's member list — in one launch (one
+        row per head and step: no two programs touch the same cluster)."""
+        head = tl.program_id(0).to(tl.int64)
+        leaving = tl.load(LEAVING).to(tl.int64)
+        c = tl.load(IDS + head).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        ok = offs < D
+        row = (head * CAP + leaving) * D + offs
+        k = tl.load(K + row, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(V + row, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ASSIGNMENT + head * CAP + leaving, c)
+        cluster = head * C + c
+        tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 1.0)
+        sums = cluster * D + offs
+        tl.store(KSUM + sums, tl.load(KSUM + sums, mask=ok) + k, mask=ok)
+        tl.store(VSUM + sums, tl.load(VSUM + sums, mask=ok) + v, mask=ok)
+        tl.store(KSQ + sums, tl.load(KSQ + sums, mask=ok) + k * k, mask=ok)
+        slot = tl.load(MEMBER_COUNT + cluster)
+        tl.store(MEMBERS + cluster * S + slot, leaving.to(tl.int32))
+        tl.store(MEMBER_COUNT + cluster, slot + 1)

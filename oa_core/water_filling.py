@@ -140,6 +140,8 @@ def log_total(log_values: Tensor) -> Tensor:
 class WaterFillAllocator(Allocator):
     """Base of the allocators that water-fill by a priority; subclasses give ``log_priority``."""
 
+    reads_scores = False
+
     def log_priority(self, inputs: AllocationInput, counts: Tensor) -> Tensor:
         """Per query head ``[B, Hkv, g, T, C]`` log priorities (counts ``[B, Hkv, 1, 1, C]``); -inf: never read."""
         raise NotImplementedError
