@@ -55,8 +55,8 @@ class StaticState:
     member_counts: Tensor
     index: Any
     token_fields: tuple[str, ...]
-    # What every step reuses (fixed rows' parts, the zero row weights), shared by the copies ``with_buffers`` makes.
-    _reused: dict = dataclasses.field(default_factory=dict, repr=False)
+    fixed_base: Tensor | None = None  # [B, sink + local]: the fixed rows at length 0 (``fixed_rows``)
+    fixed_moves: Tensor | None = None  # [sink + local]: 1 where a fixed row moves with the length (the window)
 
     @classmethod
     def from_state(cls, state: PipelineState, capacity: int, length: Tensor | None = None) -> StaticState:
@@ -89,13 +89,19 @@ class StaticState:
         members, counts = cluster_members(state.pooled.assignment, C, room=grow)
         pooled = state.pooled
         start = (~state.valid).sum(-1)  # left padding: the first valid slot
+        # Made here, not in a step: a compiled step's CUDA graph may allocate nothing that outlives it.
+        spec = pipe.spec
+        fixed_base = torch.cat([start[:, None] + torch.arange(spec.sink, device=device),
+                                (torch.arange(spec.local, device=device) - spec.local).expand(B, -1)], dim=-1)
+        fixed_moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long), torch.ones(spec.local, dtype=torch.long)])
         return cls(pipeline=pipe, capacity=capacity, scale=state.scale,
                    length=torch.tensor(n, device=device) if length is None else length, start=start,
                    clusters=state.clusters,
                    assignment=at_capacity(pooled.assignment, C),
                    pooled=PooledClusters(pooled.count.clone(), pooled.key_sum.clone(), pooled.value_sum.clone(),
                                          None, pooled.key_square_sum.clone()),
-                   members=members.contiguous(), member_counts=counts, index=index, token_fields=tuple(sample))
+                   members=members.contiguous(), member_counts=counts, index=index, token_fields=tuple(sample),
+                   fixed_base=fixed_base, fixed_moves=fixed_moves.to(device))
 
     @property
     def num_clusters(self) -> int:
@@ -187,22 +193,12 @@ class StaticState:
             chosen = select_by_sorting(scores, self.assignment, quotas, width)
         index = torch.cat([fixed[:, None, None, None, :].expand(B, H, *chosen.shape[2:4], -1), chosen], dim=-1)
         runs = torch.nn.functional.pad(quotas.cumsum(-1, dtype=torch.int32), (1, 0)) + fixed.shape[-1]
-        weights = self._reused.get("weights")
-        if weights is None or weights.shape != index.shape:  # every row read exactly: ln 1
-            weights = self._reused["weights"] = torch.zeros(index.shape, device=query.device)
-        return Selection(index, weights, runs)
+        return Selection(index, torch.zeros(index.shape, device=query.device), runs)
 
     def fixed_rows(self) -> Tensor:
         """``[B, sink + local]``: each row's sink (from its first valid slot) and the local window, in order: the
         sink's slots stay, the window's move with ``length``."""
-        if "fixed" not in self._reused:
-            spec, device = self.pipeline.spec, self.start.device
-            sink = self.start[:, None] + torch.arange(spec.sink, device=device)
-            local = (torch.arange(spec.local, device=device) - spec.local).expand(len(self.start), -1)
-            moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long), torch.ones(spec.local, dtype=torch.long)])
-            self._reused["fixed"] = torch.cat([sink, local], dim=-1), moves.to(device)
-        base, moves = self._reused["fixed"]
-        return base + self.length * moves
+        return self.fixed_base + self.length * self.fixed_moves
 
     def width(self) -> int:
         """The most rows a step may select: E_sel at capacity (a host number fixed by the spec and the capacity)."""
