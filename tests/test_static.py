@@ -2,8 +2,6 @@
 output at every step, with GQA, a batch with a left-padded row, growth across the local window's edge and a cache
 filled to its capacity."""
 
-import math
-
 import pytest
 import torch
 
