@@ -39,6 +39,9 @@ class Record:
     metric: str
     versions: dict
 
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 @dataclass
 class RulerRecord(Record):
@@ -75,10 +78,6 @@ class ErrorRecord(Record):
         return {**fields, **fields.pop("diagnostics")}
 
 
-def as_json(record: Record) -> dict:
-    return record.as_json() if hasattr(record, "as_json") else dataclasses.asdict(record)
-
-
 def cell_key(spec: str, density: float | None, task: str, length: int, sample: int) -> tuple:
     return spec, None if density is None else round(float(density), 6), task, int(length), int(sample)
 
@@ -110,7 +109,7 @@ class RecordWriter:
             self.file.write("\n")
 
     def write(self, record: Record) -> None:
-        self.file.write(json.dumps(as_json(record)) + "\n")
+        self.file.write(json.dumps(record.as_json()) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
 

@@ -7,7 +7,8 @@
 
 - ``runtime``: the attention function, each layer's runtime (recorded context, live state), ``patch``/``unpatch``.
 - ``prefill``: a prompt's dense pass (the model's own sdpa, the valid keys, the queries QGC records).
-- ``static_cache``: the fast decode path — a static cache holding each layer's state, one custom op per step.
+- ``static_cache``: the fast decode path — a static cache holding each layer's state, one custom op per step
+  (imported when first used: it loads transformers' cache machinery, half a second).
 - ``stats``: what each layer call read and how long it took (``handle.stats``).
 - ``generation``: one prefilled context, many continuations (``prefill_context``, ``generate_from_context``,
   ``answer_logprob``).
@@ -17,10 +18,8 @@ from oa_core.integration.generation import (Context, answer_logprob, cache_kwarg
                                             prefill_context)
 from oa_core.integration.runtime import (IMPLEMENTATION, LayerRuntime, OpenAttentionHandle, openattention_attention,
                                          patch, register, runtimes, unpatch)
-from oa_core.integration.static_cache import OACache
 from oa_core.integration.stats import GenerationStats, StepRecord
 
-__all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OACache", "OpenAttentionHandle",
-           "StepRecord",
+__all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OpenAttentionHandle", "StepRecord",
            "answer_logprob", "cache_kwargs", "generate_from_context", "openattention_attention", "patch", "positions",
            "prefill_context", "register", "runtimes", "unpatch"]

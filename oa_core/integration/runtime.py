@@ -70,7 +70,7 @@ class LayerRuntime:
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         static, self.static = self.static, None
         if static is not None:  # a static cache (the fast decode path): the prompt, then one token per step
-            from oa_core.integration import static_cache
+            from oa_core.integration import static_cache  # here: it loads transformers' cache machinery
 
             stage = static_cache.prefill if query.shape[2] > 1 else static_cache.decode
             return stage(self, static, module, query, key, value, attention_mask, scaling, dropout, model_sdpa,
