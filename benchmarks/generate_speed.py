@@ -17,6 +17,9 @@ per token is the mean gap over the last ``--tokens`` steps (the first ones inclu
   the same engine as OpenAttention, so that the ratio measures sparsity and not a better cache.
 - ``openattention``: ``oa.patch(model, spec)`` and ``past_key_values=handle.static_cache(...)``, compiled by generate,
   at each ``--densities``.
+- ``no-attention`` (a bound, not a method): transformers' static cache, compiled, with an attention that reads no
+  key or value (it returns its queries): everything in the step but attention. dense-fastest over it is the most
+  any sparse attention can gain in this ``generate``.
 
 ``dense-fastest`` in the table is the faster of dense-static and dense-engine. Writes
 ``benchmarks/results/generate_speed.json``: ``{"machine", "runs": [{"batch", "context", "method", "density",
@@ -34,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import oa_core as oa
 
@@ -57,6 +60,14 @@ class StepClock(StoppingCriteria):
             torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention that reads no cache: its output is its query (``[B, T, H, D]``), for the no-attention bound."""
+    return query.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("no_attention", no_attention)
 
 
 def build_model(tiny: bool, layers: int | None, device: torch.device) -> LlamaForCausalLM:
@@ -84,8 +95,10 @@ def timed_generate(model, ids: torch.Tensor, warmup: int, tokens: int, **kwargs)
 
 def run_method(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
     kwargs, handle = {}, None
-    if method == "dense-static":
+    if method in ("dense-static", "no-attention"):
         kwargs["cache_implementation"] = "static"
+    if method == "no-attention":
+        model.set_attn_implementation("no_attention")
     elif method in ("dense-engine", "openattention"):
         handle = oa.patch(model, {**spec, "budget": {"density": 1.0 if density is None else density}})
         kwargs["past_key_values"] = handle.static_cache(max_new_tokens=args.warmup + args.tokens)
@@ -100,6 +113,8 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
         result = {"per_token_ms": None, "prefill_s": None, "prepare_s": None, "tokens": 0,
                   "error": f"out of memory: {str(exc).splitlines()[0]}"}
     finally:
+        if method == "no-attention":
+            model.set_attn_implementation("sdpa")
         if handle is not None:
             handle.unpatch()
         kwargs.clear()
@@ -151,19 +166,21 @@ def main(argv=None) -> int:
 
 def table(runs: list[dict]) -> str:
     """Per batch × context: each method's ms per token and its speed over dense-fastest."""
-    lines = ["| batch × context | method | density | ms / token | tokens/s vs dense-fastest | prefill s | prepare s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| batch × context | method | density | ms / token | tokens/s vs dense-fastest | prefill s | prepare s "
+             "| prepare / dense prefill |", "|---|---|---|---|---|---|---|---|"]
     for config in dict.fromkeys((r["batch"], r["context"]) for r in runs):
         rows = [r for r in runs if (r["batch"], r["context"]) == config]
         dense = [r["per_token_ms"] for r in rows if r["method"] in ("dense-static", "dense-engine")
                  and r["per_token_ms"]]
         fastest = min(dense) if dense else None
+        prefills = [r["prefill_s"] for r in rows if r["method"] == "dense-engine" and r["prefill_s"]]
         for r in rows:
             ms, density = r["per_token_ms"], r["density"]
             cells = [f"{config[0]} × {config[1]}", r["method"], "" if density is None else f"{density:.0%}",
                      "n/a" if ms is None else f"{ms:.2f}", f"{fastest / ms:.2f}×" if ms and fastest else "n/a",
                      "n/a" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
-                     "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}"]
+                     "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}",
+                     f"{r['prepare_s'] / prefills[0]:.1%}" if r.get("prepare_s") and prefills else ""]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -40,3 +40,98 @@ def test_query_geometry_finds_the_query_subspace():
     assert torch.allclose(basis[0, 0].T @ basis[0, 0], torch.eye(2), atol=1e-5)
     assert basis[0, 0, 0, 0].abs() > 0.99  # the wider query axis comes first
     assert eigenvalues[0, 0, 0] > eigenvalues[0, 0, 1] > 0
+
+
+def _moments(spectrum, samples, count=6, seed=3):
+    x = torch.randn(count, samples, len(spectrum), generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64) * spectrum.double().sqrt()
+    return x.transpose(-1, -2) @ x / samples
+
+
+def test_subspace_iteration_gives_lapacks_top_pairs():
+    """The GPU's eigensolver (run here on the CPU) against LAPACK: the same top eigenvalues and the same subspace,
+    on a decaying spectrum and a nearly flat one (the latter converges only through the block's extra columns)."""
+    from oa_core.geometry import subspace_eigenpairs
+
+    r = 6
+    for spectrum in (0.8 ** torch.arange(40), 1 + 0.01 * torch.rand(40, generator=torch.Generator().manual_seed(1))):
+        moment = _moments(spectrum, 400)
+        values, vectors = subspace_eigenpairs(moment, r)
+        exact_values, exact_vectors = torch.linalg.eigh(moment)
+        assert torch.allclose(values, exact_values[..., -r:], rtol=1e-10, atol=0)
+        top = exact_vectors[..., -r:]
+        residual = moment @ vectors - vectors * values[..., None, :]
+        assert residual.norm(dim=-2).max() <= 1e-8 * exact_values[..., -1].max()
+        assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(r, dtype=torch.float64), atol=1e-12)
+        if spectrum[0] != spectrum[1]:  # separated eigenvalues: the same vectors up to sign
+            assert torch.allclose((top * vectors).sum(-2).abs(), torch.ones(r, dtype=torch.float64), atol=1e-8)
+
+
+def test_subspace_iteration_of_a_rank_deficient_moment():
+    """Fewer samples than the rank asked for (a short prompt): the nonzero pairs are found, the rest are zero and the
+    basis stays orthonormal."""
+    from oa_core.geometry import subspace_eigenpairs
+
+    moment = _moments(torch.ones(32), samples=3)
+    values, vectors = subspace_eigenpairs(moment, 8)
+    exact = torch.linalg.eigh(moment).eigenvalues
+    assert torch.allclose(values[..., -3:], exact[..., -3:], rtol=1e-10)
+    assert values[..., :5].abs().max() < 1e-12 * exact[..., -1].max()
+    assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(8, dtype=torch.float64), atol=1e-10)
+
+
+
+
+def test_the_triton_gram_schmidt_matches_qr():
+    """Under the interpreter: the GPU's orthonormalisation spans what QR spans, column by column, and is orthonormal,
+    on ill-conditioned columns (a geometric spread of scales)."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(5)
+    columns = torch.randn(3, 24, 10, generator=gen, dtype=torch.float64) * (0.1 ** torch.arange(10.0)).double()
+    out = torch.empty_like(columns)
+    geometry._gram_schmidt[(3,)](columns, out, 24, 10, BLOCK_D=32, BLOCK_B=16)
+    q = torch.linalg.qr(columns).Q
+    assert torch.allclose(out.transpose(-1, -2) @ out, torch.eye(10, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose((out * q).sum(-2).abs(), torch.ones(3, 10, dtype=torch.float64), atol=1e-9)
+
+
+def test_the_triton_kmeans_plus_plus_picks_the_torch_centres():
+    """Under the interpreter: the one-launch k-means++ picks the torch code's centres, with masked points, blocks
+    that do not divide the row, and a row with fewer points than centres (the fallback to its weights)."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(6)
+    points = torch.randn(3, 150, 5, generator=gen)
+    weight = (torch.rand(3, 150, generator=gen) > 0.3).float()
+    weight[2] = 0
+    weight[2, [7, 40, 90]] = 1  # three points, eight centres
+    draws = torch.rand(8, 3, generator=gen, dtype=torch.float64)
+    expected = geometry.kmeans_plus_plus(points, weight, draws)
+    assert torch.equal(geometry.kmeans_plus_plus_triton(points, weight, draws, block_n=64), expected)
+    assert {tuple(c.tolist()) for c in expected[2]} == {tuple(points[2, i].tolist()) for i in (7, 40, 90)}
+
+
+def test_the_triton_nearest_centroid_matches_torch():
+    """Under the interpreter: the nearest centroid equals the torch code's, the first of equal centroids winning
+    across the kernel's tiles of 32."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(4)
+    for r in (3, 16):
+        points = torch.randn(3, 150, r, generator=gen)
+        centroids = torch.randn(3, 37, r, generator=gen)
+        centroids[:, 35] = centroids[:, 2]
+        assert torch.equal(geometry.nearest_triton(points, centroids, block_n=64), geometry.nearest(points, centroids))
