@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", nargs="+", default=["16x16384", "8x32768"], help="BATCHxCONTEXT")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
     parser.add_argument("--methods", nargs="+", default=["dense-default", "dense-static", "dense-engine",
-                                                         "openattention"])
+                                                         "openattention"],
+                        choices=["dense-default", "dense-static", "dense-engine", "openattention", "no-attention"])
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
     parser.add_argument("--gqa", default="shared", choices=["shared", "per_head"])
@@ -138,6 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "generate_speed.json")
     args = parser.parse_args(argv)
+    if args.tokens < 2:
+        parser.error("--tokens: at least 2 (the time per token is the mean gap between timed steps)")
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per method and shape: more than the default 8
     if hasattr(torch._dynamo.config, "recompile_limit"):

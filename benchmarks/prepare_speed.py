@@ -93,8 +93,9 @@ def run_config(batch: int, context: int, repeats: int) -> dict:
     row = {"batch": batch, "context": context}
     stages = {}
     queries = prefill.clone()  # one tensor: the geometry is computed once, then reused by the stages after it
-    _, stages["geometry"] = timed(lambda: geometry.query_geometry(keys, prefill.clone(), mask, 16, 256), repeats)
-    geometry.query_geometry(keys, queries, mask, 16, 256)
+    rank, window = pipe.clusterer.config.rank, pipe.clusterer.config.query_window
+    _, stages["geometry"] = timed(lambda: geometry.query_geometry(keys, prefill.clone(), mask, rank, window), repeats)
+    geometry.query_geometry(keys, queries, mask, rank, window)
     seed = torch.Generator()
     clusters, stages["cluster"] = timed(lambda: pipe.clusterer.fit(keys, queries, mask, seed.manual_seed(0)), repeats)
     index, stages["index"] = timed(lambda: pipe.selector.build(keys, queries, clusters), repeats)

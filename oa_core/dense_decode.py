@@ -38,7 +38,7 @@ def dense_decode(query: Tensor, keys: Tensor, values: Tensor, length: Tensor, st
     block_g = max(16, triton.next_power_of_2(G))
     _split_pass[(B * Hkv, splits)](q, k, v, length, start, m, den, acc, Hkv, capacity, splits, scale,
                                    G=G, BLOCK_G=block_g, D=D, BLOCK_D=triton.next_power_of_2(D), SPLIT=SPLIT,
-                                   BLOCK_N=BLOCK_N, HALF=query.dtype in (torch.float16, torch.bfloat16))
+                                   BLOCK_N=BLOCK_N, HALF=triton_path.tensor_core_dots(query.dtype))
     out = torch.empty(B, Hkv, G, D, device=query.device, dtype=query.dtype)
     _merge[(B * Hkv * G,)](m, den, acc, out, splits, G, D=D, BLOCK_D=triton.next_power_of_2(D),
                            BLOCK_S=triton.next_power_of_2(splits))

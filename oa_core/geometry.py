@@ -3,8 +3,7 @@
 - ``query_geometry``: the top-r eigenpairs (U_r, Λ_r) of the queries' second moment M per KV head (paper §3.2):
   ``top_eigenpairs``, by LAPACK on the CPU or by subspace iteration on the GPU (``subspace_eigenpairs``).
 - ``lloyd``: seeded k-means++ then Lloyd iterations, batched; ``nearest``: each point's nearest centroid. On CUDA
-  tensors the two passes over the points that repeat (a new centre's distances, the nearest centroid) are Triton
-  kernels; elsewhere torch.
+  tensors k-means++ (one launch) and the nearest centroid are Triton kernels; elsewhere torch.
 """
 
 from __future__ import annotations
@@ -105,7 +104,7 @@ def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, check_ever
 def orthonormalize(columns: Tensor) -> Tensor:
     """An orthonormal basis of the span of ``[..., D, b]`` float64 columns of full rank, in order (the j-th basis
     vector spans the first j columns). On CUDA tensors one Triton program per matrix (modified Gram–Schmidt, twice:
-    a batched QR takes ~4 ms for 128 matrices of 128 × 32 on an H200, this ~20 µs); elsewhere QR."""
+    0.11 ms for 128 matrices of 128 × 32 on an H200, where a batched QR takes 7.1 ms); elsewhere QR."""
     if columns.is_cuda and triton is not None:
         *lead, D, b = columns.shape
         flat = columns.reshape(-1, D, b).contiguous()
@@ -137,12 +136,12 @@ def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
     # initial centres on every device; they are shared by the first leading dim (the batch), so a row clusters the
     # same alone or in a padded batch. Each pick inverts the CDF of its weights (k-means++: squared distances).
     draws = torch.rand(num_clusters, 1, *lead[1:], generator=generator, dtype=torch.float64)
-    draws = draws.expand(num_clusters, *lead).reshape(num_clusters, -1, 1).to(points.device)
+    draws = draws.expand(num_clusters, *lead).reshape(num_clusters, -1).to(points.device)
 
     if flat.is_cuda and triton is not None:
-        centroids = kmeans_plus_plus_triton(flat, weight, draws[..., 0])
+        centroids = kmeans_plus_plus_triton(flat, weight, draws)
     else:
-        centroids = kmeans_plus_plus(flat, weight, draws[..., 0])
+        centroids = kmeans_plus_plus(flat, weight, draws)
     assignment, sums, counts = assign_and_sum(flat, weight, centroids)
     for _ in range(iterations):
         # An emptied cluster keeps its old centre.

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from oa_core.pipeline import Pipeline
+from oa_core.scatter import count_by_slot, sum_by_slot
 from oa_core.state import PipelineState
 
 
@@ -58,14 +59,12 @@ def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tu
     C = state.num_clusters
     assignment = state.pooled.assignment  # [B, Hkv, N]
     cluster = assignment.gather(-1, index.reshape(B, Hkv, -1)).view_as(index).masked_fill(~valid, C)
-    read_count = torch.zeros(B, Hkv, g, T, C + 1, dtype=torch.float64).scatter_add_(-1, cluster,
-                                                                                     valid.double())
+    read_count = count_by_slot(cluster, C, torch.float64)
     rows = index.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, state.keys.shape[-1])
     keys_read = state.keys.double().gather(2, rows).view(*index.shape, -1) * valid.unsqueeze(-1)
-    read_key = torch.zeros(B, Hkv, g, T, C + 1, keys_read.shape[-1], dtype=torch.float64)
-    read_key.scatter_add_(-2, cluster.unsqueeze(-1).expand_as(keys_read), keys_read)
-    tail_count = state.pooled.count.double()[:, :, None, None] - read_count[..., :C]
-    tail_key = (state.pooled.key_sum.double()[:, :, None, None] - read_key[..., :C, :]) / tail_count.clamp_min(
+    read_key = sum_by_slot(cluster, keys_read, C)
+    tail_count = state.pooled.count.double()[:, :, None, None] - read_count
+    tail_key = (state.pooled.key_sum.double()[:, :, None, None] - read_key) / tail_count.clamp_min(
         1).unsqueeze(-1)
     q = query.double().reshape(B, Hkv, g, T, -1)
     per_token = torch.exp(state.scale * torch.einsum("bhgtd,bhgtcd->bhgtc", q, tail_key) - top)  # g_T per cluster

@@ -191,7 +191,7 @@ class Pipeline:
             out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
         else:
             selection = self._explain(query, state, causal, validate).selection
-            pooled = state.pooled if self.spec.tail == "proxy" and not plan.all_dense else None
+            pooled = state.pooled if self.spec.tail == "proxy" else None  # None too where every row is dense
             out, proxies = self.kernel.attend(query, state.keys, state.values, selection, pooled, state.scale)
         contracts.check_output(self.kernel, out, query)
         return (out, self._stats(query, state, selection, proxies)) if return_stats else out
@@ -210,17 +210,19 @@ class Pipeline:
         grouped = group_queries(query, Hkv, spec.gqa == "shared")
         Gs = grouped.shape[2]
         index = plan.fixed[:, :, None, None, :].expand(B, Hkv, Gs, T, -1)
-        explanation = Explanation(Selection(index, torch.zeros(index.shape, device=query.device)))
-        if state.clusters is not None:
+        if state.clusters is None:
+            explanation = Explanation(Selection(index, torch.zeros(index.shape, device=query.device)))
+        else:
             sampling = spec.tail == "sample"
-            samples = (spec.tail_samples * plan.selectable).round().long() if sampling else 0 * plan.selectable
+            samples = (spec.tail_samples * plan.selectable).round().long() if sampling else None
             scores = self.selector.score(grouped, state.index, state.keys, state.scale)
             contracts.check_scores(self.selector, scores, (B, Hkv, Gs, T, n))
             scores = scores.masked_fill(plan.unclustered, -math.inf)
             mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
             allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=state.pooled.count,
                                          scores=scores, assignment=state.pooled.assignment,
-                                         budget=plan.selectable - samples, width=plan.max_selectable)
+                                         budget=plan.selectable - samples if sampling else plan.selectable,
+                                         width=plan.max_selectable)
             quotas = self.allocator.allocate(allocation)
             contracts.check_quotas(self.allocator, quotas, allocation, values=validate)
             chosen = select(scores, allocation.assignment, quotas, width=plan.max_selectable, members=plan.members)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from oa_core import triton_path
 from oa_core.scatter import count_by_slot, positions
 from oa_core.triton_path import tl, triton
 
@@ -46,8 +47,9 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
     ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run, in
     position order, clusters in order, then -1 padding. Ties go to the earlier position. K = ``width`` (a bound on
     Σ_b q_b known on the host, so that nothing waits on the device), or the largest Σ_b q_b when None. ``members``
-    (``cluster_members``): with them and a width, CUDA tensors take the Triton kernel."""
-    if members is not None and width is not None and scores.is_cuda and triton is not None:
+    (``cluster_members``): with them and a width, the Triton kernel where it runs (CUDA tensors, or the CPU under
+    ``TRITON_INTERPRET=1``)."""
+    if members is not None and width is not None and triton_path.unavailable_reason(scores.device) is None:
         return select_per_cluster(scores, *members, quotas, width)
     return select_by_sorting(scores, assignment, quotas, width)
 

@@ -18,6 +18,7 @@ from oa_core.components import Clusters, PooledClusters
 from oa_core.contracts import check_cache
 from oa_core.scatter import compact, positions, sum_by_slot
 from oa_core.selection import add_members, cluster_members
+from oa_core.triton_path import triton
 
 if TYPE_CHECKING:
     from oa_core.pipeline import Pipeline
@@ -77,13 +78,17 @@ class PipelineState:
     clusters: Clusters | None = None
     pooled: PooledClusters | None = None
     index: Any = None
-    clustered_end: int = 0
     _moments: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
     _plan: ReadPlan | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.keys.shape[2]
+
+    @property
+    def clustered_end(self) -> int:
+        """The rows before this position have left the local window (and joined a cluster, where they are in one)."""
+        return self.num_tokens - self.pipeline.spec.local
 
     @property
     def num_clusters(self) -> int:
@@ -218,15 +223,14 @@ class PipelineState:
         C = self.num_clusters
         assignment = torch.cat([self.pooled.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long,
                                                                    device=new_keys.device)], dim=2)
-        leaving_end = self.num_tokens - pipe.spec.local
+        leaving_end = self.clustered_end
         leaving, ids = None, None
-        if leaving_end > self.clustered_end:
-            leaving = slice(self.clustered_end, leaving_end)
+        if new_keys.shape[2]:
+            leaving = slice(leaving_end - new_keys.shape[2], leaving_end)
             ids = pipe.clusterer.assign(self.clusters, self.keys[:, :, leaving])
             ids = ids.masked_fill(self.dense_rows[:, None, None], C)
             assignment[:, :, leaving] = ids
             self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])
-            self.clustered_end = leaving_end
         self.pooled.assignment = assignment
         self._moments = None
         return leaving, ids
@@ -249,7 +253,6 @@ class PipelineState:
         self.clusters = clusters
         self.pooled = PooledClusters(zeros[..., 0].clone(), zeros, zeros.clone(), clusters.assignment, zeros.clone())
         self._pool(clusters.assignment, self.keys, self.values)
-        self.clustered_end = n - self.pipeline.spec.local
         self.index = index
 
 
@@ -258,4 +261,4 @@ MEMBER_ROOM = 64  # slots per cluster for growth in the member table: a check (a
 
 def _wants_members(keys: Tensor) -> bool:
     """Whether the plan lists the clusters' members: for the GPU's per-cluster selection, CUDA caches only."""
-    return keys.is_cuda
+    return keys.is_cuda and triton is not None  # the condition on which `select` uses them

@@ -23,14 +23,23 @@ from torch import Tensor
 
 from oa_core import triton_path
 from oa_core.cluster_stats import cluster_logit_stats_from_sums
-from oa_core.components import AllocationInput, Clusters, PooledClusters, Selection, group_queries
-from oa_core.selection import cluster_members, select_by_sorting, select_per_cluster
+from oa_core.components import AllocationInput, Clusters, PooledClusters, Selection, Selector, group_queries
+from oa_core.selection import cluster_members, select
 from oa_core.state import PipelineState
 from oa_core.triton_path import tl, triton
 
 
 class StaticUnsupported(ValueError):
     """A state the fast path cannot hold; the message says why (the caller falls back to the eager path)."""
+
+
+def unsupported(pipeline) -> str | None:
+    """Why a pipeline cannot decode on the fast path, whatever the prompt (None: it can)."""
+    if pipeline.spec.tail == "sample":
+        return "tail: sample draws a new sample at every step"
+    if type(pipeline.selector).token_codes is Selector.token_codes:
+        return f"selector {pipeline.selector.name!r} has no per-token codes (Selector.token_codes)"
+    return None
 
 
 @dataclass
@@ -55,8 +64,9 @@ class StaticState:
     member_counts: Tensor
     index: Any
     token_fields: tuple[str, ...]
-    fixed_base: Tensor | None = None  # [B, sink + local]: the fixed rows at length 0 (``fixed_rows``)
-    fixed_moves: Tensor | None = None  # [sink + local]: 1 where a fixed row moves with the length (the window)
+    fixed_base: Tensor  # [B, sink + local]: the fixed rows at length 0 (``fixed_rows``)
+    fixed_moves: Tensor  # [sink + local]: 1 where a fixed row moves with the length (the window)
+    key: int | None = None  # the static cache's registration of this state for its custom op
 
     @classmethod
     def from_state(cls, state: PipelineState, capacity: int, length: Tensor | None = None) -> StaticState:
@@ -69,8 +79,8 @@ class StaticState:
             raise ValueError(f"capacity: {capacity} slots cannot hold the {n} tokens already cached")
         if state.clusters is None or bool(state.dense_rows.any()):
             raise StaticUnsupported("a batch row's budget covers its context (it is read in full)")
-        if pipe.spec.tail == "sample":
-            raise StaticUnsupported("tail: sample draws a new sample at every step")
+        if unsupported(pipe):
+            raise StaticUnsupported(unsupported(pipe))
         sample = pipe.selector.token_codes(state.index, state.keys[:, :, :1])
         if sample is None:
             raise StaticUnsupported(f"selector {pipe.selector.name!r} has no per-token codes (Selector.token_codes)")
@@ -93,15 +103,16 @@ class StaticState:
         spec = pipe.spec
         fixed_base = torch.cat([start[:, None] + torch.arange(spec.sink, device=device),
                                 (torch.arange(spec.local, device=device) - spec.local).expand(B, -1)], dim=-1)
-        fixed_moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long), torch.ones(spec.local, dtype=torch.long)])
+        fixed_moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long, device=device),
+                                 torch.ones(spec.local, dtype=torch.long, device=device)])
         return cls(pipeline=pipe, capacity=capacity, scale=state.scale,
                    length=torch.tensor(n, device=device) if length is None else length, start=start,
                    clusters=state.clusters,
                    assignment=at_capacity(pooled.assignment, C),
                    pooled=PooledClusters(pooled.count.clone(), pooled.key_sum.clone(), pooled.value_sum.clone(),
                                          None, pooled.key_square_sum.clone()),
-                   members=members.contiguous(), member_counts=counts, index=index, token_fields=tuple(sample),
-                   fixed_base=fixed_base, fixed_moves=fixed_moves.to(device))
+                   members=members, member_counts=counts, index=index, token_fields=tuple(sample),
+                   fixed_base=fixed_base, fixed_moves=fixed_moves)
 
     @property
     def num_clusters(self) -> int:
@@ -140,13 +151,13 @@ class StaticState:
         for name, codes in pipe.selector.token_codes(self.index, keys.index_select(2, newest)).items():
             getattr(self.index, name).index_copy_(2, newest, codes)
         leaving = newest - pipe.spec.local
-        ids = pipe.clusterer.assign(self.clusters, keys.index_select(2, leaving))  # [B, Hkv, 1]
+        row = keys.index_select(2, leaving)
+        ids = pipe.clusterer.assign(self.clusters, row)  # [B, Hkv, 1]
         if triton_path.unavailable_reason(keys.device) is None:
             _join[(B * H,)](ids, keys, values, leaving, self.assignment, self.pooled.count, self.pooled.key_sum,
                             self.pooled.value_sum, self.pooled.key_square_sum, self.members, self.member_counts,
                             self.capacity, C, self.members.shape[-1], D, BLOCK_D=triton.next_power_of_2(D))
             return
-        row = keys.index_select(2, leaving)
         self.assignment.scatter_(2, leaving.expand(B, H, 1), ids)
         k = row.float()
         self.pooled.count.scatter_add_(2, ids, torch.ones_like(k[..., 0]))
@@ -187,10 +198,7 @@ class StaticState:
                                      scores=scores, assignment=self.assignment,
                                      budget=budget.clamp_min(0).view(B, 1, 1, 1).expand(B, H, 1, 1), width=width)
         quotas = pipe.allocator.allocate(allocation)
-        if triton_path.unavailable_reason(scores.device) is None:
-            chosen = select_per_cluster(scores, self.members, self.member_counts, quotas, width)
-        else:
-            chosen = select_by_sorting(scores, self.assignment, quotas, width)
+        chosen = select(scores, self.assignment, quotas, width, (self.members, self.member_counts))
         index = torch.cat([fixed[:, None, None, None, :].expand(B, H, *chosen.shape[2:4], -1), chosen], dim=-1)
         runs = torch.nn.functional.pad(quotas.cumsum(-1, dtype=torch.int32), (1, 0)) + fixed.shape[-1]
         return Selection(index, torch.zeros(index.shape, device=query.device), runs)

@@ -176,7 +176,9 @@ def check_kernel(component, params: dict | None = None) -> None:
                             assignment, one_hot.transpose(-1, -2) @ (keys * keys))
     for Gs in (1, Hq // H):
         index = torch.rand(B, H, Gs, T, N, generator=gen).argsort(-1)[..., :24]
-        index[0, 0, 0, 0, :16] = torch.arange(4, 20)
+        order = torch.rand(N, generator=gen)
+        order[4:20] = torch.arange(16) - 100.0  # first: the whole of cluster 0, then other rows, none twice
+        index[0, 0, 0, 0] = order.argsort()[:24]
         index[..., -3:] = -1  # padding
         log_weight = torch.rand(index.shape, generator=gen) * (torch.arange(24) >= 18)  # a few weighted rows
         selection = Selection(index, log_weight)

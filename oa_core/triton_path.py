@@ -40,3 +40,10 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type == "cuda" or (interpreting() and device.type == "cpu"):
         return None
     return f"no CUDA device for tensors on {device} (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
+
+
+def tensor_core_dots(dtype: torch.dtype) -> bool:
+    """Whether kernels take tensor-core dots of 16-bit inputs (float32 accumulation) for ``dtype``: float16 and
+    bfloat16, but not bfloat16 in the interpreter, whose ``tl.dot`` multiplies bfloat16 tiles wrongly (those inputs
+    are then upcast to float32 first)."""
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and not interpreting())

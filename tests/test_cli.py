@@ -2,6 +2,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from oa_core import SpecError
+
 SPECS = sorted(str(p) for p in (Path(__file__).parents[1] / "specs").glob("*.yaml"))
 
 
@@ -28,3 +32,19 @@ def test_validate_rejects_a_bad_spec_with_the_field(tmp_path):
 def test_console_script_is_installed():
     result = subprocess.run(["oa", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "plugins" in result.stdout and "validate" in result.stdout
+
+
+def test_the_eval_defaults_pass_their_own_budget_check(monkeypatch):
+    """`oa eval` with no option must not refuse itself: its default densities and length give every shipped spec a
+    budget of at least its sink + local (the check that runs before the model loads); the library's defaults agree."""
+    from oa_core import cli
+    from oa_core.eval import runner
+
+    monkeypatch.chdir(Path(__file__).parents[1])  # default_specs: ./specs
+    args = cli.build_parser().parse_args(["eval"])
+    config = runner.EvalConfig(specs=cli.default_specs(), densities=args.densities, lengths=args.length)
+    assert config.specs and args.densities == runner.EvalConfig(specs=[]).densities
+    runner.check_budgets(runner.resolved_specs(config), config)  # raises SpecError on a budget too small
+    low = runner.EvalConfig(specs=config.specs, densities=[0.01], lengths=args.length)  # the case the help names
+    with pytest.raises(SpecError, match=r"fewer than its sink \+ local = 4 \+ 64"):
+        runner.check_budgets(runner.resolved_specs(low), low)

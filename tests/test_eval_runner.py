@@ -358,6 +358,7 @@ def test_attention_error_shares_the_runner_and_its_records(model, tokenizer, tmp
     assert f"| {by_spec['openattention']['score']:.4f} |" in table
     sparse = [r for r in records if r["spec"] == "openattention"]
     assert all(0 <= r["top32_recall"] <= 1 and r["weight_discrepancy"] > 0 for r in sparse)  # --diagnostics
+    assert not any("diagnostics" in r for r in records)  # written as fields of their own, once
     assert _comparable(runner.run(config, model, tokenizer)) == _comparable(rows)  # nothing left to run
     assert len(eval_records.read_records(tmp_path)) == 6
     from oa_core.eval.report import build_report

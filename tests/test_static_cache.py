@@ -92,3 +92,21 @@ def test_specs_the_fast_path_cannot_run_are_refused_up_front():
     with oa.patch(model, SPARSE) as handle:
         with pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
             handle.static_cache(max_new_tokens=0)
+
+
+def test_a_one_token_prompt_and_what_the_stats_say():
+    """A prompt of one token is a prompt (prefilled, then decoded), not a decode step: the default cache's tokens.
+    After a sparse run the stats say what each static step reads, and that steps are not recorded one by one."""
+    model = tiny_llama()
+    one = prompt(1)
+    with oa.patch(model, SPARSE) as handle:
+        expected, _ = generate(model, one, torch.ones_like(one), 4)
+        tokens, _ = generate(model, one, torch.ones_like(one), 4, past_key_values=handle.static_cache(max_new_tokens=4))
+    assert torch.equal(tokens, expected)
+    ids, mask = padded_batch()
+    with oa.patch(model, SPARSE) as handle:
+        generate(model, ids, mask, 3, past_key_values=handle.static_cache(max_new_tokens=3))
+        stats = handle.stats
+    sparse = stats.sparse()
+    assert len(sparse) == 2 and all(0.19 < r.density < 0.3 for r in sparse)  # density 0.2 of each row's context
+    assert "static cache: each decode step reads this budget" in stats.summary()

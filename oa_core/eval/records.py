@@ -75,7 +75,8 @@ class ErrorRecord(Record):
 
     def as_json(self) -> dict:
         fields = dataclasses.asdict(self)
-        return {**fields, **fields.pop("diagnostics")}
+        diagnostics = fields.pop("diagnostics")
+        return {**fields, **diagnostics}
 
 
 def cell_key(spec: str, density: float | None, task: str, length: int, sample: int) -> tuple:

@@ -69,15 +69,16 @@ class LayerRuntime:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         static, self.static = self.static, None
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if static is not None:  # a static cache (the fast decode path): the prompt, then one token per step
             from oa_core.integration import static_cache  # here: it loads transformers' cache machinery
 
-            stage = static_cache.prefill if query.shape[2] > 1 else static_cache.decode
-            return stage(self, static, module, query, key, value, attention_mask, scaling, dropout, model_sdpa,
-                         **kwargs)
+            if static.prefilled:
+                return static_cache.decode(static, query, key, value, scale)
+            return static_cache.prefill(self, static, module, query, key, value, attention_mask, scaling, dropout,
+                                        scale, **kwargs)
         T, N = query.shape[2], key.shape[2]
         past = N - T
-        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if self.pipeline is None or past == 0:
             out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if self.pipeline is not None:

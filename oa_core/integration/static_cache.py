@@ -24,9 +24,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache, StaticLayer
 
 from oa_core.dense_decode import dense_decode
-from oa_core.integration.prefill import key_mask, recorded_queries
+from oa_core.integration.prefill import key_mask, model_sdpa, recorded_queries
 from oa_core.integration.stats import Span
-from oa_core.static import StaticState, StaticUnsupported
+from oa_core.static import StaticState, StaticUnsupported, unsupported
 
 # key → state, for the custom op (which takes tensors and numbers only); the cache layer holds the state itself.
 _STATES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -97,8 +97,7 @@ class OALayer(StaticLayer):
                 raise ValueError(f"static cache: a prompt of {key_states.shape[2]} tokens and {self.max_new_tokens} "
                                  f"new ones do not fit its capacity of {self.max_cache_len} (set by the first prompt); "
                                  "make a new cache")
-        if self.runtime is not None:
-            self.runtime.static = self
+        self.runtime.static = self
         return super().update(key_states, value_states, *args, **kwargs)
 
     def reset(self) -> None:
@@ -120,38 +119,26 @@ class OACache(Cache):
             if why:
                 raise ValueError(f"static cache: layer {layer}'s spec cannot run on the fast path: {why}; use the "
                                  "default cache")
-        self.max_new_tokens = max_new_tokens
         super().__init__(layers=[OALayer(runtimes[layer], max_new_tokens) for layer in sorted(runtimes)])
 
 
-def unsupported(pipeline) -> str | None:
-    """Why a pipeline cannot decode on the fast path, whatever the prompt (None: it can)."""
-    from oa_core.components import Selector
-
-    if pipeline.spec.tail == "sample":
-        return "tail: sample draws a new sample at every step"
-    if type(pipeline.selector).token_codes is Selector.token_codes:
-        return f"selector {pipeline.selector.name!r} has no per-token codes (Selector.token_codes)"
-    return None
-
-
 def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling,
-            dropout, dense_attention, **kwargs) -> tuple[Tensor, None]:
-    """The prompt: the model's own dense attention over its rows, then the layer's state prepared from them (the last
-    prefill queries give QGC its geometry) and moved into static buffers."""
+            dropout, scale: float, **kwargs) -> tuple[Tensor, None]:
+    """The prompt (of any length, one token included): the model's own dense attention over its rows, then the
+    layer's state prepared from them (the last prefill queries give QGC its geometry) and moved into static
+    buffers."""
     n = query.shape[2]
     layer.prefilled = True
     if attention_mask is not None:  # a reused cache's mask spans its capacity
         attention_mask = attention_mask[..., :n]
-    out, weights = dense_attention(module, query, key[:, :, :n], value[:, :, :n], attention_mask, scaling, dropout,
-                                   **kwargs)
+    out, weights = model_sdpa(module, query, key[:, :, :n], value[:, :, :n], attention_mask, scaling, dropout, **kwargs)
     mask = key_mask(attention_mask, key[:, :, :n])
     layer.start = (~mask).sum(-1)
     torch._dynamo.mark_static_address(layer.start)
     if runtime.pipeline is None:
         layer.dense_reason = "dense layer"
+        runtime.log("prefill", 0, n, dense=True, reason="dense layer")
         return out, weights
-    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     prepare = Span(key)
     try:
         state = runtime.pipeline.prepare(key[:, :, :n], value[:, :, :n], recorded_queries(query, mask), scale,
@@ -165,15 +152,18 @@ def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: 
         layer.dense_reason = f"dense: {why}"
     runtime.log("prefill", 0, n, dense=True, reason=layer.dense_reason or "dense prefill (static cache)",
                 prepare=prepare.stop())
+    if layer.state is not None:  # the steps run inside the compiled step: one record says what each will read
+        lengths = mask.sum(-1)
+        runtime.log("decode", n, 0, dense=False, density=float((runtime.pipeline.spec.budget.rows(lengths)
+                                                                / lengths).mean()),
+                    reason="static cache: each decode step reads this budget (steps are not recorded one by one)")
     return out, weights
 
 
-def decode(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling,
-           dropout, dense_attention, **kwargs) -> tuple[Tensor, None]:
+def decode(layer: OALayer, query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, None]:
     """One decode token per row: ``oa::static_step``, or — where the layer reads every row (a dense layer, or a
     budget that covers the context) — ``oa::dense_step`` over the valid slots."""
     if layer.state is None:
-        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         out = torch.ops.oa.dense_step(query, key, value, layer.cumulative_length, layer.start, scale)
     else:
         state = layer.state

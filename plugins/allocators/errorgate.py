@@ -25,6 +25,7 @@ from oa_core import hookimpl, triton_path
 from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.components import AllocationInput
 from oa_core.metrics import attention_logits
+from oa_core.scatter import sum_by_slot
 from oa_core.state import PipelineState
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies
@@ -186,13 +187,12 @@ def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Ten
     assignment = state.pooled.assignment[:, :, None, None, :].expand(*logits.shape)
     proxy = torch.cat([torch.exp(mean_logit - top), torch.zeros_like(top)], -1).gather(-1, assignment)
     gap = (torch.exp(logits - top) - proxy).abs().masked_fill(assignment == C, 0).nan_to_num()
-    truth = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64).scatter_add_(-1, assignment, gap)[..., :C]
+    truth = sum_by_slot(assignment, gap, C)
 
     # The full covariance's σ_b² = s²·qᵀΣ_b q is the variance of the logits inside the cluster: taken from them.
-    spare = torch.zeros(*logits.shape[:-1], C + 1, dtype=torch.float64)
     z = logits.masked_fill(assignment == C, 0)
-    sums = spare.scatter_add(-1, assignment, z)[..., :C] / counts.clamp_min(1)
-    squares = spare.scatter_add(-1, assignment, z * z)[..., :C] / counts.clamp_min(1)
+    sums = sum_by_slot(assignment, z, C) / counts.clamp_min(1)
+    squares = sum_by_slot(assignment, z * z, C) / counts.clamp_min(1)
     full, _ = log_error_estimate(mean_logit, (squares - sums * sums).clamp_min(0), counts)
 
     nonempty = (counts > 0).expand_as(truth).double()

@@ -330,7 +330,7 @@ class FlashKernel(Kernel):
         log_g = empty(P, G, max(C, 1))
         # 16-bit inputs use tensor-core dots. Triton's CPU interpreter (3.9) gets bf16 dots wrong, so there bf16 is
         # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
-        half = query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and not triton_path.interpreting())
+        half = triton_path.tensor_core_dots(query.dtype)
         _exact_logits[(P * blocks,)](
             query, keys, index, log_weight, logits,
             query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
