@@ -40,9 +40,15 @@ def cluster_logit_stats_from_sums(query: Tensor, count: Tensor, key_sum: Tensor,
     inside the kernel on CUDA — the fast decode path's step, where the sums change every token."""
     if triton_path.unavailable_reason(query.device) is None:
         return _stats_triton(query, key_sum, key_square_sum, scale, count)
+    return cluster_logit_stats(query, *moments_from_sums(count, key_sum, key_square_sum), scale, use_triton=False)
+
+
+def moments_from_sums(count: Tensor, key_sum: Tensor, key_square_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """The pooled sums → (k̄_b = Σk/n_b, Var_b(k) = Σk⊙k/n_b − k̄_b², 0 at least), ``[B, Hkv, C, D]`` each (an
+    empty cluster counts as one: zeros)."""
     n = count.clamp_min(1).unsqueeze(-1)
     mean = key_sum / n
-    return cluster_logit_stats(query, mean, (key_square_sum / n - mean * mean).clamp_min(0), scale, use_triton=False)
+    return mean, (key_square_sum / n - mean * mean).clamp_min(0)
 
 
 BLOCK_C = 16  # clusters per program

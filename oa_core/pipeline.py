@@ -142,7 +142,7 @@ class Pipeline:
             contracts.check_query(queries, keys, "queries")
         scale = contracts.check_scale(scale, keys.shape[-1])
         valid = contracts.check_mask(mask, keys)
-        dense_rows = self._dense_rows(valid.sum(-1))
+        dense_rows = self.spec.read_in_full(valid.sum(-1))
         state = PipelineState(self, keys, values, valid, scale, dense_rows)
         if bool(dense_rows.all()):
             return state
@@ -157,19 +157,6 @@ class Pipeline:
             _stream(f"selector:{self.spec.seed}")))
         state.start_clusters(clusters, index)
         return state
-
-    def _dense_rows(self, lengths: Tensor) -> Tensor:
-        """``[B]`` valid lengths → rows the budget covers (read in full); a clear error for a budget below sink +
-        local on the others."""
-        budget = self.spec.budget.rows(lengths)
-        fixed = self.spec.sink + self.spec.local
-        dense = (budget >= lengths) | (lengths <= fixed)
-        short = ~dense & (budget < fixed)
-        if bool(short.any()):
-            row = int(short.nonzero()[0, 0])
-            raise SpecError(f"budget: {int(budget[row])} rows ({self.spec.budget.model_dump(exclude_none=True)} of "
-                            f"{int(lengths[row])} tokens) is smaller than sink + local = {fixed}")
-        return dense
 
     # -- per decode query -------------------------------------------------------------------------------------
 

@@ -92,6 +92,19 @@ class PipelineSpec(BaseModel):
         default="per_head", description="select per query head, or once per KV head for the whole GQA group")
     seed: int = 0
 
+    def read_in_full(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` valid context lengths → the rows this spec reads in full (its budget covers the context, or the
+        context is no longer than sink + local); a clear error for another row whose budget is below sink + local."""
+        budget = self.budget.rows(lengths)
+        fixed = self.sink + self.local
+        dense = (budget >= lengths) | (lengths <= fixed)
+        short = ~dense & (budget < fixed)
+        if bool(short.any()):
+            row = int(short.nonzero()[0, 0])
+            raise SpecError(f"budget: {int(budget[row])} rows ({self.budget.model_dump(exclude_none=True)} of "
+                            f"{int(lengths[row])} tokens) is smaller than sink + local = {fixed}")
+        return dense
+
 
 def load_spec(spec: PipelineSpec | Mapping | str | Path) -> PipelineSpec:
     """A spec model from a model, a mapping or a YAML file path (read with ``yaml.safe_load``)."""

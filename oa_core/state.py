@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from oa_core.cluster_stats import moments_from_sums
 from oa_core.components import Clusters, PooledClusters
 from oa_core.contracts import check_cache
 from oa_core.scatter import compact, positions, sum_by_slot
@@ -164,9 +165,7 @@ class PipelineState:
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
         if self._moments is None:
-            n = self.pooled.count.clamp_min(1).unsqueeze(-1)
-            mean = self.pooled.key_sum / n
-            self._moments = mean, (self.pooled.key_square_sum / n - mean * mean).clamp_min(0)
+            self._moments = moments_from_sums(self.pooled.count, self.pooled.key_sum, self.pooled.key_square_sum)
         return self._moments
 
     def fork(self) -> PipelineState:
