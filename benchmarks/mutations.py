@@ -55,6 +55,7 @@ QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_geometry.py", "tests/test_
 SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
 PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
 STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
+FUSED_TESTS = ("tests/test_flash_step.py",)
 WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
                     "tests/plugins/test_ablation_components.py")
 
@@ -225,6 +226,27 @@ MUTATIONS = [
              [("int(self.cumulative_length) + 1 > self.max_cache_len",
                "int(self.cumulative_length) > self.max_cache_len")],
              ("tests/test_static_cache.py",), "a step one past the capacity is let through"),
+    # -- the fused static step (flash) ----------------------------------------------------------------------------
+    mutation("fused-codes-round-halves-up", "plugins/kernels/flash_step.py",
+             [("return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)",
+               "return tl.where(f >= 0.5, r + 1.0, r)")], FUSED_TESTS,
+             "the new row's codes round halves up, where QGS's quantize rounds them to even"),
+    mutation("fused-budget-keeps-the-fixed-rows", "plugins/kernels/flash_step.py",
+             [("budget = tl.maximum(budget - F, 0)", "budget = tl.maximum(budget, 0)")], FUSED_TESTS,
+             "the fused step spreads the whole budget over the clusters, sink and window not taken off"),
+    mutation("fused-nearest-without-the-centroid-norm", "plugins/kernels/flash_step.py",
+             [("distance = tl.sum(centre * centre, axis=1) - 2 * tl.sum(centre * point[None, :], axis=1)",
+               "distance = -2 * tl.sum(centre * point[None, :], axis=1)")], FUSED_TESTS,
+             "the leaving row joins the centroid of largest dot product, not the nearest"),
+    mutation("fused-leaving-row-one-late", "plugins/kernels/flash_step.py",
+             [("leaving = newest - LOCAL", "leaving = newest - LOCAL + 1")], FUSED_TESTS,
+             "the row that joins a cluster is still inside the local window"),
+    mutation("fused-queries-projected-from-one-head", "plugins/kernels/flash_step.py",
+             [("(h * G + j) * sq_h", "(h * G) * sq_h")], FUSED_TESTS,
+             "every query head of a group is scored with the group's first head"),
+    mutation("fused-window-one-behind", "plugins/kernels/flash_step.py",
+             [("+ length * tl.load(FIXED_MOVES", "+ (length - 1) * tl.load(FIXED_MOVES")], FUSED_TESTS,
+             "the local window the fused step reads lags one token behind"),
     # -- the transformers integration --------------------------------------------------------------------------------
     mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
              [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',

@@ -217,6 +217,12 @@ class Kernel(Component):
         """
         raise NotImplementedError
 
+    def static_step(self, state: Any) -> Any:
+        """The fast decode path's whole step for a ``StaticState`` of this pipeline, fused: a callable
+        ``(state, query, keys, values) → output`` doing what ``StaticState.step`` does in fewer launches; None, the
+        default, where this kernel has none for the pipeline's components (the state then composes their steps)."""
+        return None
+
 
 KINDS: dict[str, type[Component]] = {
     "clusterer": Clusterer,

@@ -275,9 +275,20 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     offsets = (quotas.cumsum(-1) - quotas).contiguous()
     out = torch.full((rows, max(width, 1)), -1, dtype=torch.long, device=scores.device)
     if rows and C:
-        flat = scores.float().reshape(rows, N).contiguous()
-        for low, high, block in size_classes(S):
-            _select_kernel[(rows, C)](flat, members, counts.contiguous(), quotas, offsets, out, N, C, S,
-                                      members.stride(1), out.shape[-1], Gs * T, low, high, BLOCK=block,
-                                      BLOCKWISE=low >= block, FEW=FEW_PICKS, num_warps=_warps(block))
+        launch_select(scores.float().reshape(rows, N).contiguous(), members, counts.contiguous(), quotas, offsets,
+                      out, Gs * T)
     return out[:, :width].view(B, Hkv, Gs, T, width)
+
+
+def launch_select(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tensor, offsets: Tensor, out: Tensor,
+                  rows_per_head: int) -> None:
+    """``select_per_cluster``'s launches, one per size class: scores ``[rows, N]`` float32, members ``[B, Hkv, C, S]``
+    (each head's C × S contiguous) and counts ``[B, Hkv, C]``, quotas ``[rows, C]``; cluster c of row p writes its
+    q_b positions at ``out[p, offsets[p, c]:]`` (``out`` ``[rows, width]``, contiguous). ``rows_per_head``: the
+    selection rows of one (batch row, KV head)."""
+    rows, N = scores.shape
+    C, S = members.shape[-2:]
+    for low, high, block in size_classes(S):
+        _select_kernel[(rows, C)](scores, members, counts, quotas, offsets, out, N, C, S, members.stride(1),
+                                  out.shape[-1], rows_per_head, low, high, BLOCK=block, BLOCKWISE=low >= block,
+                                  FEW=FEW_PICKS, num_warps=_warps(block))

@@ -67,6 +67,7 @@ class StaticState:
     fixed_base: Tensor  # [B, sink + local]: the fixed rows at length 0 (``fixed_rows``)
     fixed_moves: Tensor  # [sink + local]: 1 where a fixed row moves with the length (the window)
     key: int | None = None  # the static cache's registration of this state for its custom op
+    fused: Any = None  # the kernel's fused step for this state (``Kernel.static_step``), None: composed
 
     @classmethod
     def from_state(cls, state: PipelineState, capacity: int, length: Tensor | None = None) -> StaticState:
@@ -105,7 +106,7 @@ class StaticState:
                                 (torch.arange(spec.local, device=device) - spec.local).expand(B, -1)], dim=-1)
         fixed_moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long, device=device),
                                  torch.ones(spec.local, dtype=torch.long, device=device)])
-        return cls(pipeline=pipe, capacity=capacity, scale=state.scale,
+        static = cls(pipeline=pipe, capacity=capacity, scale=state.scale,
                    length=torch.tensor(n, device=device) if length is None else length, start=start,
                    clusters=state.clusters,
                    assignment=at_capacity(pooled.assignment, C),
@@ -113,6 +114,8 @@ class StaticState:
                                          None, pooled.key_square_sum.clone()),
                    members=members, member_counts=counts, index=index, token_fields=tuple(sample),
                    fixed_base=fixed_base, fixed_moves=fixed_moves)
+        static.fused = pipe.kernel.static_step(static)
+        return static
 
     @property
     def num_clusters(self) -> int:
@@ -139,7 +142,10 @@ class StaticState:
 
     def step(self, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """The new row (slot ``length`` − 1 of ``keys``/``values`` ``[B, Hkv, capacity, D]``, already written) joins
-        the state, then ``query`` ``[B, Hq, 1, D]`` attends → ``[B, Hq, 1, D]``."""
+        the state, then ``query`` ``[B, Hq, 1, D]`` attends → ``[B, Hq, 1, D]``: in the kernel's fused step where it
+        has one (``Kernel.static_step``), else ``grow`` then ``attend``, each component in turn."""
+        if self.fused is not None:
+            return self.fused(self, query, keys, values)
         self.grow(keys, values)
         return self.attend(query, keys, values)
 
@@ -230,6 +236,15 @@ if triton is not None:
         row = (head * CAP + leaving) * D + offs
         k = tl.load(K + row, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(V + row, mask=ok, other=0.0).to(tl.float32)
+        join_row(head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
+                 offs, ok)
+
+    @triton.jit
+    def join_row(head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
+                 offs, ok):
+        """Slot ``leaving`` of (batch row, KV head) ``head``, key ``k`` and value ``v`` (float32 ``[BLOCK_D]``, lanes
+        ``offs``/``ok``), joins cluster ``c``: its assignment, the pooled count, Σk, Σv, Σk⊙k, and the end of the
+        cluster's member list (shared with the fused step)."""
         tl.store(ASSIGNMENT + head * CAP + leaving, c)
         cluster = head * C + c
         tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 1.0)

@@ -110,3 +110,4 @@ def test_a_one_token_prompt_and_what_the_stats_say():
     sparse = stats.sparse()
     assert len(sparse) == 2 and all(0.19 < r.density < 0.3 for r in sparse)  # density 0.2 of each row's context
     assert "static cache: each decode step reads this budget" in stats.summary()
+    assert "each component in turn" in stats.summary()  # the torch kernel has no fused step

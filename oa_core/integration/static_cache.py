@@ -156,7 +156,8 @@ def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: 
         lengths = mask.sum(-1)
         runtime.log("decode", n, 0, dense=False, density=float((runtime.pipeline.spec.budget.rows(lengths)
                                                                 / lengths).mean()),
-                    reason="static cache: each decode step reads this budget (steps are not recorded one by one)")
+                    reason="static cache: each decode step reads this budget (steps are not recorded one by one; "
+                    + ("the kernel's fused step)" if layer.state.fused is not None else "each component in turn)"))
     return out, weights
 
 

@@ -92,14 +92,14 @@ def allocate_triton(inputs: AllocationInput) -> Tensor:
     rows = B * Hkv * Gs * T
     if rows and C:
         block, warps = launch_config(C)
-        with _quiet_interpreter():
+        with quiet_interpreter():
             _errorgate[(rows,)](mean, var, counts, budget, out, *mean.stride(), *var.stride(), *counts.stride(),
                                 *budget.stride(), Hkv, Gs, T, C, G=G, BLOCK_G=triton.next_power_of_2(G),
                                 BLOCK_C=block, LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
     return out
 
 
-def _quiet_interpreter():
+def quiet_interpreter():
     """Triton's interpreter runs the kernel in numpy, which warns at ln 0 and ∞ − ∞ (meant: -inf, NaN discarded)."""
     if not triton_path.interpreting():
         return contextlib.nullcontext()
@@ -124,6 +124,25 @@ if triton is not None:
         return tl.log(tl.sum(terms, axis=axis)) + top
 
     @triton.jit
+    def row_log_priority(mean, var, count, G: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """One selection row's ErrorGate priority (shared with the fused decode step): z̄ and σ̂² ``[BLOCK_G, BLOCK_C]``
+        of its G heads (0 outside them), counts ``[BLOCK_C]`` (0 outside the clusters) → ln ε̂_b − ln Ẑ, summed over
+        the heads (logsumexp) when they share the row, float32 ``[BLOCK_C]`` (-inf: never read)."""
+        # log_error_estimate, op by op in float32: ln n + z̄ + σ²/2, and + ln erf(σ/√2) (-inf for σ = 0 or n = 0).
+        log_mass = (tl.log(count)[None, :] + mean) + var * 0.5
+        sigma = tl.sqrt_rn(var)
+        log_error = log_mass + tl.log(tl.erf(tl.div_rn(sigma, 1.4142135623730951)))
+        # − log_total: each head's ln Ẑ, 0 for a head with no mass (all -inf).
+        total = _logsumexp(log_mass, 1, LIBDEVICE)
+        total = tl.where((total > float("-inf")) & (total < float("inf")), total, 0.0)
+        log_priority = log_error - total[:, None]
+        if G == 1:
+            row = tl.max(log_priority, axis=0)  # the row's only head
+        else:
+            row = _logsumexp(log_priority, 0, LIBDEVICE)  # combine_heads
+        return row
+
+    @triton.jit
     def _errorgate(MEAN, VAR, COUNT, BUDGET, OUT,
                    sm_b, sm_h, sm_g, sm_t, sm_c, sv_b, sv_h, sv_g, sv_t, sv_c, sn_b, sn_h, sn_c,
                    sb_b, sb_h, sb_s, sb_t, Hkv, Gs, T, C,
@@ -141,18 +160,7 @@ if triton is not None:
         var = tl.load(VAR + b * sv_b + h * sv_h + t * sv_t + head[:, None] * sv_g + offs_c[None, :] * sv_c,
                       mask=tile, other=0.0)
         count = tl.load(COUNT + b * sn_b + h * sn_h + offs_c * sn_c, mask=ok, other=0.0)
-        # log_error_estimate, op by op in float32: ln n + z̄ + σ²/2, and + ln erf(σ/√2) (-inf for σ = 0 or n = 0).
-        log_mass = (tl.log(count)[None, :] + mean) + var * 0.5
-        sigma = tl.sqrt_rn(var)
-        log_error = log_mass + tl.log(tl.erf(tl.div_rn(sigma, 1.4142135623730951)))
-        # − log_total: each head's ln Ẑ, 0 for a head with no mass (all -inf).
-        total = _logsumexp(log_mass, 1, LIBDEVICE)
-        total = tl.where((total > float("-inf")) & (total < float("inf")), total, 0.0)
-        log_priority = log_error - total[:, None]
-        if G == 1:
-            row = tl.max(log_priority, axis=0)  # the row's only head
-        else:
-            row = _logsumexp(log_priority, 0, LIBDEVICE)  # combine_heads
+        row = row_log_priority(mean, var, count, G, LIBDEVICE)
         budget = tl.load(BUDGET + b * sb_b + h * sb_h + s * sb_s + t * sb_t).to(tl.float64)
         quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget, offs_c, ok)
         tl.store(OUT + p.to(tl.int64) * C + offs_c, quotas, mask=ok)

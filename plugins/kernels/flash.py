@@ -283,6 +283,13 @@ class FlashKernel(Kernel):
         self.note = "triton" + (" (interpreter)" if triton_path.interpreting() else "")
         return self._sparse(query, keys, values, selection, proxies, scale)
 
+    def static_step(self, state):
+        """``flash_step.FusedStep``: the whole step in nine launches, where the pipeline's other components are the
+        defaults (QGC, QGS, ErrorGate) and the state's device runs Triton; else None."""
+        from oa_plugins.kernels.flash_step import FusedStep, fused_unsupported
+
+        return FusedStep(state) if fused_unsupported(state) is None else None
+
     def _sparse(self, query, keys, values, selection, proxies, scale):
         B, Hq, T, D = query.shape
         Hkv = keys.shape[1]

@@ -1,0 +1,256 @@
+"""The fast decode path's whole step in nine launches, for the default components: QGC's clusters, QGS's codes,
+ErrorGate's allocation and flash's kernels (docs/design.md §2).
+
+``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
+of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
+most of the step. Where the pipeline is made of the components below, ``FlashKernel.static_step`` takes the step:
+
+1. ``_grow``, a program per (batch row, KV head): the new row's QGS codes; the row leaving the local window placed in
+   its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list); the query heads
+   projected on the QGS basis.
+2. the clusters' logit statistics from the pooled sums (``cluster_stats``' kernel);
+3. ``_plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
+   ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
+   each cluster's run, -1 padding — with the runs flash reads;
+4. QGS's score kernel over the codes; 5. the per-cluster selection into the runs (``launch_select``, one launch per
+   size class of clusters: one or two at the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–9.
+   flash.
+
+The statistics have a launch of their own: computed inside ``_plan``, one program per row, they took 32–43 µs
+against 6 µs (at 16 × 16K on an H200), the head's moments being too large a tile for one program.
+
+Same arithmetic as the composed step, so the same rows and output (``tests/test_flash_step.py``): the codes are
+rounded half to even as ``torch.round`` does, divisions are IEEE (``div_rn``). Sums run in another order than
+cuBLAS's on a GPU, so a key within float rounding of two centroids, or a code of a .5 boundary, may go the other way
+there (the composed step's own GPU and CPU paths differ the same way); the device benchmark checks the rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from oa_core import triton_path
+from oa_core.cluster_stats import cluster_logit_stats_from_sums
+from oa_core.components import PooledClusters, Selection
+from oa_core.selection import launch_select
+from oa_core.triton_path import libdevice, tl, triton
+from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
+from oa_plugins.allocators.errorgate import quiet_interpreter
+from oa_plugins.selectors.qgs import group_int8_scores
+
+if triton is not None:
+    from oa_core.static import join_row
+    from oa_core.water_filling import water_fill_row
+    from oa_plugins.allocators.errorgate import row_log_priority
+
+
+def fused_unsupported(state) -> str | None:
+    """Why ``FusedStep`` cannot run this ``StaticState``'s step (None: it can)."""
+    from oa_plugins.allocators.errorgate import ErrorGate
+    from oa_plugins.clusterers.qgc import QueryGeometryClusterer
+    from oa_plugins.selectors.qgs import QuerySubspaceSelector
+
+    pipeline = state.pipeline
+    reason = triton_path.unavailable_reason(state.length.device)
+    if reason is not None:
+        return reason
+    # Exact types: a subclass may change the arithmetic (assign, token_codes, score) that the kernels repeat.
+    if type(pipeline.clusterer) is not QueryGeometryClusterer:
+        return f"clusterer {pipeline.clusterer.name!r} (fused: qgc)"
+    if type(pipeline.selector) is not QuerySubspaceSelector:
+        return f"selector {pipeline.selector.name!r} (fused: qgs)"
+    if type(pipeline.allocator) is not ErrorGate:
+        return f"allocator {pipeline.allocator.name!r} (fused: errorgate)"
+    if pipeline.spec.tail not in ("proxy", "discard"):
+        return f"tail: {pipeline.spec.tail}"
+    if state.num_clusters > MAX_TRITON_CLUSTERS:
+        return f"{state.num_clusters} clusters (fused: at most {MAX_TRITON_CLUSTERS})"
+    if state.scale <= 0:
+        return "a non-positive attention scale"
+    if pipeline.spec.sink + pipeline.spec.local + state.width() == 0:
+        return "nothing to read"
+    return None
+
+
+class FusedStep:
+    """One layer's fused step (``StaticState.fused``); made once per prepared state, it holds the step's constant
+    tensors: the budget's density, the QGS basis and QGC's space (nothing is allocated lazily: a step may run inside
+    a CUDA graph's capture)."""
+
+    def __init__(self, state) -> None:
+        spec = state.pipeline.spec
+        self.fixed = spec.sink + spec.local
+        self.width = self.fixed + state.width()
+        self.density = torch.tensor(spec.budget.density if spec.budget.density is not None else 0.0,
+                                    dtype=torch.float64, device=state.length.device)
+        self.tokens = spec.budget.tokens if spec.budget.tokens is not None else -1
+        self.shared = spec.gqa == "shared"
+        self.proxy = spec.tail == "proxy"
+        # Constant through decoding, read by every step's _grow: row-major copies.
+        projection, centroids = state.clusters.space
+        self.basis, self.projection, self.centroids = (t.float().contiguous()
+                                                        for t in (state.index.basis, projection, centroids))
+
+    def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        return self.run(state, query, keys, values)[0]
+
+    def run(self, state, query: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Selection]:
+        """The step for ``query`` ``[B, Hq, 1, D]`` over the cache ``keys``/``values`` ``[B, Hkv, capacity, D]`` (the
+        new row written) → (output ``[B, Hq, 1, D]``, the selection it read)."""
+        pipe = state.pipeline
+        if query.shape[2] != 1:
+            raise ValueError(f"fused static step: one decode query per row, got {query.shape[2]}")
+        if not (state.index.codes.is_contiguous() and state.index.scales.is_contiguous()):
+            raise ValueError("fused static step: the codes and scales must be contiguous (the kernels' layout)")
+        if query.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+            query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()  # the kernels' layout
+        B, Hq, _, D = query.shape
+        H, cap = keys.shape[1], keys.shape[2]
+        C = state.num_clusters
+        g = Hq // H
+        Gs, G = (1, g) if self.shared else (g, 1)
+        rows = B * H * Gs
+        index = state.index
+        r, rc = self.basis.shape[-1], self.projection.shape[-1]
+        device = query.device
+        projected = torch.empty(B, H, g, r, dtype=torch.float32, device=device)
+        _grow[(B * H,)](
+            keys, values, query, state.length, self.basis, index.codes, index.scales, self.projection,
+            self.centroids,
+            state.assignment, state.pooled.count, state.pooled.key_sum, state.pooled.value_sum,
+            state.pooled.key_square_sum, state.members, state.member_counts, projected,
+            *keys.stride()[:3], *values.stride()[:3], query.stride(0), query.stride(1), H, cap, C,
+            state.members.shape[-1], pipe.spec.local, G=g, D=D, BLOCK_D=triton.next_power_of_2(D), R=r,
+            BLOCK_R=triton.next_power_of_2(r), RC=rc, BLOCK_RC=triton.next_power_of_2(rc),
+            BLOCK_C=max(16, triton.next_power_of_2(C)), num_warps=4)
+        quotas = torch.empty(rows, C, dtype=torch.long, device=device)
+        offsets = torch.empty(rows, C, dtype=torch.long, device=device)
+        runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
+        chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
+        log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
+        mean_logit, logit_var = cluster_logit_stats_from_sums(query, state.pooled.count, state.pooled.key_sum,
+                                                              state.pooled.key_square_sum, state.scale)
+        block_c, warps = launch_config(C)
+        with quiet_interpreter():
+            _plan[(rows,)](
+                mean_logit, logit_var, state.pooled.count, state.length, state.start, self.density, state.fixed_base,
+                state.fixed_moves, quotas, offsets, runs, chosen, log_weight, H, Gs, C, self.fixed, self.width,
+                self.tokens, G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK_C=block_c,
+                BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
+                LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
+        scores = group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G)
+        launch_select(scores.view(rows, cap), state.members, state.member_counts, quotas, offsets, chosen, Gs)
+        selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
+                              runs.view(B, H, Gs, 1, C + 1))
+        pooled = state.pooled
+        proxies = PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, state.assignment) \
+            if self.proxy else None
+        out, _ = pipe.kernel.attend(query, keys, values, selection, proxies, state.scale)
+        return out, selection
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_half_even(x):
+        """``torch.round``: to the nearest integer, halves to the even one. From floor(x) and x − floor(x), both
+        exact (x + 0.5 is not: 0.5 − 2⁻²⁵ + 0.5 rounds to 1)."""
+        r = tl.floor(x)
+        f = x - r
+        odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+        return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+
+    @triton.jit
+    def _grow(K, V, Q, LENGTH, BASIS, CODES, SCALES, PROJ, CENT, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS,
+              MEMBER_COUNT, QP, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S, LOCAL,
+              G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+              RC: tl.constexpr, BLOCK_RC: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Program (batch row, KV head): the new row's codes, the leaving row's join, the queries' projections."""
+        head = tl.program_id(0).to(tl.int64)
+        b = head // Hkv
+        h = head % Hkv
+        newest = tl.load(LENGTH).to(tl.int64) - 1
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
+                        mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+        # The new row's codes: QGS's quantize of kᵀU_r (symmetric int8, a scale per row).
+        k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        projected = tl.sum(k[:, None] * basis, axis=0)
+        row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
+        codes = _round_half_even(tl.div_rn(projected, row_scale))
+        tl.store(CODES + (head * CAP + newest) * R + offs_r, codes.to(tl.int8), mask=r_ok)
+        tl.store(SCALES + head * CAP + newest, row_scale)
+        # The queries on the same basis (U_rᵀq: what QGS scores with).
+        for j in tl.static_range(G):
+            q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
+        # The row leaving the local window: its nearest centroid in QGC's space (‖μ‖² − 2·x·μ, first of equals).
+        leaving = newest - LOCAL
+        k = tl.load(K + b * sk_b + h * sk_h + leaving * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        v = tl.load(V + b * sv_b + h * sv_h + leaving * sv_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        offs_rc = tl.arange(0, BLOCK_RC)
+        rc_ok = offs_rc < RC
+        projection = tl.load(PROJ + (head * D + offs_d[:, None]) * RC + offs_rc[None, :],
+                             mask=d_ok[:, None] & rc_ok[None, :], other=0.0)
+        point = tl.sum(k[:, None] * projection, axis=0)
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        centre = tl.load(CENT + (head * C + offs_c[:, None]) * RC + offs_rc[None, :],
+                         mask=c_ok[:, None] & rc_ok[None, :], other=0.0)
+        distance = tl.sum(centre * centre, axis=1) - 2 * tl.sum(centre * point[None, :], axis=1)
+        distance = tl.where(c_ok, distance, float("inf"))
+        c = tl.min(tl.where(distance == tl.min(distance, axis=0), offs_c, C), axis=0).to(tl.int64)
+        c = tl.minimum(c, C - 1)  # a NaN key matches no centroid: it must not write past the clusters
+        join_row(head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
+                 offs_d, d_ok)  # ... and joins it
+
+    @triton.jit
+    def _plan(MEAN_LOGIT, LOGIT_VAR, COUNT, LENGTH, START, DENSITY, FIXED_BASE, FIXED_MOVES, QUOTAS, OFFSETS, RUNS, INDEX, LW,
+              Hkv, Gs, C, F, WIDTH, TOKENS, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+              BLOCK_F: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out."""
+        p = tl.program_id(0).to(tl.int64)
+        b = p // (Gs * Hkv)
+        h = (p // Gs) % Hkv
+        s = p % Gs
+        head = b * Hkv + h
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        count = tl.load(COUNT + head * C + offs_c, mask=c_ok, other=0.0)
+        # The row's heads' z̄_b and σ̂_b² (``_cluster_stats``: one launch before, over every head).
+        offs_g = tl.arange(0, BLOCK_G)
+        inside = (offs_g[:, None] < G) & c_ok[None, :]
+        stats = ((head * (G * Gs) + s * G + offs_g[:, None]) * C + offs_c[None, :])
+        mean_logit = tl.load(MEAN_LOGIT + stats, mask=inside, other=0.0)
+        logit_var = tl.load(LOGIT_VAR + stats, mask=inside, other=0.0)
+        row = row_log_priority(mean_logit, logit_var, count, G, LIBDEVICE)
+        # E_sel: the spec's budget for the row's valid length, less the sink and the local window.
+        length = tl.load(LENGTH).to(tl.int64)
+        valid = length - tl.load(START + b)
+        if TOKENS >= 0:
+            budget = valid * 0 + TOKENS
+        else:
+            budget = tl.floor(valid.to(tl.float64) * tl.load(DENSITY)).to(tl.int64)
+        budget = tl.maximum(budget - F, 0)
+        quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget.to(tl.float64), offs_c, c_ok)
+        ends = F + tl.cumsum(quotas, axis=0)
+        tl.store(QUOTAS + p * C + offs_c, quotas, mask=c_ok)
+        tl.store(OFFSETS + p * C + offs_c, ends - quotas, mask=c_ok)
+        tl.store(RUNS + p * (C + 1) + 1 + offs_c, ends.to(tl.int32), mask=c_ok)
+        tl.store(RUNS + p * (C + 1), (p * 0 + F).to(tl.int32))
+        # The index: the sink and the local window first (the window's slots move with the length), then the runs
+        # (written by the selection), then -1 up to the width; every column's log weight 0 (all are exact rows).
+        offs_f = tl.arange(0, BLOCK_F)
+        f_ok = offs_f < F
+        fixed = tl.load(FIXED_BASE + b * F + offs_f, mask=f_ok, other=0) + length * tl.load(FIXED_MOVES + offs_f,
+                                                                                              mask=f_ok, other=0)
+        tl.store(INDEX + p * WIDTH + offs_f, fixed, mask=f_ok)
+        end = F + tl.sum(quotas, axis=0)
+        for start in range(0, WIDTH, BLOCK_F):
+            cols = start + offs_f
+            tl.store(INDEX + p * WIDTH + cols, tl.full([BLOCK_F], -1, tl.int64), mask=(cols >= end) & (cols < WIDTH))
+            tl.store(LW + p * WIDTH + cols, tl.zeros([BLOCK_F], tl.float32), mask=cols < WIDTH)

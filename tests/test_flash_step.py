@@ -1,0 +1,164 @@
+"""flash's fused static step (oa_plugins.kernels.flash_step) under Triton's interpreter: at every step the rows it
+reads are the reference pipeline's and its output is the reference's; the state it leaves (codes, clusters, pooled
+sums, member lists) is the composed step's. With GQA shared and per head, a left-padded row, growth across the local
+window's edge, both tails, bfloat16, and a cache filled to its capacity."""
+
+import pytest
+import torch
+
+import oa_core as oa
+from conftest import make_inputs, relative_error
+from oa_core.static import StaticState
+from oa_plugins.allocators import errorgate
+
+SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 4, "local": 16, "budget": {"density": 0.2},
+        "kernel": "flash"}
+
+
+@pytest.fixture(autouse=True)
+def triton_allocation():
+    """The reference pipeline allocates with ErrorGate's Triton kernel too (on the CPU it would run the torch ops,
+    whose float rounding may move a quota at a tie): row for row the same arithmetic."""
+    if "flash" not in oa.available()["kernel"]:
+        pytest.skip("no flash kernel (Triton)")
+    previous, errorgate.INTERPRET_ON_CPU = errorgate.INTERPRET_ON_CPU, True
+    yield
+    errorgate.INTERPRET_ON_CPU = previous
+
+
+def _rows(index):
+    return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]
+
+
+def run_fused(spec, tokens=140, steps=10, room=0, dtype=torch.float32, seed=0):
+    """Decode ``steps`` tokens through the reference pipeline, a composed static state and a fused one → per step
+    (reference rows, fused rows, reference output, fused output), and the two static states at the end. At every
+    step the fused index — sink, window, each cluster's run, padding — and its runs are the composed step's, column
+    for column."""
+    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype)
+    B, H, _, D = keys.shape
+    Hq = prefill.shape[1]
+    mask = torch.ones(B, tokens, dtype=torch.bool)
+    mask[1, :25] = False
+    pipe = oa.build(spec)
+    capacity = tokens + steps + room
+    reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
+    composed, fused = (StaticState.from_state(pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill,
+                                                           mask=mask), capacity) for _ in range(2))
+    assert fused.fused is not None
+    composed.fused = None
+    cache_k, cache_v = keys.new_zeros(B, H, capacity, D), values.new_zeros(B, H, capacity, D)
+    cache_k[:, :, :tokens], cache_v[:, :, :tokens] = keys[:, :, :tokens], values[:, :, :tokens]
+    gen = torch.Generator().manual_seed(seed + 1)
+    steps_seen = []
+    for step in range(steps):
+        n = tokens + step
+        reference.append(keys[:, :, n:n + 1], values[:, :, n:n + 1])
+        cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, n], values[:, :, n]
+        composed.length += 1
+        fused.length += 1
+        query = (keys[:, torch.arange(Hq) // (Hq // H), n:n + 1].float() * 1.1
+                 + 0.3 * torch.randn(B, Hq, 1, D, generator=gen)).to(dtype)
+        composed.grow(cache_k, cache_v)
+        out, selection = fused.fused.run(fused, query, cache_k, cache_v)
+        composed_selection = composed.selection(query, cache_k)
+        assert torch.equal(selection.index, composed_selection.index)
+        assert torch.equal(selection.runs, composed_selection.runs)
+        assert not selection.log_weight.any()
+        steps_seen.append((_rows(pipe.explain(query, reference).selection.index), _rows(selection.index),
+                           pipe.attend(query, reference), out))
+    return steps_seen, composed, fused
+
+
+def assert_same_state(composed, fused):
+    assert torch.equal(fused.assignment, composed.assignment)
+    assert torch.equal(fused.member_counts, composed.member_counts)
+    assert torch.equal(fused.members, composed.members)
+    for name in ("count", "key_sum", "value_sum", "key_square_sum"):
+        assert torch.allclose(getattr(fused.pooled, name), getattr(composed.pooled, name), rtol=1e-6, atol=1e-5), name
+    assert torch.equal(fused.index.codes, composed.index.codes)
+    assert torch.allclose(fused.index.scales, composed.index.scales, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("gqa,tail,room", [("shared", "proxy", 0), ("per_head", "proxy", 9),
+                                           ("per_head", "discard", 0)])
+def test_each_fused_step_reads_the_reference_rows_and_gives_its_output(gqa, tail, room):
+    steps, composed, fused = run_fused({**SPEC, "gqa": gqa, "tail": tail}, room=room)
+    for ref_rows, rows, ref_out, out in steps:
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-4
+    assert_same_state(composed, fused)
+
+
+def test_bfloat16_and_a_cache_filled_to_its_capacity():
+    steps, composed, fused = run_fused({**SPEC, "budget": {"tokens": 40}}, tokens=100, steps=8, dtype=torch.bfloat16)
+    assert bool((fused.index.scales[..., -1] > 0).all())  # the last step wrote the last slot's codes
+    for ref_rows, rows, ref_out, out in steps:
+        assert rows == ref_rows
+        assert out.dtype == torch.bfloat16 and relative_error(out, ref_out) < 1e-2
+    assert_same_state(composed, fused)
+
+
+def test_other_components_compose_their_own_steps():
+    keys, values, prefill, _ = make_inputs(tokens=120)
+    for spec, why in [({**SPEC, "clusterer": {"name": "kmeans", "num_clusters": 8}}, "clusterer 'kmeans'"),
+                      ({**SPEC, "allocator": {"name": "mass"}}, "allocator 'mass'"),
+                      ({**SPEC, "kernel": "torch"}, None)]:
+        pipe = oa.build(spec)
+        state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)
+        assert state.fused is None
+        if why:
+            from oa_plugins.kernels.flash_step import fused_unsupported
+
+            assert why in fused_unsupported(state)
+    # A subclass of QGC may place new keys its own way: the fused step, which repeats QGC's arithmetic, declines it.
+    from oa_plugins.clusterers.qgc import QueryGeometryClusterer
+
+    pipe = oa.build(SPEC)
+    pipe.clusterer.__class__ = type("FarthestQGC", (QueryGeometryClusterer,), {"name": "farthest"})
+    assert StaticState.from_state(pipe.prepare(keys, values, prefill), 130).fused is None
+
+
+def test_the_new_rows_codes_are_qgs_quantize_with_halves_to_even():
+    """A key whose projection lands on exact halves of the code step: ``_grow`` rounds them as ``torch.round`` (to
+    even), as QGS's own ``quantize`` does; the rest of its codes too."""
+    from oa_plugins.selectors.qgs import quantize
+
+    keys, values, prefill, _ = make_inputs(tokens=140)
+    pipe = oa.build(SPEC)
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
+    r = state.fused.basis.shape[-1]
+    state.fused.basis.zero_()
+    state.fused.basis[..., torch.arange(r), torch.arange(r)] = 1.0  # kᵀU_r: the key's first r coordinates
+    cache_k, cache_v = keys[:, :, :130].clone(), values[:, :, :130].clone()
+    halves = torch.tensor([127.0, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5, 10.25, 7.0, -1.5, 4.5, 0.0, 9.5])
+    cache_k[:, :, 120, :r] = halves[:r]
+    state.length += 1
+    state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
+    codes, scales = quantize(cache_k[:, :, 120:121].float() @ state.fused.basis)
+    assert torch.equal(state.index.codes[:, :, 120:121], codes)
+    assert torch.equal(state.index.scales[:, :, 120:121], scales)
+    assert codes[0, 0, 0, 1] == 2 and codes[0, 0, 0, 2] == 4  # the case tested: 2.5 → 2, 3.5 → 4
+
+
+def test_generate_through_the_fused_step_gives_the_default_caches_logits():
+    """The fused step inside transformers: ``generate`` on the static cache — eagerly, and compiled in one graph
+    (``aot_eager``, fullgraph) — gives the default cache's logits and tokens, every layer on the fused step."""
+    from test_integration import SPARSE, tiny_llama
+    from test_static_cache import generate, padded_batch
+    from transformers import CompileConfig
+
+    model, (ids, mask) = tiny_llama(), padded_batch()
+    config = CompileConfig(backend="aot_eager", fullgraph=True)
+    config._compile_all_devices = True
+    with oa.patch(model, {**SPARSE, "kernel": "flash"}) as handle:
+        tokens, scores = generate(model, ids, mask, 4)
+        cache = handle.static_cache(max_new_tokens=4)
+        fast_tokens, fast_scores = generate(model, ids, mask, 4, past_key_values=cache)
+        assert all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
+        assert "the kernel's fused step" in handle.stats.summary()
+        _, compiled = generate(model, ids, mask, 4, past_key_values=handle.static_cache(max_new_tokens=4),
+                               compile_config=config)
+    torch.testing.assert_close(fast_scores, scores, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled, scores, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fast_tokens, tokens)
