@@ -25,7 +25,8 @@ per token is the mean gap over the last ``--tokens`` steps (the first ones inclu
 ``benchmarks/results/generate_speed.json``: ``{"machine", "runs": [{"batch", "context", "method", "density",
 "per_token_ms", "prefill_s", "prepare_s", "tokens"}], "targets": [...]}`` — the runs as measured, one
 ``dense-fastest`` record per batch × context (``derived_from`` names the method it is), and each OpenAttention run's
-speed over it against the issue's target (2× at 1%, 1.5× at 3%) — and prints a table.
+speed over it against the issue's target (2× at 1%, 1.5× at 3%) — prints a table and draws ``generate_speed.png``
+beside the JSON (``--replot JSON`` redraws a saved run).
 """
 
 from __future__ import annotations
@@ -140,7 +141,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a toy model instead of the 8B shape")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "generate_speed.json")
+    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                        help="redraw the figure (and table) of a saved run, measuring nothing")
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        saved = json.loads(args.replot.read_text())
+        print(table(saved["runs"]))
+        print(f"wrote {plot(saved['runs'], args.replot.with_suffix('.png'))}")
+        return 0
     if args.tokens < 2:
         parser.error("--tokens: at least 2 (the time per token is the mean gap between timed steps)")
     device = torch.device(args.device)
@@ -166,7 +174,47 @@ def main(argv=None) -> int:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(summary(machine, runs), indent=1) + "\n")
     print(table(runs))
+    print(f"wrote {args.out} and {plot(runs, args.out.with_suffix('.png'))}")
     return 0
+
+
+def plot(runs: list[dict], path: Path) -> Path:
+    """One panel per batch × context: each method's tokens/s over dense-fastest (bars), with the issue's targets
+    (2× at 1%, 1.5× at 3%) and the no-attention bound as lines → ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys((r["batch"], r["context"]) for r in runs))
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 3.6), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        rows = [r for r in runs if (r["batch"], r["context"]) == config and r["per_token_ms"]]
+        dense = [r["per_token_ms"] for r in rows if r["method"] in ("dense-static", "dense-engine", "dense-fastest")]
+        if not dense:
+            continue
+        fastest = min(dense)
+        shown = [r for r in rows if r["method"] not in ("dense-fastest", "no-attention")]
+        labels = [r["method"] + ("" if r["density"] is None else f" {r['density']:.0%}") for r in shown]
+        speed = [fastest / r["per_token_ms"] for r in shown]
+        colours = ["tab:orange" if r["method"] == "openattention" else "tab:gray" for r in shown]
+        ax.barh(labels, speed, color=colours)
+        for y, (value, r) in enumerate(zip(speed, shown)):
+            ax.text(value, y, f" {value:.2f}× ({r['per_token_ms']:.1f} ms)", va="center", fontsize=8)
+        for (density, target), style in zip(TARGETS.items(), ("--", ":")):
+            ax.axvline(target, color="tab:green", linestyle=style, linewidth=1, label=f"target at {density:.0%}")
+        bound = [r["per_token_ms"] for r in rows if r["method"] == "no-attention"]
+        if bound:
+            ax.axvline(fastest / bound[0], color="tab:red", linewidth=1, label="no-attention (bound)")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel("tokens/s over dense-fastest")
+        ax.set_title(f"batch {config[0]} × context {config[1]}", fontsize=10)
+        ax.set_xlim(0, max(speed + [2.2] + [fastest / b for b in bound]) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 TARGETS = {0.01: 2.0, 0.03: 1.5}  # the issue's: OpenAttention's tokens/s over dense-fastest at these densities
@@ -191,8 +239,8 @@ def summary(machine: dict, runs: list[dict]) -> dict:
                                 "met": speedup >= TARGETS[r["density"]],
                                 "short_by": round(max(TARGETS[r["density"]] - speedup, 0.0), 3)})
     return {"machine": machine, "runs": runs + fastest_runs, "targets": targets,
-            "where_the_time_goes": "benchmarks/results/kernel_h200_static_step.json (per layer and kernel) and the "
-                                   "README's fast decode path section"}
+            "where_the_time_goes": ("benchmarks/results/kernel_h200_static_step.json (per layer and kernel) and the "
+                                    "README's fast decode path section")}
 
 
 def table(runs: list[dict]) -> str:

@@ -18,7 +18,7 @@ def run(method, ms, density=None, batch=2, context=64):
             "prefill_s": 1.0, "prepare_s": None, "tokens": 4}
 
 
-def test_dense_fastest_and_the_targets():
+def test_dense_fastest_and_the_targets(tmp_path):
     bench = load()
     runs = [run("dense-default", 9.0), run("dense-static", 6.0), run("dense-engine", 5.0), run("no-attention", 2.0),
             run("openattention", 2.5, 0.01), run("openattention", 4.0, 0.03),
@@ -34,3 +34,5 @@ def test_dense_fastest_and_the_targets():
     assert targets[0.01]["met"] and targets[0.01]["speedup_over_dense_fastest"] == 2.0 and targets[0.01]["short_by"] == 0
     assert not targets[0.03]["met"] and targets[0.03]["short_by"] == 0.25  # 1.25× against 1.5×
     assert "| 2 × 64 | openattention | 1% | 2.50 | 2.00× |" in bench.table(out["runs"])
+    figure = bench.plot(out["runs"], tmp_path / "speed.png")
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
