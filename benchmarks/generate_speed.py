@@ -1,9 +1,10 @@
 """Decode speed where users decode: tokens per second inside ``model.generate``, OpenAttention against the fastest
 dense decode in the same run.
 
-    python benchmarks/generate_speed.py                               # on a GPU: the Llama-3.1-8B shape, 16x16K, 8x32K
+    python benchmarks/generate_speed.py                               # on a GPU: the Llama-3.1-8B shape, the issue's four
+    python benchmarks/generate_speed.py --configs 16x16384 8x32768    # the two the targets are set at
     python benchmarks/generate_speed.py --configs 1x32768 --densities 0.01
-    python benchmarks/generate_speed.py --tiny --device cpu           # the same code on a toy model (a smoke test)
+    python benchmarks/generate_speed.py --tiny --device cpu --configs 2x512 --densities 0.2 --tokens 4  # a smoke test
 
 A Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 query / 8 KV heads, head dim 128, MLP 14336, vocab 128256) is
 built from its config with random bf16 weights: speed does not depend on the weights' values, and nothing is
@@ -129,7 +130,8 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=["16x16384", "8x32768"], help="BATCHxCONTEXT")
+    parser.add_argument("--configs", nargs="+", default=["1x32768", "8x32768", "16x16384", "32x32768"],
+                        help="BATCHxCONTEXT (a configuration that runs out of memory is recorded with its error)")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
     parser.add_argument("--methods", nargs="+", default=["dense-default", "dense-static", "dense-engine",
                                                          "openattention"],
