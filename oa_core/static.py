@@ -80,8 +80,9 @@ class StaticState:
             raise ValueError(f"capacity: {capacity} slots cannot hold the {n} tokens already cached")
         if state.clusters is None or bool(state.dense_rows.any()):
             raise StaticUnsupported("a batch row's budget covers its context (it is read in full)")
-        if unsupported(pipe):
-            raise StaticUnsupported(unsupported(pipe))
+        why = unsupported(pipe)
+        if why:
+            raise StaticUnsupported(why)
         sample = pipe.selector.token_codes(state.index, state.keys[:, :, :1])
         if sample is None:
             raise StaticUnsupported(f"selector {pipe.selector.name!r} has no per-token codes (Selector.token_codes)")
