@@ -162,3 +162,12 @@ def test_generate_through_the_fused_step_gives_the_default_caches_logits():
     torch.testing.assert_close(fast_scores, scores, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled, scores, rtol=1e-4, atol=1e-4)
     assert torch.equal(fast_tokens, tokens)
+
+
+def test_the_fused_step_takes_one_decode_query_per_row():
+    keys, values, prefill, _ = make_inputs(tokens=140)
+    pipe = oa.build(SPEC)
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
+    state.length += 1
+    with pytest.raises(ValueError, match="one decode query per row, got 2"):
+        state.fused.run(state, prefill[:, :, :2], keys[:, :, :130], values[:, :, :130])
