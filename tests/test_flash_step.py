@@ -30,7 +30,7 @@ def _rows(index):
     return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]
 
 
-def run_fused(spec, tokens=140, steps=10, room=0, dtype=torch.float32, seed=0):
+def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0):
     """Decode ``steps`` tokens through the reference pipeline, a composed static state and a fused one → per step
     (reference rows, fused rows, reference output, fused output), and the two static states at the end. At every
     step the fused index — sink, window, each cluster's run, padding — and its runs are the composed step's, column
@@ -152,12 +152,12 @@ def test_generate_through_the_fused_step_gives_the_default_caches_logits():
     config = CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True
     with oa.patch(model, {**SPARSE, "kernel": "flash"}) as handle:
-        tokens, scores = generate(model, ids, mask, 4)
-        cache = handle.static_cache(max_new_tokens=4)
-        fast_tokens, fast_scores = generate(model, ids, mask, 4, past_key_values=cache)
+        tokens, scores = generate(model, ids, mask, 3)
+        cache = handle.static_cache(max_new_tokens=3)
+        fast_tokens, fast_scores = generate(model, ids, mask, 3, past_key_values=cache)
         assert all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
         assert "the kernel's fused step" in handle.stats.summary()
-        _, compiled = generate(model, ids, mask, 4, past_key_values=handle.static_cache(max_new_tokens=4),
+        _, compiled = generate(model, ids, mask, 3, past_key_values=handle.static_cache(max_new_tokens=3),
                                compile_config=config)
     torch.testing.assert_close(fast_scores, scores, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled, scores, rtol=1e-4, atol=1e-4)
