@@ -16,8 +16,8 @@ from torch import Tensor
 
 from oa_core.cluster_stats import moments_from_sums
 from oa_core.components import Clusters, PooledClusters
-from oa_core.contracts import check_cache
-from oa_core.scatter import compact, positions, sum_by_slot
+from oa_core.contracts import all_finite, check_cache
+from oa_core.scatter import compact, pooled_sums, positions
 from oa_core.selection import add_members, cluster_members
 from oa_core.triton_path import triton
 
@@ -192,7 +192,7 @@ class PipelineState:
         check_cache(new_keys, new_values, like=self.keys, what="appended ", finite=False)
         # The new rows finite and known rows unchanged (a few, spread, the last included), in one wait: grow_to runs
         # at every decode step.
-        ok = torch.isfinite(new_keys).all() & torch.isfinite(new_values).all()
+        ok = all_finite(new_keys, new_values)
         known = probe_rows(n)
         if n:
             ok &= (keys[:, :, known] == self.keys[:, :, known]).all()
@@ -236,12 +236,11 @@ class PipelineState:
 
     def _pool(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Add rows ``[B, Hkv, n, D]`` with cluster ids ``[B, Hkv, n]`` (C: not clustered) to the pooled sums."""
-        k, v, pooled, C = keys.float(), values.float(), self.pooled, self.num_clusters
+        pooled = self.pooled
+        sums = pooled_sums(ids, keys, values, self.num_clusters,
+                           (pooled.count, pooled.key_sum, pooled.value_sum, pooled.key_square_sum))
         # Contiguous: the kernels read the sums as they are, at every step.
-        pooled.count = sum_by_slot(ids, torch.ones_like(k[..., 0]), C, pooled.count).contiguous()
-        pooled.key_sum = sum_by_slot(ids, k, C, pooled.key_sum).contiguous()
-        pooled.value_sum = sum_by_slot(ids, v, C, pooled.value_sum).contiguous()
-        pooled.key_square_sum = sum_by_slot(ids, k * k, C, pooled.key_square_sum).contiguous()
+        pooled.count, pooled.key_sum, pooled.value_sum, pooled.key_square_sum = (s.contiguous() for s in sums)
 
     def start_clusters(self, clusters: Clusters, index: Any) -> None:
         """Take the clusters of the region (fit at prepare, on every row but the local window's) and the selector's

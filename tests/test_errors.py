@@ -148,3 +148,21 @@ def test_grow_to_a_cache_that_is_not_this_states(pipe, inputs):
     bad[0, 0, -1, 0] = float("nan")
     with pytest.raises(ValueError, match="appended keys: the cache contains NaN or Inf"):
         state.grow_to(bad, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_each_kind_of_bad_value_in_a_view(dtype):
+    """The one-reduction finiteness check: NaN, +Inf and -Inf anywhere in a strided view of a larger cache (where
+    the slots past the view hold NaN, which it must not read), and empty tensors."""
+    from oa_core.contracts import all_finite
+
+    cache = torch.full((2, 3, 40, 8), math.nan, dtype=dtype)
+    cache[:, :, :25] = torch.randn(2, 3, 25, 8).to(dtype)
+    view = cache[:, :, :25]
+    assert bool(all_finite(view, view[:, :, :0]))
+    for bad in (math.nan, math.inf, -math.inf):
+        broken = view.clone()
+        broken[1, 2, 24, 7] = bad
+        assert not bool(all_finite(view, broken))
+        assert not bool(all_finite(broken[:, :, 20:]))
+    assert bool(all_finite(view[:, :, :0]))

@@ -13,15 +13,16 @@ def load():
     return module
 
 
-def run(method, ms, density=None, batch=2, context=64):
+def run(method, ms, density=None, batch=2, context=64, prefill=1.0, prepare=None):
     return {"batch": batch, "context": context, "method": method, "density": density, "per_token_ms": ms,
-            "prefill_s": 1.0, "prepare_s": None, "tokens": 4}
+            "prefill_s": prefill, "prepare_s": prepare, "tokens": 4}
 
 
 def test_dense_fastest_and_the_targets(tmp_path):
     bench = load()
     runs = [run("dense-default", 9.0), run("dense-static", 6.0), run("dense-engine", 5.0), run("no-attention", 2.0),
-            run("openattention", 2.5, 0.01), run("openattention", 4.0, 0.03),
+            run("openattention", 2.5, 0.01, prefill=1.1, prepare=0.1), run("openattention", 4.0, 0.03, prefill=1.3,
+                                                                            prepare=0.3),
             run("dense-static", 8.0, context=128), run("dense-engine", 10.0, context=128),
             run("openattention", None, 0.01, context=128)]  # a run that failed (out of memory)
     out = bench.summary({"device": "x"}, runs)
@@ -29,10 +30,16 @@ def test_dense_fastest_and_the_targets(tmp_path):
     assert [(r["context"], r["per_token_ms"], r["derived_from"]) for r in fastest] == [(64, 5.0, "dense-engine"),
                                                                                        (128, 8.0, "dense-static")]
     assert out["runs"][:len(runs)] == runs  # the measured runs unchanged
-    targets = {t["density"]: t for t in out["targets"]}
-    assert len(out["targets"]) == 2  # the failed run has no ratio
+    targets = {t["density"]: t for t in out["targets"] if "speedup_over_dense_fastest" in t}
+    assert len(targets) == 2  # the failed run has no ratio
     assert targets[0.01]["met"] and targets[0.01]["speedup_over_dense_fastest"] == 2.0 and targets[0.01]["short_by"] == 0
     assert not targets[0.03]["met"] and targets[0.03]["short_by"] == 0.25  # 1.25× against 1.5×
-    assert "| 2 × 64 | openattention | 1% | 2.50 | 2.00× |" in bench.table(out["runs"])
+    # Prepare over the model's prefill in the same run (its time to the first token less the prepare): 0.1 s of
+    # 1.1 s meets 10%, 0.3 s of 1.3 s is 30%.
+    prepare = {t["density"]: t for t in out["targets"] if "prepare_over_prefill" in t}
+    assert prepare[0.01]["prepare_over_prefill"] == 0.1 and prepare[0.01]["met"]
+    assert prepare[0.03]["prepare_over_prefill"] == 0.3 and not prepare[0.03]["met"]
+    assert prepare[0.03]["short_by"] == 0.2 and len(out["targets"]) == 4
+    assert "| 2 × 64 | openattention | 1% | 2.50 | 2.00× | 1.10 | 0.10 | 10.0% |" in bench.table(out["runs"])
     figure = bench.plot(out["runs"], tmp_path / "speed.png")
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -135,3 +135,49 @@ def test_the_triton_nearest_centroid_matches_torch():
         centroids = torch.randn(3, 37, r, generator=gen)
         centroids[:, 35] = centroids[:, 2]
         assert torch.equal(geometry.nearest_triton(points, centroids, block_n=64), geometry.nearest(points, centroids))
+
+
+def test_lloyd_on_the_triton_kernels_ends_where_torch_ends(monkeypatch):
+    """Under the interpreter, Lloyd as it runs on a GPU (k-means++ in one launch, the nearest centroid in Triton, a
+    look at the moved points every 4 iterations only) gives the torch code's clusters: converged, and stopped after
+    3 iterations, before its first look."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(8)
+    points = torch.randn(2, 3, 120, 4, generator=gen)
+    mask = torch.rand(2, 3, 120, generator=gen) > 0.2
+    for iterations in (40, 3):
+        expected = geometry.lloyd(points, mask, 6, iterations, torch.Generator().manual_seed(0))
+        with monkeypatch.context() as patch:
+            patch.setattr(geometry, "on_gpu", lambda tensor: True)
+            assignment, centroids = geometry.lloyd(points, mask, 6, iterations, torch.Generator().manual_seed(0))
+        assert torch.equal(assignment, expected[0])
+        assert torch.allclose(centroids, expected[1], atol=1e-5)
+        if iterations == 40:  # converged: a fixed point
+            assert torch.equal(geometry.nearest(points, centroids), assignment)
+
+
+def test_the_triton_projection_equals_torchs(monkeypatch):
+    """Under the interpreter: the projection as it runs on a GPU (one pass reading the keys in their own dtype, in
+    place from a view of a larger cache) equals ``keys.float() @ basis``, over row blocks that do not divide N."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(9)
+    for dtype, D, r in ((torch.bfloat16, 24, 16), (torch.float32, 16, 5)):
+        cache = torch.full((2, 3, 150, D), float("nan"), dtype=dtype)
+        cache[:, :, :100] = torch.randn(2, 3, 100, D, generator=gen).to(dtype)
+        keys = cache[:, :, :100]
+        basis = torch.randn(2, 3, D, r, generator=gen)
+        with monkeypatch.context() as patch:
+            patch.setattr(geometry, "on_gpu", lambda tensor: True)
+            found = geometry.project(keys, basis)
+        assert found.dtype == torch.float32 and found.shape == (2, 3, 100, r)
+        assert torch.allclose(found, keys.float() @ basis, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Clusterer, Clusters
-from oa_core.geometry import QUERY_WINDOW, lloyd, nearest, query_geometry
+from oa_core.geometry import QUERY_WINDOW, lloyd, nearest, project, query_geometry
 
 
 class QGCConfig(BaseModel):
@@ -40,7 +40,7 @@ class QueryGeometryClusterer(Clusterer):
         cfg = self.config
         basis, eigenvalues = query_geometry(keys, queries, mask, cfg.rank, cfg.query_window)
         projection = basis * eigenvalues.sqrt()[..., None, :]  # U_r Λ_r^{1/2}, [B, Hkv, D, r]
-        points = keys.float() @ projection
+        points = project(keys, projection)
         num_clusters = max(1, min(cfg.num_clusters, int(mask.sum(-1).max())))
         mask = mask[:, None, :].expand(points.shape[:3])
         assignment, centroids = lloyd(points, mask, num_clusters, cfg.iterations, generator)
@@ -48,7 +48,7 @@ class QueryGeometryClusterer(Clusterer):
 
     def assign(self, clusters: Clusters, keys: Tensor) -> Tensor:
         projection, centroids = clusters.space
-        return nearest(keys.float() @ projection, centroids)
+        return nearest(project(keys, projection), centroids)
 
 
 @hookimpl

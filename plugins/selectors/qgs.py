@@ -19,7 +19,7 @@ from torch import Tensor
 
 from oa_core import hookimpl, triton_path
 from oa_core.components import Clusters, Selector
-from oa_core.geometry import QUERY_WINDOW, query_geometry
+from oa_core.geometry import QUERY_WINDOW, project, query_geometry
 from oa_core.triton_path import tl, triton
 
 
@@ -53,11 +53,11 @@ class QuerySubspaceSelector(Selector):
               generator: torch.Generator | None = None) -> QGSIndex:
         region = clusters.assignment[:, 0] < clusters.num_clusters
         basis, _ = query_geometry(keys, queries, region, self.config.rank, self.config.query_window)
-        codes, scales = quantize(keys.float() @ basis)
+        codes, scales = quantize(project(keys, basis))
         return QGSIndex(basis, codes, scales)
 
     def token_codes(self, index: QGSIndex, keys: Tensor) -> dict[str, Tensor]:
-        codes, scales = quantize(keys.float() @ index.basis)
+        codes, scales = quantize(project(keys, index.basis))
         return {"codes": codes, "scales": scales}
 
     def score(self, query: Tensor, index: QGSIndex, keys: Tensor, scale: float) -> Tensor:
