@@ -68,7 +68,7 @@ MUTATIONS = [
              [("best * factor, mask=in_n)", "best * scale, mask=in_n)")], QGS_TESTS,
              "the fused Triton scores drop each key's int8 scale"),
     mutation("qgs-extend-codes-unprojected", "plugins/selectors/qgs.py",
-             [("codes, scales = quantize(keys.float() @ index.basis)\n        return {",
+             [("codes, scales = quantize(project(keys, index.basis))\n        return {",
                "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return {")],
              QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
     # -- QGC (Eq. 4) ------------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 - ``query_geometry``: the top-r eigenpairs (U_r, Λ_r) of the queries' second moment M per KV head (paper §3.2):
   ``top_eigenpairs``, by LAPACK on the CPU or by subspace iteration on the GPU (``subspace_eigenpairs``).
-- ``lloyd``: seeded k-means++ then Lloyd iterations, batched; ``nearest``: each point's nearest centroid. On CUDA
-  tensors k-means++ (one launch) and the nearest centroid are Triton kernels; elsewhere torch.
+- ``project``: keys on a basis (QGC's points, QGS's codes); ``lloyd``: seeded k-means++ then Lloyd iterations,
+  batched; ``nearest``: each point's nearest centroid. On CUDA tensors the projection, k-means++ (one launch) and the
+  nearest centroid are Triton kernels; elsewhere torch.
 """
 
 from __future__ import annotations
