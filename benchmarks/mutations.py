@@ -98,8 +98,8 @@ MUTATIONS = [
                "first = tl.maximum(tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0) - 1, 0)")],
              QGC_TESTS, "k-means++ inverts the CDF in the block before the one its draw falls in"),
     mutation("lloyd-gpu-stops-while-points-move", "oa_core/geometry.py",
-             [("if iteration % check_every == 0 and not bool(moved):",
-               "if iteration % check_every == 0 and bool(moved):")], QGC_TESTS,
+             [("if iteration % check_every == 0 and torch.equal(updated, assignment):",
+               "if iteration % check_every == 0 and not torch.equal(updated, assignment):")], QGC_TESTS,
              "Lloyd on the GPU stops at its first look where points still move"),
     mutation("projection-kernel-drops-the-last-dimension", "oa_core/geometry.py",
              [("in_n, in_d, in_r = offs_n < N, offs_d < D, offs_r < R", "in_n, in_d, in_r = offs_n < N, offs_d < D - 1, "

@@ -21,9 +21,9 @@ QUERY_WINDOW = 256  # the last prefill queries that estimate the query geometry 
 
 
 def on_gpu(tensor: Tensor) -> bool:
-    """Whether the k-means and the orthonormalisation take their Triton kernels for ``tensor``: on CUDA (on the CPU,
-    even under the interpreter, torch: prepare's kernels would take minutes there; the tests run them at small
-    shapes by name)."""
+    """Whether the projection, the k-means and the orthonormalisation take their Triton kernels for ``tensor``: on
+    CUDA (on the CPU, even under the interpreter, torch: prepare's kernels would take minutes there; the tests run
+    them at small shapes by name)."""
     return tensor.is_cuda and triton is not None
 
 
@@ -172,13 +172,14 @@ def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
     # After a fixed point every iteration gives it again, so the device is asked whether the last iteration moved a
     # point only every few iterations there (each question waits for it); on the CPU, after each.
     check_every = 4 if on_gpu(flat) else 1
-    assignment, sums, counts, _ = assign_and_sum(flat, weight, centroids)
+    assignment, sums, counts = assign_and_sum(flat, weight, centroids)
     for iteration in range(1, iterations + 1):
         # An emptied cluster keeps its old centre.
         centroids = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
-        assignment, sums, counts, moved = assign_and_sum(flat, weight, centroids, assignment)
-        if iteration % check_every == 0 and not bool(moved):
+        updated, sums, counts = assign_and_sum(flat, weight, centroids)
+        if iteration % check_every == 0 and torch.equal(updated, assignment):
             break
+        assignment = updated
     return assignment.reshape(*lead, n), centroids.reshape(*lead, num_clusters, r)
 
 
@@ -220,19 +221,15 @@ def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block
     return centroids
 
 
-def assign_and_sum(points: Tensor, weight: Tensor, centroids: Tensor,
-                   previous: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def assign_and_sum(points: Tensor, weight: Tensor, centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One Lloyd half-step: points ``[P, n, r]``, weight ``[P, n]`` (0: not a point), centroids ``[P, C, r]`` → (each
-    point's nearest centroid ``[P, n]``, its clusters' weighted sums ``[P, C, r]`` and weights ``[P, C]``, and — given
-    the ``previous`` assignment — how many points moved, a 0-d tensor, else None). (Summing inside the
-    nearest-centroid kernel measured slower on an H200 than torch's scatter-add after it: 0.58 against 0.34 ms at 128
-    × 16K points; so did a kernel summing each chunk's one-hot product in registers, 0.54 against 0.37 ms with the
-    count of moved points.)"""
+    point's nearest centroid ``[P, n]``, its clusters' weighted sums ``[P, C, r]`` and weights ``[P, C]``). (Summing
+    inside the nearest-centroid kernel measured slower on an H200 than torch's scatter-add after it: 0.58 against 0.34
+    ms at 128 × 16K points; so did a kernel summing each chunk's one-hot product in registers, 0.54 against 0.37 ms.)"""
     C = centroids.shape[-2]
     assignment = nearest(points, centroids)
     slot = assignment.masked_fill(weight == 0, C)  # the unselected points: no cluster
-    moved = None if previous is None else (assignment != previous).sum()
-    return assignment, sum_by_slot(slot, points, C), sum_by_slot(slot, weight, C), moved
+    return assignment, sum_by_slot(slot, points, C), sum_by_slot(slot, weight, C)
 
 
 def nearest(points: Tensor, centroids: Tensor) -> Tensor:
