@@ -177,6 +177,13 @@ MUTATIONS = [
              [("ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
                "ell = (qk * scale - read_z) / n_tail[None, :]")], KERNEL_TESTS,
              "the Triton kernel's proxy logit without + ln n_T"),
+    mutation("flash-tail-keeps-the-rows-read", "plugins/kernels/flash.py",
+             [("other=0.0) - read_v", "other=0.0)")], KERNEL_TESTS,
+             "the proxy's values are the cluster's whole Σv_b: the rows read exactly count twice"),
+    mutation("flash-free-columns-restart-at-the-runs", "plugins/kernels/flash.py",
+             [("offs_k = tl.where(offs_f < first, offs_f, offs_f - first + resume)", "offs_k = offs_f")],
+             KERNEL_TESTS, "the columns after the runs (a selection's rows outside every cluster, padding) are never "
+             "read: the free split reads the runs' first columns again"),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation("triton-selection-ties-to-the-last-position", "oa_core/selection.py",
              [("| (-lanes + (BLOCK - 1)).to(tl.int64)", "| lanes.to(tl.int64)"),

@@ -1,4 +1,4 @@
-"""The fast decode path's whole step in nine launches, for the default components: QGC's clusters, QGS's codes,
+"""The fast decode path's whole step in seven launches, for the default components: QGC's clusters, QGS's codes,
 ErrorGate's allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
@@ -13,8 +13,8 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
    each cluster's run, -1 padding — with the runs flash reads;
 4. QGS's score kernel over the codes; 5. the per-cluster selection into the runs (``launch_select``, one launch per
-   size class of clusters: one or two at the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–9.
-   flash.
+   size class of clusters: one or two at the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7.
+   flash's pass and merge.
 
 The statistics have a launch of their own: computed inside ``_plan``, one program per row, they took 32–43 µs
 against 6 µs (at 16 × 16K on an H200), the head's moments being too large a tile for one program.

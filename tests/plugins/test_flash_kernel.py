@@ -40,7 +40,7 @@ def _compare(case, tolerance, **partition):
     query, keys, values, selection, proxies, scale = case
     reference, used_ref = TorchKernel().attend(query, keys, values, selection, proxies, scale)
     kernel = FlashKernel()
-    for knob, value in partition.items():  # block_k, clusters_per_chunk, chunks_per_program
+    for knob, value in partition.items():  # block_k, clusters_per_chunk, free_splits
         assert hasattr(kernel, knob)
         setattr(kernel, knob, value)
     kernel.poison = True  # NaN in every buffer first: a value the kernels do not write shows up
@@ -62,12 +62,12 @@ def test_flash_matches_the_reference_fp32(gqa, tail):
 
 @pytest.mark.parametrize("tail", ["proxy", "discard"])
 def test_the_gpu_partition_of_rows_into_programs(tail):
-    # The GPU's split: several splits of the columns merged; 40 clusters in tiles of 16 (the last one partial), all
-    # in one program per row or a program per tile.
+    # The GPU's split: 40 clusters in chunks of 16 (the last one partial) or 32, runs longer than a block; the free
+    # columns (all of them without proxies) in one program per row or split over several, some with nothing to read.
     case = _case(gqa="shared", tail=tail, batch=1, tokens=400, clusters=40, density=0.3)
     _compare(case, 1e-4, clusters_per_chunk=16, block_k=16)
-    _compare(case, 1e-4, clusters_per_chunk=16, chunks_per_program=1, block_k=16)
-    _compare(case, 1e-4, clusters_per_chunk=32, chunks_per_program=1, block_k=32)
+    _compare(case, 1e-4, clusters_per_chunk=16, free_splits=1, block_k=16)
+    _compare(case, 1e-4, clusters_per_chunk=32, free_splits=9, block_k=32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
