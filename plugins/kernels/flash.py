@@ -45,10 +45,11 @@ if triton is not None:
         return (p // (T * Gs * Hkv)).to(tl.int64), (p // (T * Gs)) % Hkv, (p // T) % Gs, p % T
 
     @triton.jit
-    def _gather_block(Q_TILE, K, V, IDX, LW, p, b, h, offs_k, in_range, offs_d, d_ok, sk_b, sk_h, sk_n, sv_b, sv_h,
-                      sv_n, KSEL, scale, HALF: tl.constexpr):
-        """BLOCK_K index columns of row p: (s·q·k_i ``[BLOCK_G, BLOCK_K]``, ln η_i, valid, v_i ``[BLOCK_K, BLOCK_D]``);
-        the keys and values of padding columns are not read (zeros)."""
+    def _gather_block(Q_TILE, K, V, IDX, LW, p, b, h, offs_k, in_range, g_ok, offs_d, d_ok, sk_b, sk_h, sk_n, sv_b,
+                      sv_h, sv_n, KSEL, scale, HALF: tl.constexpr):
+        """BLOCK_K index columns of row p → (s·q·k_i ``[BLOCK_G, BLOCK_K]``, the logits z_i = s·q·k_i + ln η_i (-inf
+        for padding and padded heads), the columns that hold a row, v_i ``[BLOCK_K, BLOCK_D]``); the keys and values
+        of padding columns are not read (zeros)."""
         idx = tl.load(IDX + p * KSEL + offs_k, mask=in_range, other=-1)
         valid = idx >= 0
         row = tl.where(valid, idx, 0)[:, None]
@@ -60,7 +61,8 @@ if triton is not None:
         else:
             qk = tl.dot(Q_TILE.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         log_weight = tl.load(LW + p * KSEL + offs_k, mask=valid, other=0.0)
-        return qk, log_weight, valid, v
+        z = tl.where(g_ok[:, None] & valid[None, :], qk + log_weight[None, :], float("-inf"))
+        return qk, z, valid, v
 
     @triton.jit
     def _accumulate(m, den, acc, z, v, HALF: tl.constexpr):
@@ -113,14 +115,14 @@ if triton is not None:
             for f0 in range(part * per, stop, BLOCK_K):
                 offs_f = f0 + tl.arange(0, BLOCK_K)
                 offs_k = tl.where(offs_f < first, offs_f, offs_f - first + resume)
-                qk, log_weight, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < stop, offs_d,
-                                                         d_ok, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
-                z = tl.where(g_ok[:, None] & valid[None, :], qk + log_weight[None, :], float("-inf"))
+                _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < stop, g_ok, offs_d, d_ok, sk_b,
+                                           sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
-        else:
+        elif PROXY:  # (parts past SPLITS exist only with proxies)
             # The chunk's runs: the exact rows, and per cluster the rows read — their count, Σ s·q·k_i and Σ v_i as
             # products with the columns' one-hot clusters — for its proxies. n_T = n_b − |X∩b|,
-            # ℓ_b = (s·q·Σk_b − Σ_{X∩b} s·q·k_i)/n_T + ln n_T, and the tail's numerator e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T.
+            # ℓ_b = (s·q·Σk_b − Σ_{X∩b} s·q·k_i)/n_T + ln n_T, and the tail's numerator
+            # e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T.
             offs_c = (part - SPLITS) * CHUNK_C + tl.arange(0, CHUNK_C)
             c_ok = offs_c < C
             lo = tl.load(runs + offs_c, mask=c_ok, other=0)
@@ -131,37 +133,35 @@ if triton is not None:
             end = tl.max(hi, axis=0)
             for k0 in range(tl.load(runs + (part - SPLITS) * CHUNK_C), end, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                qk, log_weight, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < end, offs_d,
-                                                         d_ok, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
-                both = g_ok[:, None] & valid[None, :]
+                qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < end, g_ok, offs_d, d_ok,
+                                                sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 member = valid[None, :] & (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
-                read_z += tl.dot(tl.where(both, qk, 0.0), tl.trans(member.to(tl.float32)), input_precision="ieee")
+                read_z += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk, 0.0), tl.trans(member.to(tl.float32)),
+                                 input_precision="ieee")
                 read_n += tl.sum(member.to(tl.int32), axis=1)
                 if HALF:  # a one-hot tile is exact in 16 bits
                     read_v += tl.dot(member.to(v.dtype), v)
                 else:
                     read_v += tl.dot(member.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                m, den, acc = _accumulate(m, den, acc, tl.where(both, qk + log_weight[None, :], float("-inf")), v,
-                                          HALF)
-            if PROXY:
-                pooled = (b * Hkv + h) * C + offs_c
-                tail = tl.load(COUNT + pooled, mask=c_ok, other=0.0) - read_n.to(tl.float32)
-                has_tail = c_ok & (tail > 0.5)
-                n_tail = tl.where(has_tail, tail, 1.0)
-                tile = pooled[:, None] * D + offs_d[None, :]
-                key_sum = tl.load(KSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-                qk = tl.dot(q.to(tl.float32), tl.trans(key_sum), input_precision="ieee")  # [BLOCK_G, CHUNK_C]
-                ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]
-                ell = tl.where(g_ok[:, None] & has_tail[None, :], ell, float("-inf"))
-                rest = tl.load(VSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0) - read_v
-                m_new = tl.maximum(m, tl.max(ell, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m - m_safe)
-                e = tl.exp(ell - m_safe[:, None])  # 0 for clusters without a tail
-                acc = acc * alpha[:, None] + tl.dot(e / n_tail[None, :], rest, input_precision="ieee")
-                den = den * alpha + tl.sum(e, axis=1)
-                m = m_new
-                used = tl.sum(has_tail.to(tl.int32), axis=0)
+                m, den, acc = _accumulate(m, den, acc, z, v, HALF)
+            pooled = (b * Hkv + h) * C + offs_c
+            tail = tl.load(COUNT + pooled, mask=c_ok, other=0.0) - read_n.to(tl.float32)
+            has_tail = c_ok & (tail > 0.5)
+            n_tail = tl.where(has_tail, tail, 1.0)
+            tile = pooled[:, None] * D + offs_d[None, :]
+            key_sum = tl.load(KSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            qk = tl.dot(q.to(tl.float32), tl.trans(key_sum), input_precision="ieee")  # [BLOCK_G, CHUNK_C]
+            ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]
+            ell = tl.where(g_ok[:, None] & has_tail[None, :], ell, float("-inf"))
+            rest = tl.load(VSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0) - read_v
+            m_new = tl.maximum(m, tl.max(ell, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            e = tl.exp(ell - m_safe[:, None])  # 0 for clusters without a tail
+            acc = acc * alpha[:, None] + tl.dot(e / n_tail[None, :], rest, input_precision="ieee")
+            den = den * alpha + tl.sum(e, axis=1)
+            m = m_new
+            used = tl.sum(has_tail.to(tl.int32), axis=0)
         out = (p * PARTS + part) * G + offs_g
         tl.store(M_OUT + out, m, mask=g_ok)
         tl.store(L_OUT + out, den, mask=g_ok)
