@@ -262,7 +262,8 @@ def summary(machine: dict, runs: list[dict]) -> dict:
                                 "prepare_over_prefill": round(share, 3), "target": PREPARE_TARGET,
                                 "met": share <= PREPARE_TARGET, "short_by": round(max(share - PREPARE_TARGET, 0.0), 3)})
     return {"machine": machine, "runs": runs + fastest_runs, "targets": targets,
-            "where_the_time_goes": ("benchmarks/results/kernel_h200_static_step.json (per layer and kernel) and the "
+            "where_the_time_goes": ("benchmarks/results/kernel_h200_static_step.json (per layer and kernel), "
+                                    "benchmarks/results/generate_profile.json (device and host per token) and the "
                                     "README's fast decode path section")}
 
 

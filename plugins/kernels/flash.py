@@ -223,6 +223,10 @@ class FlashKernel(Kernel):
     block_k = 64  # index columns per block
     clusters_per_chunk: int | None = None  # clusters per program (a power of two ≥ 16); None: 16
     free_splits: int | None = None  # programs per row over the columns outside the runs; None: from the shape
+    num_warps: int | None = None  # warps per program of the pass; None: Triton's default (4)
+    # Pipelining stages of the pass's loops (None: Triton's default, 3 on the H200). 2 was 3-5% faster than 3 at every
+    # benchmark shape on the H200, 8 warps 1.7x slower (benchmarks/results/flash_launch_h200.json).
+    num_stages: int | None = 2
     poison = False  # fill the output buffers with NaN before launching (tests: every element must be written)
 
     def __init__(self, config=None) -> None:
@@ -302,7 +306,9 @@ class FlashKernel(Kernel):
             query, keys, values, index, log_weight, runs, key_sum, value_sum, count, row_max, den, acc, used_parts,
             query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, C, splits, parts, scale,
-            G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, HALF=half)
+            G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, HALF=half,
+            **{name: value for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages))
+               if value is not None})
         out = empty(B, Hq, T, D, dtype=query.dtype)
         used = empty(P, dtype=torch.int32)
         _merge[(P,)](row_max, den, acc, used_parts, out, used, Hkv, Gs, T, parts,

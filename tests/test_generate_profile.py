@@ -1,0 +1,43 @@
+"""benchmarks/generate_profile.py's summary of profiler events: the device's busy time per step, the attention
+kernels per layer, and the host's phases (the profiler itself runs on the H200; here, events as it reports them)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def load():
+    folder = Path(__file__).parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location("generate_profile", folder / "generate_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel(name, us):
+    return SimpleNamespace(device_type=SimpleNamespace(name="CUDA"), name=name, device_time_total=us,
+                           cpu_time_total=0.0)
+
+
+def host(name, us):
+    return SimpleNamespace(device_type=SimpleNamespace(name="CPU"), name=name, device_time_total=0.0,
+                           cpu_time_total=us)
+
+
+def test_the_summary_per_step_and_per_layer():
+    bench = load()
+    steps, layers = 2, 4
+    events = [kernel("_sparse_pass", 30.0) for _ in range(steps * layers)]  # 30 µs a layer
+    events += [kernel("_select_kernel", 10.0) for _ in range(steps * layers)]
+    events += [kernel("nvjet_gemm", 500.0) for _ in range(steps)]  # not attention: counted in the device's time only
+    events += [host("TorchDynamo Cache Lookup", 300.0), host("TorchDynamo Cache Lookup", 500.0),
+               host("Torch-Compiled Region: 0/1", 2000.0), host("aten::mm", 9999.0)]  # aten::mm: not a phase
+    out = bench.summarize(events, layers, steps)
+    assert out["device_ms"] == (steps * layers * 40.0 + steps * 500.0) / steps / 1000  # 0.66 ms a step
+    assert out["launches_per_step"] == 2 * layers + 1
+    assert out["attention_us_per_layer"] == {"_sparse_pass": 30.0, "_select_kernel": 10.0}
+    assert out["attention_us_per_layer_total"] == 40.0
+    assert out["host_phases_ms_per_step_profiled"] == {"TorchDynamo Cache Lookup": 0.4, "Torch-Compiled Region": 1.0}
+    assert [k["kernel"] for k in out["kernels"]] == ["nvjet_gemm", "_sparse_pass", "_select_kernel"]  # longest first
