@@ -146,7 +146,9 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             ms = timed["per_token_ms"]
             runs.append({"batch": batch, "context": context, "method": method, "density": density,
-                         "per_token_ms": ms, "host_ms": None if ms is None else round(ms - profiled["device_ms"], 3),
+                         "per_token_ms": ms, "median_step_ms": timed["median_step_ms"],
+                         "longest_step_ms": timed["longest_step_ms"],
+                         "host_ms": None if ms is None else round(ms - profiled["device_ms"], 3),
                          **profiled})
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "kernels"}), flush=True)
             write(args, model, device, spec, runs)
