@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import sys
 from pathlib import Path
@@ -33,7 +32,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-import oa_core as oa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate_speed as gs  # noqa: E402  (the model, the methods and the timing of generate_speed)
@@ -65,25 +63,12 @@ class ProfiledSteps(StoppingCriteria):
 
 def profiled_generate(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
     """One ``generate`` of ``method`` with ``--steps`` decode steps profiled → kernels and host phases per step."""
-    kwargs, handle = {}, None
-    if method in ("dense-static", "no-attention"):
-        kwargs["cache_implementation"] = "static"
-    if method == "no-attention":
-        model.set_attn_implementation("no_attention")
-    elif method in ("dense-engine", "openattention"):
-        handle = oa.patch(model, {**spec, "budget": {"density": 1.0 if density is None else density}})
-        kwargs["past_key_values"] = handle.static_cache(max_new_tokens=args.warmup + args.steps + 1)
     clock = ProfiledSteps(args.warmup, args.steps, ids.device)
-    try:
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                           max_new_tokens=args.warmup + args.steps + 1, min_new_tokens=args.warmup + args.steps + 1,
-                           stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-    finally:
-        if method == "no-attention":
-            model.set_attn_implementation("sdpa")
-        if handle is not None:
-            handle.unpatch()
+    tokens = args.warmup + args.steps + 1
+    with gs.method_setup(model, method, density, spec, tokens) as (kwargs, _), torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                       max_new_tokens=tokens, min_new_tokens=tokens, stopping_criteria=StoppingCriteriaList([clock]),
+                       **kwargs)
     return summarize(clock.profiler.events(), model.config.num_hidden_layers, args.steps)
 
 
@@ -141,9 +126,6 @@ def main(argv=None) -> int:
         for density in args.densities if method == "openattention" else [None]:
             timed = gs.run_method(model, ids, method, density, spec, args)
             profiled = profiled_generate(model, ids, method, density, spec, args)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
             ms = timed["per_token_ms"]
             runs.append({"batch": batch, "context": context, "method": method, "density": density,
                          "per_token_ms": ms, "median_step_ms": timed["median_step_ms"],

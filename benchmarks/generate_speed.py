@@ -34,6 +34,7 @@ beside the JSON (``--replot JSON`` redraws a saved run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -101,7 +102,9 @@ def timed_generate(model, ids: torch.Tensor, warmup: int, tokens: int, **kwargs)
             "longest_step_ms": 1000 * max(gaps), "prefill_s": clock.times[0] - start, "tokens": len(gaps)}
 
 
-def run_method(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
+@contextlib.contextmanager
+def method_setup(model, method: str, density: float | None, spec: dict, max_new_tokens: int):
+    """``method`` set up on ``model`` → (generate's extra arguments, the patch handle or None); undone on leaving."""
     kwargs, handle = {}, None
     if method in ("dense-static", "no-attention"):
         kwargs["cache_implementation"] = "static"
@@ -109,18 +112,9 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
         model.set_attn_implementation("no_attention")
     elif method in ("dense-engine", "openattention"):
         handle = oa.patch(model, {**spec, "budget": {"density": 1.0 if density is None else density}})
-        kwargs["past_key_values"] = handle.static_cache(max_new_tokens=args.warmup + args.tokens)
+        kwargs["past_key_values"] = handle.static_cache(max_new_tokens=max_new_tokens)
     try:
-        result = timed_generate(model, ids, args.warmup, args.tokens, **kwargs)
-        result["prepare_s"] = handle.stats.prepare_seconds if method == "openattention" else None
-        if handle is not None:
-            dense = [layer.dense_reason for layer in kwargs["past_key_values"].layers if layer.state is None]
-            result["dense_layers"] = len(dense)
-            result["dense_reason"] = sorted(set(dense))
-    except torch.OutOfMemoryError as exc:
-        result = {"per_token_ms": None, "median_step_ms": None, "longest_step_ms": None, "prefill_s": None,
-                  "prepare_s": None, "tokens": 0,
-                  "error": f"out of memory: {str(exc).splitlines()[0]}"}
+        yield kwargs, handle
     finally:
         if method == "no-attention":
             model.set_attn_implementation("sdpa")
@@ -128,8 +122,22 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
             handle.unpatch()
         kwargs.clear()
         gc.collect()
-        if ids.is_cuda:
+        if next(model.parameters()).is_cuda:
             torch.cuda.empty_cache()
+
+
+def run_method(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
+    try:
+        with method_setup(model, method, density, spec, args.warmup + args.tokens) as (kwargs, handle):
+            result = timed_generate(model, ids, args.warmup, args.tokens, **kwargs)
+            result["prepare_s"] = handle.stats.prepare_seconds if method == "openattention" else None
+            if handle is not None:
+                dense = [layer.dense_reason for layer in kwargs["past_key_values"].layers if layer.state is None]
+                result["dense_layers"] = len(dense)
+                result["dense_reason"] = sorted(set(dense))
+    except torch.OutOfMemoryError as exc:
+        result = {"per_token_ms": None, "median_step_ms": None, "longest_step_ms": None, "prefill_s": None,
+                  "prepare_s": None, "tokens": 0, "error": f"out of memory: {str(exc).splitlines()[0]}"}
     return result
 
 
