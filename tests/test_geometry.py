@@ -49,14 +49,15 @@ def _moments(spectrum, samples, count=6, seed=3):
 
 
 def test_subspace_iteration_gives_lapacks_top_pairs():
-    """The GPU's eigensolver (run here on the CPU) against LAPACK: the same top eigenvalues and the same subspace,
-    on a decaying spectrum and a nearly flat one (the latter converges only through the block's extra columns)."""
+    """The GPU's eigensolver (run here on the CPU) against LAPACK, stopped by the residual alone (``energy_tol=0``):
+    the same top eigenvalues and the same subspace, on a decaying spectrum and a nearly flat one (the latter converges
+    only through the block's extra columns)."""
     from oa_core.geometry import subspace_eigenpairs
 
     r = 6
     for spectrum in (0.8 ** torch.arange(40), 1 + 0.01 * torch.rand(40, generator=torch.Generator().manual_seed(1))):
         moment = _moments(spectrum, 400)
-        values, vectors = subspace_eigenpairs(moment, r)
+        values, vectors = subspace_eigenpairs(moment, r, energy_tol=0.0)
         exact_values, exact_vectors = torch.linalg.eigh(moment)
         assert torch.allclose(values, exact_values[..., -r:], rtol=1e-10, atol=0)
         top = exact_vectors[..., -r:]
@@ -65,6 +66,36 @@ def test_subspace_iteration_gives_lapacks_top_pairs():
         assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(r, dtype=torch.float64), atol=1e-12)
         if spectrum[0] != spectrum[1]:  # separated eigenvalues: the same vectors up to sign
             assert torch.allclose((top * vectors).sum(-2).abs(), torch.ones(r, dtype=torch.float64), atol=1e-8)
+
+
+def test_subspace_iteration_stops_once_the_captured_energy_settles():
+    """By default the iteration also stops once the energy its basis captures (Σ of the top Ritz values) settles: on
+    a spectrum flat around λ_r that is long before the residual, with all but 1e-6 of the energy the exact top-r
+    subspace captures; the values are lower bounds of LAPACK's (Ritz values), the basis orthonormal. On a decaying
+    spectrum the residual still stops it first (the pairs of the test above)."""
+    from unittest import mock
+
+    from oa_core import geometry
+
+    r = 6
+    moment = _moments(1 + 0.01 * torch.rand(40, generator=torch.Generator().manual_seed(1)), 400)
+    exact = torch.linalg.eigh(moment).eigenvalues[..., -r:]
+    products = {}
+    for energy_tol in (1e-6, 0.0):
+        calls = []
+        real = geometry.orthonormalize
+        with mock.patch.object(geometry, "orthonormalize", lambda x: calls.append(1) or real(x)):
+            values, vectors = geometry.subspace_eigenpairs(moment, r, energy_tol=energy_tol)
+        products[energy_tol] = len(calls)
+    values, vectors = geometry.subspace_eigenpairs(moment, r)
+    captured = (vectors.transpose(-1, -2) @ moment @ vectors).diagonal(dim1=-2, dim2=-1).sum(-1)
+    assert bool((captured >= (1 - 1e-6) * exact.sum(-1)).all())
+    assert bool((values <= exact * (1 + 1e-12)).all())  # Ritz values: from below
+    assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(r, dtype=torch.float64), atol=1e-12)
+    assert products[1e-6] + 2 * 8 <= products[0.0]  # it stopped on the energy, checks before the residual would
+    decaying = _moments(0.8 ** torch.arange(40), 400)
+    assert torch.equal(geometry.subspace_eigenpairs(decaying, r)[1], geometry.subspace_eigenpairs(decaying, r,
+                                                                                                   energy_tol=0.0)[1])
 
 
 def test_subspace_iteration_of_a_rank_deficient_moment():
