@@ -5,7 +5,7 @@
     python benchmarks/generate_profile.py --tiny --device cpu --config 2x512 --densities 0.2 --tokens 4 --steps 2
 
 ``benchmarks/generate_speed.py`` measures the time per token; this says what it is made of. For each method (the
-same ones, built the same way: ``generate_speed.run_method``) two ``generate`` calls on one model:
+same ones, set up the same way: ``generate_speed.method_setup``) two ``generate`` calls on one model:
 
 1. timed as generate_speed times it — ``--warmup`` steps, then the mean gap over ``--tokens`` steps with a device
    sync after each (``per_token_ms``);

@@ -113,11 +113,12 @@ def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, energy_tol
         values, vectors = values[..., -rank:], basis @ rotation[..., -rank:]
         residual = (unit @ vectors - vectors * values[..., None, :]).norm(dim=-2)
         done = (residual <= tol * values[..., -1:].clamp_min(torch.finfo(torch.float64).tiny)).all(-1)
+        captured = values.sum(-1)
         if energy is not None:
-            done |= values.sum(-1) - energy <= energy_tol * values.sum(-1)
+            done |= captured - energy <= energy_tol * captured
         if bool(done.all()):
             break
-        energy = values.sum(-1)
+        energy = captured
     return values * scale[..., 0], vectors
 
 
