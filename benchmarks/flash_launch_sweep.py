@@ -3,10 +3,9 @@ timed in the fused static step (CUDA graph) at the benchmark's shapes, with the 
 reference; then each compiled kernel's registers and spills. ``python benchmarks/flash_launch_sweep.py OUT.json``."""
 import sys, json, torch
 sys.path.insert(0, "benchmarks")
-from kernel_h200 import graphed, bench, kernel_breakdown, HQ, HKV, D
+from kernel_h200 import graphed, bench, kernel_breakdown, decode_inputs, repeated_fused_step
 import oa_core as oa
 from oa_core import selection as selmod
-from oa_core.static import StaticState
 from oa_plugins.kernels.reference import TorchKernel
 from oa_core.components import PooledClusters
 dev = torch.device("cuda")
@@ -16,25 +15,10 @@ SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01
 VARIANTS = [dict(), dict(fw=8), dict(fw=8, fs=2), dict(fw=4, fs=2), dict(fw=8, fs=1), dict(fw=8, fs=4),
             dict(fw=8, sw=4), dict(fw=8, sw=1), dict(fw=8, bw=4)]
 for B, N, dens in SHAPES:
-    gen = torch.Generator(device=dev).manual_seed(0)
-    keys = torch.randn(B, HKV, N, D, device=dev, generator=gen, dtype=torch.bfloat16)
-    values = torch.randn(B, HKV, N, D, device=dev, generator=gen, dtype=torch.bfloat16)
-    prefill = torch.randn(B, HQ, 256, D, device=dev, generator=gen, dtype=torch.bfloat16)
-    query = (keys[:, torch.arange(HQ, device=dev) // (HQ // HKV), -7] * 1.5).unsqueeze(2).contiguous()
+    keys, values, prefill, query = decode_inputs(B, N, dev)
     for density in dens:
         pipe = oa.build({"kernel": "flash", "gqa": "shared", "budget": {"density": density}})
-        state = pipe.prepare(keys, values, prefill)
-        cap = N + 64
-        ck = keys.new_zeros(B, HKV, cap, D); cv = values.new_zeros(B, HKV, cap, D)
-        ck[:, :, :N], cv[:, :, :N] = keys, values
-        ck[:, :, N], cv[:, :, N] = keys[:, :, -1] * 0.9, values[:, :, -1] * 0.9
-        st = StaticState.from_state(state, cap); st.length += 1
-        grown = (st.member_counts, st.pooled.count, st.pooled.key_sum, st.pooled.value_sum, st.pooled.key_square_sum)
-        saved = [t.clone() for t in grown]
-        def run():
-            for t, v in zip(grown, saved):
-                t.copy_(v)
-            return st.fused.run(st, query, ck, cv)
+        st, (ck, cv), run = repeated_fused_step(pipe, keys, values, prefill, query)
         k = pipe.kernel
         out0, sel = run()
         pooled = st.pooled
@@ -52,7 +36,7 @@ for B, N, dens in SHAPES:
                  **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_group_int8_scores", "_grow", "_plan", "_cluster_stats")}}
             results.append(r); print(json.dumps(r), flush=True)
         k.num_warps = k.num_stages = None; selmod._warps = base_warps
-        del st, state, ck, cv
+        del st, ck, cv, run
     del keys, values
     torch.cuda.empty_cache()
 json.dump(results, open(sys.argv[1], "w"), indent=1)

@@ -92,6 +92,39 @@ def kernel_breakdown(fn, repeats: int = 10) -> dict[str, float]:
     return {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
+def decode_inputs(batch: int, context: int, device: torch.device):
+    """The benchmark's inputs at one shape (seed 0): random bf16 keys and values ``[batch, 8, context, 128]``, 256
+    prefill queries, and a decode query near some keys, so that attention is peaked as in a real model."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    keys = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
+    values = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
+    prefill = torch.randn(batch, HQ, 256, D, device=device, generator=gen, dtype=torch.bfloat16)
+    query = (keys[:, torch.arange(HQ, device=device) // (HQ // HKV), -7] * 1.5).unsqueeze(2).contiguous()
+    return keys, values, prefill, query
+
+
+def repeated_fused_step(pipe: Pipeline, keys, values, prefill, query):
+    """The fused static step one token past the prefill (a cache at capacity N + 64) → (the static state, the cache's
+    keys and values, ``run``): each ``run()`` restores the counts and sums the step grew, then runs it again — the same step every time, so it
+    can be timed and captured (the restoring copies are counted in)."""
+    B, H, n, D_ = keys.shape
+    static = StaticState.from_state(pipe.prepare(keys, values, prefill), n + 64)
+    cache_k, cache_v = keys.new_zeros(B, H, n + 64, D_), values.new_zeros(B, H, n + 64, D_)
+    cache_k[:, :, :n], cache_v[:, :, :n] = keys, values
+    cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, -1] * 0.9, values[:, :, -1] * 0.9
+    static.length += 1
+    grown = (static.member_counts, static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
+             static.pooled.key_square_sum)
+    saved = [t.clone() for t in grown]
+
+    def run():
+        for tensor, value in zip(grown, saved):
+            tensor.copy_(value)
+        return static.fused.run(static, query, cache_k, cache_v)
+
+    return static, (cache_k, cache_v), run
+
+
 def sparse_bytes(batch: int, context: int, rows: int, clusters: int, rank: int) -> int:
     """The least the sparse stage reads per step: exact K and V rows (bf16), int8 codes + a float32 scale and a
     one-byte cluster id per token, pooled Σk, Σv, Σk⊙k (float32) and counts per cluster; per KV head."""
@@ -255,12 +288,7 @@ def main(argv=None) -> int:
     results, prepare, growth = [], [], []
     for batch in args.batch:
         for context in args.context:
-            gen = torch.Generator(device=device).manual_seed(0)
-            keys = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
-            values = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
-            prefill = torch.randn(batch, HQ, 256, D, device=device, generator=gen, dtype=torch.bfloat16)
-            # A decode query near some keys, so that attention is peaked as in a real model.
-            query = (keys[:, torch.arange(HQ, device=device) // (HQ // HKV), -7] * 1.5).unsqueeze(2).contiguous()
+            keys, values, prefill, query = decode_inputs(batch, context, device)
             dense = lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
             dense_ms = bench(dense)
             dense_graph_ms = bench(graphed(dense))

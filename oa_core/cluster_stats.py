@@ -88,11 +88,22 @@ if triton is not None:
         mean = tl.load(MEAN + tile, mask=ok, other=0.0)
         var = tl.load(VAR + tile, mask=ok, other=0.0)
         if FROM_SUMS:  # Σk, Σk⊙k → k̄, Var(k), as the state's cluster_moments computes them
-            n = tl.maximum(tl.load(COUNT + head * C + offs_c, mask=in_c, other=1.0), 1.0)[:, None]
-            mean = tl.div_rn(mean, n)
-            var = tl.maximum(tl.div_rn(var, n) - mean * mean, 0.0)
+            mean, var = moments_tile(mean, var, tl.load(COUNT + head * C + offs_c, mask=in_c, other=1.0))
         for row in range(0, ROWS):
             q = tl.load(Q + (head * ROWS + row) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-            out = (head * ROWS + row) * C + offs_c
-            tl.store(MEAN_LOGIT + out, scale * tl.sum(mean * q[None, :], axis=1), mask=in_c)
-            tl.store(LOGIT_VAR + out, (scale * scale) * tl.sum(var * (q * q)[None, :], axis=1), mask=in_c)
+            store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * ROWS + row) * C + offs_c, in_c)
+
+    @triton.jit
+    def moments_tile(key_sum, key_square_sum, count):
+        """A tile of clusters' Σk and Σk⊙k ``[BLOCK_C, BLOCK_D]`` and counts ``[BLOCK_C]`` → (k̄_b, Var_b(k)), as
+        ``moments_from_sums`` has them (an empty cluster counts as one); shared with the fused step's ``_grow``."""
+        n = tl.maximum(count, 1.0)[:, None]
+        mean = tl.div_rn(key_sum, n)
+        return mean, tl.maximum(tl.div_rn(key_square_sum, n) - mean * mean, 0.0)
+
+    @triton.jit
+    def store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, out, ok):
+        """One query row ``q`` (float32 ``[BLOCK_D]``) against a tile's moments → z̄_b = s·q·k̄_b and σ̂_b² =
+        s²·Σ_d q_d² Var_b(k_d), stored at ``out`` (lanes ``ok``)."""
+        tl.store(MEAN_LOGIT + out, scale * tl.sum(mean * q[None, :], axis=1), mask=ok)
+        tl.store(LOGIT_VAR + out, (scale * scale) * tl.sum(var * (q * q)[None, :], axis=1), mask=ok)

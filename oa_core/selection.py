@@ -15,11 +15,12 @@ sort (score descending, position ascending), listed per cluster in position orde
 copied without reading scores.
 
 Clusters are ragged (the largest a few times the mean), so one block sized for the largest would run every count over
-its size. Instead a launch covers a size class and holds two paths: (0, 1024] with blocks of 512 and 1024 lanes,
-(1024, 4096] with 2048 and 4096 (``REGISTER_LIMIT``), then everything larger a block at a time; a program takes the
-smaller block when its cluster fits it, and ends at once when its cluster is not in the launch's class. The classes
-launched follow from the largest cluster, which the host knows from ``members``' shape: nothing waits on the device
-(CUDA-graph capturable).
+its size. Instead a launch covers a size class and holds two paths: (0, 2s] with blocks of s and 2s lanes, where s is
+the power of two at or above a typical cluster's size, at most ``SMALL_CLUSTER`` (``smallest_block``), then classes
+four times wider up to ``REGISTER_LIMIT``, then everything larger a block at a time; a program takes the smaller block
+when its cluster fits it, and ends at once when its cluster is not in the launch's class. The classes launched follow
+from the largest cluster, which the host knows from ``members``' shape: nothing waits on the device (CUDA-graph
+capturable).
 
 Why this shape: a program's cost is latency, not bytes. Reading the scores contiguously instead of through
 ``members``, or scoring a cluster's codes inside the selection, gained little; one launch with two paths instead of
@@ -27,6 +28,8 @@ one launch per block size gained most (``benchmarks/kernel_h200.py``; the figure
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -36,7 +39,10 @@ from oa_core.scatter import count_by_slot, positions
 from oa_core.triton_path import tl, triton
 
 
-SMALL_CLUSTER = 512  # the smallest block (a power of two): about a typical cluster at 64 clusters of 32K tokens
+# The smallest block's upper bound (a power of two): a typical cluster at 64 clusters of 32K tokens. Smaller typical
+# clusters get a smaller block (``smallest_block``): at 64 clusters of 16K tokens (about 255 rows each) 256 lanes
+# instead of 512 took the selection from 35 to 30 µs at 3% on the H200; at 32K tokens 256 lanes were 20-50% slower.
+SMALL_CLUSTER = 512
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
 FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
 
@@ -243,11 +249,19 @@ if triton is not None:
                     _take_top_in_registers(members, SCORES + p * N, quota, n, out, BLOCK, FEW)
 
 
-def size_classes(largest: int) -> list[tuple[int, int, int]]:
+def smallest_block(typical: float) -> int:
+    """The size classes' smallest block for clusters of about ``typical`` rows (their mean): the power of two at or
+    above it — so that a typical cluster is held by the first class's smaller path —, at least 16 lanes and at most
+    ``SMALL_CLUSTER``."""
+    return min(SMALL_CLUSTER, max(16, 1 << max(math.ceil(typical) - 1, 0).bit_length()))
+
+
+def size_classes(largest: int, small: int | None = None) -> list[tuple[int, int, int]]:
     """The launches for clusters of at most ``largest`` members: (low, high, block) per size class low < n ≤ high,
-    with paths of block / 2 and block lanes in registers — (0, 2·SMALL_CLUSTER], then ×4 up to REGISTER_LIMIT —, then
-    (REGISTER_LIMIT, largest] a block of REGISTER_LIMIT at a time. Only classes some cluster can fall in."""
-    classes, low, high = [], 0, min(2 * SMALL_CLUSTER, REGISTER_LIMIT)
+    with paths of block / 2 and block lanes in registers — (0, 2·small], then ×4 up to REGISTER_LIMIT —, then
+    (REGISTER_LIMIT, largest] a block of REGISTER_LIMIT at a time. Only classes some cluster can fall in. ``small``:
+    the smallest block (``smallest_block``), SMALL_CLUSTER when None."""
+    classes, low, high = [], 0, min(2 * (small or SMALL_CLUSTER), REGISTER_LIMIT)
     while low < largest:
         if low >= REGISTER_LIMIT:
             classes.append((low, largest, REGISTER_LIMIT))
@@ -274,21 +288,21 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     quotas = quotas.reshape(rows, C).long().contiguous()
     offsets = (quotas.cumsum(-1) - quotas).contiguous()
     out = torch.full((rows, max(width, 1)), -1, dtype=torch.long, device=scores.device)
-    if rows and C:
+    if rows and C:  # N / C: about a cluster's size (the positions outside the clusters are a few)
         launch_select(scores.float().reshape(rows, N).contiguous(), members, counts.contiguous(), quotas, offsets,
-                      out, Gs * T)
+                      out, Gs * T, smallest_block(N / C))
     return out[:, :width].view(B, Hkv, Gs, T, width)
 
 
 def launch_select(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tensor, offsets: Tensor, out: Tensor,
-                  rows_per_head: int) -> None:
+                  rows_per_head: int, small: int | None = None) -> None:
     """``select_per_cluster``'s launches, one per size class: scores ``[rows, N]`` float32, members ``[B, Hkv, C, S]``
     (each head's C × S contiguous) and counts ``[B, Hkv, C]``, quotas ``[rows, C]``; cluster c of row p writes its
     q_b positions at ``out[p, offsets[p, c]:]`` (``out`` ``[rows, width]``, contiguous). ``rows_per_head``: the
-    selection rows of one (batch row, KV head)."""
+    selection rows of one (batch row, KV head); ``small``: the smallest block (``smallest_block``)."""
     rows, N = scores.shape
     C, S = members.shape[-2:]
-    for low, high, block in size_classes(S):
+    for low, high, block in size_classes(S, small):
         _select_kernel[(rows, C)](scores, members, counts, quotas, offsets, out, N, C, S, members.stride(1),
                                   out.shape[-1], rows_per_head, low, high, BLOCK=block, BLOCKWISE=low >= block,
                                   FEW=FEW_PICKS, num_warps=_warps(block))

@@ -246,13 +246,21 @@ if triton is not None:
         """Slot ``leaving`` of (batch row, KV head) ``head``, key ``k`` and value ``v`` (float32 ``[BLOCK_D]``, lanes
         ``offs``/``ok``), joins cluster ``c``: its assignment, the pooled count, Σk, Σv, Σk⊙k, and the end of the
         cluster's member list (shared with the fused step)."""
-        tl.store(ASSIGNMENT + head * CAP + leaving, c)
         cluster = head * C + c
         tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 1.0)
         sums = cluster * D + offs
         tl.store(KSUM + sums, tl.load(KSUM + sums, mask=ok) + k, mask=ok)
-        tl.store(VSUM + sums, tl.load(VSUM + sums, mask=ok) + v, mask=ok)
         tl.store(KSQ + sums, tl.load(KSQ + sums, mask=ok) + k * k, mask=ok)
+        join_rest(head, leaving, c, v, ASSIGNMENT, VSUM, MEMBERS, MEMBER_COUNT, CAP, C, S, D, offs, ok)
+
+    @triton.jit
+    def join_rest(head, leaving, c, v, ASSIGNMENT, VSUM, MEMBERS, MEMBER_COUNT, CAP, C, S, D, offs, ok):
+        """``join_row`` less the count, Σk and Σk⊙k (the fused step adds those where it reads them): the slot's
+        assignment, Σv, and the end of the cluster's member list."""
+        tl.store(ASSIGNMENT + head * CAP + leaving, c)
+        cluster = head * C + c
+        sums = cluster * D + offs
+        tl.store(VSUM + sums, tl.load(VSUM + sums, mask=ok) + v, mask=ok)
         slot = tl.load(MEMBER_COUNT + cluster)
         tl.store(MEMBERS + cluster * S + slot, leaving.to(tl.int32))
         tl.store(MEMBER_COUNT + cluster, slot + 1)

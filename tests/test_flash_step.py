@@ -90,6 +90,20 @@ def test_each_fused_step_reads_the_reference_rows_and_gives_its_output(gqa, tail
     assert_same_state(composed, fused)
 
 
+def test_clusters_over_several_chunks_join_and_count_where_they_are():
+    """40 clusters: the step's programs take 16 each (the last 8), and a leaving row joins a cluster of whichever
+    chunk holds it — its count, sums and the chunk's statistics there, and nowhere else."""
+    tokens, steps, local = 300, 8, SPEC["local"]
+    spec = {**SPEC, "clusterer": {"name": "qgc", "num_clusters": 40}, "budget": {"density": 0.1}}
+    steps_seen, composed, fused = run_fused(spec, tokens=tokens, steps=steps)
+    joined = fused.assignment[:, :, tokens - local:tokens - local + steps]
+    assert bool((joined >= 16).any()) and bool((joined < 16).any())  # joins in the first chunk and in later ones
+    for ref_rows, rows, ref_out, out in steps_seen:
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-4
+    assert_same_state(composed, fused)
+
+
 def test_bfloat16_and_a_cache_filled_to_its_capacity():
     steps, composed, fused = run_fused({**SPEC, "budget": {"tokens": 40}}, tokens=100, steps=8, dtype=torch.bfloat16)
     assert bool((fused.index.scales[..., -1] > 0).all())  # the last step wrote the last slot's codes

@@ -84,6 +84,17 @@ def test_size_classes_cover_every_cluster_size_once():
         classes = size_classes(largest)
         assert classes[0][0] == 0 and classes[-1][1] >= largest
         assert all(a[1] == b[0] for a, b in zip(classes, classes[1:]))  # contiguous, not overlapping
+    assert size_classes(3000, small=256) == [(0, 512, 512), (512, 2048, 2048), (2048, 4096, 4096)]
+
+
+@pytest.mark.parametrize("typical", [1, 15.2, 16, 17, 254.9, 255, 256, 257, 511, 512, 513, 3000])
+def test_the_smallest_block_holds_a_typical_cluster(typical):
+    """The power of two at or above the typical size (its smaller path holds a typical cluster), within [16,
+    SMALL_CLUSTER]."""
+    block = selection.smallest_block(typical)
+    assert block & (block - 1) == 0 and 16 <= block <= selection.SMALL_CLUSTER
+    assert block >= typical or block == selection.SMALL_CLUSTER
+    assert block // 2 < typical or block == 16
 
 
 @pytest.mark.parametrize("few", [16, 2], ids=["picks", "bisection"])

@@ -1,23 +1,24 @@
-"""The fast decode path's whole step in seven launches, for the default components: QGC's clusters, QGS's codes,
+"""The fast decode path's whole step in six launches, for the default components: QGC's clusters, QGS's codes,
 ErrorGate's allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
 most of the step. Where the pipeline is made of the components below, ``FlashKernel.static_step`` takes the step:
 
-1. ``_grow``, a program per (batch row, KV head): the new row's QGS codes; the row leaving the local window placed in
-   its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list); the query heads
-   projected on the QGS basis.
-2. the clusters' logit statistics from the pooled sums (``cluster_stats``' kernel);
-3. ``_plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
+1. ``_grow``, a program per (batch row, KV head, chunk of 16 clusters): the row leaving the local window placed in
+   its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the chunk that
+   holds it, and the chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic); the first
+   chunk's program also the new row's QGS codes and the query heads projected on the QGS basis.
+2. ``_plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
    ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
    each cluster's run, -1 padding — with the runs flash reads;
-4. QGS's score kernel over the codes; 5. the per-cluster selection into the runs (``launch_select``, one launch per
-   size class of clusters: one or two at the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7.
+3. QGS's score kernel over the codes; 4. the per-cluster selection into the runs (``launch_select``, one launch per
+   size class of clusters: one or two at the benchmarks' shapes, three once a cluster may pass 4096 rows); 5–6.
    flash's pass and merge.
 
-The statistics have a launch of their own: computed inside ``_plan``, one program per row, they took 32–43 µs
-against 6 µs (at 16 × 16K on an H200), the head's moments being too large a tile for one program.
+The statistics are computed where the join is, a program per chunk of clusters: inside ``_plan``, one program per
+row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being too
+large a tile for one program; beside the join they save that launch and a re-read of the sums.
 
 Same arithmetic as the composed step, so the same rows and output (``tests/test_flash_step.py``): the codes are
 rounded half to even as ``torch.round`` does, divisions are IEEE (``div_rn``). Sums run in another order than
@@ -31,16 +32,17 @@ import torch
 from torch import Tensor
 
 from oa_core import triton_path
-from oa_core.cluster_stats import cluster_logit_stats_from_sums
+from oa_core.cluster_stats import BLOCK_C as STATS_CLUSTERS
 from oa_core.components import PooledClusters, Selection
-from oa_core.selection import launch_select
+from oa_core.selection import launch_select, smallest_block
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
 from oa_plugins.selectors.qgs import group_int8_scores
 
 if triton is not None:
-    from oa_core.static import join_row
+    from oa_core.cluster_stats import moments_tile, store_logit_stats
+    from oa_core.static import join_rest
     from oa_core.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
 
@@ -91,6 +93,8 @@ class FusedStep:
         projection, centroids = state.clusters.space
         self.basis, self.projection, self.centroids = (t.float().contiguous()
                                                         for t in (state.index.basis, projection, centroids))
+        # The selection's smallest block, from the clusters' mean size at the prefill (one read, here: not in a step).
+        self.select_block = smallest_block(float(state.member_counts.float().mean()))
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -115,22 +119,22 @@ class FusedStep:
         r, rc = self.basis.shape[-1], self.projection.shape[-1]
         device = query.device
         projected = torch.empty(B, H, g, r, dtype=torch.float32, device=device)
-        _grow[(B * H,)](
+        mean_logit = torch.empty(B, H, g, 1, C, dtype=torch.float32, device=device)
+        logit_var = torch.empty_like(mean_logit)
+        _grow[(B * H, triton.cdiv(C, STATS_CLUSTERS))](
             keys, values, query, state.length, self.basis, index.codes, index.scales, self.projection,
             self.centroids,
             state.assignment, state.pooled.count, state.pooled.key_sum, state.pooled.value_sum,
-            state.pooled.key_square_sum, state.members, state.member_counts, projected,
+            state.pooled.key_square_sum, state.members, state.member_counts, projected, mean_logit, logit_var,
             *keys.stride()[:3], *values.stride()[:3], query.stride(0), query.stride(1), H, cap, C,
-            state.members.shape[-1], pipe.spec.local, G=g, D=D, BLOCK_D=triton.next_power_of_2(D), R=r,
+            state.members.shape[-1], pipe.spec.local, state.scale, G=g, D=D, BLOCK_D=triton.next_power_of_2(D), R=r,
             BLOCK_R=triton.next_power_of_2(r), RC=rc, BLOCK_RC=triton.next_power_of_2(rc),
-            BLOCK_C=max(16, triton.next_power_of_2(C)), num_warps=4)
+            BLOCK_C=max(16, triton.next_power_of_2(C)), STATS_C=STATS_CLUSTERS, num_warps=4)
         quotas = torch.empty(rows, C, dtype=torch.long, device=device)
         offsets = torch.empty(rows, C, dtype=torch.long, device=device)
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        mean_logit, logit_var = cluster_logit_stats_from_sums(query, state.pooled.count, state.pooled.key_sum,
-                                                              state.pooled.key_square_sum, state.scale)
         block_c, warps = launch_config(C)
         with quiet_interpreter():
             _plan[(rows,)](
@@ -140,7 +144,8 @@ class FusedStep:
                 BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
                 LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
         scores = group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G)
-        launch_select(scores.view(rows, cap), state.members, state.member_counts, quotas, offsets, chosen, Gs)
+        launch_select(scores.view(rows, cap), state.members, state.member_counts, quotas, offsets, chosen, Gs,
+                      self.select_block)
         selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
                               runs.view(B, H, Gs, 1, C + 1))
         pooled = state.pooled
@@ -163,35 +168,39 @@ if triton is not None:
 
     @triton.jit
     def _grow(K, V, Q, LENGTH, BASIS, CODES, SCALES, PROJ, CENT, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS,
-              MEMBER_COUNT, QP, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S, LOCAL,
-              G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-              RC: tl.constexpr, BLOCK_RC: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Program (batch row, KV head): the new row's codes, the leaving row's join, the queries' projections."""
+              MEMBER_COUNT, QP, MEAN_LOGIT, LOGIT_VAR, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S,
+              LOCAL, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
+              BLOCK_R: tl.constexpr, RC: tl.constexpr, BLOCK_RC: tl.constexpr, BLOCK_C: tl.constexpr,
+              STATS_C: tl.constexpr):
+        """Program (batch row, KV head, chunk of STATS_C clusters): the chunk's clusters after the leaving row's join
+        and their logit statistics; the first chunk's program also the new row's codes and the queries'
+        projections."""
         head = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
         b = head // Hkv
         h = head % Hkv
         newest = tl.load(LENGTH).to(tl.int64) - 1
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
-                        mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-        # The new row's codes: QGS's quantize of kᵀU_r (symmetric int8, a scale per row).
-        k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        projected = tl.sum(k[:, None] * basis, axis=0)
-        row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
-        codes = _round_half_even(tl.div_rn(projected, row_scale))
-        tl.store(CODES + (head * CAP + newest) * R + offs_r, codes.to(tl.int8), mask=r_ok)
-        tl.store(SCALES + head * CAP + newest, row_scale)
-        # The queries on the same basis (U_rᵀq: what QGS scores with).
-        for j in tl.static_range(G):
-            q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
+        if chunk == 0:
+            offs_r = tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
+                            mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+            # The new row's codes: QGS's quantize of kᵀU_r (symmetric int8, a scale per row).
+            k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            projected = tl.sum(k[:, None] * basis, axis=0)
+            row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
+            codes = _round_half_even(tl.div_rn(projected, row_scale))
+            tl.store(CODES + (head * CAP + newest) * R + offs_r, codes.to(tl.int8), mask=r_ok)
+            tl.store(SCALES + head * CAP + newest, row_scale)
+            # The queries on the same basis (U_rᵀq: what QGS scores with).
+            for j in tl.static_range(G):
+                q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
         # The row leaving the local window: its nearest centroid in QGC's space (‖μ‖² − 2·x·μ, first of equals).
         leaving = newest - LOCAL
         k = tl.load(K + b * sk_b + h * sk_h + leaving * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        v = tl.load(V + b * sv_b + h * sv_h + leaving * sv_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         offs_rc = tl.arange(0, BLOCK_RC)
         rc_ok = offs_rc < RC
         projection = tl.load(PROJ + (head * D + offs_d[:, None]) * RC + offs_rc[None, :],
@@ -205,8 +214,30 @@ if triton is not None:
         distance = tl.where(c_ok, distance, float("inf"))
         c = tl.min(tl.where(distance == tl.min(distance, axis=0), offs_c, C), axis=0).to(tl.int64)
         c = tl.minimum(c, C - 1)  # a NaN key matches no centroid: it must not write past the clusters
-        join_row(head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
-                 offs_d, d_ok)  # ... and joins it
+        # ... and joins it: the chunk holding c adds the row to its count, Σk and Σk⊙k in registers (stored from
+        # there, each lane by the thread that read it) and writes the rest of the join (``join_row``'s arithmetic).
+        offs_s = chunk * STATS_C + tl.arange(0, STATS_C)
+        s_ok = offs_s < C
+        joins = offs_s == c
+        tile = (head * C + offs_s[:, None]) * D + offs_d[None, :]
+        t_ok = s_ok[:, None] & d_ok[None, :]
+        count = tl.load(COUNT + head * C + offs_s, mask=s_ok, other=1.0)
+        key_sum = tl.load(KSUM + tile, mask=t_ok, other=0.0)
+        key_square_sum = tl.load(KSQ + tile, mask=t_ok, other=0.0)
+        count = tl.where(joins, count + 1.0, count)
+        key_sum = tl.where(joins[:, None], key_sum + k[None, :], key_sum)
+        key_square_sum = tl.where(joins[:, None], key_square_sum + (k * k)[None, :], key_square_sum)
+        tl.store(COUNT + head * C + offs_s, count, mask=s_ok & joins)
+        tl.store(KSUM + tile, key_sum, mask=t_ok & joins[:, None])
+        tl.store(KSQ + tile, key_square_sum, mask=t_ok & joins[:, None])
+        if (c >= chunk * STATS_C) & (c < chunk * STATS_C + STATS_C):
+            v = tl.load(V + b * sv_b + h * sv_h + leaving * sv_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            join_rest(head, leaving, c, v, ASSIGNMENT, VSUM, MEMBERS, MEMBER_COUNT, CAP, C, S, D, offs_d, d_ok)
+        # The chunk's z̄_b and σ̂_b² for each of the head's G query heads (``_cluster_stats``' arithmetic).
+        mean, var = moments_tile(key_sum, key_square_sum, count)
+        for i in tl.static_range(G):
+            q = tl.load(Q + b * sq_b + (h * G + i) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * G + i) * C + offs_s, s_ok)
 
     @triton.jit
     def _plan(MEAN_LOGIT, LOGIT_VAR, COUNT, LENGTH, START, DENSITY, FIXED_BASE, FIXED_MOVES, QUOTAS, OFFSETS, RUNS, INDEX, LW,
@@ -221,7 +252,7 @@ if triton is not None:
         offs_c = tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
         count = tl.load(COUNT + head * C + offs_c, mask=c_ok, other=0.0)
-        # The row's heads' z̄_b and σ̂_b² (``_cluster_stats``: one launch before, over every head).
+        # The row's heads' z̄_b and σ̂_b² (``_grow``'s, one launch before, over every head's chunks).
         offs_g = tl.arange(0, BLOCK_G)
         inside = (offs_g[:, None] < G) & c_ok[None, :]
         stats = ((head * (G * Gs) + s * G + offs_g[:, None]) * C + offs_c[None, :])
