@@ -1,0 +1,42 @@
+"""benchmarks/host_profile.py's summary: calls and times per step, and who calls torch's dynamo-disabled wrapper."""
+
+import cProfile
+import importlib.util
+import pstats
+from pathlib import Path
+
+import torch
+
+
+def load():
+    path = Path(__file__).parents[1] / "benchmarks" / "host_profile.py"
+    spec = importlib.util.spec_from_file_location("host_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@torch._disable_dynamo
+def _disabled(x):
+    return x + 1
+
+
+def _one_step(x):
+    for _ in range(3):
+        x = _disabled(x)
+    return sum(range(1000)) + x
+
+
+def test_summary_counts_per_step_and_names_the_wrappers_callers():
+    bench = load()
+    profile = cProfile.Profile()
+    profile.enable()
+    for step in range(4):
+        _one_step(step)
+    profile.disable()
+    out = bench.summarize(pstats.Stats(profile), steps=4)
+    rows = {r["function"]: r for r in out["by_cumulative_time"]}
+    step = next(r for name, r in rows.items() if name.endswith("(_one_step)"))
+    assert step["calls_per_step"] == 1.0 and step["cumulative_ms_per_step"] >= step["own_ms_per_step"] > 0
+    callers = out["dynamo_disabled_wrapper_callers"]
+    assert [(name.endswith("(_one_step)"), c["calls_per_step"]) for name, c in callers.items()] == [(True, 3.0)]
