@@ -15,8 +15,8 @@ import oa_core as oa  # noqa: E402
 from oa_core import selection as selmod  # noqa: E402
 
 SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01,))]
-VARIANTS = [dict(small=512, few=16), dict(small=256, few=16), dict(small=512, few=8), dict(small=512, few=4),
-            dict(small=256, few=8)]
+VARIANTS = [{"small": 512, "few": 16}, {"small": 256, "few": 16}, {"small": 512, "few": 8}, {"small": 512, "few": 4},
+            {"small": 256, "few": 8}]
 
 
 def main(out_path: str) -> None:
@@ -43,7 +43,8 @@ def main(out_path: str) -> None:
             del st, run
         del keys, values
         torch.cuda.empty_cache()
-    json.dump(results, open(out_path, "w"), indent=1)
+    with open(out_path, "w") as out:
+        json.dump(results, out, indent=1)
 
 
 if __name__ == "__main__":

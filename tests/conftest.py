@@ -12,6 +12,21 @@ import torch  # noqa: E402
 from oa_core.testing import make_inputs  # noqa: E402,F401  (the tests' inputs are the conformance kit's)
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (its folder on the path: the benchmarks import each other)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def dense_attention(query, keys, values, scale=None):
     """float64 softmax attention with GQA: [B,Hq,T,D] x [B,Hkv,N,D] -> [B,Hq,T,D]."""
     group = query.shape[1] // keys.shape[1]

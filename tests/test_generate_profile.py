@@ -1,19 +1,9 @@
 """benchmarks/generate_profile.py's summary of profiler events: the device's busy time per step, the attention
 kernels per layer, and the host's phases (the profiler itself runs on the H200; here, events as it reports them)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-
-def load():
-    folder = Path(__file__).parents[1] / "benchmarks"
-    sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location("generate_profile", folder / "generate_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def kernel(name, us):
@@ -27,7 +17,7 @@ def host(name, us):
 
 
 def test_the_summary_per_step_and_per_layer():
-    bench = load()
+    bench = load_benchmark("generate_profile")
     steps, layers = 2, 4
     events = [kernel("_sparse_pass", 30.0) for _ in range(steps * layers)]  # 30 µs a layer
     events += [kernel("_select_kernel", 10.0) for _ in range(steps * layers)]

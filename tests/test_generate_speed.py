@@ -1,16 +1,7 @@
 """benchmarks/generate_speed.py's JSON: dense-fastest is the faster dense static-cache decode of the same run, and
 each OpenAttention run is held to the issue's target for its density (a miss says by how much)."""
 
-import importlib.util
-from pathlib import Path
-
-
-def load():
-    path = Path(__file__).parents[1] / "benchmarks" / "generate_speed.py"
-    spec = importlib.util.spec_from_file_location("generate_speed", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def run(method, ms, density=None, batch=2, context=64, prefill=1.0, prepare=None):
@@ -19,7 +10,7 @@ def run(method, ms, density=None, batch=2, context=64, prefill=1.0, prepare=None
 
 
 def test_dense_fastest_and_the_targets(tmp_path):
-    bench = load()
+    bench = load_benchmark("generate_speed")
     runs = [run("dense-default", 9.0), run("dense-static", 6.0), run("dense-engine", 5.0), run("no-attention", 2.0),
             run("openattention", 2.5, 0.01, prefill=1.1, prepare=0.1), run("openattention", 4.0, 0.03, prefill=1.3,
                                                                             prepare=0.3),

@@ -1,19 +1,11 @@
 """benchmarks/host_profile.py's summary: calls and times per step, and who calls torch's dynamo-disabled wrapper."""
 
 import cProfile
-import importlib.util
 import pstats
-from pathlib import Path
 
 import torch
 
-
-def load():
-    path = Path(__file__).parents[1] / "benchmarks" / "host_profile.py"
-    spec = importlib.util.spec_from_file_location("host_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 @torch._disable_dynamo
@@ -28,7 +20,7 @@ def _one_step(x):
 
 
 def test_summary_counts_per_step_and_names_the_wrappers_callers():
-    bench = load()
+    bench = load_benchmark("host_profile")
     profile = cProfile.Profile()
     profile.enable()
     for step in range(4):
