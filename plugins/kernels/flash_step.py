@@ -214,8 +214,9 @@ if triton is not None:
         distance = tl.where(c_ok, distance, float("inf"))
         c = tl.min(tl.where(distance == tl.min(distance, axis=0), offs_c, C), axis=0).to(tl.int64)
         c = tl.minimum(c, C - 1)  # a NaN key matches no centroid: it must not write past the clusters
-        # ... and joins it: the chunk holding c adds the row to its count, Σk and Σk⊙k in registers (stored from
-        # there, each lane by the thread that read it) and writes the rest of the join (``join_row``'s arithmetic).
+        # ... and joins it: the chunk holding c adds the row to its count, Σk and Σk⊙k in registers and stores them
+        # from there (no other program reads or writes that cluster's sums), and writes the rest of the join
+        # (``join_row``'s arithmetic).
         offs_s = chunk * STATS_C + tl.arange(0, STATS_C)
         s_ok = offs_s < C
         joins = offs_s == c
