@@ -3,7 +3,7 @@ step is compiled and captured, per method — what runs on the CPU while the dev
 masks, dynamo's guards, the CUDA graph's launch).
 
     python benchmarks/host_profile.py --config 16x16384 --out benchmarks/results/host_profile_h200.json
-    python benchmarks/host_profile.py --tiny --device cpu --config 1x512 --methods dense-engine --density 0.25  # a smoke test
+    python benchmarks/host_profile.py --tiny --device cpu --config 1x512 --methods dense-engine  # a smoke test
 
 The model and methods are ``benchmarks/generate_speed.py``'s. Each method generates ``--skip`` + ``--steps`` + 2
 tokens; a stopping criterion waits for the device after every step and profiles steps ``--skip`` to ``--skip`` +
@@ -58,7 +58,8 @@ def summarize(stats: pstats.Stats, steps: int, top: int = 25) -> dict:
         return f"{'/'.join(Path(path).parts[-3:])}:{line}({function})" if line else function
 
     rows = [{"function": name(func), "calls_per_step": round(calls / steps, 2),
-             "own_ms_per_step": round(1e3 * own / steps, 4), "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4)}
+             "own_ms_per_step": round(1e3 * own / steps, 4),
+             "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4)}
             for func, (_, calls, own, cumulative, _) in stats.stats.items()]
     callers = {}
     for func, (_, _, _, _, by) in stats.stats.items():

@@ -103,26 +103,39 @@ def decode_inputs(batch: int, context: int, device: torch.device):
     return keys, values, prefill, query
 
 
-def repeated_fused_step(pipe: Pipeline, keys, values, prefill, query):
-    """The fused static step one token past the prefill (a cache at capacity N + 64) → (the static state, the cache's
-    keys and values, ``run``): each ``run()`` restores the counts and sums the step grew, then runs it again — the same step every time, so it
-    can be timed and captured (the restoring copies are counted in)."""
+def one_token_past(state):
+    """A prepared state in static buffers at a capacity of N + 64, one more token written (its key and value 0.9× the
+    last one's) and counted → (the static state, (cache keys, cache values), the new token's (key, value),
+    ``restore``): ``restore()`` puts back the counts and sums a step grows, so that the same step can run again and
+    again (timed, captured; the restoring copies are counted in)."""
+    keys, values = state.keys, state.values
     B, H, n, D_ = keys.shape
-    static = StaticState.from_state(pipe.prepare(keys, values, prefill), n + 64)
-    cache_k, cache_v = keys.new_zeros(B, H, n + 64, D_), values.new_zeros(B, H, n + 64, D_)
-    cache_k[:, :, :n], cache_v[:, :, :n] = keys, values
-    cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, -1] * 0.9, values[:, :, -1] * 0.9
+    new_k, new_v = keys[:, :, -1:] * 0.9, values[:, :, -1:] * 0.9
+    cache_k = torch.cat([keys, new_k, keys.new_zeros(B, H, 63, D_)], dim=2)
+    cache_v = torch.cat([values, new_v, values.new_zeros(B, H, 63, D_)], dim=2)
+    static = StaticState.from_state(state, n + 64)
     static.length += 1
     grown = (static.member_counts, static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
              static.pooled.key_square_sum)
     saved = [t.clone() for t in grown]
 
-    def run():
+    def restore():
         for tensor, value in zip(grown, saved):
             tensor.copy_(value)
-        return static.fused.run(static, query, cache_k, cache_v)
 
-    return static, (cache_k, cache_v), run
+    return static, (cache_k, cache_v), (new_k, new_v), restore
+
+
+def repeated_fused_step(pipe: Pipeline, keys, values, prefill, query):
+    """The fused static step of ``one_token_past`` the prepared inputs → (the static state, the cache's keys and
+    values, ``run``): each ``run()`` restores what the step grew and runs it again."""
+    static, cache, _, restore = one_token_past(pipe.prepare(keys, values, prefill))
+
+    def run():
+        restore()
+        return static.fused.run(static, query, *cache)
+
+    return static, cache, run
 
 
 def sparse_bytes(batch: int, context: int, rows: int, clusters: int, rank: int) -> int:
@@ -232,23 +245,11 @@ def static_step(pipe: Pipeline, state, query) -> dict:
     """The fast decode path's step (``oa_core.static``: growth of one token + attend, on buffers at a capacity of
     N + 64): checked against the reference pipeline after the same append (rows read, output), then timed eagerly
     and in a CUDA graph. A timed step's growth repeats on the same token: its member count is restored each time."""
-    keys, values = state.keys, state.values
-    B, H, n, D = keys.shape
-    capacity = n + 64
-    cache_k = keys.new_zeros(B, H, capacity, D)
-    cache_v = values.new_zeros(B, H, capacity, D)
-    cache_k[:, :, :n], cache_v[:, :, :n] = keys, values
-    new_k, new_v = keys[:, :, -1:] * 0.9, values[:, :, -1:] * 0.9
-    cache_k[:, :, n:n + 1], cache_v[:, :, n:n + 1] = new_k, new_v
-    static = StaticState.from_state(state, capacity)
-    static.length += 1
+    static, (cache_k, cache_v), (new_k, new_v), restore = one_token_past(state)
     reference = state.fork()
     reference.append(new_k, new_v)
     expected = pipe.attend(query, reference).float()
     reference_rows = rows_read(pipe.explain(query, reference).selection.index)
-    counts = static.member_counts.clone()
-    pooled = [t.clone() for t in (static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
-                                  static.pooled.key_square_sum)]
     fused = static.fused
     if fused is not None:  # the kernel's fused step: its own selection (flash's buffers NaN first: all written)
         pipe.kernel.poison = True
@@ -261,10 +262,7 @@ def static_step(pipe: Pipeline, state, query) -> dict:
     out = out.float()
 
     def step():
-        static.member_counts.copy_(counts)
-        for buffer, saved in zip((static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
-                                  static.pooled.key_square_sum), pooled):
-            buffer.copy_(saved)
+        restore()
         return static.step(query, cache_k, cache_v)
 
     times = {"static_step_ms": bench(step), "static_step_graph_ms": bench(graphed(step))}

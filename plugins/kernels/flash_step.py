@@ -17,8 +17,8 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    flash's pass and merge.
 
 The statistics are computed where the join is, a program per chunk of clusters: inside ``_plan``, one program per
-row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being too
-large a tile for one program; beside the join they save that launch and a re-read of the sums.
+row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being
+too large a tile for one program; beside the join they save that launch and a re-read of the sums.
 
 Same arithmetic as the composed step, so the same rows and output (``tests/test_flash_step.py``): the codes are
 rounded half to even as ``torch.round`` does, divisions are IEEE (``div_rn``). Sums run in another order than
