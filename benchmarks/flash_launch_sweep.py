@@ -1,19 +1,30 @@
-"""The flash pass's launch parameters on the H200: warps and pipelining stages of ``_sparse_pass`` and the selection's warps,
-timed in the fused static step (CUDA graph) at the benchmark's shapes, with the rows and output checked against the
-reference; then each compiled kernel's registers and spills. ``python benchmarks/flash_launch_sweep.py OUT.json``."""
+"""The flash pass's launch parameters on the H200, timed in the fused static step (CUDA graph) at the benchmark's shapes,
+with the rows and output checked against the reference; then each compiled kernel's registers and spills.
+
+    python benchmarks/flash_launch_sweep.py OUT.json             # warps and pipelining stages of _sparse_pass, and
+                                                                 # the selection's warps
+    python benchmarks/flash_launch_sweep.py OUT.json partition   # how the pass splits a row into programs: block_k
+                                                                 # (bk) and clusters_per_chunk (cc)
+"""
 import sys, json, torch
 sys.path.insert(0, "benchmarks")
 from kernel_h200 import graphed, bench, kernel_breakdown, decode_inputs, repeated_fused_step
 import oa_core as oa
 from oa_core import selection as selmod
+from oa_plugins.kernels.flash import FlashKernel
 from oa_plugins.kernels.reference import TorchKernel
 from oa_core.components import PooledClusters
 dev = torch.device("cuda")
 base_warps = selmod._warps
 results = []
 SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01,))]
-VARIANTS = [dict(), dict(fw=8), dict(fw=8, fs=2), dict(fw=4, fs=2), dict(fw=8, fs=1), dict(fw=8, fs=4),
-            dict(fw=8, sw=4), dict(fw=8, sw=1), dict(fw=8, bw=4)]
+GROUPS = {"launch": [dict(), dict(fw=8), dict(fw=8, fs=2), dict(fw=4, fs=2), dict(fw=8, fs=1), dict(fw=8, fs=4),
+                     dict(fw=8, sw=4), dict(fw=8, sw=1), dict(fw=8, bw=4)],
+          "partition": [dict(), dict(bk=32), dict(bk=128), dict(cc=32)]}
+VARIANTS = GROUPS[sys.argv[2] if len(sys.argv) > 2 else "launch"]
+# A variant's unnamed knobs keep FlashKernel's defaults.
+DEFAULT = dict(fw=FlashKernel.num_warps, fs=FlashKernel.num_stages, bk=FlashKernel.block_k,
+               cc=FlashKernel.clusters_per_chunk)
 for B, N, dens in SHAPES:
     keys, values, prefill, query = decode_inputs(B, N, dev)
     for density in dens:
@@ -24,7 +35,8 @@ for B, N, dens in SHAPES:
         pooled = st.pooled
         refout, _ = TorchKernel().attend(query, ck, cv, sel, PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, st.assignment), st.scale)
         for v in VARIANTS:
-            k.num_warps, k.num_stages = v.get("fw"), v.get("fs")
+            k.num_warps, k.num_stages = v.get("fw", DEFAULT["fw"]), v.get("fs", DEFAULT["fs"])
+            k.block_k, k.clusters_per_chunk = v.get("bk", DEFAULT["bk"]), v.get("cc", DEFAULT["cc"])
             sw, bw = v.get("sw"), v.get("bw")
             selmod._warps = lambda block, sw=sw, bw=bw: (sw or base_warps(block)) if block <= 1024 else (bw or base_warps(block))
             out, sel2 = run()
@@ -35,7 +47,8 @@ for B, N, dens in SHAPES:
             r = {"batch": B, "context": N, "density": density, **v, "step_graph_ms": round(t, 4), "err": err, "same_rows": same,
                  **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_group_int8_scores", "_grow", "_plan", "_cluster_stats")}}
             results.append(r); print(json.dumps(r), flush=True)
-        k.num_warps = k.num_stages = None; selmod._warps = base_warps
+        k.num_warps, k.num_stages, k.block_k, k.clusters_per_chunk = (DEFAULT[x] for x in ("fw", "fs", "bk", "cc"))
+        selmod._warps = base_warps
         del st, ck, cv, run
     del keys, values
     torch.cuda.empty_cache()

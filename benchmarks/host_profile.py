@@ -28,7 +28,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 sys.path.insert(0, str(Path(__file__).parent))
 import generate_speed  # noqa: E402  (the benchmark's model and methods)
 
-WRAPPER = ("_compile.py", "inner")  # torch._disable_dynamo's wrapper
+WRAPPERS = (("_compile.py", "inner"), ("eval_frame.py", "_fn"))  # torch._disable_dynamo's wrappers (one calls the other)
 
 
 class ProfiledSteps(StoppingCriteria):
@@ -52,7 +52,7 @@ class ProfiledSteps(StoppingCriteria):
 
 def summarize(stats: pstats.Stats, steps: int, top: int = 25) -> dict:
     """A profile over ``steps`` steps → the ``top`` functions by own and by cumulative time (calls and ms per step),
-    and the callers of the dynamo-disabled wrapper (calls per step)."""
+    and the callers of the dynamo-disabled wrapper and the functions it wraps (its callees; calls per step)."""
     def name(func):
         path, line, function = func
         return f"{'/'.join(Path(path).parts[-3:])}:{line}({function})" if line else function
@@ -61,15 +61,22 @@ def summarize(stats: pstats.Stats, steps: int, top: int = 25) -> dict:
              "own_ms_per_step": round(1e3 * own / steps, 4),
              "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4)}
             for func, (_, calls, own, cumulative, _) in stats.stats.items()]
-    callers = {}
+    def wrapper(func):
+        return any(func[0].endswith(path) and func[2] == function for path, function in WRAPPERS)
+
+    def per_step(calls, cumulative):
+        return {"calls_per_step": round(calls / steps, 2), "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4)}
+
+    callers, callees = {}, {}
     for func, (_, _, _, _, by) in stats.stats.items():
-        if func[0].endswith(WRAPPER[0]) and func[2] == WRAPPER[1]:
-            for caller, (_, calls, _, cumulative) in by.items():
-                callers[name(caller)] = {"calls_per_step": round(calls / steps, 2),
-                                         "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4)}
+        for caller, (_, calls, _, cumulative) in by.items():
+            if wrapper(func) and not wrapper(caller):
+                callers[name(caller)] = per_step(calls, cumulative)
+            if wrapper(caller) and not wrapper(func):
+                callees[name(func)] = per_step(calls, cumulative)
     return {"by_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
             "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_ms_per_step"])[:top],
-            "dynamo_disabled_wrapper_callers": callers}
+            "dynamo_disabled_wrapper_callers": callers, "dynamo_disabled_wrapper_callees": callees}
 
 
 def main(argv=None) -> int:
@@ -108,7 +115,8 @@ def main(argv=None) -> int:
         print(f"=== {method}: {row['ms_per_step_profiled']:.2f} ms a step under the profiler")
         for r in row["by_cumulative_time"][:15]:
             print(f"  {r['cumulative_ms_per_step']:8.3f} ms  {r['calls_per_step']:6.1f}×  {r['function']}")
-        print("  dynamo-disabled wrapper called by:", json.dumps(row["dynamo_disabled_wrapper_callers"]), flush=True)
+        print("  dynamo-disabled wrapper called by:", json.dumps(row["dynamo_disabled_wrapper_callers"]))
+        print("  and calls:", json.dumps(row["dynamo_disabled_wrapper_callees"]), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"config": args.config, "device": str(device), "steps": args.steps,

@@ -66,6 +66,8 @@ class StaticState:
     token_fields: tuple[str, ...]
     fixed_base: Tensor  # [B, sink + local]: the fixed rows at length 0 (``fixed_rows``)
     fixed_moves: Tensor  # [sink + local]: 1 where a fixed row moves with the length (the window)
+    arena: Tensor  # every tensor a step writes, but ``length``, as views into this one byte buffer (``pack``)
+    layout: dict  # name → (byte offset, dtype, shape) of each view in ``arena``
     key: int | None = None  # the static cache's registration of this state for its custom op
     fused: Any = None  # the kernel's fused step for this state (``Kernel.static_step``), None: composed
 
@@ -96,11 +98,14 @@ class StaticState:
             out[:, :, :n] = tensor
             return out
 
-        index = dataclasses.replace(state.index, **{name: at_capacity(getattr(state.index, name), 0)
-                                                    for name in sample}) if sample else state.index
         members, counts = cluster_members(state.pooled.assignment, C, room=grow)
         pooled = state.pooled
         start = (~state.valid).sum(-1)  # left padding: the first valid slot
+        arena, layout = pack({"start": start, "assignment": at_capacity(pooled.assignment, C),
+                              "count": pooled.count, "key_sum": pooled.key_sum, "value_sum": pooled.value_sum,
+                              "key_square_sum": pooled.key_square_sum, "members": members, "member_counts": counts,
+                              **{name: at_capacity(getattr(state.index, name), 0) for name in sample}})
+        views = unpack(arena, layout)
         # Made here, not in a step: a compiled step's CUDA graph may allocate nothing that outlives it.
         spec = pipe.spec
         fixed_base = torch.cat([start[:, None] + torch.arange(spec.sink, device=device),
@@ -108,13 +113,9 @@ class StaticState:
         fixed_moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long, device=device),
                                  torch.ones(spec.local, dtype=torch.long, device=device)])
         static = cls(pipeline=pipe, capacity=capacity, scale=state.scale,
-                   length=torch.tensor(n, device=device) if length is None else length, start=start,
-                   clusters=state.clusters,
-                   assignment=at_capacity(pooled.assignment, C),
-                   pooled=PooledClusters(pooled.count.clone(), pooled.key_sum.clone(), pooled.value_sum.clone(),
-                                         None, pooled.key_square_sum.clone()),
-                   members=members, member_counts=counts, index=index, token_fields=tuple(sample),
-                   fixed_base=fixed_base, fixed_moves=fixed_moves)
+                     length=torch.tensor(n, device=device) if length is None else length, clusters=state.clusters,
+                     token_fields=tuple(sample), fixed_base=fixed_base, fixed_moves=fixed_moves,
+                     arena=arena, layout=layout, **_fields(state.index, tuple(sample), views))
         static.fused = pipe.kernel.static_step(static)
         return static
 
@@ -123,21 +124,19 @@ class StaticState:
         return self.clusters.num_clusters
 
     def buffers(self) -> list[Tensor]:
-        """Every tensor a step reads or writes, in the order ``with_buffers`` takes: a compiled step passes these to
-        its custom op (and marks them static: fixed addresses for CUDA graphs)."""
-        return [self.length, self.start, self.assignment, self.pooled.count, self.pooled.key_sum,
-                self.pooled.value_sum, self.pooled.key_square_sum, self.members, self.member_counts,
-                *(getattr(self.index, name) for name in self.token_fields)]
+        """The tensors a step reads and writes: ``length`` and the arena (``with_buffers`` takes them back). A compiled
+        step passes them to its custom op and marks them static (fixed addresses for CUDA graphs); two tensors, not a
+        dozen, because every tensor a compiled graph takes costs the host its guards and checks at every step."""
+        return [self.length, self.arena]
 
     def with_buffers(self, buffers: list[Tensor]) -> StaticState:
         """This state over other tensors of the same layout (``buffers``' order): a compiled op receives its
         arguments as copies that it must write, not the state's own tensors."""
-        length, start, assignment, count, key_sum, value_sum, key_square_sum, members, member_counts, *codes = buffers
-        index = dataclasses.replace(self.index, **dict(zip(self.token_fields, codes))) if self.token_fields \
-            else self.index
-        return dataclasses.replace(self, length=length, start=start, assignment=assignment,
-                                   pooled=PooledClusters(count, key_sum, value_sum, None, key_square_sum),
-                                   members=members, member_counts=member_counts, index=index)
+        length, arena = buffers
+        if length is self.length and arena is self.arena:
+            return self
+        return dataclasses.replace(self, length=length, arena=arena,
+                                   **_fields(self.index, self.token_fields, unpack(arena, self.layout)))
 
     # -- one decode step --------------------------------------------------------------------------------------------
 
@@ -219,6 +218,37 @@ class StaticState:
         """The most rows a step may select: E_sel at capacity (a host number fixed by the spec and the capacity)."""
         spec = self.pipeline.spec
         return max(spec.budget.rows(self.capacity) - spec.sink - spec.local, 0)
+
+
+ALIGN = 256  # bytes: where each of the arena's tensors starts (a multiple of every dtype's size and of vector loads)
+
+
+def pack(tensors: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """``tensors`` (one device) copied into one new byte buffer → (the arena, the layout ``unpack`` reads)."""
+    layout, end = {}, 0
+    for name, tensor in tensors.items():
+        layout[name] = (end, tensor.dtype, tuple(tensor.shape))
+        end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    arena = torch.empty(end, dtype=torch.uint8, device=next(iter(tensors.values())).device)
+    for name, view in unpack(arena, layout).items():
+        view.copy_(tensors[name])
+    return arena, layout
+
+
+def unpack(arena: Tensor, layout: dict) -> dict[str, Tensor]:
+    """The arena's tensors, as views (name → tensor of the layout's dtype and shape)."""
+    return {name: arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, (offset, dtype, shape) in layout.items()}
+
+
+def _fields(index, token_fields: tuple[str, ...], views: dict[str, Tensor]) -> dict[str, Any]:
+    """``StaticState``'s fields over the arena's ``views``."""
+    return dict(start=views["start"], assignment=views["assignment"],
+                pooled=PooledClusters(views["count"], views["key_sum"], views["value_sum"], None,
+                                      views["key_square_sum"]),
+                members=views["members"], member_counts=views["member_counts"],
+                index=dataclasses.replace(index, **{name: views[name] for name in token_fields}) if token_fields
+                else index)
 
 
 if triton is not None:

@@ -32,3 +32,5 @@ def test_summary_counts_per_step_and_names_the_wrappers_callers():
     assert step["calls_per_step"] == 1.0 and step["cumulative_ms_per_step"] >= step["own_ms_per_step"] > 0
     callers = out["dynamo_disabled_wrapper_callers"]
     assert [(name.endswith("(_one_step)"), c["calls_per_step"]) for name, c in callers.items()] == [(True, 3.0)]
+    callees = out["dynamo_disabled_wrapper_callees"]
+    assert [c["calls_per_step"] for name, c in callees.items() if name.endswith("(_disabled)")] == [3.0]

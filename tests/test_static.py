@@ -91,3 +91,38 @@ def test_what_the_fast_path_cannot_hold_is_refused_with_the_reason():
         StaticState.from_state(quest.prepare(keys, values, prefill), 120)
     with pytest.raises(ValueError, match="capacity: 90 slots cannot hold the 100 tokens"):
         StaticState.from_state(oa.build(SPEC).prepare(keys, values, prefill), 90)
+
+
+def test_the_state_lives_in_one_buffer_and_a_copy_of_it_is_a_state_of_its_own():
+    """A step takes a layer's state as two tensors (its length and the arena, every other tensor a view into it);
+    over a copy of the arena (what a compiled op may be handed) a step writes the copy, and the copy's steps are the
+    original's."""
+    from oa_core.static import ALIGN, unpack
+
+    keys, values, prefill, _ = make_inputs(tokens=150)
+    pipe = oa.build({**SPEC, "kernel": "torch"})
+    static = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 150)
+    length, arena = static.buffers()
+    assert length is static.length and arena.dtype == torch.uint8 and arena.dim() == 1
+    views = unpack(arena, static.layout)
+    assert all(offset % ALIGN == 0 for offset, _, _ in static.layout.values())
+    for view, mine in ((views["assignment"], static.assignment), (views["key_sum"], static.pooled.key_sum),
+                       (views["members"], static.members), (views["codes"], static.index.codes)):
+        assert view.data_ptr() == mine.data_ptr() and view.dtype == mine.dtype and view.shape == mine.shape
+    assert static.with_buffers([length, arena]) is static
+    other = arena.clone()
+    assert static.with_buffers([length, other]).assignment.data_ptr() == unpack(other, static.layout)[
+        "assignment"].data_ptr()
+    twin = static.with_buffers([length.clone(), arena.clone()])
+    assert twin.pooled.count.data_ptr() != static.pooled.count.data_ptr()
+    assert torch.equal(twin.pooled.count, static.pooled.count) and torch.equal(twin.start, static.start)
+    cache_k, cache_v = keys.new_zeros(*keys.shape[:2], 150, keys.shape[-1]), values.new_zeros(*values.shape[:2], 150,
+                                                                                            values.shape[-1])
+    cache_k[:, :, :121], cache_v[:, :, :121] = keys[:, :, :121], values[:, :, :121]
+    before = static.arena.clone()
+    twin.length += 1
+    twin.grow(cache_k, cache_v)
+    assert torch.equal(static.arena, before), "the copy's step wrote the original"
+    static.length += 1
+    static.grow(cache_k, cache_v)
+    assert torch.equal(static.arena, twin.arena) and not torch.equal(static.arena, before)

@@ -6,10 +6,10 @@ each row read. A selection from the pipeline lists each cluster's selected rows 
 without runs is regrouped by cluster first. Two kernels; each KV byte is read once:
 
 1. ``_sparse_pass``, flash-decoding style: a program per (row, part) gathers its columns' keys and values, takes
-   z_i = s·q·k_i + ln η_i and keeps its part of the softmax (a running max, Σe^{z_i}, Σe^{z_i}·v_i). The parts:
-   a few share the columns outside the runs (the sink, the local window, padding: every column where there are
-   no proxies), and one holds the runs of each chunk of 16 clusters and their proxies. Reading a chunk's runs it
-   also sums, per cluster, the rows read — their count, Σ_{X∩b} s·q·k_i and Σ_{X∩b} v_i, as products with the
+   z_i = s·q·k_i + ln η_i and keeps its part of the softmax (a running max, Σe^{z_i}, Σe^{z_i}·v_i). With proxies
+   a part per chunk of 16 clusters holds the chunk's runs and proxies and an even share of the columns outside the
+   runs (the sink, the local window, padding); without, a few parts split every column evenly. Reading a chunk's
+   runs it also sums, per cluster, the rows read — their count, Σ_{X∩b} s·q·k_i and Σ_{X∩b} v_i, as products with the
    columns' one-hot clusters (one cluster after another would be latency-bound) — and then, with the pooled sums,
    needs no key or value again: n_T = n_b − |X∩b|, ℓ_b = (s·q·Σk_b − Σ_{X∩b} s·q·k_i)/n_T + ln n_T, and the
    tail's part e^{ℓ_b} over the softmax's denominator, e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T over its numerator.
@@ -83,9 +83,10 @@ if triton is not None:
                      ROWS, Hkv, Gs, T, KSEL, C, SPLITS, PARTS, scale,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_C: tl.constexpr,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, HALF: tl.constexpr):
-        """Program (p, part): its part of row p's softmax, in its own running max. Parts below SPLITS share the
-        columns outside the clusters' runs (the sink, the window, padding; every column without proxies); part
-        SPLITS + j holds the runs of clusters jC', ..., jC' + C' − 1 (C' = CHUNK_C) and their proxies."""
+        """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the SPLITS parts
+        share every column; with proxies (SPLITS = 0) part j holds the runs of clusters jC', ..., jC' + C' − 1
+        (C' = CHUNK_C), their proxies, and its share of the columns outside the runs (the sink, the window,
+        padding)."""
         p = tl.program_id(0) % ROWS
         part = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
@@ -101,40 +102,42 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         used = tl.zeros([], tl.int32)
         runs = RUNS + p * (C + 1)
-        if part < SPLITS:
-            # The free columns, [0, runs_0) then [runs_C, KSEL), counted as one sequence and split evenly.
-            if PROXY:
-                first = tl.load(runs)
-                resume = tl.load(runs + C)
-            else:
-                first = KSEL
-                resume = KSEL
-            free = first + KSEL - resume
-            per = tl.cdiv(tl.cdiv(free, SPLITS), BLOCK_K) * BLOCK_K
-            stop = tl.minimum(free, part * per + per)
-            for f0 in range(part * per, stop, BLOCK_K):
-                offs_f = f0 + tl.arange(0, BLOCK_K)
-                offs_k = tl.where(offs_f < first, offs_f, offs_f - first + resume)
-                _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < stop, g_ok, offs_d, d_ok, sk_b,
+        if part < SPLITS:  # (without proxies) every column, split evenly in whole blocks
+            per = tl.cdiv(tl.cdiv(KSEL, SPLITS), BLOCK_K) * BLOCK_K
+            stop = tl.minimum(KSEL, part * per + per)
+            for k0 in range(part * per, stop, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
                                            sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
-        elif PROXY:  # (parts past SPLITS exist only with proxies)
-            # The chunk's runs: the exact rows, and per cluster the rows read — their count, Σ s·q·k_i and Σ v_i as
+        elif PROXY:  # (parts past SPLITS exist only with proxies; with proxies SPLITS is 0)
+            # The chunk's share of the free columns (the sink, the window, padding: the chunks split them evenly),
+            # then its runs: the exact rows, and per cluster the rows read — their count, Σ s·q·k_i and Σ v_i as
             # products with the columns' one-hot clusters — for its proxies. n_T = n_b − |X∩b|,
             # ℓ_b = (s·q·Σk_b − Σ_{X∩b} s·q·k_i)/n_T + ln n_T, and the tail's numerator
-            # e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T.
-            offs_c = (part - SPLITS) * CHUNK_C + tl.arange(0, CHUNK_C)
+            # e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T. One sequence of blocks: a short run and its free share fill one.
+            chunk = part - SPLITS
+            offs_c = chunk * CHUNK_C + tl.arange(0, CHUNK_C)
             c_ok = offs_c < C
             lo = tl.load(runs + offs_c, mask=c_ok, other=0)
             hi = tl.load(runs + offs_c + 1, mask=c_ok, other=0)
             read_z = tl.zeros([BLOCK_G, CHUNK_C], tl.float32)
             read_n = tl.zeros([CHUNK_C], tl.int32)
             read_v = tl.zeros([CHUNK_C, BLOCK_D], tl.float32)
-            end = tl.max(hi, axis=0)
-            for k0 in range(tl.load(runs + (part - SPLITS) * CHUNK_C), end, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < end, g_ok, offs_d, d_ok,
-                                                sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
+            first = tl.load(runs)
+            resume = tl.load(runs + C)
+            free = first + KSEL - resume
+            per = tl.cdiv(free, PARTS - SPLITS)
+            own_free = tl.maximum(tl.minimum(free - chunk * per, per), 0)
+            run_start = tl.load(runs + chunk * CHUNK_C)
+            total = own_free + tl.max(hi, axis=0) - run_start
+            for f0 in range(0, total, BLOCK_K):
+                offs_f = f0 + tl.arange(0, BLOCK_K)
+                offs_x = chunk * per + offs_f  # among the free columns
+                offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)
+                offs_k = tl.where(offs_f < own_free, offs_x, run_start + offs_f - own_free)
+                qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
+                                                d_ok, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 member = valid[None, :] & (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
                 read_z += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk, 0.0), tl.trans(member.to(tl.float32)),
                                  input_precision="ieee")
@@ -222,7 +225,7 @@ class FlashKernel(Kernel):
     priority = 10  # ``kernel: auto`` takes it wherever it runs: on CUDA
     block_k = 64  # index columns per block
     clusters_per_chunk: int | None = None  # clusters per program (a power of two ≥ 16); None: 16
-    free_splits: int | None = None  # programs per row over the columns outside the runs; None: from the shape
+    free_splits: int | None = None  # programs per row without proxies; None: from the shape
     num_warps: int | None = None  # warps per program of the pass; None: Triton's default (4)
     # Pipelining stages of the pass's loops (None: Triton's default, 3 on the H200). 2 was 3-5% faster than 3 at every
     # benchmark shape on the H200, 8 warps 1.7x slower (benchmarks/results/flash_launch_h200.json).
@@ -286,10 +289,11 @@ class FlashKernel(Kernel):
         block_k, block_g, block_d = self.block_k, _pow2(G), _pow2(D)
         chunk_c = self.clusters_per_chunk or 16
         chunks = triton.cdiv(C, chunk_c) if proxy else 0
-        # Splits of the free columns: about 2048 programs in all (to hide the gathers' latency), each at least a
-        # block; with proxies the free columns are the sink, the window and padding, so fewer.
+        # Splits of the free columns without proxies: about 2048 programs in all (to hide the gathers' latency), each
+        # at least a block. With proxies the chunks' programs share the free columns (the sink, the window, padding):
+        # a program per chunk, the first block of each mostly filled at low densities, half as many programs.
         blocks = max(1, triton.cdiv(ksel, block_k))
-        splits = self.free_splits or max(1, min(blocks, triton.cdiv(2048, P * (chunks + 1))))
+        splits = 0 if proxy else self.free_splits or max(1, min(blocks, triton.cdiv(2048, P)))
         parts = splits + chunks
 
         def empty(*shape, dtype=torch.float32):  # buffers every element of which the kernels write

@@ -70,6 +70,24 @@ def test_the_gpu_partition_of_rows_into_programs(tail):
     _compare(case, 1e-4, clusters_per_chunk=32, free_splits=9, block_k=32)
 
 
+def test_free_columns_that_do_not_divide_evenly_among_the_chunks():
+    # With proxies each chunk's program reads a share of the free columns (the sink, the window, the padding after the
+    # runs). Cut the padding off so that a row's free columns are its 20 sink and window rows alone, shared by 3
+    # chunks: the last share is shorter, and every one of them holds rows. The queries are the newest keys (the
+    # window's last rows, the free sequence's last columns), so that a column left unread shows.
+    query, keys, values, selection, proxies, scale = _case(gqa="shared", batch=1, tokens=400, clusters=40, density=0.3)
+    heads = torch.arange(query.shape[1]) // (query.shape[1] // keys.shape[1])
+    query = 0.5 * keys[:, heads, -query.shape[2]:] / scale ** 0.5
+    columns = torch.arange(selection.index.shape[-1])
+    width = int(torch.where(selection.index >= 0, columns, -1).amax()) + 1
+    cut = Selection(selection.index[..., :width].contiguous(), selection.log_weight[..., :width].contiguous(),
+                    selection.runs)
+    runs = cut.runs.reshape(-1, cut.runs.shape[-1])
+    free = runs[:, 0] + width - runs[:, -1]
+    assert int(free.min()) == 20 and 20 % 3 != 0  # a row without padding: 3 chunks of 16 share 20 columns
+    _compare((query, keys, values, cut, proxies, scale), 1e-4, clusters_per_chunk=16, block_k=16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flash_matches_the_reference_half(dtype):
     _compare(_case(dtype=dtype, gqa="shared"), 1e-2)
