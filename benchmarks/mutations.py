@@ -189,7 +189,7 @@ MUTATIONS = [
              KERNEL_TESTS, "the columns after the runs (a selection's rows outside every cluster, padding) are never "
              "read: the chunks' free shares read the runs' first columns again"),
     mutation("flash-free-share-drops-the-remainder", "plugins/kernels/flash.py",
-             [("per = tl.cdiv(free, PARTS - SPLITS)", "per = free // (PARTS - SPLITS)")], KERNEL_TESTS,
+             [("per = tl.cdiv(free, PARTS)", "per = free // PARTS")], KERNEL_TESTS,
              "the free columns that do not divide evenly among the chunks are never read"),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation("triton-selection-ties-to-the-last-position", "oa_core/selection.py",

@@ -80,13 +80,12 @@ if triton is not None:
     @triton.jit
     def _sparse_pass(Q, K, V, IDX, LW, RUNS, KSUM, VSUM, COUNT, M_OUT, L_OUT, ACC_OUT, USED_OUT,
                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     ROWS, Hkv, Gs, T, KSEL, C, SPLITS, PARTS, scale,
+                     ROWS, Hkv, Gs, T, KSEL, C, PARTS, scale,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_C: tl.constexpr,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, HALF: tl.constexpr):
-        """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the SPLITS parts
-        share every column; with proxies (SPLITS = 0) part j holds the runs of clusters jC', ..., jC' + C' − 1
-        (C' = CHUNK_C), their proxies, and its share of the columns outside the runs (the sink, the window,
-        padding)."""
+        """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the PARTS parts
+        share every column; with proxies part j holds the runs of clusters jC', ..., jC' + C' − 1 (C' = CHUNK_C),
+        their proxies, and its share of the columns outside the runs (the sink, the window, padding)."""
         p = tl.program_id(0) % ROWS
         part = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
@@ -102,22 +101,21 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         used = tl.zeros([], tl.int32)
         runs = RUNS + p * (C + 1)
-        if part < SPLITS:  # (without proxies) every column, split evenly in whole blocks
-            per = tl.cdiv(tl.cdiv(KSEL, SPLITS), BLOCK_K) * BLOCK_K
+        if not PROXY:  # every column, split evenly in whole blocks
+            per = tl.cdiv(tl.cdiv(KSEL, PARTS), BLOCK_K) * BLOCK_K
             stop = tl.minimum(KSEL, part * per + per)
             for k0 in range(part * per, stop, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
                                            sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
-        elif PROXY:  # (parts past SPLITS exist only with proxies; with proxies SPLITS is 0)
+        else:
             # The chunk's share of the free columns (the sink, the window, padding: the chunks split them evenly),
             # then its runs: the exact rows, and per cluster the rows read — their count, Σ s·q·k_i and Σ v_i as
             # products with the columns' one-hot clusters — for its proxies. n_T = n_b − |X∩b|,
             # ℓ_b = (s·q·Σk_b − Σ_{X∩b} s·q·k_i)/n_T + ln n_T, and the tail's numerator
             # e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T. One sequence of blocks: a short run and its free share fill one.
-            chunk = part - SPLITS
-            offs_c = chunk * CHUNK_C + tl.arange(0, CHUNK_C)
+            offs_c = part * CHUNK_C + tl.arange(0, CHUNK_C)
             c_ok = offs_c < C
             lo = tl.load(runs + offs_c, mask=c_ok, other=0)
             hi = tl.load(runs + offs_c + 1, mask=c_ok, other=0)
@@ -127,13 +125,13 @@ if triton is not None:
             first = tl.load(runs)
             resume = tl.load(runs + C)
             free = first + KSEL - resume
-            per = tl.cdiv(free, PARTS - SPLITS)
-            own_free = tl.maximum(tl.minimum(free - chunk * per, per), 0)
-            run_start = tl.load(runs + chunk * CHUNK_C)
+            per = tl.cdiv(free, PARTS)
+            own_free = tl.maximum(tl.minimum(free - part * per, per), 0)
+            run_start = tl.load(runs + part * CHUNK_C)
             total = own_free + tl.max(hi, axis=0) - run_start
             for f0 in range(0, total, BLOCK_K):
                 offs_f = f0 + tl.arange(0, BLOCK_K)
-                offs_x = chunk * per + offs_f  # among the free columns
+                offs_x = part * per + offs_f  # among the free columns
                 offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)
                 offs_k = tl.where(offs_f < own_free, offs_x, run_start + offs_f - own_free)
                 qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
@@ -288,13 +286,14 @@ class FlashKernel(Kernel):
 
         block_k, block_g, block_d = self.block_k, _pow2(G), _pow2(D)
         chunk_c = self.clusters_per_chunk or 16
-        chunks = triton.cdiv(C, chunk_c) if proxy else 0
-        # Splits of the free columns without proxies: about 2048 programs in all (to hide the gathers' latency), each
-        # at least a block. With proxies the chunks' programs share the free columns (the sink, the window, padding):
-        # a program per chunk, the first block of each mostly filled at low densities, half as many programs.
-        blocks = max(1, triton.cdiv(ksel, block_k))
-        splits = 0 if proxy else self.free_splits or max(1, min(blocks, triton.cdiv(2048, P)))
-        parts = splits + chunks
+        # The parts of a row. With proxies a program per chunk of clusters, which also share the columns outside the
+        # runs (the sink, the window, padding): at low densities a chunk's first block holds its runs and its share.
+        # Without, splits of every column: about 2048 programs in all (to hide the gathers' latency), each at least a
+        # block.
+        if proxy:
+            parts = max(1, triton.cdiv(C, chunk_c))
+        else:
+            parts = self.free_splits or max(1, min(triton.cdiv(ksel, block_k), triton.cdiv(2048, P)))
 
         def empty(*shape, dtype=torch.float32):  # buffers every element of which the kernels write
             if self.poison:
@@ -309,7 +308,7 @@ class FlashKernel(Kernel):
         _sparse_pass[(P * parts,)](
             query, keys, values, index, log_weight, runs, key_sum, value_sum, count, row_max, den, acc, used_parts,
             query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, C, splits, parts, scale,
+            values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, C, parts, scale,
             G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, HALF=half,
             **{name: value for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages))
                if value is not None})
