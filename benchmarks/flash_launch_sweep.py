@@ -5,6 +5,7 @@ with the rows and output checked against the reference; then each compiled kerne
                                                                  # the selection's warps
     python benchmarks/flash_launch_sweep.py OUT.json partition   # how the pass splits a row into programs: block_k
                                                                  # (bk) and clusters_per_chunk (cc)
+    python benchmarks/flash_launch_sweep.py OUT.json occupancy   # fewer stages or warps: more programs per SM
 """
 import sys, json, torch
 sys.path.insert(0, "benchmarks")
@@ -20,7 +21,8 @@ results = []
 SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01,))]
 GROUPS = {"launch": [dict(), dict(fw=8), dict(fw=8, fs=2), dict(fw=4, fs=2), dict(fw=8, fs=1), dict(fw=8, fs=4),
                      dict(fw=8, sw=4), dict(fw=8, sw=1), dict(fw=8, bw=4)],
-          "partition": [dict(), dict(bk=32), dict(bk=128), dict(cc=32)]}
+          "partition": [dict(), dict(bk=32), dict(bk=128), dict(cc=32)],
+          "occupancy": [dict(), dict(fs=1), dict(fw=2, fs=1), dict(fw=2), dict(fs=1, bk=32)]}
 VARIANTS = GROUPS[sys.argv[2] if len(sys.argv) > 2 else "launch"]
 # A variant's unnamed knobs keep FlashKernel's defaults.
 DEFAULT = dict(fw=FlashKernel.num_warps, fs=FlashKernel.num_stages, bk=FlashKernel.block_k,
@@ -45,7 +47,7 @@ for B, N, dens in SHAPES:
             t = bench(graphed(run))
             kb = kernel_breakdown(run)
             r = {"batch": B, "context": N, "density": density, **v, "step_graph_ms": round(t, 4), "err": err, "same_rows": same,
-                 **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_group_int8_scores", "_grow", "_plan", "_cluster_stats")}}
+                 **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_project", "_group_int8_scores", "_grow", "_plan", "_cluster_stats")}}
             results.append(r); print(json.dumps(r), flush=True)
         k.num_warps, k.num_stages, k.block_k, k.clusters_per_chunk = (DEFAULT[x] for x in ("fw", "fs", "bk", "cc"))
         selmod._warps = base_warps

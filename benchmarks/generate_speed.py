@@ -221,7 +221,13 @@ def plot(runs: list[dict], path: Path) -> Path:
     for ax, config in zip(axes[0], configs):
         rows = [r for r in runs if (r["batch"], r["context"]) == config and r["per_token_ms"]]
         best = fastest_dense(rows)
-        if best is None:
+        ax.set_title(f"batch {config[0]} × context {config[1]}", fontsize=10)
+        if best is None:  # nothing to compare with: say why (an out-of-memory configuration, most often)
+            errors = {r.get("error", "no dense run").split(".")[0] for r in runs
+                      if (r["batch"], r["context"]) == config and not r["per_token_ms"]}
+            ax.text(0.5, 0.5, "not measured:\n" + "\n".join(sorted(errors)) if errors else "no dense run",
+                    ha="center", va="center", wrap=True, fontsize=8, transform=ax.transAxes)
+            ax.set_axis_off()
             continue
         fastest = best["per_token_ms"]
         shown = [r for r in rows if r["method"] not in ("dense-fastest", "no-attention")]
@@ -239,7 +245,6 @@ def plot(runs: list[dict], path: Path) -> Path:
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.legend(fontsize=7, loc="lower right")
         ax.set_xlabel("tokens/s over dense-fastest")
-        ax.set_title(f"batch {config[0]} × context {config[1]}", fontsize=10)
         ax.set_xlim(0, max(speed + [2.2] + [fastest / b for b in bound]) * 1.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -90,6 +90,18 @@ def test_each_fused_step_reads_the_reference_rows_and_gives_its_output(gqa, tail
     assert_same_state(composed, fused)
 
 
+def test_no_local_window_the_new_row_joins_in_its_own_step():
+    """``local: 0``: the row a step appends leaves the (empty) window at once: it joins a cluster, and the selection
+    scores it, from the codes written in that same step."""
+    steps, composed, fused = run_fused({**SPEC, "local": 0, "budget": {"density": 0.3}})
+    newest = fused.assignment[:, :, 140:148]
+    assert bool((newest < fused.num_clusters).all())  # each appended row joined a cluster in its own step
+    for ref_rows, rows, ref_out, out in steps:
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-4
+    assert_same_state(composed, fused)
+
+
 def test_clusters_over_several_chunks_join_and_count_where_they_are():
     """40 clusters: the step's programs take 16 each (the last 8), and a leaving row joins a cluster of whichever
     chunk holds it — its count, sums and the chunk's statistics there, and nowhere else."""

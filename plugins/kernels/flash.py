@@ -255,7 +255,7 @@ class FlashKernel(Kernel):
         return self._sparse(query, keys, values, selection, proxies, scale)
 
     def static_step(self, state):
-        """``flash_step.FusedStep``: the whole step in six launches, where the pipeline's other components are the
+        """``flash_step.FusedStep``: the whole step in seven launches, where the pipeline's other components are the
         defaults (QGC, QGS, ErrorGate) and the state's device runs Triton; else None."""
         from oa_plugins.kernels.flash_step import FusedStep, fused_unsupported
 

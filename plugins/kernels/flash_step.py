@@ -1,20 +1,26 @@
-"""The fast decode path's whole step in six launches, for the default components: QGC's clusters, QGS's codes,
+"""The fast decode path's whole step in seven launches, for the default components: QGC's clusters, QGS's codes,
 ErrorGate's allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
 most of the step. Where the pipeline is made of the components below, ``FlashKernel.static_step`` takes the step:
 
-1. ``_grow``, a program per (batch row, KV head, chunk of 16 clusters): the row leaving the local window placed in
+1. ``_project``, a program per (batch row, KV head): the new row's QGS codes and the query heads projected on the
+   QGS basis;
+2. QGS's score kernel over the codes (``group_int8_scores``);
+3. ``_grow``, a program per (batch row, KV head, chunk of 16 clusters): the row leaving the local window placed in
    its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the chunk that
-   holds it, and the chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic); the first
-   chunk's program also the new row's QGS codes and the query heads projected on the QGS basis.
-2. ``_plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
+   holds it, and the chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
+4. ``_plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
    ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
    each cluster's run, -1 padding — with the runs flash reads;
-3. QGS's score kernel over the codes; 4. the per-cluster selection into the runs (``launch_select``, one launch per
-   size class of clusters: one or two at the benchmarks' shapes, three once a cluster may pass 4096 rows); 5–6.
-   flash's pass and merge.
+5. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
+   the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
+
+The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
+cluster after its codes are written, in an earlier step or by ``_project`` in the same one), so on a GPU the scores
+run on a second stream beside ``_grow`` and ``_plan``, and the selection waits for both: a CUDA graph captures the
+two streams as two branches.
 
 The statistics are computed where the join is, a program per chunk of clusters: inside ``_plan``, one program per
 row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being
@@ -28,6 +34,9 @@ there (the composed step's own GPU and CPU paths differ the same way); the devic
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import Tensor
 
@@ -37,8 +46,8 @@ from oa_core.components import PooledClusters, Selection
 from oa_core.selection import launch_select, smallest_block
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
-from oa_plugins.allocators.errorgate import quiet_interpreter
 from oa_plugins.selectors.qgs import group_int8_scores
+from oa_plugins.allocators.errorgate import quiet_interpreter
 
 if triton is not None:
     from oa_core.cluster_stats import moments_tile, store_logit_stats
@@ -75,6 +84,13 @@ def fused_unsupported(state) -> str | None:
     return None
 
 
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of the fused steps on ``device``, of high priority (one for all layers: their steps
+    run one after another)."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
 class FusedStep:
     """One layer's fused step (``StaticState.fused``); made once per prepared state, it holds the step's constant
     tensors: the budget's density, the QGS basis and QGC's space (nothing is allocated lazily: a step may run inside
@@ -95,6 +111,7 @@ class FusedStep:
                                                         for t in (state.index.basis, projection, centroids))
         # The selection's smallest block, from the clusters' mean size at the prefill (one read, here: not in a step).
         self.select_block = smallest_block(float(state.member_counts.float().mean()))
+        self.side = side_stream(state.length.device) if state.length.device.type == "cuda" else None
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -119,32 +136,47 @@ class FusedStep:
         r, rc = self.basis.shape[-1], self.projection.shape[-1]
         device = query.device
         projected = torch.empty(B, H, g, r, dtype=torch.float32, device=device)
+        _project[(B * H,)](keys, query, state.length, self.basis, index.codes, index.scales, projected,
+                           *keys.stride()[:3], query.stride(0), query.stride(1), H, cap, G=g, D=D,
+                           BLOCK_D=triton.next_power_of_2(D), R=r, BLOCK_R=triton.next_power_of_2(r), num_warps=4)
+        # The growth and the plan, and QGS's scores, do not read what the other writes: in a CUDA graph the growth
+        # and the plan run on a second stream of high priority beside the scores (the graph holds two branches).
+        # The scores fill the device with programs; the priority lets the short chain's programs in first. Every
+        # tensor the second stream touches is allocated on the first, which waits for it.
+        scores = torch.empty(rows, cap, dtype=torch.float32, device=device)
         mean_logit = torch.empty(B, H, g, 1, C, dtype=torch.float32, device=device)
         logit_var = torch.empty_like(mean_logit)
-        _grow[(B * H, triton.cdiv(C, STATS_CLUSTERS))](
-            keys, values, query, state.length, self.basis, index.codes, index.scales, self.projection,
-            self.centroids,
-            state.assignment, state.pooled.count, state.pooled.key_sum, state.pooled.value_sum,
-            state.pooled.key_square_sum, state.members, state.member_counts, projected, mean_logit, logit_var,
-            *keys.stride()[:3], *values.stride()[:3], query.stride(0), query.stride(1), H, cap, C,
-            state.members.shape[-1], pipe.spec.local, state.scale, G=g, D=D, BLOCK_D=triton.next_power_of_2(D), R=r,
-            BLOCK_R=triton.next_power_of_2(r), RC=rc, BLOCK_RC=triton.next_power_of_2(rc),
-            BLOCK_C=max(16, triton.next_power_of_2(C)), STATS_C=STATS_CLUSTERS, num_warps=4)
         quotas = torch.empty(rows, C, dtype=torch.long, device=device)
         offsets = torch.empty(rows, C, dtype=torch.long, device=device)
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        block_c, warps = launch_config(C)
-        with quiet_interpreter():
-            _plan[(rows,)](
-                mean_logit, logit_var, state.pooled.count, state.length, state.start, self.density, state.fixed_base,
-                state.fixed_moves, quotas, offsets, runs, chosen, log_weight, H, Gs, C, self.fixed, self.width,
-                self.tokens, G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK_C=block_c,
-                BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
-                LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
-        scores = group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G)
-        launch_select(scores.view(rows, cap), state.members, state.member_counts, quotas, offsets, chosen, Gs,
+        # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
+        branch = self.side is not None and torch.cuda.is_current_stream_capturing()
+        main = torch.cuda.current_stream(device) if branch else None
+        if main is not None:
+            self.side.wait_stream(main)
+        with torch.cuda.stream(self.side) if main is not None else contextlib.nullcontext():
+            _grow[(B * H, triton.cdiv(C, STATS_CLUSTERS))](
+                keys, values, query, state.length, self.projection, self.centroids,
+                state.assignment, state.pooled.count, state.pooled.key_sum, state.pooled.value_sum,
+                state.pooled.key_square_sum, state.members, state.member_counts, mean_logit, logit_var,
+                *keys.stride()[:3], *values.stride()[:3], query.stride(0), query.stride(1), H, cap, C,
+                state.members.shape[-1], pipe.spec.local, state.scale, G=g, D=D, BLOCK_D=triton.next_power_of_2(D),
+                RC=rc, BLOCK_RC=triton.next_power_of_2(rc), BLOCK_C=max(16, triton.next_power_of_2(C)),
+                STATS_C=STATS_CLUSTERS, num_warps=4)
+            block_c, warps = launch_config(C)
+            with quiet_interpreter():
+                _plan[(rows,)](
+                    mean_logit, logit_var, state.pooled.count, state.length, state.start, self.density,
+                    state.fixed_base, state.fixed_moves, quotas, offsets, runs, chosen, log_weight, H, Gs, C,
+                    self.fixed, self.width, self.tokens, G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK_C=block_c,
+                    BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
+                    LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
+        group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G, out=scores)
+        if main is not None:
+            main.wait_stream(self.side)
+        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs,
                       self.select_block)
         selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
                               runs.view(B, H, Gs, 1, C + 1))
@@ -167,14 +199,37 @@ if triton is not None:
         return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
 
     @triton.jit
-    def _grow(K, V, Q, LENGTH, BASIS, CODES, SCALES, PROJ, CENT, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS,
-              MEMBER_COUNT, QP, MEAN_LOGIT, LOGIT_VAR, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S,
-              LOCAL, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
-              BLOCK_R: tl.constexpr, RC: tl.constexpr, BLOCK_RC: tl.constexpr, BLOCK_C: tl.constexpr,
-              STATS_C: tl.constexpr):
+    def _project(K, Q, LENGTH, BASIS, CODES, SCALES, QP, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, CAP, G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Program (batch row, KV head): the new row's QGS codes (quantize of kᵀU_r: symmetric int8, a scale per
+        row) and the G query heads projected on the same basis (U_rᵀq: what QGS scores with)."""
+        head = tl.program_id(0).to(tl.int64)
+        b = head // Hkv
+        h = head % Hkv
+        newest = tl.load(LENGTH).to(tl.int64) - 1
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
+                        mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+        k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        projected = tl.sum(k[:, None] * basis, axis=0)
+        row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
+        codes = _round_half_even(tl.div_rn(projected, row_scale))
+        tl.store(CODES + (head * CAP + newest) * R + offs_r, codes.to(tl.int8), mask=r_ok)
+        tl.store(SCALES + head * CAP + newest, row_scale)
+        for j in tl.static_range(G):
+            q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
+
+    @triton.jit
+    def _grow(K, V, Q, LENGTH, PROJ, CENT, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, MEAN_LOGIT,
+              LOGIT_VAR, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S, LOCAL, scale,
+              G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr, BLOCK_RC: tl.constexpr,
+              BLOCK_C: tl.constexpr, STATS_C: tl.constexpr):
         """Program (batch row, KV head, chunk of STATS_C clusters): the chunk's clusters after the leaving row's join
-        and their logit statistics; the first chunk's program also the new row's codes and the queries'
-        projections."""
+        and their logit statistics. It reads no codes, so it runs beside QGS's scores."""
         head = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         b = head // Hkv
@@ -182,22 +237,6 @@ if triton is not None:
         newest = tl.load(LENGTH).to(tl.int64) - 1
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        if chunk == 0:
-            offs_r = tl.arange(0, BLOCK_R)
-            r_ok = offs_r < R
-            basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
-                            mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-            # The new row's codes: QGS's quantize of kᵀU_r (symmetric int8, a scale per row).
-            k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            projected = tl.sum(k[:, None] * basis, axis=0)
-            row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
-            codes = _round_half_even(tl.div_rn(projected, row_scale))
-            tl.store(CODES + (head * CAP + newest) * R + offs_r, codes.to(tl.int8), mask=r_ok)
-            tl.store(SCALES + head * CAP + newest, row_scale)
-            # The queries on the same basis (U_rᵀq: what QGS scores with).
-            for j in tl.static_range(G):
-                q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
         # The row leaving the local window: its nearest centroid in QGC's space (‖μ‖² − 2·x·μ, first of equals).
         leaving = newest - LOCAL
         k = tl.load(K + b * sk_b + h * sk_h + leaving * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)

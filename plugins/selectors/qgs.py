@@ -72,20 +72,24 @@ class QuerySubspaceSelector(Selector):
 
 
 def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: float, queries: int, group: int, *,
-                      block_n: int | None = None, num_warps: int = 4) -> Tensor:
+                      block_n: int | None = None, num_warps: int = 4, out: Tensor | None = None) -> Tensor:
     """The selection scores in one pass over the int8 codes: projected queries ``[B, Hkv, g·T, r]`` (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, r]`` int8, scales ``[B, Hkv, N]`` (> 0),
     ``scale`` s > 0; ``group``: the heads that share one selection (g: ``gqa: shared``, 1: per head) →
     ``[B, Hkv, Gs, T, N]`` float32 (Gs = g/group): s·scale_i·max over the selection head's group of (U_rᵀq)·c_i.
-    ``block_n``: tokens per program (default 512, fewer for short rows). Launches one kernel and waits for nothing
-    (CUDA-graph capturable)."""
+    ``block_n``: tokens per program (default 512, fewer for short rows); ``out``: where to write (contiguous, of the
+    output's size), else a new tensor. Launches one kernel and waits for nothing (CUDA-graph capturable)."""
     B, Hkv, Q, r = projected.shape
     N = codes.shape[2]
     T = queries
     Gs = Q // (group * T)
     if Gs * group * T != Q:
         raise ValueError(f"projected queries: {Q} rows is not a multiple of group {group} × queries {T}")
-    out = torch.empty(B, Hkv, Gs, T, N, device=projected.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, Hkv, Gs, T, N, device=projected.device, dtype=torch.float32)
+    elif out.numel() != B * Hkv * Gs * T * N or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out: a contiguous float32 tensor of {B * Hkv * Gs * T * N} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     if out.numel() == 0:
         return out
     if block_n is None:

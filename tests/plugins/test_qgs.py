@@ -83,6 +83,23 @@ def test_the_fused_scores_take_odd_ranks_and_small_blocks():
     assert torch.allclose(fused, reference.view(B, Hkv, g, T, N), rtol=1e-5, atol=1e-5)
 
 
+def test_the_fused_scores_write_into_a_given_buffer_or_refuse_it():
+    pytest.importorskip("triton")
+    from oa_plugins.selectors.qgs import group_int8_scores
+
+    gen = torch.Generator().manual_seed(4)
+    codes, scales = quantize(torch.randn(1, 2, 40, 16, generator=gen))
+    projected = torch.randn(1, 2, 4, 16, generator=gen)
+    expected = group_int8_scores(projected, codes, scales, 0.5, 1, 2)
+    out = torch.full((2 * 2, 40), float("nan"))  # the fused step's [rows, capacity] view of the same elements
+    assert group_int8_scores(projected, codes, scales, 0.5, 1, 2, out=out) is out
+    assert torch.equal(out.view_as(expected), expected)
+    with pytest.raises(ValueError, match="out: a contiguous float32 tensor of 160 elements, got torch.float16"):
+        group_int8_scores(projected, codes, scales, 0.5, 1, 2, out=out.half())
+    with pytest.raises(ValueError, match="of 160 elements"):
+        group_int8_scores(projected, codes, scales, 0.5, 1, 2, out=out[:, :20])
+
+
 def test_group_scores_reject_query_rows_that_do_not_form_the_groups():
     pytest.importorskip("triton")
     from oa_plugins.selectors.qgs import group_int8_scores
