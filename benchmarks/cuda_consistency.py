@@ -6,10 +6,15 @@ answer — same clusters, same selection, outputs within float32 / bf16 rounding
 through OpenAttention behaves on the GPU as the CPU tests require. Writes benchmarks/results/cuda_consistency.json.
 
     python benchmarks/cuda_consistency.py          # needs a CUDA device
+    python benchmarks/cuda_consistency.py --only static --out benchmarks/results/cuda_consistency_static.json
+
+``--only static``: the fast decode path alone — generate on the static cache, eager and compiled (CUDA graphs: the
+fused step's two streams), against the default cache.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -82,12 +87,56 @@ def integration_checks() -> list[dict]:
     return records
 
 
-def main() -> int:
+def static_cache_checks() -> list[dict]:
+    """generate() on the fast decode path on CUDA (float32): the static cache eagerly and compiled by generate (CUDA
+    graphs, where the fused step's scores and growth run on two streams) give the default cache's tokens and logits,
+    for a left-padded batch, with every layer on the fused step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval().to("cuda")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (2, 1000), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :300] = 0
+    spec = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "budget": {"density": 0.1},
+            "kernel": "flash"}
+
+    def greedy(**kwargs):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
+        return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
+
+    with oa.patch(model, spec) as handle:
+        tokens, logits = greedy()
+        cache = handle.static_cache(max_new_tokens=16)
+        eager_tokens, eager = greedy(past_key_values=cache, disable_compile=True)
+        fused = all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
+        graph_tokens, graph = greedy(past_key_values=handle.static_cache(max_new_tokens=16))
+    record = {"check": "static cache", "dtype": "torch.float32", "every_layer_fused": fused,
+              "eager_static_vs_default_max_logit_difference": float((eager - logits).abs().max()),
+              "graphed_static_vs_eager_max_logit_difference": float((graph - eager).abs().max()),
+              "same_tokens": bool(torch.equal(eager_tokens, tokens) and torch.equal(graph_tokens, tokens))}
+    record["ok"] = (fused and record["same_tokens"] and record["eager_static_vs_default_max_logit_difference"] < 1e-4
+                    and record["graphed_static_vs_eager_max_logit_difference"] < 1e-4)
+    print(json.dumps(record))
+    return [record]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["static"], default=None, help="run only these checks")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_consistency.json"))
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 1
     records = []
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)) if args.only is None else ():
         cpu_inputs = inputs(dtype)
         gpu_inputs = [t.cuda() for t in cpu_inputs]
         for spec in ({}, {"gqa": "shared"}, {"tail": "discard", "selector": "oracle", "allocator": "global"},
@@ -112,13 +161,15 @@ def main() -> int:
                       "ok": bool(torch.isfinite(out_gpu).all()) and (error < tolerance or not comparable)}
             records.append(record)
             print(json.dumps(record))
-    records += integration_checks()
+    if args.only is None:
+        records += integration_checks()
+    records += static_cache_checks()
     import transformers
 
     result = {"benchmark": "cuda_consistency", "shape": SHAPE, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "transformers": transformers.__version__, "records": records,
               "all_ok": all(r["ok"] for r in records)}
-    out = Path("benchmarks/results/cuda_consistency.json")
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("all ok" if result["all_ok"] else "MISMATCH")
