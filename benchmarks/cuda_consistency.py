@@ -42,19 +42,26 @@ def inputs(dtype: torch.dtype, seed: int = 0):
     return [t.to(dtype) for t in (keys, values, prefill, decode)]
 
 
+SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "budget": {"density": 0.1}}
+
+
+def small_llama(dtype: torch.dtype):
+    """A 4-layer Llama of random weights (seed 0) on CUDA, for the integration checks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval().to("cuda", dtype)
+
+
 def integration_checks() -> list[dict]:
     """generate() through oa.patch on CUDA: a covering budget is token-identical to sdpa; a sparse one stays finite
     and within its budget; a left-padded batch answers like each prompt alone."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     records = []
-    sparse = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "budget": {"density": 0.1}}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                             attn_implementation="sdpa")
-        model = LlamaForCausalLM(config).eval().to("cuda", dtype)
+        model = small_llama(dtype)
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 256, (1, n), generator=gen).cuda() for n in (700, 1000)]
 
@@ -66,9 +73,9 @@ def integration_checks() -> list[dict]:
             return out[:, ids.shape[1]:]
 
         expected = greedy(prompts[1])
-        with oa.patch(model, {**sparse, "budget": {"tokens": 100_000}}):
+        with oa.patch(model, {**SPARSE, "budget": {"tokens": 100_000}}):
             same = torch.equal(greedy(prompts[1]), expected)
-        with oa.patch(model, sparse) as handle:
+        with oa.patch(model, SPARSE) as handle:
             alone = [greedy(p) for p in prompts]
             decode = [r for r in handle.stats.records if r.phase == "decode"]
             ids = torch.zeros(2, 1000, dtype=torch.long, device="cuda")
@@ -91,19 +98,12 @@ def static_cache_checks() -> list[dict]:
     """generate() on the fast decode path on CUDA (float32): the static cache eagerly and compiled by generate (CUDA
     graphs, where the fused step's scores and growth run on two streams) give the default cache's tokens and logits,
     for a left-padded batch, with every layer on the fused step."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                         attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).eval().to("cuda")
+    model = small_llama(torch.float32)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 256, (2, 1000), generator=gen).cuda()
     mask = torch.ones_like(ids)
     mask[1, :300] = 0
-    spec = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "budget": {"density": 0.1},
-            "kernel": "flash"}
+    spec = {**SPARSE, "kernel": "flash"}
 
     def greedy(**kwargs):
         with torch.no_grad():
@@ -127,16 +127,10 @@ def static_cache_checks() -> list[dict]:
     return [record]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["static"], default=None, help="run only these checks")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_consistency.json"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
-        return 1
+def pipeline_checks() -> list[dict]:
+    """The pipeline on CUDA against the CPU, at the decode shape, for four specs in float32 and bfloat16."""
     records = []
-    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)) if args.only is None else ():
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
         cpu_inputs = inputs(dtype)
         gpu_inputs = [t.cuda() for t in cpu_inputs]
         for spec in ({}, {"gqa": "shared"}, {"tail": "discard", "selector": "oracle", "allocator": "global"},
@@ -161,8 +155,18 @@ def main(argv=None) -> int:
                       "ok": bool(torch.isfinite(out_gpu).all()) and (error < tolerance or not comparable)}
             records.append(record)
             print(json.dumps(record))
-    if args.only is None:
-        records += integration_checks()
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["static"], default=None, help="run only these checks")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cuda_consistency.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 1
+    records = [] if args.only == "static" else pipeline_checks() + integration_checks()
     records += static_cache_checks()
     import transformers
 

@@ -18,9 +18,9 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
 
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
-cluster after its codes are written, in an earlier step or by ``_project`` in the same one), so on a GPU the scores
-run on a second stream beside ``_grow`` and ``_plan``, and the selection waits for both: a CUDA graph captures the
-two streams as two branches.
+cluster after its codes are written, in an earlier step or by ``_project`` in the same one), so in a CUDA graph's
+capture ``_grow`` and ``_plan`` run on a second stream (of high priority) beside the scores, and the selection waits
+for both: the graph holds two branches. Launched eagerly, the step keeps to one stream.
 
 The statistics are computed where the join is, a program per chunk of clusters: inside ``_plan``, one program per
 row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being
@@ -34,7 +34,6 @@ there (the composed step's own GPU and CPU paths differ the same way); the devic
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -46,8 +45,8 @@ from oa_core.components import PooledClusters, Selection
 from oa_core.selection import launch_select, smallest_block
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
-from oa_plugins.selectors.qgs import group_int8_scores
 from oa_plugins.allocators.errorgate import quiet_interpreter
+from oa_plugins.selectors.qgs import group_int8_scores
 
 if triton is not None:
     from oa_core.cluster_stats import moments_tile, store_logit_stats
@@ -152,11 +151,11 @@ class FusedStep:
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
         # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
-        branch = self.side is not None and torch.cuda.is_current_stream_capturing()
-        main = torch.cuda.current_stream(device) if branch else None
-        if main is not None:
-            self.side.wait_stream(main)
-        with torch.cuda.stream(self.side) if main is not None else contextlib.nullcontext():
+        # (``torch.cuda.stream(None)`` keeps the current stream.)
+        side = self.side if self.side is not None and torch.cuda.is_current_stream_capturing() else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
             _grow[(B * H, triton.cdiv(C, STATS_CLUSTERS))](
                 keys, values, query, state.length, self.projection, self.centroids,
                 state.assignment, state.pooled.count, state.pooled.key_sum, state.pooled.value_sum,
@@ -174,8 +173,8 @@ class FusedStep:
                     BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
                     LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
         group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G, out=scores)
-        if main is not None:
-            main.wait_stream(self.side)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
         launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs,
                       self.select_block)
         selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
