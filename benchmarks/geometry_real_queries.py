@@ -58,7 +58,7 @@ def layer_figures(queries: torch.Tensor, keys: torch.Tensor) -> dict:
     exact_values, exact_vectors = torch.linalg.eigh(moment)
     products = []
     real = geometry.orthonormalize
-    with mock.patch.object(geometry, "orthonormalize", lambda x: products.append(1) or real(x)):
+    with mock.patch.object(geometry, "orthonormalize", lambda x, **kw: products.append(1) or real(x, **kw)):
         values, vectors = geometry.subspace_eigenpairs(moment, RANK)
     top = exact_values[..., -RANK:]
     residual = (moment @ vectors - vectors * values[..., None, :]).norm(dim=-2) / exact_values[..., -1:]

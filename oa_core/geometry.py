@@ -83,7 +83,7 @@ def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, energy_tol
                         check_every: int = 8, max_iterations: int = 1000) -> tuple[Tensor, Tensor]:
     """Top-``rank`` eigenpairs of symmetric PSD ``[P, D, D]`` float64 matrices by block subspace iteration on M²
     with Rayleigh–Ritz: a block of 2·rank orthonormal columns (a fixed seeded start: the same on every device) is
-    multiplied by M² and re-orthonormalised (``orthonormalize``) until, for every matrix, either every one of the top
+    multiplied by M² and re-orthonormalised (``orthonormalize``: one Gram–Schmidt pass, two before a check) until, for every matrix, either every one of the top
     ``rank`` Ritz pairs (λ, u) has ‖Mu − λu‖ ≤ ``tol``·λ_1, or the query energy the basis captures, Σλ over the top
     ``rank`` Ritz values, grew by at most ``energy_tol`` of itself since the last check (checks every ``check_every``
     products: each waits for the device).
@@ -106,8 +106,12 @@ def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, energy_tol
     basis = orthonormalize(start.to(moment.device).expand(*lead, D, block).contiguous())
     energy = None  # the last check's Σ of the top Ritz values
     for iteration in range(1, max_iterations + 1):
-        basis = orthonormalize(square @ basis)
-        if iteration % check_every and iteration < max_iterations:
+        check = iteration % check_every == 0 or iteration == max_iterations
+        # Between checks the basis only carries the span to the next product: one Gram–Schmidt pass keeps it
+        # orthonormal to about eps·cond(M²Q), which the next product and pass absorb. A check's Rayleigh–Ritz needs
+        # it orthonormal to rounding: two passes.
+        basis = orthonormalize(square @ basis, passes=2 if check else 1)
+        if not check:
             continue
         values, rotation = torch.linalg.eigh(basis.transpose(-1, -2) @ unit @ basis)
         values, vectors = values[..., -rank:], basis @ rotation[..., -rank:]
@@ -122,16 +126,18 @@ def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, energy_tol
     return values * scale[..., 0], vectors
 
 
-def orthonormalize(columns: Tensor) -> Tensor:
+def orthonormalize(columns: Tensor, passes: int = 2) -> Tensor:
     """An orthonormal basis of the span of ``[..., D, b]`` float64 columns of full rank, in order (the j-th basis
-    vector spans the first j columns). On CUDA tensors one Triton program per matrix (modified Gram–Schmidt, twice:
-    0.11 ms for 128 matrices of 128 × 32 on an H200, where a batched QR takes 7.1 ms); elsewhere QR."""
+    vector spans the first j columns). On CUDA tensors one Triton program per matrix: modified Gram–Schmidt, ``passes``
+    times (the second removes what rounding left of the first's projections; one leaves the basis orthonormal to about
+    eps·cond(columns)). A pass is 64 dependent reductions at 128 × 32 whatever the batch: two took 0.11 ms for 128
+    matrices on an H200 (a batched QR 7.1 ms), and as long for 8. Elsewhere QR."""
     if on_gpu(columns):
         *lead, D, b = columns.shape
         flat = columns.reshape(-1, D, b).contiguous()
         out = torch.empty_like(flat)
         _gram_schmidt[(flat.shape[0],)](flat, out, D, b, BLOCK_D=triton.next_power_of_2(D),
-                                        BLOCK_B=triton.next_power_of_2(b), num_warps=8)
+                                        BLOCK_B=triton.next_power_of_2(b), PASSES=passes, num_warps=8)
         return out.reshape(columns.shape)
     return torch.linalg.qr(columns).Q
 
@@ -187,8 +193,7 @@ def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
     check_every = 4 if on_gpu(flat) else 1
     assignment, sums, counts = assign_and_sum(flat, weight, centroids)
     for iteration in range(1, iterations + 1):
-        # An emptied cluster keeps its old centre.
-        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
+        centroids = cluster_means(sums, counts, centroids)
         updated, sums, counts = assign_and_sum(flat, weight, centroids)
         if iteration % check_every == 0 and torch.equal(updated, assignment):
             break
@@ -216,12 +221,15 @@ def kmeans_plus_plus(points: Tensor, weight: Tensor, draws: Tensor) -> Tensor:
     return torch.stack(centroids, dim=1)
 
 
-def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block_n: int = 2048) -> Tensor:
+def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block_n: int = 4096) -> Tensor:
     """``kmeans_plus_plus`` in one Triton launch, a program per row doing all C picks in turn. A pick is one pass over
     the row: the new centre's distances, which leave each block's total in registers; the next pick inverts the CDF
     in the block its draw falls in, found from those totals (float64), without another pass (3.2 against 4.8 ms with
-    three passes a pick, at 128 rows of 16K points; 5.9 against 9.5 at 64 of 32K; H200). The picks equal the torch
-    code's but where a draw falls within rounding of a CDF step (the sums run in another order)."""
+    three passes a pick, at 128 rows of 16K points; 5.9 against 9.5 at 64 of 32K; H200). A pass is a sequence of
+    blocks whose latency, not bytes, sets the pace (at batch 1 there are 8 programs): blocks of 4096 points and 32
+    warps took 1.8 ms at 8 rows of 32K points and 2.3 ms at 128 of 16K, against 2.8 and 3.2 with 2048 and 8 warps
+    (the same picks). The picks equal the torch code's but where a draw falls within rounding of a CDF step (the sums
+    run in another order)."""
     P, n, r = points.shape
     C = draws.shape[0]
     centroids = torch.empty(P, C, r, dtype=points.dtype, device=points.device)
@@ -230,17 +238,42 @@ def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block
     blocks = triton.cdiv(n, block_n)
     _kmeans_plus_plus[(P,)](points.float().contiguous(), weight.float().contiguous(), draws.double().contiguous(),
                             centroids, closest, n, C, P, blocks, R=r, BLOCK_R=triton.next_power_of_2(r),
-                            BLOCK_N=block_n, BLOCKS=triton.next_power_of_2(blocks), num_warps=8)
+                            BLOCK_N=block_n, BLOCKS=triton.next_power_of_2(blocks), num_warps=32)
     return centroids
+
+
+def cluster_means(sums: Tensor, counts: Tensor, centroids: Tensor) -> Tensor:
+    """Lloyd's other half-step: each cluster's mean, sums ``[P, C, r]`` over counts ``[P, C]``; an emptied cluster
+    keeps its centre (``centroids``). On CUDA one Triton launch (torch takes four)."""
+    if not on_gpu(sums):
+        return torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
+    P, C, r = centroids.shape
+    out = torch.empty(P, C, r, dtype=torch.float32, device=centroids.device)
+    if out.numel():
+        _cluster_means[(P,)](sums, counts, centroids.float().contiguous(), out, C, sums.stride(0), sums.stride(1),
+                             counts.stride(0), counts.stride(1), R=r, BLOCK_C=triton.next_power_of_2(C),
+                             BLOCK_R=triton.next_power_of_2(r))
+    return out
 
 
 def assign_and_sum(points: Tensor, weight: Tensor, centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One Lloyd half-step: points ``[P, n, r]``, weight ``[P, n]`` (0: not a point), centroids ``[P, C, r]`` → (each
-    point's nearest centroid ``[P, n]``, its clusters' weighted sums ``[P, C, r]`` and weights ``[P, C]``). (Summing
-    inside the nearest-centroid kernel measured slower on an H200 than torch's scatter-add after it: 0.58 against 0.34
-    ms at 128 × 16K points; so did a kernel summing each chunk's one-hot product in registers, 0.54 against 0.37 ms.)"""
+    point's nearest centroid ``[P, n]``, its clusters' sums of points ``[P, C, r]`` and of weights ``[P, C]``, over the
+    points of nonzero weight). On CUDA the sums are one Triton launch of atomic adds into one zeroed buffer (torch's
+    mask, zeros and scatter-adds take six: at batch 1 a Lloyd iteration is the latency of its launches). (Summing
+    inside the nearest-centroid kernel measured slower on an H200 than a scatter-add after it: 0.58 against 0.34 ms at
+    128 × 16K points; so did a kernel summing each chunk's one-hot product in registers, 0.54 against 0.37 ms.)"""
     C = centroids.shape[-2]
     assignment = nearest(points, centroids)
+    if on_gpu(points):
+        P, n, r = points.shape
+        totals = torch.zeros(P, C, r + 1, dtype=torch.float32, device=points.device)  # Σx, then Σw
+        if n:
+            block_n = 128
+            _sum_by_cluster[(triton.cdiv(n, block_n), P)](points.float().contiguous(), weight.float().contiguous(),
+                                                            assignment, totals, n, C, R=r,
+                                                            BLOCK_R=triton.next_power_of_2(r + 1), BLOCK_N=block_n)
+        return assignment, totals[..., :r], totals[..., r]
     slot = assignment.masked_fill(weight == 0, C)  # the unselected points: no cluster
     return assignment, sum_by_slot(slot, points, C), sum_by_slot(slot, weight, C)
 
@@ -274,16 +307,16 @@ def nearest_triton(points: Tensor, centroids: Tensor, block_n: int = 128, precis
 if triton is not None:
 
     @triton.jit
-    def _gram_schmidt(Y, OUT, D, B, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr):
-        """Program (matrix): modified Gram–Schmidt over its ``B`` columns of ``D`` rows, held in registers, done twice
-        (the second pass removes what rounding left of the first's projections)."""
+    def _gram_schmidt(Y, OUT, D, B, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, PASSES: tl.constexpr):
+        """Program (matrix): modified Gram–Schmidt over its ``B`` columns of ``D`` rows, held in registers, ``PASSES``
+        times."""
         p = tl.program_id(0).to(tl.int64)
         offs_d = tl.arange(0, BLOCK_D)
         offs_b = tl.arange(0, BLOCK_B)
         inside = (offs_d[:, None] < D) & (offs_b[None, :] < B)
         at = (p * D + offs_d[:, None]) * B + offs_b[None, :]
         y = tl.load(Y + at, mask=inside, other=0.0)
-        for _ in range(2):
+        for _ in tl.static_range(PASSES):
             for j in range(0, B):
                 this = offs_b[None, :] == j
                 column = tl.sum(tl.where(this, y, 0.0), axis=1)
@@ -366,6 +399,37 @@ if triton is not None:
             if by_weight:
                 total = tl.sum(weight_sums, axis=0)
             tl.debug_barrier()  # the next pick reads CLOSEST in another layout: other threads' stores, visible
+
+    @triton.jit
+    def _sum_by_cluster(X, W, ASSIGNMENT, TOTALS, n, C, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (block of points, problem): its points of nonzero weight added to their cluster's row of TOTALS
+        ``[C, R + 1]`` (Σx in the first R columns, Σw in the last)."""
+        p = tl.program_id(1).to(tl.int64)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_r = tl.arange(0, BLOCK_R)
+        w = tl.load(W + p * n + offs_n, mask=offs_n < n, other=0.0)
+        keep = w != 0
+        cluster = tl.load(ASSIGNMENT + p * n + offs_n, mask=keep, other=0)
+        x = tl.load(X + (p * n + offs_n[:, None]) * R + offs_r[None, :], mask=keep[:, None] & (offs_r[None, :] < R),
+                    other=0.0)
+        x = tl.where(offs_r[None, :] == R, w[:, None], x)
+        tl.atomic_add(TOTALS + (p * C + cluster[:, None]) * (R + 1) + offs_r[None, :], x,
+                      mask=keep[:, None] & (offs_r[None, :] <= R), sem="relaxed")
+
+    @triton.jit
+    def _cluster_means(SUMS, COUNTS, CENT, OUT, C, ss_p, ss_c, sc_p, sc_c, R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+        """Program (problem): each cluster's Σx over its count (IEEE division, as torch's), or its old centre."""
+        p = tl.program_id(0).to(tl.int64)
+        offs_c = tl.arange(0, BLOCK_C)
+        offs_r = tl.arange(0, BLOCK_R)
+        both = (offs_c[:, None] < C) & (offs_r[None, :] < R)
+        count = tl.load(COUNTS + p * sc_p + offs_c * sc_c, mask=offs_c < C, other=0.0)
+        sums = tl.load(SUMS + p * ss_p + offs_c[:, None] * ss_c + offs_r[None, :], mask=both, other=0.0)
+        at = (p * C + offs_c[:, None]) * R + offs_r[None, :]
+        old = tl.load(CENT + at, mask=both, other=0.0)
+        mean = tl.div_rn(sums, tl.maximum(count, 1.0)[:, None])
+        tl.store(OUT + at, tl.where(count[:, None] > 0, mean, old), mask=both)
 
     @triton.jit
     def _nearest(X, CENT, OUT, n, C, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,

@@ -84,7 +84,7 @@ def test_subspace_iteration_stops_once_the_captured_energy_settles():
     for energy_tol in (1e-6, 0.0):
         calls = []
         real = geometry.orthonormalize
-        with mock.patch.object(geometry, "orthonormalize", lambda x: calls.append(1) or real(x)):
+        with mock.patch.object(geometry, "orthonormalize", lambda x, **kw: calls.append(1) or real(x, **kw)):
             values, vectors = geometry.subspace_eigenpairs(moment, r, energy_tol=energy_tol)
         products[energy_tol] = len(calls)
     values, vectors = geometry.subspace_eigenpairs(moment, r)
@@ -123,12 +123,41 @@ def test_the_triton_gram_schmidt_matches_qr():
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
     gen = torch.Generator().manual_seed(5)
-    columns = torch.randn(3, 24, 10, generator=gen, dtype=torch.float64) * (0.1 ** torch.arange(10.0)).double()
-    out = torch.empty_like(columns)
-    geometry._gram_schmidt[(3,)](columns, out, 24, 10, BLOCK_D=32, BLOCK_B=16)
-    q = torch.linalg.qr(columns).Q
-    assert torch.allclose(out.transpose(-1, -2) @ out, torch.eye(10, dtype=torch.float64), atol=1e-12)
-    assert torch.allclose((out * q).sum(-2).abs(), torch.ones(3, 10, dtype=torch.float64), atol=1e-9)
+    scaled = torch.randn(3, 24, 10, generator=gen, dtype=torch.float64) * (0.1 ** torch.arange(10.0)).double()
+    # Nearly parallel columns (cond ≈ 1e6): one pass leaves them orthonormal only to about eps·cond.
+    parallel = torch.randn(3, 24, 1, generator=gen, dtype=torch.float64) + 1e-6 * torch.randn(
+        3, 24, 10, generator=gen, dtype=torch.float64)
+    eye = torch.eye(10, dtype=torch.float64)
+    for columns in (scaled, parallel):
+        q = torch.linalg.qr(columns).Q
+        # Two passes: orthonormal to rounding. One (the subspace iteration's between its checks): the same span,
+        # column by column, orthonormal to about eps·cond.
+        for passes, atol in ((2, 1e-12), (1, 1e-8)):
+            out = torch.empty_like(columns)
+            geometry._gram_schmidt[(3,)](columns, out, 24, 10, BLOCK_D=32, BLOCK_B=16, PASSES=passes)
+            assert torch.allclose(out.transpose(-1, -2) @ out, eye, atol=atol)
+            assert torch.allclose((out * q).sum(-2).abs(), torch.ones(3, 10, dtype=torch.float64), atol=1e-9)
+    assert not torch.allclose(out.transpose(-1, -2) @ out, eye, atol=1e-12)  # one pass is not two
+
+
+def test_the_subspace_iteration_on_the_triton_gram_schmidt(monkeypatch):
+    """Under the interpreter, the iteration as a GPU runs it (one Gram–Schmidt pass between checks, two before each):
+    LAPACK's top pairs on a decaying spectrum, an orthonormal basis."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    monkeypatch.setattr(geometry, "on_gpu", lambda tensor: True)
+    r = 4
+    moment = _moments(0.7 ** torch.arange(24), 200, count=2)
+    values, vectors = geometry.subspace_eigenpairs(moment, r, energy_tol=0.0)
+    exact_values, exact_vectors = torch.linalg.eigh(moment)
+    assert torch.allclose(values, exact_values[..., -r:], rtol=1e-10, atol=0)
+    assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(r, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose((exact_vectors[..., -r:] * vectors).sum(-2).abs(), torch.ones(2, r, dtype=torch.float64),
+                          atol=1e-8)
 
 
 def test_the_triton_kmeans_plus_plus_picks_the_torch_centres():
@@ -166,6 +195,34 @@ def test_the_triton_nearest_centroid_matches_torch():
         centroids = torch.randn(3, 37, r, generator=gen)
         centroids[:, 35] = centroids[:, 2]
         assert torch.equal(geometry.nearest_triton(points, centroids, block_n=64), geometry.nearest(points, centroids))
+
+
+def test_the_triton_lloyd_half_steps_equal_torchs(monkeypatch):
+    """Under the interpreter: the sums by cluster as a GPU runs them (atomic adds of the points of nonzero weight, a
+    block count that does not divide the row) and the cluster means (an emptied cluster keeps its centre) equal the
+    torch code's."""
+    import pytest
+
+    from oa_core import geometry, triton_path
+
+    if triton_path.unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(9)
+    points = torch.randn(2, 300, 5, generator=gen)
+    weight = (torch.rand(2, 300, generator=gen) > 0.25).float()
+    centroids = torch.randn(2, 7, 5, generator=gen)
+    centroids[1, 3] = 50.0  # nearest to no point: an empty cluster
+    expected = geometry.assign_and_sum(points, weight, centroids)
+    expected_means = geometry.cluster_means(expected[1], expected[2], centroids)
+    with monkeypatch.context() as patch:
+        patch.setattr(geometry, "on_gpu", lambda tensor: True)
+        assignment, sums, counts = geometry.assign_and_sum(points, weight, centroids)
+        means = geometry.cluster_means(sums, counts, centroids)
+    assert torch.equal(assignment, expected[0])
+    assert torch.equal(counts, expected[2]) and counts[1, 3] == 0 and counts.sum() == weight.sum()
+    assert torch.allclose(sums, expected[1], atol=1e-5)
+    assert torch.allclose(means, expected_means, atol=1e-6)
+    assert torch.equal(means[1, 3], centroids[1, 3])
 
 
 def test_lloyd_on_the_triton_kernels_ends_where_torch_ends(monkeypatch):
