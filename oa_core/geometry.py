@@ -167,6 +167,9 @@ def project(keys: Tensor, basis: Tensor) -> Tensor:
     return out
 
 
+_SUM_BLOCK_N = 128  # points per program of Lloyd's sums
+
+
 def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
           generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Seeded k-means++ initialisation, then Lloyd iterations, batched over leading dims, on the points ``mask``
@@ -188,17 +191,72 @@ def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
         centroids = kmeans_plus_plus_triton(flat, weight, draws)
     else:
         centroids = kmeans_plus_plus(flat, weight, draws)
-    # After a fixed point every iteration gives it again, so the device is asked whether the last iteration moved a
-    # point only every few iterations there (each question waits for it); on the CPU, after each.
-    check_every = 4 if on_gpu(flat) else 1
-    assignment, sums, counts = assign_and_sum(flat, weight, centroids)
+    assignment, centroids = lloyd_iterations(flat, weight, centroids, iterations)
+    return assignment.reshape(*lead, n), centroids.reshape(*lead, num_clusters, r)
+
+
+def lloyd_iterations(points: Tensor, weight: Tensor, centroids: Tensor, iterations: int,
+                     check_every: int | None = None) -> tuple[Tensor, Tensor]:
+    """Lloyd from ``centroids`` ``[P, C, r]``: points ``[P, n, r]``, weight ``[P, n]`` (0: not a point) → (each
+    point's nearest centroid ``[P, n]``, the centroids it is nearest to ``[P, C, r]``), after ``iterations`` at most
+    of: each cluster's mean of its points (an emptied cluster keeps its centre), then each point's nearest mean.
+
+    After a fixed point every iteration gives it again, so whether the last iteration moved a point is asked only
+    every ``check_every`` iterations (None: 4 on the GPU, where each question waits for the device; 1 elsewhere).
+    On CUDA an iteration is two Triton launches (``_nearest`` with the means folded in, ``_sum_by_cluster``) over
+    buffers made once: at batch 1 an iteration is the host's latency of its launches (torch took ten more)."""
+    gpu = on_gpu(points)
+    check_every = check_every or (4 if gpu else 1)
+    if gpu:
+        return _lloyd_triton(points, weight, centroids, iterations, check_every)
+    assignment, sums, counts = assign_and_sum(points, weight, centroids)
     for iteration in range(1, iterations + 1):
-        centroids = cluster_means(sums, counts, centroids)
-        updated, sums, counts = assign_and_sum(flat, weight, centroids)
+        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
+        updated, sums, counts = assign_and_sum(points, weight, centroids)
         if iteration % check_every == 0 and torch.equal(updated, assignment):
             break
         assignment = updated
-    return assignment.reshape(*lead, n), centroids.reshape(*lead, num_clusters, r)
+    return assignment, centroids
+
+
+def _lloyd_triton(points: Tensor, weight: Tensor, centroids: Tensor, iterations: int,
+                  check_every: int) -> tuple[Tensor, Tensor]:
+    """``lloyd_iterations`` on the Triton kernels. Iteration i reads the sums, centroids and assignment of i − 1 and
+    writes its own in the other half of three double buffers: the centroids, the assignment, and the sums (Σx and Σw
+    side by side), which its nearest-centroid pass zeroes before its sums add into them; ``moved[i]`` says whether a
+    point changed cluster."""
+    P, n, r = points.shape
+    C = centroids.shape[-2]
+    if not (n and C):
+        return nearest(points, centroids), centroids
+    device = points.device
+    x = points.float().contiguous()
+    w = weight.float().contiguous()
+    totals = torch.zeros(2, P, C, r + 1, dtype=torch.float32, device=device)
+    cents = torch.empty(2, P, C, r, dtype=torch.float32, device=device)
+    cents[0] = centroids
+    assign = torch.empty(2, P, n, dtype=torch.long, device=device)
+    moved = torch.zeros(iterations + 1, dtype=torch.int32, device=device)
+    block_n = 128
+    grid, sum_grid = (triton.cdiv(n, block_n), P), (triton.cdiv(n, _SUM_BLOCK_N), P)
+    shapes = dict(R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_C=32, BLOCK_N=block_n, PRECISION="tf32x3")
+
+    def add(half):
+        _sum_by_cluster[sum_grid](x, w, assign[half], totals[half], n, C, R=r, BLOCK_R=triton.next_power_of_2(r + 1),
+                                  BLOCK_N=_SUM_BLOCK_N)
+
+    _nearest[grid](x, cents[0], assign[0], n, C, totals, cents, assign, moved, totals, LLOYD=False, **shapes)
+    add(0)
+    last = 0
+    for i in range(1, iterations + 1):
+        old, new = (i - 1) % 2, i % 2
+        _nearest[grid](x, cents[old], assign[new], n, C, totals[old], cents[new], assign[old], moved[i:],
+                       totals[new], LLOYD=True, **shapes)
+        add(new)
+        last = i
+        if i % check_every == 0 and not bool(moved[i]):
+            break
+    return assign[last % 2], cents[last % 2]
 
 
 def kmeans_plus_plus(points: Tensor, weight: Tensor, draws: Tensor) -> Tensor:
@@ -242,38 +300,12 @@ def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block
     return centroids
 
 
-def cluster_means(sums: Tensor, counts: Tensor, centroids: Tensor) -> Tensor:
-    """Lloyd's other half-step: each cluster's mean, sums ``[P, C, r]`` over counts ``[P, C]``; an emptied cluster
-    keeps its centre (``centroids``). On CUDA one Triton launch (torch takes four)."""
-    if not on_gpu(sums):
-        return torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], centroids)
-    P, C, r = centroids.shape
-    out = torch.empty(P, C, r, dtype=torch.float32, device=centroids.device)
-    if out.numel():
-        _cluster_means[(P,)](sums, counts, centroids.float().contiguous(), out, C, sums.stride(0), sums.stride(1),
-                             counts.stride(0), counts.stride(1), R=r, BLOCK_C=triton.next_power_of_2(C),
-                             BLOCK_R=triton.next_power_of_2(r))
-    return out
-
-
 def assign_and_sum(points: Tensor, weight: Tensor, centroids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One Lloyd half-step: points ``[P, n, r]``, weight ``[P, n]`` (0: not a point), centroids ``[P, C, r]`` → (each
     point's nearest centroid ``[P, n]``, its clusters' sums of points ``[P, C, r]`` and of weights ``[P, C]``, over the
-    points of nonzero weight). On CUDA the sums are one Triton launch of atomic adds into one zeroed buffer (torch's
-    mask, zeros and scatter-adds take six: at batch 1 a Lloyd iteration is the latency of its launches). (Summing
-    inside the nearest-centroid kernel measured slower on an H200 than a scatter-add after it: 0.58 against 0.34 ms at
-    128 × 16K points; so did a kernel summing each chunk's one-hot product in registers, 0.54 against 0.37 ms.)"""
+    points of nonzero weight), in torch (the GPU's iterations: ``_lloyd_triton``)."""
     C = centroids.shape[-2]
     assignment = nearest(points, centroids)
-    if on_gpu(points):
-        P, n, r = points.shape
-        totals = torch.zeros(P, C, r + 1, dtype=torch.float32, device=points.device)  # Σx, then Σw
-        if n:
-            block_n = 128
-            _sum_by_cluster[(triton.cdiv(n, block_n), P)](points.float().contiguous(), weight.float().contiguous(),
-                                                            assignment, totals, n, C, R=r,
-                                                            BLOCK_R=triton.next_power_of_2(r + 1), BLOCK_N=block_n)
-        return assignment, totals[..., :r], totals[..., r]
     slot = assignment.masked_fill(weight == 0, C)  # the unselected points: no cluster
     return assignment, sum_by_slot(slot, points, C), sum_by_slot(slot, weight, C)
 
@@ -298,9 +330,10 @@ def nearest_triton(points: Tensor, centroids: Tensor, block_n: int = 128, precis
     centres = centroids.reshape(-1, C, r).float().contiguous()
     out = torch.empty(flat.shape[:2], dtype=torch.long, device=points.device)
     if out.numel():
-        _nearest[(triton.cdiv(n, block_n), flat.shape[0])](flat, centres, out, n, C, R=r,
-                                                            BLOCK_R=max(16, triton.next_power_of_2(r)),
-                                                            BLOCK_C=32, BLOCK_N=block_n, PRECISION=precision)
+        _nearest[(triton.cdiv(n, block_n), flat.shape[0])](flat, centres, out, n, C, flat, centres, out, out, flat,
+                                                            R=r, BLOCK_R=max(16, triton.next_power_of_2(r)),
+                                                            BLOCK_C=32, BLOCK_N=block_n, PRECISION=precision,
+                                                            LLOYD=False)
     return out.reshape(*lead, n)
 
 
@@ -417,25 +450,14 @@ if triton is not None:
                       mask=keep[:, None] & (offs_r[None, :] <= R), sem="relaxed")
 
     @triton.jit
-    def _cluster_means(SUMS, COUNTS, CENT, OUT, C, ss_p, ss_c, sc_p, sc_c, R: tl.constexpr, BLOCK_C: tl.constexpr,
-                       BLOCK_R: tl.constexpr):
-        """Program (problem): each cluster's Σx over its count (IEEE division, as torch's), or its old centre."""
-        p = tl.program_id(0).to(tl.int64)
-        offs_c = tl.arange(0, BLOCK_C)
-        offs_r = tl.arange(0, BLOCK_R)
-        both = (offs_c[:, None] < C) & (offs_r[None, :] < R)
-        count = tl.load(COUNTS + p * sc_p + offs_c * sc_c, mask=offs_c < C, other=0.0)
-        sums = tl.load(SUMS + p * ss_p + offs_c[:, None] * ss_c + offs_r[None, :], mask=both, other=0.0)
-        at = (p * C + offs_c[:, None]) * R + offs_r[None, :]
-        old = tl.load(CENT + at, mask=both, other=0.0)
-        mean = tl.div_rn(sums, tl.maximum(count, 1.0)[:, None])
-        tl.store(OUT + at, tl.where(count[:, None] > 0, mean, old), mask=both)
-
-    @triton.jit
-    def _nearest(X, CENT, OUT, n, C, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-        """Program (block of points, problem): each point's argmin over centroids of ‖μ‖² − 2·x·μ, first of equals."""
+    def _nearest(X, CENT, OUT, n, C, TOTALS, CENT_OUT, PREV, MOVED, NEXT, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LLOYD: tl.constexpr):
+        """Program (block of points, problem): each point's argmin over centroids of ‖μ‖² − 2·x·μ, first of equals.
+        LLOYD: a Lloyd iteration — the centroids are the means of the sums TOTALS ``[C, R + 1]`` (Σx, then Σw), an
+        emptied cluster keeping its centre in CENT; the first block's program stores them at CENT_OUT and zeroes the
+        sums NEXT that the next launch adds into; a point whose centroid is not PREV's sets MOVED."""
         p = tl.program_id(1).to(tl.int64)
+        first = tl.program_id(0) == 0
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         in_n, in_r = offs_n < n, offs_r < R
@@ -445,8 +467,17 @@ if triton is not None:
         for c0 in range(0, C, BLOCK_C):
             offs_c = c0 + tl.arange(0, BLOCK_C)
             in_c = offs_c < C
-            centre = tl.load(CENT + (p * C + offs_c[:, None]) * R + offs_r[None, :],
-                             mask=in_c[:, None] & in_r[None, :], other=0.0)
+            tile = in_c[:, None] & in_r[None, :]
+            centre = tl.load(CENT + (p * C + offs_c[:, None]) * R + offs_r[None, :], mask=tile, other=0.0)
+            if LLOYD:  # the mean, IEEE-divided as torch's, or the old centre
+                row = (p * C + offs_c) * (R + 1)
+                count = tl.load(TOTALS + row + R, mask=in_c, other=0.0)
+                sums = tl.load(TOTALS + row[:, None] + offs_r[None, :], mask=tile, other=0.0)
+                centre = tl.where(count[:, None] > 0, tl.div_rn(sums, tl.maximum(count, 1.0)[:, None]), centre)
+                if first:
+                    tl.store(CENT_OUT + (p * C + offs_c[:, None]) * R + offs_r[None, :], centre, mask=tile)
+                    tl.store(NEXT + row[:, None] + offs_r[None, :], tl.zeros([BLOCK_C, BLOCK_R], tl.float32), mask=tile)
+                    tl.store(NEXT + row + R, tl.zeros([BLOCK_C], tl.float32), mask=in_c)
             norm = tl.sum(centre * centre, axis=1)
             distance = norm[None, :] - 2 * tl.dot(x, tl.trans(centre), input_precision=PRECISION)
             distance = tl.where(in_c[None, :], distance, float("inf"))
@@ -457,3 +488,7 @@ if triton is not None:
             best = tl.where(better, low, best)
             best_index = tl.where(better, index, best_index)
         tl.store(OUT + p * n + offs_n, best_index, mask=in_n)
+        if LLOYD:
+            changed = in_n & (best_index != tl.load(PREV + p * n + offs_n, mask=in_n, other=0))
+            if tl.max(changed.to(tl.int32), axis=0) > 0:
+                tl.atomic_max(MOVED, 1, sem="relaxed")

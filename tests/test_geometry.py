@@ -197,10 +197,11 @@ def test_the_triton_nearest_centroid_matches_torch():
         assert torch.equal(geometry.nearest_triton(points, centroids, block_n=64), geometry.nearest(points, centroids))
 
 
-def test_the_triton_lloyd_half_steps_equal_torchs(monkeypatch):
-    """Under the interpreter: the sums by cluster as a GPU runs them (atomic adds of the points of nonzero weight, a
-    block count that does not divide the row) and the cluster means (an emptied cluster keeps its centre) equal the
-    torch code's."""
+def test_the_triton_lloyd_iterations_equal_torchs(monkeypatch):
+    """Under the interpreter: Lloyd's iterations as a GPU runs them (the means folded into the nearest-centroid pass,
+    the sums as atomic adds into double buffers, whether a point moved flagged on the device) end where the torch
+    loop ends after 0 to 6 iterations, asked after each or every 4: masked points, a block count that does not divide
+    the row, an emptied cluster that keeps its centre."""
     import pytest
 
     from oa_core import geometry, triton_path
@@ -210,19 +211,18 @@ def test_the_triton_lloyd_half_steps_equal_torchs(monkeypatch):
     gen = torch.Generator().manual_seed(9)
     points = torch.randn(2, 300, 5, generator=gen)
     weight = (torch.rand(2, 300, generator=gen) > 0.25).float()
-    centroids = torch.randn(2, 7, 5, generator=gen)
-    centroids[1, 3] = 50.0  # nearest to no point: an empty cluster
-    expected = geometry.assign_and_sum(points, weight, centroids)
-    expected_means = geometry.cluster_means(expected[1], expected[2], centroids)
-    with monkeypatch.context() as patch:
-        patch.setattr(geometry, "on_gpu", lambda tensor: True)
-        assignment, sums, counts = geometry.assign_and_sum(points, weight, centroids)
-        means = geometry.cluster_means(sums, counts, centroids)
-    assert torch.equal(assignment, expected[0])
-    assert torch.equal(counts, expected[2]) and counts[1, 3] == 0 and counts.sum() == weight.sum()
-    assert torch.allclose(sums, expected[1], atol=1e-5)
-    assert torch.allclose(means, expected_means, atol=1e-6)
-    assert torch.equal(means[1, 3], centroids[1, 3])
+    centroids = points[:, :7].clone()
+    centroids[1, 3] = 50.0  # nearest to no point: an emptied cluster from the start
+    for iterations in (0, 1, 2, 3, 6):
+        for check_every in (1, 4):
+            expected = geometry.lloyd_iterations(points, weight, centroids, iterations, check_every)
+            with monkeypatch.context() as patch:
+                patch.setattr(geometry, "on_gpu", lambda tensor: True)
+                assignment, means = geometry.lloyd_iterations(points, weight, centroids, iterations, check_every)
+            assert torch.equal(assignment, expected[0]), (iterations, check_every)
+            assert torch.allclose(means, expected[1], atol=1e-5), (iterations, check_every)
+            assert torch.equal(means[1, 3], centroids[1, 3])
+    assert not torch.equal(expected[0], geometry.nearest(points, centroids))  # the iterations moved points
 
 
 def test_lloyd_on_the_triton_kernels_ends_where_torch_ends(monkeypatch):
