@@ -83,10 +83,10 @@ def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, energy_tol
                         check_every: int = 8, max_iterations: int = 1000) -> tuple[Tensor, Tensor]:
     """Top-``rank`` eigenpairs of symmetric PSD ``[P, D, D]`` float64 matrices by block subspace iteration on M²
     with Rayleigh–Ritz: a block of 2·rank orthonormal columns (a fixed seeded start: the same on every device) is
-    multiplied by M² and re-orthonormalised (``orthonormalize``: one Gram–Schmidt pass, two before a check) until, for every matrix, either every one of the top
-    ``rank`` Ritz pairs (λ, u) has ‖Mu − λu‖ ≤ ``tol``·λ_1, or the query energy the basis captures, Σλ over the top
-    ``rank`` Ritz values, grew by at most ``energy_tol`` of itself since the last check (checks every ``check_every``
-    products: each waits for the device).
+    multiplied by M² and re-orthonormalised (``orthonormalize``: one Gram–Schmidt pass, two before a check) until,
+    for every matrix, either every one of the top ``rank`` Ritz pairs (λ, u) has ‖Mu − λu‖ ≤ ``tol``·λ_1, or the
+    query energy the basis captures, Σλ over the top ``rank`` Ritz values, grew by at most ``energy_tol`` of itself
+    since the last check (checks every ``check_every`` products: each waits for the device).
 
     The energy is what QGC and QGS keep of the queries: a basis that captures all but 10⁻⁶ of what the exact top-r
     subspace captures serves them as well, whichever vectors span it. Ritz values only grow towards the eigenvalues,
