@@ -132,6 +132,8 @@ def orthonormalize(columns: Tensor, passes: int = 2) -> Tensor:
     times (the second removes what rounding left of the first's projections; one leaves the basis orthonormal to about
     eps·cond(columns)). A pass is 64 dependent reductions at 128 × 32 whatever the batch: two took 0.11 ms for 128
     matrices on an H200 (a batched QR 7.1 ms), and as long for 8. Elsewhere QR."""
+    if passes < 1:
+        raise ValueError(f"orthonormalize: passes must be at least 1, got {passes}")
     if on_gpu(columns):
         *lead, D, b = columns.shape
         flat = columns.reshape(-1, D, b).contiguous()
@@ -165,9 +167,6 @@ def project(keys: Tensor, basis: Tensor) -> Tensor:
                                                   R=r, BLOCK_D=max(16, triton.next_power_of_2(D)),
                                                   BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_N=block_n)
     return out
-
-
-_SUM_BLOCK_N = 128  # points per program of Lloyd's sums
 
 
 def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
@@ -237,13 +236,13 @@ def _lloyd_triton(points: Tensor, weight: Tensor, centroids: Tensor, iterations:
     cents[0] = centroids
     assign = torch.empty(2, P, n, dtype=torch.long, device=device)
     moved = torch.zeros(iterations + 1, dtype=torch.int32, device=device)
-    block_n = 128
-    grid, sum_grid = (triton.cdiv(n, block_n), P), (triton.cdiv(n, _SUM_BLOCK_N), P)
+    block_n = 128  # points per program, of both launches
+    grid = (triton.cdiv(n, block_n), P)
     shapes = dict(R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_C=32, BLOCK_N=block_n, PRECISION="tf32x3")
 
     def add(half):
-        _sum_by_cluster[sum_grid](x, w, assign[half], totals[half], n, C, R=r, BLOCK_R=triton.next_power_of_2(r + 1),
-                                  BLOCK_N=_SUM_BLOCK_N)
+        _sum_by_cluster[grid](x, w, assign[half], totals[half], n, C, R=r, BLOCK_R=triton.next_power_of_2(r + 1),
+                              BLOCK_N=block_n)
 
     _nearest[grid](x, cents[0], assign[0], n, C, totals, cents, assign, moved, totals, LLOYD=False, **shapes)
     add(0)

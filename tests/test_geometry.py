@@ -138,6 +138,8 @@ def test_the_triton_gram_schmidt_matches_qr():
             assert torch.allclose(out.transpose(-1, -2) @ out, eye, atol=atol)
             assert torch.allclose((out * q).sum(-2).abs(), torch.ones(3, 10, dtype=torch.float64), atol=1e-9)
     assert not torch.allclose(out.transpose(-1, -2) @ out, eye, atol=1e-12)  # one pass is not two
+    with pytest.raises(ValueError, match="passes must be at least 1, got 0"):
+        geometry.orthonormalize(scaled, passes=0)
 
 
 def test_the_subspace_iteration_on_the_triton_gram_schmidt(monkeypatch):
