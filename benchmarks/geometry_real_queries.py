@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-from oa_core import geometry
+from oa_core import geometry, kmeans
 from oa_core.attention_error import haystack_ids
 from oa_core.offline_model import capture_attention, load_offline_model
 
@@ -68,7 +68,7 @@ def layer_figures(queries: torch.Tensor, keys: torch.Tensor) -> dict:
     assignments = []
     for u, lam in ((exact_vectors[..., -RANK:], top), (vectors, values)):
         points = keys.float() @ (u * lam.clamp_min(0).sqrt()[..., None, :]).float()
-        assignments.append(geometry.lloyd(points, mask, CLUSTERS, 20, torch.Generator().manual_seed(0))[0])
+        assignments.append(kmeans.lloyd(points, mask, CLUSTERS, 20, torch.Generator().manual_seed(0))[0])
     return {"products": len(products) - 1, "gap_16_33": float((exact_values[..., -2 * RANK - 1]
                                                                / exact_values[..., -RANK]).max()),
             "value_rel_error": float(((values - top).abs() / exact_values[..., -1:]).max()),

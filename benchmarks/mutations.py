@@ -52,6 +52,7 @@ ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py
 KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_flash_kernel.py",
                 "tests/test_conformance.py")
 QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_geometry.py", "tests/test_conformance.py")
+KMEANS_TESTS = ("tests/plugins/test_qgc.py", "tests/test_kmeans.py", "tests/test_conformance.py")
 SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
 PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
 STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
@@ -91,35 +92,48 @@ MUTATIONS = [
     mutation("geometry-gram-schmidt-without-normalising", "oa_core/geometry.py",
              [("column = column / tl.sqrt(tl.sum(column * column, axis=0))", "column = column")], QGC_TESTS,
              "the Triton Gram–Schmidt leaves its columns unnormalised"),
-    mutation("kmeans-plus-plus-kernel-off-by-one", "oa_core/geometry.py",
-             [("chosen = tl.minimum(below, n - 1)", "chosen = tl.minimum(below + 1, n - 1)")], QGC_TESTS,
+    mutation("kmeans-plus-plus-kernel-off-by-one", "oa_core/kmeans.py",
+             [("chosen = tl.minimum(below, n - 1)", "chosen = tl.minimum(below + 1, n - 1)")], KMEANS_TESTS,
              "the one-launch k-means++ picks the point after the one whose weight the draw fell in"),
-    mutation("nearest-kernel-last-of-equals", "oa_core/geometry.py",
-             [("better = low < best", "better = low <= best")], QGC_TESTS,
+    mutation("nearest-kernel-last-of-equals", "oa_core/kmeans.py",
+             [("better = low < best", "better = low <= best")], KMEANS_TESTS,
              "the Triton nearest centroid takes the last of equal centroids across tiles"),
-    mutation("kmeans-plus-plus-kernel-block-search-one-short", "oa_core/geometry.py",
+    mutation("kmeans-plus-plus-kernel-block-search-one-short", "oa_core/kmeans.py",
              [("first = tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0)",
                "first = tl.maximum(tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0) - 1, 0)")],
-             QGC_TESTS, "k-means++ inverts the CDF in the block before the one its draw falls in"),
-    mutation("lloyd-torch-stops-while-points-move", "oa_core/geometry.py",
+             KMEANS_TESTS, "k-means++ inverts the CDF in the block before the one its draw falls in"),
+    mutation("lloyd-torch-stops-while-points-move", "oa_core/kmeans.py",
              [("if iteration % check_every == 0 and torch.equal(updated, assignment):",
-               "if iteration % check_every == 0 and not torch.equal(updated, assignment):")], QGC_TESTS,
+               "if iteration % check_every == 0 and not torch.equal(updated, assignment):")], KMEANS_TESTS,
              "Lloyd's torch loop stops at its first look where points still move"),
-    mutation("lloyd-gpu-stops-while-points-move", "oa_core/geometry.py",
-             [("if i % check_every == 0 and not bool(moved[i]):", "if i % check_every == 0 and bool(moved[i]):")],
-             QGC_TESTS, "Lloyd on the GPU stops at its first look where points still move"),
-    mutation("lloyd-sums-count-every-point", "oa_core/geometry.py",
-             [("        keep = w != 0\n", "        keep = offs_n < n\n")], QGC_TESTS,
-             "the Triton sums by cluster add the points of weight 0 (outside the mask) too"),
-    mutation("lloyd-means-empty-cluster-to-zero", "oa_core/geometry.py",
-             [("centre = tl.where(count[:, None] > 0,", "centre = tl.where(count[:, None] >= 0,")], QGC_TESTS,
+    mutation("lloyd-gpu-stops-while-points-move", "oa_core/kmeans.py",
+             [("if i and i % check_every == 0 and not bool(moved[i]):",
+               "if i and i % check_every == 0 and bool(moved[i]):")],
+             KMEANS_TESTS, "Lloyd on the GPU stops at its first look where points still move"),
+    mutation("lloyd-sums-count-every-point", "oa_core/kmeans.py",
+             [("go = changed & (w != 0)", "go = changed")], KMEANS_TESTS,
+             "Lloyd's sums on the GPU move the points of weight 0 (outside the mask) too"),
+    mutation("lloyd-means-empty-cluster-to-zero", "oa_core/kmeans.py",
+             [("tl.where(count[:, None] > 0, mean, centre)", "tl.where(count[:, None] >= 0, mean, centre)")],
+             KMEANS_TESTS,
              "the Triton cluster means move an emptied cluster's centre to the origin"),
-    mutation("lloyd-gpu-never-flags-a-moved-point", "oa_core/geometry.py",
+    mutation("lloyd-gpu-never-flags-a-moved-point", "oa_core/kmeans.py",
              [("if tl.max(changed.to(tl.int32), axis=0) > 0:", "if tl.max(changed.to(tl.int32), axis=0) > 1:")],
-             QGC_TESTS, "Lloyd on the GPU sees no point move, so it stops at its first look"),
-    mutation("lloyd-gpu-sums-never-zeroed", "oa_core/geometry.py",
-             [("                    tl.store(NEXT + row + R, tl.zeros([BLOCK_C], tl.float32), mask=in_c)\n", "")],
-             QGC_TESTS, "Lloyd on the GPU adds each iteration's counts to those of two iterations before"),
+             KMEANS_TESTS, "Lloyd on the GPU sees no point move, so it stops at its first look"),
+    mutation("lloyd-gpu-deltas-never-zeroed", "oa_core/kmeans.py",
+             [("                tl.store(DELTAS + row + R, tl.zeros([BLOCK_C], tl.float64), mask=in_c)\n", "")],
+             KMEANS_TESTS, "Lloyd on the GPU folds each launch's count deltas into the sums again at every later "
+             "launch"),
+    mutation("lloyd-gpu-moved-point-stays-in-its-old-sums", "oa_core/kmeans.py",
+             [("out_of = (p * C + before) * (R + 1)", "out_of = (p * C + best) * (R + 1)")], KMEANS_TESTS,
+             "a point that changes cluster is taken from its new cluster's sums, not from its old one's"),
+    mutation("lloyd-gpu-arrivals-never-reset", "oa_core/kmeans.py",
+             [("            tl.store(ARRIVED + p, 0)\n", "")], KMEANS_TESTS,
+             "the arrival count is not reset: after the first launch no program is the last, the means never move"),
+    mutation("lloyd-gpu-last-arrival-forgets-the-deltas", "oa_core/kmeans.py",
+             [("other=0.0, cache_modifier=\".cg\") + \\\n                    tl.load(DELTAS + row[:, None]",
+               "other=0.0, cache_modifier=\".cg\") + 0 * \\\n                    tl.load(DELTAS + row[:, None]")],
+             KMEANS_TESTS, "the last program's means fold in the counts' deltas but not the sums'"),
     mutation("projection-kernel-drops-the-last-dimension", "oa_core/geometry.py",
              [("in_n, in_d, in_r = offs_n < N, offs_d < D, offs_r < R", "in_n, in_d, in_r = offs_n < N, offs_d < D - 1, "
                "offs_r < R")], QGC_TESTS, "the projection kernel reads each key without its last dimension"),
@@ -418,10 +432,11 @@ def main(argv=None) -> int:
                                        text=True).stdout.strip(),
               "seconds": round(time.time() - start, 1), "caught": sum(r["caught"] for r in rows),
               "total": len(rows), "mutations": rows}
-    if args.only and args.output.exists():  # a partial run updates its rows in the full record
-        previous = json.loads(args.output.read_text())
-        ran = {r["name"] for r in rows}
-        result["mutations"] = [r for r in previous.get("mutations", []) if r["name"] not in ran] + rows
+    if args.only and args.output.exists():  # a partial run updates its rows in the full record (rows of mutations
+        previous = json.loads(args.output.read_text())  # no longer listed go)
+        ran, listed = {r["name"] for r in rows}, {m.name for m in MUTATIONS}
+        result["mutations"] = [r for r in previous.get("mutations", [])
+                               if r["name"] not in ran and r["name"] in listed] + rows
         result["caught"] = sum(r["caught"] for r in result["mutations"])
         result["total"] = len(result["mutations"])
     args.output.parent.mkdir(parents=True, exist_ok=True)

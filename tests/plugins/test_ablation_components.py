@@ -13,7 +13,7 @@ from oa_plugins.allocators.uniform import UniformAllocator
 from oa_plugins.allocators.variance import VarianceAllocator
 from oa_plugins.clusterers.kmeans import KeyKMeans, KMeansConfig
 from oa_plugins.clusterers.position import PositionBlocks, PositionConfig
-from oa_core.geometry import nearest
+from oa_core.kmeans import nearest
 
 
 def allocation(mean_logit, logit_var, counts, budget):
