@@ -1,6 +1,6 @@
 """Would the tests catch a wrong method? Plausible bugs, seeded one at a time into a copy of the project.
 
-    python benchmarks/mutations.py                  # every mutation (about 15 minutes on 2 CPU cores)
+    python benchmarks/mutations.py                  # every mutation (about 40 minutes on 2 CPU cores)
     python benchmarks/mutations.py --only errorgate # those whose name contains a word
     python benchmarks/mutations.py --list           # the list, without running anything
 
