@@ -92,15 +92,13 @@ def _lloyd_triton(points: Tensor, weight: Tensor, centroids: Tensor, iterations:
     moved = torch.zeros(iterations + 1, dtype=torch.int32, device=device)
     arrived = torch.zeros(P, dtype=torch.int32, device=device)
     grid = (triton.cdiv(n, LLOYD_BLOCK), P)
-    last = 0
     for i in range(iterations + 1):
         _lloyd_step[grid](x, w, cents[i % 2], cents[(i + 1) % 2], assignment, sums[0], sums[1], arrived, moved[i:],
                           n, C, R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_C=32, BLOCK_N=LLOYD_BLOCK,
                           PRECISION="tf32x3", FIRST=i == 0)
-        last = i
         if i and i % check_every == 0 and not bool(moved[i]):
             break
-    return assignment, cents[last % 2]
+    return assignment, cents[i % 2]  # the centroids of the last launch's assignment
 
 
 def kmeans_plus_plus(points: Tensor, weight: Tensor, draws: Tensor) -> Tensor:
