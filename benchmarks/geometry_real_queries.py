@@ -15,10 +15,8 @@ Triton Gram–Schmidt on CUDA: the same span). Writes ``benchmarks/results/geome
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
-import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -30,15 +28,6 @@ from oa_core.offline_model import capture_attention, load_offline_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, WINDOW, CLUSTERS = 16, 256, 64
-
-
-def other_text_ids(tokenizer, length: int) -> torch.Tensor:
-    """``length`` tokens of Python source and docs from the standard library (``traceback``, then ``inspect``)."""
-    text = inspect.getsource(traceback) + inspect.getsource(inspect)
-    ids = tokenizer(text, return_tensors="pt").input_ids
-    if ids.shape[1] < length:
-        raise ValueError(f"the standard-library text has {ids.shape[1]} tokens, fewer than {length}")
-    return ids[:, :length]
 
 
 def same_clusters(a: torch.Tensor, b: torch.Tensor, clusters: int) -> float:
@@ -89,7 +78,7 @@ def main(argv=None) -> int:
     record = {"model": "SmolLM2 (offline)", "rank": RANK, "window": WINDOW, "clusters": CLUSTERS,
               "tokens": args.tokens, "texts": {}}
     for name, ids in (("essays", haystack_ids(tokenizer, args.tokens)),
-                      ("python-stdlib", other_text_ids(tokenizer, args.tokens))):
+                      ("python-stdlib", haystack_ids(tokenizer, args.tokens, "python-source"))):
         captured = capture_attention(model, ids, layers)
         rows = {layer: layer_figures(captured[layer].queries, captured[layer].keys) for layer in layers}
         record["texts"][name] = rows

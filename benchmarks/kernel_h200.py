@@ -48,6 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, nargs="+", default=[0.1, 0.05, 0.03, 0.01])
     parser.add_argument("--gqa", nargs="+", default=["shared"], choices=["shared", "per_head"])
     parser.add_argument("--clusters", type=int, default=64)
+    parser.add_argument("--spec", type=Path, default=None,
+                        help="a spec file whose selector, allocator, tail, sink and local replace the defaults' "
+                             "(the clusters, kernel, GQA and budget still come from the options above)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_h200.json"))
     return parser.parse_args(argv)
 
@@ -178,7 +181,8 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     on_cpu = dataclasses.replace(inputs, **{f.name: getattr(inputs, f.name).cpu() for f in dataclasses.fields(inputs)
                                             if isinstance(getattr(inputs, f.name), torch.Tensor)})
     same_allocation = bool(torch.equal(WaterFillAllocator.allocate(pipe.allocator, inputs), quotas)) \
-        if isinstance(pipe.allocator, WaterFillAllocator) else None  # None: no separate GPU path to compare
+        if isinstance(pipe.allocator, WaterFillAllocator) and not pipe.allocator.reads_scores \
+        else None  # None: no separate GPU path to compare (ErrorGate's floor runs its torch ops on every device)
     rows_off_cpu = int((pipe.allocator.allocate(on_cpu) != quotas.cpu()).any(-1).sum())
     # The GPU selection against the reference's sort-based one: the same rows.
     width = plan.max_selectable
@@ -295,6 +299,9 @@ def main(argv=None) -> int:
             for gqa in args.gqa:
                 base = {"clusterer": {"name": "qgc", "num_clusters": args.clusters}, "kernel": "flash", "gqa": gqa,
                         "budget": {"density": args.density[0]}}
+                if args.spec is not None:
+                    loaded = oa.load_spec(args.spec).model_dump(mode="json")
+                    base.update({key: loaded[key] for key in ("selector", "allocator", "tail", "sink", "local")})
                 first = oa.build(base)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -383,6 +390,7 @@ def write(args, results, prepare, growth) -> None:
         "shapes": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "decode_queries": 1},
         "data": "random bf16 keys/values/prefill queries (seed 0); each query is 1.5× one of its KV head's keys",
         "clusters": args.clusters,
+        "spec": str(args.spec) if args.spec is not None else None,
         "results": results,
         "prepare": prepare,
         "decode_growth": growth,

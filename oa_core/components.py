@@ -146,6 +146,18 @@ class Selector(Component):
         head, the largest over its G query heads (any order-preserving score will do: only the ranking matters)."""
         raise NotImplementedError
 
+    @property
+    def refines(self) -> bool:
+        """Whether ``refine`` changes the scores (the fast decode path then masks them and calls it)."""
+        return False
+
+    def refine(self, scores: Tensor, query: Tensor, index: Any, keys: Tensor, scale: float, budget: Tensor,
+               width: int) -> Tensor:
+        """The scores the allocator and the selection use, from ``score``'s (-inf where not selectable) once each
+        row's selectable budget ``[B, Hkv, 1, 1]`` is known (at most ``width``, on the host): by default unchanged;
+        a two-stage selector re-ranks a shortlist by exact logits here (``oa_core.rerank``)."""
+        return scores
+
     def sample_pool(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor | None:
         """``tail: sample``: ln p_i, the log probability that token i is in the pool the tail samples are drawn
         from, ``[B, Hkv, Gs, G, T, N]`` for query ``[B, Hkv, Gs, G, T, D]`` (-inf: not in the pool). None: every

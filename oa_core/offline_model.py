@@ -72,8 +72,29 @@ def haystack_candidates() -> list[Path]:
     return [repo_root.parent / "shared" / "data" / HAYSTACK_FILE]
 
 
-def haystack_text() -> str:
-    """The Paul Graham essay haystack (``{"text": ...}``, about 3 MB) that RULER and needle tests use."""
+# The texts a haystack can be made of: the essays (``shared/data``), and two that ship with Python, so that a result
+# can be checked on text it was not tuned on: the language reference's prose (pydoc's topics) and library source.
+TEXTS = ("essays", "python-docs", "python-source")
+
+
+def haystack_text(name: str = "essays") -> str:
+    """A haystack text by name (``TEXTS``): the Paul Graham essays (``{"text": ...}``, about 3 MB) that RULER and
+    the needle tests use; ``python-docs``, the 79 topics of Python's reference that ``help()`` shows (about 0.5 MB of
+    English prose and grammar); ``python-source``, the source of the standard library's ``inspect`` and
+    ``traceback`` modules."""
+    if name == "python-docs":
+        try:
+            from pydoc_data.topics import topics
+        except ImportError as exc:
+            raise FileNotFoundError(f"python-docs: this Python has no pydoc_data ({exc})") from None
+        return "\n\n".join(topics[key] for key in sorted(topics))
+    if name == "python-source":
+        import inspect
+        import traceback
+
+        return inspect.getsource(traceback) + inspect.getsource(inspect)
+    if name != "essays":
+        raise ValueError(f"text: unknown haystack text {name!r}; known: {', '.join(TEXTS)}")
     for candidate in haystack_candidates():
         if candidate.is_file():
             return json.loads(candidate.read_text(encoding="utf-8"))["text"]

@@ -205,10 +205,13 @@ class Pipeline:
             scores = self.selector.score(grouped, state.index, state.keys, state.scale)
             contracts.check_scores(self.selector, scores, (B, Hkv, Gs, T, n))
             scores = scores.masked_fill(plan.unclustered, -math.inf)
+            budget = plan.selectable - samples if sampling else plan.selectable
+            scores = self.selector.refine(scores, grouped, state.index, state.keys, state.scale, budget,
+                                          plan.max_selectable)
             mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
             allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=state.pooled.count,
                                          scores=scores, assignment=state.pooled.assignment,
-                                         budget=plan.selectable - samples if sampling else plan.selectable,
+                                         budget=budget,
                                          width=plan.max_selectable)
             quotas = self.allocator.allocate(allocation)
             contracts.check_quotas(self.allocator, quotas, allocation, values=validate)

@@ -193,16 +193,19 @@ class StaticState:
         H = keys.shape[1]
         grouped = group_queries(query, H, spec.gqa == "shared")
         scores = pipe.selector.score(grouped, self.index, keys, self.scale)
-        if pipe.allocator.reads_scores:  # the selection reads each cluster's own scores only
-            scores = scores.masked_fill((self.assignment == C)[:, :, None, None, :], -math.inf)
-        mean_logit, logit_var = cluster_logit_stats_from_sums(query, self.pooled.count, self.pooled.key_sum,
-                                                              self.pooled.key_square_sum, self.scale)
         fixed = self.fixed_rows()
         budget = spec.budget.rows(self.length - self.start) - fixed.shape[-1]  # [B]: E_sel of each row
+        budget = budget.clamp_min(0).view(B, 1, 1, 1).expand(B, H, 1, 1)
         width = self.width()
+        refines = pipe.selector.refines
+        if pipe.allocator.reads_scores or refines:  # else the selection reads each cluster's own scores only
+            scores = scores.masked_fill((self.assignment == C)[:, :, None, None, :], -math.inf)
+        if refines:
+            scores = pipe.selector.refine(scores, grouped, self.index, keys, self.scale, budget, width)
+        mean_logit, logit_var = cluster_logit_stats_from_sums(query, self.pooled.count, self.pooled.key_sum,
+                                                              self.pooled.key_square_sum, self.scale)
         allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=self.pooled.count,
-                                     scores=scores, assignment=self.assignment,
-                                     budget=budget.clamp_min(0).view(B, 1, 1, 1).expand(B, H, 1, 1), width=width)
+                                     scores=scores, assignment=self.assignment, budget=budget, width=width)
         quotas = pipe.allocator.allocate(allocation)
         chosen = select(scores, self.assignment, quotas, width, (self.members, self.member_counts))
         index = torch.cat([fixed[:, None, None, None, :].expand(B, H, *chosen.shape[2:4], -1), chosen], dim=-1)

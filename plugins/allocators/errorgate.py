@@ -19,6 +19,7 @@ import contextlib
 import math
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from oa_core import hookimpl, triton_path
@@ -27,8 +28,9 @@ from oa_core.components import AllocationInput
 from oa_core.metrics import attention_logits
 from oa_core.scatter import sum_by_slot
 from oa_core.state import PipelineState
+from oa_plugins.allocators.global_topk import top_counts
 from oa_core.triton_path import libdevice, tl, triton
-from oa_core.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies
+from oa_core.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies, water_fill
 
 if triton is not None:
     from oa_core.water_filling import water_fill_row  # a Triton function, defined where Triton is
@@ -42,19 +44,42 @@ def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) ->
     return log_mass + torch.log(torch.erf(sigma / math.sqrt(2))), log_mass
 
 
+class ErrorGateConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    floor: float = Field(default=0.0, ge=0.0, le=1.0, description="share of the budget read first as the globally "
+                         "best-scored rows, the rest water-filled (0: the paper's ErrorGate, 1: global top-k)")
+
+
 class ErrorGate(WaterFillAllocator):
     """ErrorGate: water-fill the budget in proportion to each proxy's estimated error (paper Eqs. 6–7)."""
 
     name = "errorgate"
+    Config = ErrorGateConfig
+
+    @property
+    def reads_scores(self) -> bool:
+        return self.config.floor > 0
 
     def log_priority(self, inputs: AllocationInput, counts: Tensor) -> Tensor:
         log_error, log_mass = log_error_estimate(inputs.mean_logit, inputs.logit_var, counts)
         return log_error - log_total(log_mass)
 
     def allocate(self, inputs: AllocationInput) -> Tensor:
-        if fused_applies(inputs):
-            return allocate_triton(inputs)
-        return super().allocate(inputs)
+        """With ``floor`` f > 0, first the ⌊f·E_sel⌋ best-scored rows of the row wherever they are (a cluster's
+        first reads remove most of its error, and a lone high logit — a needle — may sit in a cluster of low ε̂),
+        then the rest of the budget water-filled by ε̂ (Eq. 7) up to what each cluster has left unread."""
+        if self.config.floor == 0:
+            if fused_applies(inputs):
+                return allocate_triton(inputs)
+            return super().allocate(inputs)
+        counts = inputs.counts[:, :, None, None, :]
+        first_budget = torch.floor(self.config.floor * inputs.budget.double()).long()
+        width = math.floor(self.config.floor * inputs.width) if inputs.width is not None else None
+        first = top_counts(inputs.scores, inputs.assignment, first_budget, counts.shape[-1], width)
+        priority = inputs.combine_heads(self.log_priority(inputs, counts))
+        rest = water_fill(priority, counts - first, inputs.budget - first.sum(-1))
+        return first + rest
 
     @classmethod
     def diagnose(cls, pipe, state: PipelineState, query: Tensor) -> dict[str, Tensor]:

@@ -72,6 +72,10 @@ def fused_unsupported(state) -> str | None:
         return f"selector {pipeline.selector.name!r} (fused: qgs)"
     if type(pipeline.allocator) is not ErrorGate:
         return f"allocator {pipeline.allocator.name!r} (fused: errorgate)"
+    if pipeline.selector.refines:
+        return f"qgs rerank: {pipeline.selector.config.rerank:g} (fused: 0)"
+    if pipeline.allocator.config.floor > 0:
+        return f"errorgate floor: {pipeline.allocator.config.floor:g} (fused: 0)"
     if pipeline.spec.tail not in ("proxy", "discard"):
         return f"tail: {pipeline.spec.tail}"
     if state.num_clusters > MAX_TRITON_CLUSTERS:

@@ -20,6 +20,7 @@ from torch import Tensor
 from oa_core import hookimpl, triton_path
 from oa_core.components import Clusters, Selector
 from oa_core.geometry import QUERY_WINDOW, project, query_geometry
+from oa_core.rerank import rerank_exact
 from oa_core.triton_path import tl, triton
 
 
@@ -28,6 +29,8 @@ class QGSConfig(BaseModel):
 
     rank: int = Field(default=16, ge=1, description="r: code bytes per key")
     query_window: int = Field(default=QUERY_WINDOW, ge=1, description="last prefill queries that estimate the basis")
+    rerank: float = Field(default=0.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
+                          "selectable budget (0: the paper's QGS, no re-rank)")
 
 
 @dataclass
@@ -69,6 +72,15 @@ class QuerySubspaceSelector(Selector):
             return group_int8_scores(projected, index.codes, index.scales, scale, T, G)
         scores = (projected @ index.codes.float().transpose(-1, -2)) * (scale * index.scales[:, :, None, :])
         return scores.view(B, Hkv, Gs, G, T, -1).amax(3)
+
+    @property
+    def refines(self) -> bool:
+        return self.config.rerank > 0
+
+    def refine(self, scores: Tensor, query: Tensor, index: QGSIndex, keys: Tensor, scale: float, budget: Tensor,
+               width: int) -> Tensor:
+        """With ``rerank`` > 0 the best ``rerank`` × budget rows by the codes' scores are re-scored from their keys."""
+        return rerank_exact(scores, query, keys, scale, self.config.rerank, budget, width)
 
 
 def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: float, queries: int, group: int, *,

@@ -180,3 +180,45 @@ def test_quotas_are_eq7_water_filling_of_eq6_estimates(path, shared):
         capacity = inputs.counts[:, :, None, None, :]
         ideal = references.water_fill(priority, capacity, inputs.budget)
         assert not references.rounding_violations(quotas, ideal, capacity).any()
+
+
+def _floor_case(seed=0, C=6, N=240, budget=30):
+    gen = torch.Generator().manual_seed(seed)
+    assignment = torch.randint(0, C, (1, 1, N), generator=gen)
+    assignment[..., :10] = C  # outside the clusters
+    counts = torch.zeros(1, 1, C).scatter_add_(-1, assignment.clamp_max(C - 1),
+                                               (assignment < C).float())
+    scores = torch.randn(1, 1, 1, 1, N, generator=gen).masked_fill(assignment[:, :, None, None] == C, -math.inf)
+    mean = torch.randn(1, 1, 1, 1, C, generator=gen)
+    var = torch.rand(1, 1, 1, 1, C, generator=gen)
+    return AllocationInput(mean, var, counts, scores, assignment, torch.tensor(budget).view(1, 1, 1, 1), budget)
+
+
+@pytest.mark.parametrize("floor", [0.25, 0.5, 1.0])
+def test_a_floor_reads_the_best_scored_rows_first_and_keeps_the_quota_contract(floor):
+    from oa_core.selection import select
+
+    for seed in range(5):
+        inputs = _floor_case(seed)
+        quotas = ErrorGate(ErrorGate.Config(floor=floor)).allocate(inputs)
+        counts = inputs.counts[:, :, None, None, :]
+        assert (quotas >= 0).all() and (quotas <= counts).all() and int(quotas.sum()) == 30
+        chosen = set(select(inputs.scores, inputs.assignment, quotas, 30).flatten().tolist())
+        best = inputs.scores.flatten().argsort(descending=True)[:math.floor(floor * 30)]
+        assert set(best.tolist()) <= chosen  # every one of the floor's rows is read
+
+
+def test_floor_zero_is_the_papers_errorgate_and_one_is_global_top_k():
+    from oa_plugins.allocators.global_topk import GlobalTopK
+
+    inputs = _floor_case(3)
+    assert torch.equal(ErrorGate(ErrorGate.Config(floor=0.0)).allocate(inputs), ErrorGate().allocate(inputs))
+    assert torch.equal(ErrorGate(ErrorGate.Config(floor=1.0)).allocate(inputs), GlobalTopK().allocate(inputs))
+    assert not ErrorGate().reads_scores and ErrorGate(ErrorGate.Config(floor=0.5)).reads_scores
+
+
+def test_a_floor_outside_zero_to_one_is_refused_naming_the_field():
+    import oa_core as oa
+
+    with pytest.raises(oa.SpecError, match="floor"):
+        oa.build({"allocator": {"name": "errorgate", "params": {"floor": 1.5}}})

@@ -1,0 +1,42 @@
+"""Two-stage selection: a cheap selector's scores pick a shortlist, exact logits from the keys re-rank it.
+
+A selector's scores only rank keys (``Selector.score``). Reading the keys of a shortlist of a few times the budget,
+its best by the cheap scores, and scoring those exactly makes the ranking inside the shortlist the oracle's, for a
+few percent of K rows more: ``rerank_exact`` is the stage, ``Selector.refine`` the hook where a selector applies it
+(QGS: ``rerank``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, multiple: float, budget: Tensor,
+                 width: int) -> Tensor:
+    """scores ``[B, Hkv, Gs, T, N]`` (-inf: not selectable), query ``[B, Hkv, Gs, G, T, D]``, keys ``[B, Hkv, N, D]``
+    → scores of the same shape where each row's shortlist — its best ⌈``multiple`` × budget⌉ positions by
+    ``scores``, budget ``[B, Hkv, 1, 1]`` the row's selectable rows, at most ``width`` (a bound known on the host) —
+    holds their exact logits (s·q·k, the largest over the selection head's G query heads, as the oracle selector
+    scores), and every other selectable position ranks below all of them, in its old order. -inf stays -inf; ties
+    at the cut go to the earlier position. Nothing waits on the device."""
+    longest = min(scores.shape[-1], math.ceil(multiple * width))
+    if longest <= 0:
+        return scores
+    B, Hkv, Gs, G, T, D = query.shape
+    # A stable sort, not topk: the shortlist at a tie in the cut is the same on every device.
+    cut, top = (t[..., :longest] for t in scores.sort(dim=-1, descending=True, stable=True))
+    length = torch.ceil(multiple * budget.double()).long().clamp_max(longest)[..., None]  # [B, Hkv, 1, 1, 1]
+    listed = (torch.arange(longest, device=scores.device) < length) & (cut > -math.inf)
+    # The rows gathered first, then cast: a cast of the whole cache would read and write all of it every step.
+    rows = keys.gather(2, top.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, D)).float().view(B, Hkv, Gs, T, longest, D)
+    exact = scale * torch.einsum("bhsgtd,bhstld->bhsgtl", query.float(), rows).amax(3)
+    # The rest go below the shortlist's lowest exact logit: shifted by (lowest exact − the last listed cheap score)
+    # − 1, which keeps their order (each scored at most that last one).
+    lowest = torch.where(listed, exact, torch.full_like(exact, math.inf)).amin(-1, keepdim=True)
+    last = cut.gather(-1, (listed.sum(-1, keepdim=True) - 1).clamp_min(0))
+    shift = torch.where(listed.any(-1, keepdim=True), lowest - last - 1, torch.zeros_like(last))
+    out = scores + shift
+    return out.scatter(-1, top, torch.where(listed, exact, out.gather(-1, top)))
