@@ -96,7 +96,8 @@ def check_clusterer(component, params: dict | None = None) -> None:
 
 def check_selector(component, params: dict | None = None) -> None:
     """score: float32 ``[B, Hkv, Gs, T, N]``, per query head and shared by the group, finite on the clusters,
-    deterministic; extend then score equals build on all keys (the appended keys leave the keys' mean as it was)."""
+    deterministic; refine keeps the shape and the -inf outside the clusters; extend then score equals build on all
+    keys (the appended keys leave the keys' mean as it was)."""
     selector = _instance("selector", component, params)
     keys, _, prefill, decode = _inputs()
     B, H, N, _ = keys.shape
@@ -114,6 +115,11 @@ def check_selector(component, params: dict | None = None) -> None:
         again = selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3))
         expect(torch.equal(scores, selector.score(query, again, keys, 0.2)), selector,
                "build + score must be deterministic for the same seed")
+        masked = scores.masked_fill((assignment == C)[:, :, None, None], float("-inf"))
+        refined = selector.refine(masked, query, index, keys, 0.2, torch.full((B, H, 1, 1), 20), 20)
+        check_scores(selector, refined, tuple(masked.shape))
+        expect(bool((refined[..., :4] == float("-inf")).all()), selector,
+               "refine must keep -inf where the scores have it (positions outside every cluster)")
     # Growth: build on the first N − 10 keys, extend by 10 whose mean is theirs (pairs m ± d), so that an index built
     # on statistics of the keys (LSH centres on their mean) sees the same statistics either way.
     first = keys[:, :, :N - 10]

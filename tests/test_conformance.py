@@ -17,6 +17,34 @@ def test_every_built_in_passes(kind, name):
     check_component(kind, name, params)
 
 
+@pytest.mark.parametrize("kind, name, params", [("selector", "qgs", {"rerank": 2}),
+                                                 ("allocator", "errorgate", {"floor": 0.5})])
+def test_the_two_stage_parameters_conform_too(kind, name, params):
+    check_component(kind, name, params)
+
+
+class LeakyRefineSelector(Selector):
+    """Scores right, but a refine that fills the positions outside every cluster."""
+
+    name = "leaky-refine-test"
+
+    @property
+    def refines(self):
+        return True
+
+    def score(self, query, index, keys, scale):
+        B, H, Gs, G, T, D = query.shape
+        return torch.zeros(B, H, Gs, T, keys.shape[2])
+
+    def refine(self, scores, query, index, keys, scale, budget, width):
+        return scores.nan_to_num(neginf=0.0)
+
+
+def test_a_refine_that_fills_the_unclustered_positions_is_caught():
+    with pytest.raises(ContractViolation, match="refine must keep -inf"):
+        check_selector(LeakyRefineSelector)
+
+
 class GreedyAllocator(Allocator):
     """Spends the whole budget on the first cluster, whatever its size."""
 
