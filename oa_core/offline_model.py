@@ -74,7 +74,8 @@ def haystack_candidates() -> list[Path]:
 
 # The texts a haystack can be made of: the essays (``shared/data``), and two that ship with Python, so that a result
 # can be checked on text it was not tuned on: the language reference's prose (pydoc's topics) and library source.
-TEXTS = ("essays", "python-docs", "python-source")
+TEXTS = {"essays": "paul_graham_essays.json", "python-docs": "pydoc_data.topics (sorted by topic)",
+         "python-source": "the source of traceback.py then inspect.py"}  # name → where it comes from
 
 
 def haystack_text(name: str = "essays") -> str:

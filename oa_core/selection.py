@@ -79,6 +79,20 @@ def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width:
     return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
+def top_counts(scores: Tensor, assignment: Tensor, budget: Tensor, num_clusters: int,
+               width: int | None = None) -> Tensor:
+    """How many of each row's ``budget`` ``[B, Hkv, 1, 1]`` best ``scores`` ``[B, Hkv, Gs, T, N]`` (-inf: none) fall
+    in each cluster of ``assignment`` ``[B, Hkv, N]`` → ``[B, Hkv, Gs, T, C]``. ``width``: a bound of the budget known
+    on the host (None: read from it, a device sync)."""
+    width = min(width if width is not None else int(budget.max()), scores.shape[-1])
+    # A stable sort, not topk: tied scores (a Quest page) go to the earliest positions, on every device.
+    top_scores, top = (t[..., :width] for t in scores.sort(dim=-1, descending=True, stable=True))
+    assignment = assignment[:, :, None, None, :].expand_as(scores)
+    beyond = torch.arange(width, device=scores.device) >= budget[..., None]  # a row's own budget
+    clusters = assignment.gather(-1, top).masked_fill((top_scores == float("-inf")) | beyond, num_clusters)
+    return count_by_slot(clusters, num_clusters)
+
+
 def cluster_members(assignment: Tensor, num_clusters: int, room: int = 0) -> tuple[Tensor, Tensor]:
     """assignment ``[B, H, N]`` (``num_clusters`` outside the clusters) → (members ``[B, H, C, S]`` int32: each
     cluster's positions in order, -1 padded; counts ``[B, H, C]``). S: the largest cluster plus ``room`` slots for

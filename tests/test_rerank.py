@@ -9,8 +9,7 @@ import torch
 import oa_core as oa
 from oa_core.components import group_queries
 from oa_core.rerank import rerank_exact
-from oa_core.selection import select
-from oa_plugins.allocators.global_topk import top_counts
+from oa_core.selection import select, top_counts
 
 
 def _case(seed=0, B=2, H=2, g=2, N=300, D=16, T=1):

@@ -27,8 +27,8 @@ from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.components import AllocationInput
 from oa_core.metrics import attention_logits
 from oa_core.scatter import sum_by_slot
+from oa_core.selection import top_counts
 from oa_core.state import PipelineState
-from oa_plugins.allocators.global_topk import top_counts
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies, water_fill
 
