@@ -165,6 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
     parser.add_argument("--gqa", default="shared", choices=["shared", "per_head"])
+    parser.add_argument("--spec", type=Path, default=None,
+                        help="a spec file for the OpenAttention runs (default: the default pipeline); --gqa and each "
+                             "density replace its own")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (a quick look)")
     parser.add_argument("--tiny", action="store_true", help="a toy model instead of the 8B shape")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -177,14 +180,18 @@ def main(argv=None) -> int:
         print(table(saved["runs"]))
         print(f"wrote {plot(saved['runs'], args.replot.with_suffix('.png'))}")
         return 0
+    if args.spec is not None and not args.spec.is_file():
+        parser.error(f"--spec: no file {args.spec}")
     if args.tokens < 2:
         parser.error("--tokens: at least 2 (the time per token is the mean gap between timed steps)")
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per method and shape: more than the default 8
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 64
-    model = build_model(args.tiny, args.layers, device)
     spec = {"gqa": args.gqa}
+    if args.spec is not None:  # loaded and validated before the model is built
+        spec = oa.load_spec({**oa.load_spec(args.spec).model_dump(mode="json"), **spec}).model_dump(mode="json")
+    model = build_model(args.tiny, args.layers, device)
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "layers": model.config.num_hidden_layers, "model": "tiny" if args.tiny else "Llama-3.1-8B shape",

@@ -59,6 +59,7 @@ STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
 TWO_STAGE_TESTS = ("tests/test_rerank.py", "tests/plugins/test_errorgate.py",
                    "tests/test_static.py::test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too")
 FUSED_TESTS = ("tests/test_flash_step.py",)
+FUSED_TWO_STAGE_TESTS = ("tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",)
 WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
                     "tests/plugins/test_ablation_components.py")
 
@@ -305,7 +306,7 @@ MUTATIONS = [
              [("return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)",
                "return tl.where(f >= 0.5, r + 1.0, r)")], FUSED_TESTS,
              "the new row's codes round halves up, where QGS's quantize rounds them to even"),
-    mutation("fused-budget-ignores-left-padding", "plugins/kernels/flash_step.py",
+    mutation("fused-budget-ignores-left-padding", "plugins/kernels/two_stage.py",
              [("valid = length - tl.load(START + b)", "valid = length")], FUSED_TESTS,
              "a left-padded row's budget counts its padding as context"),
     mutation("fused-nearest-without-the-centroid-norm", "plugins/kernels/flash_step.py",
@@ -349,6 +350,23 @@ MUTATIONS = [
              [("first_budget = torch.floor(self.config.floor * inputs.budget.double()).long()",
                "first_budget = torch.zeros_like(inputs.budget)")],
              TWO_STAGE_TESTS, "the floor is parsed but no best-scored row is read first: the paper's ErrorGate"),
+    # -- the fused step's two-stage launches (plugins/kernels/two_stage.py) -------------------------------------------
+    mutation("fused-two-stage-ties-by-position-off-by-one", "plugins/kernels/two_stage.py",
+             [("return ok & ((key > tau) | (tie & (rank < ties)))", "return ok & ((key > tau) | (tie & (rank <= ties)))")],
+             FUSED_TWO_STAGE_TESTS, "one tie too many taken at the cut: the shortlist or the floor is a row longer"),
+    mutation("fused-two-stage-radix-digit-too-low", "plugins/kernels/two_stage.py",
+             [("digit = tl.max(tl.where(at_or_above >= rest, bins, -1), axis=0)",
+               "digit = tl.max(tl.where(at_or_above > rest, bins, -1), axis=0)")],
+             FUSED_TWO_STAGE_TESTS, "the radix select stops a digit early where the count is met exactly"),
+    mutation("fused-two-stage-rest-not-shifted", "plugins/kernels/two_stage.py",
+             [("tl.where(keep, listed_exact, value + shift)", "tl.where(keep, listed_exact, value)")],
+             FUSED_TWO_STAGE_TESTS, "the fused step leaves unlisted rows their codes' scores beside exact logits"),
+    mutation("fused-two-stage-leaving-row-outside", "plugins/kernels/two_stage.py",
+             [("== C) & (offs != n - 1 - LOCAL)", "== C)")], FUSED_TWO_STAGE_TESTS,
+             "the row joining a cluster in this step is not shortlisted (read before its join)"),
+    mutation("fused-floor-rest-uncapped", "plugins/kernels/flash_step.py",
+             [("(count - first.to(tl.float32)).to(tl.float64)", "count.to(tl.float64)")], FUSED_TWO_STAGE_TESTS,
+             "the fused plan water-fills the rest ignoring the floor's reads"),
     # -- the transformers integration --------------------------------------------------------------------------------
     mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
              [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',

@@ -30,12 +30,14 @@ def _rows(index):
     return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]
 
 
-def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0):
+def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, repeat=None):
     """Decode ``steps`` tokens through the reference pipeline, a composed static state and a fused one → per step
     (reference rows, fused rows, reference output, fused output), and the two static states at the end. At every
     step the fused index — sink, window, each cluster's run, padding — and its runs are the composed step's, column
-    for column."""
+    for column. ``repeat`` (a slice): those keys repeated right after them (tied scores and logits)."""
     keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype)
+    if repeat is not None:
+        keys[:, :, repeat.stop:2 * repeat.stop - repeat.start] = keys[:, :, repeat]
     B, H, _, D = keys.shape
     Hq = prefill.shape[1]
     mask = torch.ones(B, tokens, dtype=torch.bool)
@@ -114,6 +116,45 @@ def test_clusters_over_several_chunks_join_and_count_where_they_are():
         assert rows == ref_rows
         assert relative_error(out, ref_out) < 1e-4
     assert_same_state(composed, fused)
+
+
+TWO_STAGE = {"selector": {"name": "qgs", "rerank": 4}, "allocator": {"name": "errorgate", "floor": 0.5}}
+
+
+@pytest.mark.parametrize("gqa,stages,block", [("per_head", TWO_STAGE, 16), ("shared", TWO_STAGE, 1024),
+                                              ("per_head", {"selector": {"name": "qgs", "rerank": 2}}, 1024),
+                                              # most clusters read whole: the floor's reads bind the rest's caps
+                                              ("shared", {**TWO_STAGE, "budget": {"density": 0.7}}, 16)])
+def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stages, block, monkeypatch):
+    """QGS's rerank and ErrorGate's floor in the fused step (``two_stage``'s three launches): the composed step's
+    index column for column, the reference's rows and output, over repeated keys (ties in the codes and in the exact
+    logits, taken by position) — and with blocks of 16 positions and 4 shortlist entries, every pass crosses
+    blocks. The rows are not the paper pipeline's: the re-ranking is not a no-op."""
+    from oa_plugins.kernels import two_stage
+
+    monkeypatch.setattr(two_stage, "SEGMENT", block)
+    monkeypatch.setattr(two_stage, "RADIX_BLOCK", block)
+    monkeypatch.setattr(two_stage, "LIST_BLOCK", 4 if block == 16 else two_stage.LIST_BLOCK)
+    spec = {**SPEC, "gqa": gqa, **stages}
+    steps, composed, fused = run_fused(spec, room=3, repeat=slice(40, 70))
+    assert fused.fused.two_stage is not None
+    for ref_rows, rows, ref_out, out in steps:
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-4
+    assert_same_state(composed, fused)
+    plain, _, _ = run_fused({**SPEC, "gqa": gqa, "budget": spec["budget"]}, room=3, repeat=slice(40, 70))
+    assert any(rows != plain_rows for (_, rows, _, _), (_, plain_rows, _, _) in zip(steps, plain))
+
+
+def test_a_floor_above_the_shortlist_composes_its_own_step():
+    from oa_plugins.kernels.flash_step import fused_unsupported
+
+    keys, values, prefill, _ = make_inputs(tokens=120)
+    for selector in [{"name": "qgs"}, {"name": "qgs", "rerank": 0.25}]:
+        pipe = oa.build({**SPEC, "selector": selector, "allocator": {"name": "errorgate", "floor": 0.5}})
+        state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)
+        assert state.fused is None
+        assert "errorgate floor: 0.5 above qgs rerank" in fused_unsupported(state)
 
 
 def test_bfloat16_and_a_cache_filled_to_its_capacity():

@@ -17,6 +17,10 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
 5. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
    the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
 
+With QGS's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) eight more launches follow the scores
+(``two_stage``: the shortlist by a radix select, its exact logits, the floor and the re-ranked scores), and the plan
+waits for the floor.
+
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
 cluster after its codes are written, in an earlier step or by ``_project`` in the same one), so in a CUDA graph's
 capture ``_grow`` and ``_plan`` run on a second stream (of high priority) beside the scores, and the selection waits
@@ -46,11 +50,13 @@ from oa_core.selection import launch_select, smallest_block
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
+from oa_plugins.kernels.two_stage import TwoStage
 from oa_plugins.selectors.qgs import group_int8_scores
 
 if triton is not None:
     from oa_core.cluster_stats import moments_tile, store_logit_stats
     from oa_core.static import join_rest
+    from oa_plugins.kernels.two_stage import row_budget
     from oa_core.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
 
@@ -72,10 +78,9 @@ def fused_unsupported(state) -> str | None:
         return f"selector {pipeline.selector.name!r} (fused: qgs)"
     if type(pipeline.allocator) is not ErrorGate:
         return f"allocator {pipeline.allocator.name!r} (fused: errorgate)"
-    if pipeline.selector.refines:
-        return f"qgs rerank: {pipeline.selector.config.rerank:g} (fused: 0)"
-    if pipeline.allocator.config.floor > 0:
-        return f"errorgate floor: {pipeline.allocator.config.floor:g} (fused: 0)"
+    rerank, floor = pipeline.selector.config.rerank, pipeline.allocator.config.floor
+    if floor > rerank:  # the floor's rows must be the shortlist's best (with no shortlist: none)
+        return f"errorgate floor: {floor:g} above qgs rerank: {rerank:g} (fused: floor ≤ rerank)"
     if pipeline.spec.tail not in ("proxy", "discard"):
         return f"tail: {pipeline.spec.tail}"
     if state.num_clusters > MAX_TRITON_CLUSTERS:
@@ -115,6 +120,9 @@ class FusedStep:
         # The selection's smallest block, from the clusters' mean size at the prefill (one read, here: not in a step).
         self.select_block = smallest_block(float(state.member_counts.float().mean()))
         self.side = side_stream(state.length.device) if state.length.device.type == "cuda" else None
+        rerank, floor = state.pipeline.selector.config.rerank, state.pipeline.allocator.config.floor
+        self.two_stage = TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) \
+            if rerank > 0 else None
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -154,6 +162,9 @@ class FusedStep:
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
+        floor = self.two_stage is not None and self.two_stage.floor > 0
+        first = torch.empty(rows, C, dtype=torch.int32, device=device) if floor else None
+        budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
         # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
         # (``torch.cuda.stream(None)`` keeps the current stream.)
         side = self.side if self.side is not None and torch.cuda.is_current_stream_capturing() else None
@@ -168,17 +179,17 @@ class FusedStep:
                 state.members.shape[-1], pipe.spec.local, state.scale, G=g, D=D, BLOCK_D=triton.next_power_of_2(D),
                 RC=rc, BLOCK_RC=triton.next_power_of_2(rc), BLOCK_C=max(16, triton.next_power_of_2(C)),
                 STATS_C=STATS_CLUSTERS, num_warps=4)
-            block_c, warps = launch_config(C)
-            with quiet_interpreter():
-                _plan[(rows,)](
-                    mean_logit, logit_var, state.pooled.count, state.length, state.start, self.density,
-                    state.fixed_base, state.fixed_moves, quotas, offsets, runs, chosen, log_weight, H, Gs, C,
-                    self.fixed, self.width, self.tokens, G=G, BLOCK_G=triton.next_power_of_2(G), BLOCK_C=block_c,
-                    BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
-                    LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
+            if first is None:
+                self._plan(state, mean_logit, logit_var, None, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
         group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G, out=scores)
+        if self.two_stage is not None:  # the shortlist and its exact logits
+            listing = self.two_stage.shortlist(scores, keys, query, state, budget_args, Gs, G, pipe.spec.local)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
+        if self.two_stage is not None:  # the scores re-ranked in place, the floor's rows counted (after the join)
+            self.two_stage.refine(scores, state, budget_args, Gs, listing, first)
+        if first is not None:  # the plan waits for the floor
+            self._plan(state, mean_logit, logit_var, first, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
         launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs,
                       self.select_block)
         selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
@@ -188,6 +199,18 @@ class FusedStep:
             if self.proxy else None
         out, _ = pipe.kernel.attend(query, keys, values, selection, proxies, state.scale)
         return out, selection
+
+    def _plan(self, state, mean_logit, logit_var, first, quotas, offsets, runs, chosen, log_weight, H, Gs, G):
+        C = state.num_clusters
+        block_c, warps = launch_config(C)
+        with quiet_interpreter():
+            _plan[(quotas.shape[0],)](
+                mean_logit, logit_var, state.pooled.count, state.length, state.start, self.density,
+                state.fixed_base, state.fixed_moves, first if first is not None else quotas, quotas, offsets, runs,
+                chosen, log_weight, H, Gs, C, self.fixed, self.width, self.tokens, G=G,
+                BLOCK_G=triton.next_power_of_2(G), BLOCK_C=block_c, BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
+                HAS_FIRST=first is not None, LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
+                num_warps=warps)
 
 
 if triton is not None:
@@ -283,9 +306,9 @@ if triton is not None:
             store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * G + i) * C + offs_s, s_ok)
 
     @triton.jit
-    def _plan(MEAN_LOGIT, LOGIT_VAR, COUNT, LENGTH, START, DENSITY, FIXED_BASE, FIXED_MOVES, QUOTAS, OFFSETS, RUNS, INDEX, LW,
-              Hkv, Gs, C, F, WIDTH, TOKENS, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
-              BLOCK_F: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def _plan(MEAN_LOGIT, LOGIT_VAR, COUNT, LENGTH, START, DENSITY, FIXED_BASE, FIXED_MOVES, FIRST, QUOTAS, OFFSETS,
+              RUNS, INDEX, LW, Hkv, Gs, C, F, WIDTH, TOKENS, G: tl.constexpr, BLOCK_G: tl.constexpr,
+              BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, HAS_FIRST: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Program (batch row, KV head, selection head): the quotas, and the row's index laid out."""
         p = tl.program_id(0).to(tl.int64)
         b = p // (Gs * Hkv)
@@ -302,15 +325,15 @@ if triton is not None:
         mean_logit = tl.load(MEAN_LOGIT + stats, mask=inside, other=0.0)
         logit_var = tl.load(LOGIT_VAR + stats, mask=inside, other=0.0)
         row = row_log_priority(mean_logit, logit_var, count, G, LIBDEVICE)
-        # E_sel: the spec's budget for the row's valid length, less the sink and the local window.
         length = tl.load(LENGTH).to(tl.int64)
-        valid = length - tl.load(START + b)
-        if TOKENS >= 0:
-            budget = valid * 0 + TOKENS
+        budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
+        if HAS_FIRST:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
+            first = tl.load(FIRST + p * C + offs_c, mask=c_ok, other=0).to(tl.int64)
+            rest = water_fill_row(row.to(tl.float64), (count - first.to(tl.float32)).to(tl.float64),
+                                  (budget - tl.sum(first, axis=0)).to(tl.float64), offs_c, c_ok)
+            quotas = first + rest
         else:
-            budget = tl.floor(valid.to(tl.float64) * tl.load(DENSITY)).to(tl.int64)
-        budget = tl.maximum(budget - F, 0)
-        quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget.to(tl.float64), offs_c, c_ok)
+            quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget.to(tl.float64), offs_c, c_ok)
         ends = F + tl.cumsum(quotas, axis=0)
         tl.store(QUOTAS + p * C + offs_c, quotas, mask=c_ok)
         tl.store(OFFSETS + p * C + offs_c, ends - quotas, mask=c_ok)
