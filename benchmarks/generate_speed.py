@@ -189,8 +189,12 @@ def main(argv=None) -> int:
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 64
     spec = {"gqa": args.gqa}
-    if args.spec is not None:  # loaded and validated before the model is built
+    if args.spec is not None:  # loaded and its components built (their parameters checked) before the model is
         spec = oa.load_spec({**oa.load_spec(args.spec).model_dump(mode="json"), **spec}).model_dump(mode="json")
+        try:
+            oa.build({**spec, "budget": {"density": args.densities[0]}})
+        except oa.SpecError as error:
+            parser.error(f"--spec {args.spec}: {error}")
     model = build_model(args.tiny, args.layers, device)
     machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,

@@ -34,3 +34,35 @@ def test_dense_fastest_and_the_targets(tmp_path):
     assert "| 2 × 64 | openattention | 1% | 2.50 | 2.00× | 1.10 | 0.10 | 10.0% |" in bench.table(out["runs"])
     figure = bench.plot(out["runs"], tmp_path / "speed.png")
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_spec_file_is_read_and_checked_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    """``--spec``: a missing file, or one naming a bad parameter, ends in a clear error with no model built; a good
+    one's components, with --gqa over its own, are what the OpenAttention runs patch in."""
+    import pytest
+
+    bench = load_benchmark("generate_speed")
+    built = []
+
+    def build_model(*args):
+        built.append(args)
+        raise SystemExit(3)  # stop here: the spec was accepted
+
+    monkeypatch.setattr(bench, "build_model", build_model)
+    for text, message in [(None, "--spec: no file"), ("selector: {name: qgs, rerank: -1}\n", "rerank")]:
+        path = tmp_path / "spec.yaml"
+        if text is not None:
+            path.write_text(text)
+        with pytest.raises(SystemExit) as refused:
+            bench.main(["--spec", str(path), "--device", "cpu"])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    assert not built
+    path.write_text("selector: {name: qgs, rerank: 4}\nallocator: {name: errorgate, floor: 0.5}\ngqa: per_head\n")
+    composed = []
+    real_build = bench.oa.build
+    monkeypatch.setattr(bench.oa, "build", lambda spec: composed.append(spec) or real_build(spec))
+    with pytest.raises(SystemExit) as accepted:
+        bench.main(["--spec", str(path), "--device", "cpu", "--gqa", "shared"])
+    assert accepted.value.code == 3 and len(built) == 1
+    assert composed[0]["gqa"] == "shared" and composed[0]["selector"]["params"]["rerank"] == 4
+    assert composed[0]["allocator"]["params"]["floor"] == 0.5
