@@ -56,9 +56,9 @@ from oa_plugins.selectors.qgs import group_int8_scores
 if triton is not None:
     from oa_core.cluster_stats import moments_tile, store_logit_stats
     from oa_core.static import join_rest
-    from oa_plugins.kernels.two_stage import row_budget
     from oa_core.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
+    from oa_plugins.kernels.two_stage import row_budget
 
 
 def fused_unsupported(state) -> str | None:
