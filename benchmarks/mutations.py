@@ -59,7 +59,8 @@ STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
 TWO_STAGE_TESTS = ("tests/test_rerank.py", "tests/plugins/test_errorgate.py",
                    "tests/test_static.py::test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too")
 FUSED_TESTS = ("tests/test_flash_step.py",)
-FUSED_TWO_STAGE_TESTS = ("tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",)
+FUSED_TWO_STAGE_TESTS = ("tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",
+                         "tests/test_flash_step.py::test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_join")
 WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
                     "tests/plugins/test_ablation_components.py")
 
@@ -364,6 +365,10 @@ MUTATIONS = [
     mutation("fused-two-stage-ties-before-a-segment-inclusive", "plugins/kernels/two_stage.py",
              [("tied_before = tl.cumsum(tied, axis=0) - tied", "tied_before = tl.cumsum(tied, axis=0)")],
              FUSED_TWO_STAGE_TESTS, "a segment counts its own ties at the cut as earlier ones: ties taken out of order"),
+    mutation("fused-two-stage-leaving-row-outside", "plugins/kernels/two_stage.py",
+             [("== C) & (offs != n - 1 - LOCAL)", "== C)")], FUSED_TWO_STAGE_TESTS,
+             "the row joining a cluster in this step is not shortlisted when the join has not run yet (a CUDA graph "
+             "runs it beside the shortlist)"),
     mutation("fused-floor-rest-uncapped", "plugins/kernels/flash_step.py",
              [("(count - first.to(tl.float32)).to(tl.float64)", "count.to(tl.float64)")], FUSED_TWO_STAGE_TESTS,
              "the fused plan water-fills the rest ignoring the floor's reads"),

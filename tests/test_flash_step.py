@@ -238,3 +238,30 @@ def test_the_fused_step_takes_one_decode_query_per_row():
     state.length += 1
     with pytest.raises(ValueError, match="one decode query per row, got 2"):
         state.fused.run(state, prefill[:, :, :2], keys[:, :, :130], values[:, :, :130])
+
+
+def test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_join():
+    """In a CUDA graph the join (``_grow``) runs beside the shortlist's passes: whether the leaving row's cluster is
+    written yet or not, the shortlist is the same, and holds that row when it scores best."""
+    keys, values, prefill, _ = make_inputs(tokens=120)
+    pipe = oa.build({**SPEC, "gqa": "per_head", **TWO_STAGE})
+    state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)
+    state.length += 1  # one step: slot 120 written, slot 120 - local leaves the window
+    B, H, _, D = keys.shape
+    Hq = prefill.shape[1]
+    cache = torch.cat([keys, keys[:, :, -10:]], dim=2)
+    leaving = 120 - SPEC["local"]
+    scores = torch.randn(B * Hq, 130, generator=torch.Generator().manual_seed(3))
+    scores[:, leaving] = 50.0  # the best score of every row
+    query = torch.randn(B, Hq, 1, D)
+    step = state.fused.two_stage
+    args = (state.length, state.start, state.fused.density, state.fused.fixed, state.fused.tokens)
+    before = step.shortlist(scores.clone(), cache, query, state, args, Hq // H, 1, SPEC["local"])
+    assert int(state.assignment[0, 0, leaving]) == state.num_clusters  # not joined yet
+    state.assignment[:, :, leaving] = 0
+    after = step.shortlist(scores.clone(), cache, query, state, args, Hq // H, 1, SPEC["local"])
+    (listed, exact, counts, *cut), (listed_after, exact_after, counts_after, *cut_after) = before, after
+    assert torch.equal(counts, counts_after) and all(torch.equal(a, b) for a, b in zip(cut, cut_after))
+    for row, n in enumerate(counts.tolist()):  # entries past a row's count are never written
+        assert leaving in listed[row, :n].tolist()
+        assert torch.equal(listed[row, :n], listed_after[row, :n]) and torch.equal(exact[row, :n], exact_after[row, :n])
