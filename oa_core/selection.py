@@ -132,7 +132,7 @@ def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor)
 if triton is not None:
 
     @triton.jit
-    def _order_key(score):
+    def order_key(score):
         """float32 → int32 with the same order: the bits, negated magnitude for negative floats. So -0.0 and 0.0
         share a key (they tie in the reference's sort too), and every key is ≥ -(2^31 - 1)."""
         bits = score.to(tl.int32, bitcast=True)
@@ -143,13 +143,13 @@ if triton is not None:
         offs = start + tl.arange(0, BLOCK)
         ok = offs < n
         pos = tl.load(members + offs, mask=ok, other=0)
-        key = _order_key(tl.load(scores + pos, mask=ok, other=0.0))
+        key = order_key(tl.load(scores + pos, mask=ok, other=0.0))
         return pos, key, ok
 
     @triton.jit
     def take_top(members, pos, key, ok, quota, n, out, BLOCK: tl.constexpr, FEW: tl.constexpr):
         """A cluster held in registers — positions ``pos`` (in position order, as listed at ``members``), order keys
-        ``key`` (``_order_key``), lanes ``ok`` (n of them) — → its ``quota`` best positions written to ``out`` in
+        ``key`` (``order_key``), lanes ``ok`` (n of them) — → its ``quota`` best positions written to ``out`` in
         position order (ties by position). 0 < quota < n. Up to FEW are picked one at a time, more by bisection."""
         if quota <= FEW:
             _pick_best(members, key, ok, quota, out, BLOCK, FEW)

@@ -2,7 +2,7 @@
 ``ErrorGate.allocate``) in eight launches between QGS's scores and the plan, the same rows as the composed step.
 
 A row's shortlist is its ⌈m·E_sel⌉ best positions by QGS's score, ties to the earlier position (the reference's
-stable sort). Its cut — the shortlist's last order key (``_order_key``) — comes from a radix select of four 8-bit
+stable sort). Its cut — the shortlist's last order key (``order_key``) — comes from a radix select of four 8-bit
 digits, each pass a program per (selection row, segment of SEGMENT positions) that adds its segment's histogram of
 the digit, among the keys whose higher digits are the cut's so far, to the row's (one pass over the row each, from
 many programs: one program per row made each pass a chain of latencies):
@@ -98,7 +98,7 @@ class TwoStage:
 
 
 if triton is not None:
-    from oa_core.selection import _order_key
+    from oa_core.selection import order_key
 
     @triton.jit
     def row_budget(LENGTH, START, DENSITY, b, F, TOKENS):
@@ -114,8 +114,8 @@ if triton is not None:
 
     @triton.jit
     def _unsigned_key(score):
-        """float32 → int64 in [0, 2^32) with the scores' order (``_order_key`` shifted)."""
-        return _order_key(score).to(tl.int64) + 2147483648
+        """float32 → int64 in [0, 2^32) with the scores' order (``order_key`` shifted)."""
+        return order_key(score).to(tl.int64) + 2147483648
 
     @triton.jit
     def _digit(key, SHIFT: tl.constexpr, BITS: tl.constexpr):
@@ -325,7 +325,7 @@ if triton is not None:
                     offs = start + tl.arange(0, BLOCK)
                     lowest = tl.minimum(lowest, tl.min(tl.load(exact + offs, mask=offs < k, other=float("inf")),
                                                        axis=0))
-                bits = (tau - 2147483648).to(tl.int32)  # ``_order_key`` undone: the last listed score
+                bits = (tau - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
                 last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
                 shift = tl.where(k > 0, (lowest - last) - 1.0, 0.0)
                 # Listed positions: the i-th of the shortlist is its entry i (the segment's first: its place).
