@@ -369,9 +369,9 @@ MUTATIONS = [
              [("== C) & (offs != n - 1 - LOCAL)", "== C)")], FUSED_TWO_STAGE_TESTS,
              "the row joining a cluster in this step is not shortlisted when the join has not run yet (a CUDA graph "
              "runs it beside the shortlist)"),
-    mutation("fused-floor-rest-uncapped", "plugins/kernels/flash_step.py",
-             [("(count - first.to(tl.float32)).to(tl.float64)", "count.to(tl.float64)")], FUSED_TWO_STAGE_TESTS,
-             "the fused plan water-fills the rest ignoring the floor's reads"),
+    mutation("fused-floor-rows-dropped", "plugins/kernels/flash_step.py",
+             [("            quotas = first + rest\n", "            quotas = rest\n")], FUSED_TWO_STAGE_TESTS,
+             "the fused plan water-fills the rest but forgets the floor's own rows"),
     # -- the transformers integration --------------------------------------------------------------------------------
     mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
              [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',
