@@ -76,7 +76,7 @@ class TwoStage:
         _compact[(rows, S)](scores, length, listed, cut, ties, places, cap, L, S, BLOCK=SEGMENT,
                             num_warps=SEGMENT_WARPS)
         _exact[(rows, triton.cdiv(L, LIST_BLOCK))](
-            keys, query, listed, counts, exact, *keys.stride()[:3], query.stride(0), query.stride(1), H, Gs, L,
+            keys, query, listed, counts, exact, *keys.stride()[:3], query.stride(0), query.stride(1), H, Gs, L, cap,
             state.scale, G=G, GQ=G * Gs, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=LIST_BLOCK, num_warps=4)
         return listed, exact, counts, cut, ties, places
 
@@ -258,10 +258,10 @@ if triton is not None:
             keep, _ = _kept(_unsigned_key(value), (offs < n) & (value > float("-inf")), tl.load(CUT + p),
                             tl.load(TIES + p), tl.load(PLACES + (p * S + segment) * 2 + 1))
             slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(LISTED + p * L + slot, offs.to(tl.int32), mask=keep)
+            tl.store(LISTED + p * L + slot, offs.to(tl.int32), mask=keep & (slot >= 0) & (slot < L))  # never past it
 
     @triton.jit
-    def _exact(K, Q, LISTED, COUNTS, EXACT, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, Gs, L, scale, G: tl.constexpr,
+    def _exact(K, Q, LISTED, COUNTS, EXACT, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, Gs, L, CAP, scale, G: tl.constexpr,
                GQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
         """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows."""
         p = tl.program_id(0).to(tl.int64)
@@ -274,10 +274,11 @@ if triton is not None:
             offs = first + tl.arange(0, BLOCK_L)
             ok = offs < n
             pos = tl.load(LISTED + p * L + offs, mask=ok, other=0).to(tl.int64)
+            pos_ok = ok & (pos >= 0) & (pos < CAP)  # a listed position is a slot of the cache (never read past it)
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
             k = tl.load(K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
-                        mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                        mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             best = tl.full([BLOCK_L], float("-inf"), tl.float32)
             for j in tl.static_range(G):
                 q = tl.load(Q + b * sq_b + (h * GQ + s * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
@@ -311,7 +312,8 @@ if triton is not None:
                     value = tl.load(exact + offs, mask=offs < k, other=float("-inf"))
                     keep, block_ties = _kept(_unsigned_key(value), offs < k, tau2, ties2, tied)
                     pos = tl.load(LISTED + p * L + offs, mask=keep, other=0).to(tl.int64)
-                    cluster = tl.load(ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep, other=0).to(tl.int32)
+                    cluster = tl.load(ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep & (pos >= 0) & (pos < CAP),
+                                      other=0).to(tl.int32)
                     hist += tl.histogram(cluster, BLOCK_C, mask=keep)
                     tied += block_ties
             offs_c = tl.arange(0, BLOCK_C)
@@ -335,5 +337,5 @@ if triton is not None:
                 keep, _ = _kept(_unsigned_key(value), (offs < n) & (value > float("-inf")), tau, ties,
                                 tl.load(PLACES + (p * S + segment) * 2 + 1))
                 slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                listed_exact = tl.load(exact + slot, mask=keep, other=0.0)
+                listed_exact = tl.load(exact + slot, mask=keep & (slot >= 0) & (slot < L), other=0.0)
                 tl.store(row, tl.where(keep, listed_exact, value + shift), mask=offs < n)
