@@ -146,13 +146,13 @@ if triton is not None:
         return digit, rest - tl.sum(tl.where(bins == digit, total - inclusive, 0), axis=0)
 
     @triton.jit
-    def _radix_select(VALUES, n, k, top_hist, BLOCK: tl.constexpr):
+    def _radix_select(VALUES, n, k, BLOCK: tl.constexpr):
         """The ``k``-th largest (1 ≤ k ≤ their count) of ``VALUES[:n]`` (-inf excluded) as its unsigned key τ, and how
-        many of those tied at τ are among the k (the rest of k is above τ): four digits of 8 bits, the first from
-        ``top_hist`` (``_histogram(VALUES, n, 0, 24, 8, BLOCK)``, which a caller may make in a pass of its own)."""
-        digit, rest = _pick(top_hist, k, 8)
-        prefix = digit.to(tl.int64)
-        for d in tl.static_range(1, 4):
+        many of those tied at τ are among the k (the rest of k is above τ): four digits of 8 bits, a pass each, in one
+        program (the floor's select over a shortlist; a row's scores take ``_radix_pass``'s segments instead)."""
+        prefix = tl.zeros([], tl.int64)
+        rest = k
+        for d in tl.static_range(4):
             digit, rest = _pick(_histogram(VALUES, n, prefix, 24 - 8 * d, 8, BLOCK), rest, 8)
             prefix = prefix * 256 + digit
         return prefix, rest
@@ -305,7 +305,7 @@ if triton is not None:
             k2 = tl.minimum(k2, k.to(tl.int64)).to(tl.int32)
             hist = tl.zeros([BLOCK_C], tl.int32)
             if k2 > 0:
-                tau2, ties2 = _radix_select(exact, k, k2, _histogram(exact, k, 0, 24, 8, BLOCK), BLOCK)
+                tau2, ties2 = _radix_select(exact, k, k2, BLOCK)
                 tied = tl.zeros([], tl.int32)
                 for start in range(0, k, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
