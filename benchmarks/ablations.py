@@ -26,7 +26,8 @@ SPECS = Path(__file__).resolve().parent.parent / "specs"
 # The same sink and local window for every spec: 1% of 4096 tokens is 40 rows, below the specs' 4 + 64.
 SINK, LOCAL = 4, 16
 GROUPS = {
-    "Methods (paper §4.1)": ["dense", "oracle-topk", "quest", "magicpig", "vattention", "retroinfer", "openattention"],
+    "Methods (paper §4.1)": ["dense", "oracle-topk", "quest", "magicpig", "vattention", "retroinfer", "openattention",
+                             "openattention-paper"],
     "Table 1: clusterer": ["openattention", "ablate-clusterer-kmeans", "ablate-clusterer-position"],
     "Table 2: selector": ["openattention", "ablate-selector-oracle", "ablate-selector-lsh"],
     "Table 3: ErrorGate ranking (and uniform, Table 4)": ["openattention", "ablate-allocator-mass",

@@ -29,7 +29,7 @@ else
   DEVICE=cpu RANKS=1
 fi
 MAIN="specs/dense.yaml specs/openattention.yaml specs/oracle-topk.yaml specs/quest.yaml specs/magicpig.yaml
-      specs/vattention.yaml specs/retroinfer.yaml specs/openattention-two-stage.yaml"
+      specs/vattention.yaml specs/retroinfer.yaml specs/openattention-paper.yaml"
 ABLATIONS="specs/dense.yaml $(ls specs/ablate-*.yaml | tr '\n' ' ')"
 TASKS="niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 niah_multivalue
        niah_multiquery vt cwe fwe"

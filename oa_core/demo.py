@@ -12,18 +12,18 @@ from oa_core import needle
 from oa_core.offline_model import load_offline_model
 from oa_core.spec import load_spec
 
-# The accuracy work's pipeline (QGS's shortlist re-ranked by exact logits, ErrorGate's floor), shown beside the default.
-TWO_STAGE = Path(__file__).resolve().parent.parent / "specs" / "openattention-two-stage.yaml"
+# The paper's pipeline (no re-rank, no floor), shown beside the default.
+PAPER = Path(__file__).resolve().parent.parent / "specs" / "openattention-paper.yaml"
 
 
 def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03) -> int:
-    two_stage = load_spec(TWO_STAGE).model_dump(mode="json", exclude={"budget"}) if TWO_STAGE.is_file() else None
+    paper = load_spec(PAPER).model_dump(mode="json", exclude={"budget"}) if PAPER.is_file() else None
     lm, tokenizer = load_offline_model(model)
     sample = needle.make_samples(tokenizer, 1, tokens, seed=0)[0]
     name = f"OpenAttention {density:.0%}"
     specs = {"dense": {"budget": {"density": 1.0}}, name: {"budget": {"density": density}}}
-    if two_stage is not None:  # a checkout has specs/; an installed package alone does not
-        specs[f"two-stage {density:.0%}"] = {**two_stage, "budget": {"density": density}}
+    if paper is not None:  # a checkout has specs/; an installed package alone does not
+        specs[f"paper's {density:.0%}"] = {**paper, "budget": {"density": density}}
     print(f"Needle: 'The special magic number for ... is: {sample.answer}.' at {sample.depth:.0%} of a "
           f"{sample.context_ids.shape[1]}-token context; the question is decoded by each method from one prefill.")
     records = needle.run(lm, tokenizer, [sample], specs, progress=False)

@@ -11,7 +11,10 @@ from conftest import make_inputs, relative_error
 from oa_core.static import StaticState
 from oa_plugins.allocators import errorgate
 
-SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 4, "local": 16, "budget": {"density": 0.2},
+# The paper's pipeline (no re-rank, no floor): the fused step's seven launches; the two-stage tests below add the
+# default's re-rank and floor (its eight more launches) to it.
+SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": {"name": "qgs", "rerank": 0},
+        "allocator": {"name": "errorgate", "floor": 0}, "sink": 4, "local": 16, "budget": {"density": 0.2},
         "kernel": "flash"}
 
 
@@ -150,7 +153,7 @@ def test_a_floor_above_the_shortlist_composes_its_own_step():
     from oa_plugins.kernels.flash_step import fused_unsupported
 
     keys, values, prefill, _ = make_inputs(tokens=120)
-    for selector in [{"name": "qgs"}, {"name": "qgs", "rerank": 0.25}]:
+    for selector in [{"name": "qgs", "rerank": 0}, {"name": "qgs", "rerank": 0.25}]:
         pipe = oa.build({**SPEC, "selector": selector, "allocator": {"name": "errorgate", "floor": 0.5}})
         state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)
         assert state.fused is None

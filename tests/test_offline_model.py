@@ -40,8 +40,8 @@ def test_the_attention_error_benchmark_writes_each_text_to_its_own_file():
     finally:
         sys.path.pop(0)
     assert attention_error.parse_args([]).out.name == "attention_error.json"
-    args = attention_error.parse_args(["--text", "python-docs", "--methods", "openattention-two-stage"])
-    assert args.out.name == "attention_error_python_docs.json" and args.methods == ["openattention-two-stage"]
+    args = attention_error.parse_args(["--text", "python-docs", "--methods", "openattention-paper"])
+    assert args.out.name == "attention_error_python_docs.json" and args.methods == ["openattention-paper"]
     with pytest.raises(SystemExit):
         attention_error.parse_args(["--text", "poems"])
 

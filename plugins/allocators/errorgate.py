@@ -47,8 +47,9 @@ def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) ->
 class ErrorGateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    floor: float = Field(default=0.0, ge=0.0, le=1.0, description="share of the budget read first as the globally "
-                         "best-scored rows, the rest water-filled (0: the paper's ErrorGate, 1: global top-k)")
+    floor: float = Field(default=0.5, ge=0.0, le=1.0, description="share of the budget read first as the globally "
+                         "best-scored rows, the rest water-filled (default 0.5; 0: the paper's ErrorGate, 1: global "
+                         "top-k)")
 
 
 class ErrorGate(WaterFillAllocator):

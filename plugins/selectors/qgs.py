@@ -29,8 +29,8 @@ class QGSConfig(BaseModel):
 
     rank: int = Field(default=16, ge=1, description="r: code bytes per key")
     query_window: int = Field(default=QUERY_WINDOW, ge=1, description="last prefill queries that estimate the basis")
-    rerank: float = Field(default=0.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
-                          "selectable budget (0: the paper's QGS, no re-rank)")
+    rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
+                          "selectable budget (default 4; 0: the paper's QGS, no re-rank)")
 
 
 @dataclass

@@ -6,6 +6,9 @@ import torch
 from oa_core.components import AllocationInput
 from oa_plugins.allocators.errorgate import ErrorGate, log_error_estimate
 
+# The paper's ErrorGate (Eqs. 6–7, no floor): what the tests of the water-filling hold; the floor's have their own.
+PAPER = ErrorGate.Config(floor=0.0)
+
 
 def allocation(mean_logit, logit_var, counts, budget, shared=False):
     """AllocationInput for one batch row and KV head, one query: [C] tensors."""
@@ -19,7 +22,7 @@ def test_quotas_are_monotone_in_the_estimated_error():
     counts = torch.full((40,), 50.0)
     mean_logit = torch.linspace(-3, 3, 40)
     logit_var = torch.full((40,), 0.5)
-    quotas = ErrorGate().allocate(allocation(mean_logit, logit_var, counts, 300)).flatten()
+    quotas = ErrorGate(PAPER).allocate(allocation(mean_logit, logit_var, counts, 300)).flatten()
     log_error, _ = log_error_estimate(mean_logit, logit_var, counts)
     order = log_error.argsort()
     assert (quotas[order].diff() >= 0).all()
@@ -30,16 +33,16 @@ def test_extreme_logits_do_not_overflow():
     counts = torch.full((8,), 20.0)
     mean_logit = torch.tensor([1e4, -1e4, 9990.0, 0.0, 1e4, -5e3, 3.0, 9999.0])
     logit_var = torch.tensor([1.0, 4.0, 1.0, 2.0, 0.5, 1.0, 1.0, 1.0])
-    quotas = ErrorGate().allocate(allocation(mean_logit, logit_var, counts, 37)).flatten()
+    quotas = ErrorGate(PAPER).allocate(allocation(mean_logit, logit_var, counts, 37)).flatten()
     assert int(quotas.sum()) == 37
     assert quotas[1] == 0 and quotas[0] > 0 and quotas[4] > 0  # only the clusters near the top logit get reads
 
 
 def test_clusters_with_identical_logits_get_budget_last():
     counts = torch.tensor([10.0, 10.0, 10.0])
-    quotas = ErrorGate().allocate(allocation(torch.zeros(3), torch.tensor([0.0, 1.0, 0.0]), counts, 15)).flatten()
+    quotas = ErrorGate(PAPER).allocate(allocation(torch.zeros(3), torch.tensor([0.0, 1.0, 0.0]), counts, 15)).flatten()
     assert quotas[1] == 10 and int(quotas.sum()) == 15  # the only cluster with spread fills first
-    none = ErrorGate().allocate(allocation(torch.zeros(3), torch.zeros(3), counts, 7)).flatten()
+    none = ErrorGate(PAPER).allocate(allocation(torch.zeros(3), torch.zeros(3), counts, 7)).flatten()
     assert int(none.sum()) == 7 and (none <= counts).all()
 
 
@@ -59,7 +62,7 @@ def test_shared_selection_sums_each_heads_relative_error():
     mean_logit = torch.tensor([[5.0, 0, 0, 0], [0, 0, 0, 5.0]]).view(1, 1, 2, 1, 4)
     inputs = AllocationInput(mean_logit, torch.ones_like(mean_logit), counts, torch.zeros(1, 1, 1, 1, 40),
                              torch.zeros(1, 1, 40, dtype=torch.long), torch.tensor(12).view(1, 1, 1, 1))
-    quotas = ErrorGate().allocate(inputs)
+    quotas = ErrorGate(PAPER).allocate(inputs)
     assert quotas.shape == (1, 1, 1, 1, 4)
     assert quotas.flatten().tolist()[0] == quotas.flatten().tolist()[3] and int(quotas.sum()) == 12
 
@@ -95,7 +98,7 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
         if not fused_applies(inputs, on_cpu=True):
             pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
         fast = allocate_triton(inputs)
-        reference = WaterFillAllocator.allocate(ErrorGate(), inputs)  # the torch ops
+        reference = WaterFillAllocator.allocate(ErrorGate(PAPER), inputs)  # the torch ops
         assert fast.shape == reference.shape == (2, 2, 1 if shared else g, 2, 20)
         assert torch.equal(fast, reference)
         target = torch.minimum(inputs.budget, inputs.counts.sum(-1).long()[..., None, None])
@@ -114,7 +117,7 @@ def test_the_fused_triton_errorgate_handles_extreme_logits_like_the_torch_one():
         inputs = allocation(mean_logit, logit_var, counts, budget)
         if not fused_applies(inputs, on_cpu=True):
             pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
-        assert torch.equal(allocate_triton(inputs), WaterFillAllocator.allocate(ErrorGate(), inputs))
+        assert torch.equal(allocate_triton(inputs), WaterFillAllocator.allocate(ErrorGate(PAPER), inputs))
 
 
 def test_errorgate_takes_the_fused_path_where_it_applies(monkeypatch):
@@ -136,7 +139,7 @@ def test_errorgate_takes_the_fused_path_where_it_applies(monkeypatch):
 
     monkeypatch.setattr(errorgate, "INTERPRET_ON_CPU", True)
     monkeypatch.setattr(errorgate, "allocate_triton", counted)
-    check_allocator(ErrorGate)
+    check_allocator(ErrorGate, {"floor": 0.0})
     assert calls
 
 
@@ -175,7 +178,7 @@ def test_quotas_are_eq7_water_filling_of_eq6_estimates(path, shared):
                 pytest.skip("the Triton path needs TRITON_INTERPRET=1 on the CPU")
             quotas = allocate_triton(inputs)
         else:
-            quotas = WaterFillAllocator.allocate(ErrorGate(), inputs)
+            quotas = WaterFillAllocator.allocate(ErrorGate(PAPER), inputs)
         priority = references.errorgate_priority(inputs.mean_logit, inputs.logit_var, inputs.counts, shared)
         capacity = inputs.counts[:, :, None, None, :]
         ideal = references.water_fill(priority, capacity, inputs.budget)
@@ -209,12 +212,16 @@ def test_a_floor_reads_the_best_scored_rows_first_and_keeps_the_quota_contract(f
 
 
 def test_floor_zero_is_the_papers_errorgate_and_one_is_global_top_k():
+    from oa_core import references
     from oa_plugins.allocators.global_topk import GlobalTopK
 
     inputs = _floor_case(3)
-    assert torch.equal(ErrorGate(ErrorGate.Config(floor=0.0)).allocate(inputs), ErrorGate().allocate(inputs))
+    priority = references.errorgate_priority(inputs.mean_logit, inputs.logit_var, inputs.counts, False)
+    capacity = inputs.counts[:, :, None, None, :]
+    ideal = references.water_fill(priority, capacity, inputs.budget)  # Eq. 7 over Eq. 6, from the paper
+    assert not references.rounding_violations(ErrorGate(PAPER).allocate(inputs), ideal, capacity).any()
     assert torch.equal(ErrorGate(ErrorGate.Config(floor=1.0)).allocate(inputs), GlobalTopK().allocate(inputs))
-    assert not ErrorGate().reads_scores and ErrorGate(ErrorGate.Config(floor=0.5)).reads_scores
+    assert not ErrorGate(PAPER).reads_scores and ErrorGate().reads_scores  # the default's floor: 0.5
 
 
 def test_a_floor_outside_zero_to_one_is_refused_naming_the_field():
