@@ -23,10 +23,9 @@ from oa_core.offline_model import TEXTS
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.
 SINK, LOCAL = 4, 16
-# The default pipeline (specs/openattention.yaml): QGS's best 4 × budget rows re-scored from their keys, ErrorGate's
-# best-scored half of the budget read first. The paper's pipeline (specs/openattention-paper.yaml): neither.
-DEFAULT = {"clusterer": "qgc", "selector": {"name": "qgs", "params": {"rerank": 4.0}},
-           "allocator": {"name": "errorgate", "params": {"floor": 0.5}}, "tail": "proxy"}
+# The default pipeline (specs/openattention.yaml), from the components' own defaults: QGS's shortlist re-scored from
+# its keys, ErrorGate's floor. The paper's pipeline (specs/openattention-paper.yaml): neither.
+DEFAULT = {"clusterer": "qgc", "selector": "qgs", "allocator": "errorgate", "tail": "proxy"}
 PAPER = {"clusterer": "qgc", "selector": {"name": "qgs", "params": {"rerank": 0.0}},
          "allocator": {"name": "errorgate", "params": {"floor": 0.0}}, "tail": "proxy"}
 METHODS = {
