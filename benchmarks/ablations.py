@@ -32,7 +32,7 @@ GROUPS = {
     "Table 2: selector": ["openattention", "ablate-selector-oracle", "ablate-selector-lsh"],
     "Table 3: ErrorGate ranking (and uniform, Table 4)": ["openattention", "ablate-allocator-mass",
                                                           "ablate-allocator-variance", "ablate-allocator-uniform"],
-    "Tail (Eq. 2, Table 4)": ["openattention", "ablate-tail-discard", "ablate-tail-sample"],
+    "Tail (Eq. 2, Table 4)": ["openattention", "ablate-tail-mean-proxy", "ablate-tail-discard", "ablate-tail-sample"],
 }
 
 

@@ -23,11 +23,12 @@ from oa_core.offline_model import TEXTS
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.
 SINK, LOCAL = 4, 16
-# The default pipeline (specs/openattention.yaml), from the components' own defaults: QGS's shortlist re-scored from
-# its keys, ErrorGate's floor. The paper's pipeline (specs/openattention-paper.yaml): neither.
+# The default pipeline (specs/openattention.yaml), from the components' and the spec's own defaults: QGS's shortlist
+# re-scored from its keys, ErrorGate's floor, second-order proxies. The paper's (specs/openattention-paper.yaml): none
+# of the three.
 DEFAULT = {"clusterer": "qgc", "selector": "qgs", "allocator": "errorgate", "tail": "proxy"}
 PAPER = {"clusterer": "qgc", "selector": {"name": "qgs", "params": {"rerank": 0.0}},
-         "allocator": {"name": "errorgate", "params": {"floor": 0.0}}, "tail": "proxy"}
+         "allocator": {"name": "errorgate", "params": {"floor": 0.0}}, "tail": "proxy", "proxy": "mean"}
 METHODS = {
     "openattention": {**DEFAULT, "gqa": "per_head"},
     # The same with one selection per GQA group, as the fast path's speed figures run it.
@@ -40,6 +41,10 @@ METHODS = {
     # The allocator isolated: global top scores instead of ErrorGate, with QGS and with the oracle selector.
     "openattention-global-allocation": {**DEFAULT, "allocator": "global", "gqa": "per_head"},
     "oracle-topk-proxy": {"selector": "oracle", "allocator": "global", "tail": "proxy", "gqa": "per_head"},
+    # The proxy isolated: the default with the paper's mean proxies, and oracle top-k with them.
+    "openattention-mean-proxy": {**DEFAULT, "proxy": "mean", "gqa": "per_head"},
+    "oracle-topk-mean-proxy": {"selector": "oracle", "allocator": "global", "tail": "proxy", "proxy": "mean",
+                               "gqa": "per_head"},
 }
 # The accuracy issue's targets: mean error at most this fraction of oracle top-k's, at these densities.
 TARGETS = {0.01: 0.4, 0.03: 0.4}

@@ -49,7 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--gqa", nargs="+", default=["shared"], choices=["shared", "per_head"])
     parser.add_argument("--clusters", type=int, default=64)
     parser.add_argument("--spec", type=Path, default=None,
-                        help="a spec file whose selector, allocator, tail, sink and local replace the defaults' "
+                        help="a spec file whose selector, allocator, tail, proxy, sink and local replace the defaults' "
                              "(the clusters, kernel, GQA and budget still come from the options above)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_h200.json"))
     return parser.parse_args(argv)
@@ -301,7 +301,8 @@ def main(argv=None) -> int:
                         "budget": {"density": args.density[0]}}
                 if args.spec is not None:
                     loaded = oa.load_spec(args.spec).model_dump(mode="json")
-                    base.update({key: loaded[key] for key in ("selector", "allocator", "tail", "sink", "local")})
+                    base.update({key: loaded[key] for key in ("selector", "allocator", "tail", "proxy", "sink",
+                                                              "local")})
                 first = oa.build(base)
                 torch.cuda.synchronize()
                 start = time.perf_counter()

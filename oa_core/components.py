@@ -199,13 +199,22 @@ class Selection:
 class PooledClusters:
     """Per-cluster pooled sums: ``count`` ``[B, Hkv, C]``, ``key_sum``, ``value_sum``, ``key_square_sum``
     ``[B, Hkv, C, D]`` (float32), and the cluster ``assignment`` ``[B, Hkv, N]`` (C outside R) with which a kernel
-    subtracts the rows it reads exactly."""
+    subtracts the rows it reads exactly.
+
+    ``second_order``: the proxy a kernel builds from them (docs/design.md, step 7). False: the paper's mean proxy,
+    ℓ_b = s·q·k̄_T + ln n_T. True: ℓ_b + ln(1 + σ̂_T²/2), with σ̂_T² = s²·Σ_d q_d²·Var_T(k_d) the tail's diagonal
+    logit variance (from ``key_square_sum`` minus the rows read) — the second-order term of E_T[e^z] around z̄_T."""
 
     count: Tensor
     key_sum: Tensor
     value_sum: Tensor
     assignment: Tensor
     key_square_sum: Tensor | None = None
+    second_order: bool = False
+
+    def __post_init__(self) -> None:
+        if self.second_order and self.key_square_sum is None:
+            raise ValueError("second-order proxies need the pooled key_square_sum")
 
 
 class Kernel(Component):
@@ -215,6 +224,8 @@ class Kernel(Component):
     """
 
     priority: ClassVar[int] = 0
+    # The proxies it computes (``PooledClusters.second_order``): a spec asking for another is refused when built.
+    proxies: ClassVar[tuple[str, ...]] = ("mean",)
 
     @classmethod
     def unavailable(cls, device: torch.device) -> str | None:

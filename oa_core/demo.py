@@ -12,7 +12,7 @@ from oa_core import needle
 from oa_core.offline_model import load_offline_model
 from oa_core.spec import load_spec
 
-# The paper's pipeline (no re-rank, no floor), shown beside the default.
+# The paper's pipeline (no re-rank, no floor, mean proxies), shown beside the default.
 PAPER = Path(__file__).resolve().parent.parent / "specs" / "openattention-paper.yaml"
 
 

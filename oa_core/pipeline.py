@@ -24,7 +24,7 @@ from torch import Tensor
 
 from oa_core import contracts
 from oa_core.cluster_stats import cluster_logit_stats
-from oa_core.components import (AllocationInput, Allocator, Clusterer, Kernel, Selection, Selector,
+from oa_core.components import (AllocationInput, Allocator, Clusterer, Kernel, PooledClusters, Selection, Selector,
                                 group_queries)
 from oa_core.registry import default_registry
 from oa_core.selection import select
@@ -37,6 +37,9 @@ def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
     spec = load_spec(spec if spec is not None else {})
     kernel, kernel_note = _kernel(spec.kernel)
     selector = _instantiate("selector", spec.selector)
+    if spec.tail == "proxy" and spec.proxy not in type(kernel).proxies:
+        raise SpecError(f"proxy: kernel {kernel.name!r} computes {' and '.join(type(kernel).proxies)} proxies, not "
+                        f"{spec.proxy!r}; set proxy: {type(kernel).proxies[0]} or use another kernel")
     if spec.tail == "sample" and spec.gqa == "shared" and type(selector).sample_pool is not Selector.sample_pool:
         raise SpecError(f"gqa: tail: sample with selector {selector.name!r} draws a pool per query head; "
                         "use gqa: per_head")
@@ -122,7 +125,7 @@ class Pipeline:
 
     def __repr__(self) -> str:
         s = self.spec
-        tail = f"{s.tail}, tail_samples={s.tail_samples:g}" if s.tail == "sample" else s.tail
+        tail = {"sample": f"sample, tail_samples={s.tail_samples:g}", "proxy": f"proxy ({s.proxy})"}.get(s.tail, s.tail)
         return (f"Pipeline({self.clusterer!r}, {self.selector!r}, {self.allocator!r}, {self.kernel!r}, "
                 f"tail={tail}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
                 f"gqa={s.gqa})")
@@ -178,10 +181,19 @@ class Pipeline:
             out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
         else:
             selection = self._explain(query, state, causal, validate).selection
-            pooled = state.pooled if self.spec.tail == "proxy" else None  # None too where every row is dense
-            out, proxies = self.kernel.attend(query, state.keys, state.values, selection, pooled, state.scale)
+            out, proxies = self.kernel.attend(query, state.keys, state.values, selection,
+                                              self.tail_proxies(state.pooled), state.scale)
         contracts.check_output(self.kernel, out, query)
         return (out, self._stats(query, state, selection, proxies)) if return_stats else out
+
+    def tail_proxies(self, pooled: PooledClusters | None, assignment: Tensor | None = None) -> PooledClusters | None:
+        """What the kernel builds the tail's proxies from: the pooled sums (``assignment`` in place of theirs, where
+        given) marked with the spec's ``proxy``; None where the tail is not a proxy or nothing is clustered."""
+        if self.spec.tail != "proxy" or pooled is None:
+            return None
+        return PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum,
+                              pooled.assignment if assignment is None else assignment, pooled.key_square_sum,
+                              second_order=self.spec.proxy == "second-order")
 
     def explain(self, query: Tensor, state: PipelineState, causal: bool = False,
                 validate: bool = True) -> Explanation:

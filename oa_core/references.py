@@ -5,7 +5,8 @@ values themselves — and calls nothing of the code it checks (no component, no 
 tests and the conformance kit (``oa_core.testing``) hold the fast paths and the torch paths against them, so that a
 component that agrees with itself but not with the method fails.
 
-- ``proxy_attention``: the estimator's output with one count-aware mean proxy per cluster's unread tail (Eq. 1).
+- ``proxy_attention``: the estimator's output with one count-aware mean proxy per cluster's unread tail (Eq. 1), or
+  its second-order form (the proxy's weight times 1 + σ̂_T²/2).
 - ``cluster_logit_stats``: z̄_b = s·q·k̄_b and σ̂_b² = s²Σ_d q_d² Var_b(k_d) from each cluster's own keys (§3.1).
 - ``errorgate_priority``: ErrorGate's ε̂_b (Eq. 6), divided by each head's Gaussian Ẑ and summed over a shared group.
 - ``water_fill``: q_b = min(n_b, λ·p_b) with Σ q_b = E, λ found by bisection (Eq. 7); ``rounding_violations``
@@ -24,14 +25,18 @@ from torch import Tensor
 
 
 def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor | None, assignment: Tensor | None,
-                    num_clusters: int, scale: float, log_weight: Tensor | None = None) -> Tensor:
+                    num_clusters: int, scale: float, log_weight: Tensor | None = None,
+                    second_order: bool = False) -> Tensor:
     """The estimator's output (Eq. 1), float64, one query vector at a time.
 
     query ``[B, Hq, T, D]``, keys/values ``[B, Hkv, N, D]``; ``index`` ``[B, Hkv, Gs, T, K]`` the exact rows X (-1:
     padding; Gs = 1 shares a selection over the GQA group), None for dense attention; ``assignment`` ``[B, Hkv, N]``
     each position's cluster (``num_clusters``: none), None for no proxies (tail discarded); ``log_weight`` like
     ``index``: ln η of a row standing in for others (0: exact). Each cluster b adds one term for its unread tail
-    T_b = b \\ X when it is not empty: logit s·q·k̄_T + ln |T_b|, value v̄_T, with k̄_T and v̄_T the tail's own means.
+    T_b = b \\ X when it is not empty: logit s·q·k̄_T + ln |T_b|, value v̄_T, with k̄_T and v̄_T the tail's own means;
+    ``second_order`` adds ln(1 + σ̂_T²/2) to the logit (E_T[e^z] ≈ e^{z̄_T}(1 + Var_T z/2)): the tail's logit variance
+    σ̂_T² = (Σ_b z² − Σ_{X∩b} z_i²)/|T_b| − z̄_T², z_i = s·q·k_i and z̄_T = s·q·k̄_T, where the cluster's Σ_b z² is
+    |b|·(z̄_b² + σ̂_b²) from its members' mean logit and diagonal logit variance s²·Σ_d q_d²·Var_b(k_d) (0 at least).
     """
     q, k, v = query.double(), keys.double(), values.double()
     B, Hq, T, D = q.shape
@@ -62,7 +67,16 @@ def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor |
                         tail = unread & (assignment[b, h] == c)
                         count = int(tail.sum())
                         if count:
-                            logits.append((scale * (k[b, h, tail].mean(0) @ qv) + math.log(count)).view(1))
+                            logit = scale * (k[b, h, tail].mean(0) @ qv) + math.log(count)
+                            if second_order:
+                                members = k[b, h, assignment[b, h] == c]
+                                mean_logit = scale * (members.mean(0) @ qv)
+                                logit_var = scale ** 2 * (qv * qv) @ members.var(0, unbiased=False)
+                                read_square = ((scale * k[b, h, ~unread & (assignment[b, h] == c)] @ qv) ** 2).sum()
+                                variance = (len(members) * (mean_logit ** 2 + logit_var) - read_square) / count \
+                                    - (logit - math.log(count)) ** 2
+                                logit = logit + torch.log1p(0.5 * variance.clamp_min(0))
+                            logits.append(logit.view(1))
                             vals.append(v[b, h, tail].mean(0, keepdim=True))
                 weights = torch.softmax(torch.cat(logits), 0)
                 out[b, head, t] = weights @ torch.cat(vals)

@@ -83,6 +83,9 @@ class PipelineSpec(BaseModel):
     allocator: ComponentSpec = ComponentSpec(name="errorgate")
     kernel: ComponentSpec = ComponentSpec(name="auto")
     tail: Literal["proxy", "discard", "sample"] = "proxy"
+    proxy: Literal["second-order", "mean"] = Field(
+        default="second-order", description="tail=proxy: each cluster's tail as e^{s·q·k̄_T}·n_T (mean, the "
+        "paper's) or times 1 + σ̂_T²/2, the tail's logit variance (second-order)")
     tail_samples: float = Field(default=0.5, gt=0, le=1, description="tail=sample: share of the selectable "
                                 "budget spent on uniform tail samples (1: sampling only, no selector)")
     budget: Budget = Budget(density=0.03)

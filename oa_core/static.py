@@ -179,9 +179,7 @@ class StaticState:
     def attend(self, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         """Steps 4–7 of docs/design.md §1 for one decode query per row."""
         selection = self.selection(query, keys)
-        pooled = self.pooled
-        proxies = PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, self.assignment) \
-            if self.pipeline.spec.tail == "proxy" else None
+        proxies = self.pipeline.tail_proxies(self.pooled, self.assignment)
         out, _ = self.pipeline.kernel.attend(query, keys, values, selection, proxies, self.scale)
         return out
 

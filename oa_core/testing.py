@@ -162,7 +162,8 @@ def check_allocator(component, params: dict | None = None) -> None:
 def check_kernel(component, params: dict | None = None) -> None:
     """attend: the query's shape and dtype; without a selection, dense softmax attention; with one, the estimator of
     Eq. 1 (``oa_core.references.proxy_attention``, float64): exact rows plus one count-aware proxy per cluster's unread
-    tail, or the tail discarded, with weighted (sampled) rows, per query head and shared over the group."""
+    tail (each proxy order the kernel declares in ``proxies``), or the tail discarded, with weighted (sampled) rows, per
+    query head and shared over the group."""
     kernel = _instance("kernel", component, params)
     keys, values, _, decode = _inputs()
     B, H, N, D = keys.shape
@@ -178,8 +179,9 @@ def check_kernel(component, params: dict | None = None) -> None:
     assignment[0, 0] = assignment[0, 0].masked_fill(assignment[0, 0] == 0, 1)
     assignment[0, 0, 4:20] = 0  # a cluster one row of each selection below reads in full: no proxy for it there
     one_hot = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()
-    pooled = PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys, one_hot.transpose(-1, -2) @ values,
-                            assignment, one_hot.transpose(-1, -2) @ (keys * keys))
+    sums = (one_hot.sum(2), one_hot.transpose(-1, -2) @ keys, one_hot.transpose(-1, -2) @ values, assignment,
+            one_hot.transpose(-1, -2) @ (keys * keys))
+    pooled = {order: PooledClusters(*sums, second_order=order == "second-order") for order in type(kernel).proxies}
     for Gs in (1, Hq // H):
         index = torch.rand(B, H, Gs, T, N, generator=gen).argsort(-1)[..., :24]
         order = torch.rand(N, generator=gen)
@@ -188,13 +190,15 @@ def check_kernel(component, params: dict | None = None) -> None:
         index[..., -3:] = -1  # padding
         log_weight = torch.rand(index.shape, generator=gen) * (torch.arange(24) >= 18)  # a few weighted rows
         selection = Selection(index, log_weight)
-        for proxies in (pooled, None):
+        for proxies in (*pooled.values(), None):
             out, used = kernel.attend(decode, keys, values, selection, proxies, 0.2)
+            second = proxies is not None and proxies.second_order
             expected = references.proxy_attention(decode, keys, values, index, assignment if proxies else None, C,
-                                                  0.2, log_weight)
+                                                  0.2, log_weight, second_order=second)
             error = _relative_error(out, expected)
+            kind = "none" if proxies is None else "second-order" if second else "mean"
             expect(error < 1e-5, kernel, f"differs from Eq. 1 (oa_core.references.proxy_attention): relative error "
-                                         f"{error:.2e}, Gs={Gs}, proxies={proxies is not None}")
+                                         f"{error:.2e}, Gs={Gs}, proxies: {kind}")
 
 
 def _relative_error(got: Tensor, expected: Tensor) -> float:

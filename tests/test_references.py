@@ -98,3 +98,26 @@ def test_the_int8_bound_holds_and_is_reached():
     approx = 0.5 * coded @ query[0, 0, 0, :3].double()
     error = (approx - exact.flatten()).abs()
     assert (error <= bound.flatten() + 1e-12).all() and (error > 0.3 * bound.flatten()).any()
+
+
+def test_a_second_order_proxy_adds_the_log_of_one_plus_half_the_tails_logit_variance():
+    # The same case as above: nothing of cluster 0 (rows 1, 2: keys (1, 0) and (3, 0), logits 1 and 3) is read, so its
+    # tail's logit variance is the cluster's, 1, and its logit gains ln 1.5; cluster 1's one row has none: ln 1 = 0.
+    keys = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0], [0.0, 2.0]]).view(1, 1, 4, 2)
+    values = torch.eye(4)[:, :2].contiguous().view(1, 1, 4, 2) + torch.tensor([0.0, 5.0])
+    query = torch.tensor([1.0, 1.0]).view(1, 1, 1, 2)
+    assignment = torch.tensor([2, 0, 0, 1]).view(1, 1, 4)
+
+    def expected(terms):
+        weights = torch.softmax(torch.tensor([t[0] for t in terms], dtype=torch.float64), 0)
+        return sum(w * v.double() for w, (_, v) in zip(weights, terms))
+
+    index = torch.tensor([0, -1]).view(1, 1, 1, 1, 2)
+    got = references.proxy_attention(query, keys, values, index, assignment, 2, 1.0, second_order=True).flatten()
+    assert torch.allclose(got, expected([(0.0, values[0, 0, 0]), (2.0 + math.log(2) + math.log(1.5),
+                                                                 values[0, 0, 1:3].mean(0)), (2.0, values[0, 0, 3])]))
+    # Row 1 read too: cluster 0's tail is row 2 alone, (Σ_b z² − z_1²)/1 − z_2² = (1 + 9 − 1) − 9 = 0: no term.
+    index = torch.tensor([0, 1]).view(1, 1, 1, 1, 2)
+    got = references.proxy_attention(query, keys, values, index, assignment, 2, 1.0, second_order=True).flatten()
+    assert torch.allclose(got, expected([(0.0, values[0, 0, 0]), (1.0, values[0, 0, 1]), (3.0, values[0, 0, 2]),
+                                         (2.0, values[0, 0, 3])]))

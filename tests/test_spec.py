@@ -110,3 +110,25 @@ def test_a_density_budget_rounds_down():
     budget = oa.PipelineSpec.model_validate({"budget": {"density": 0.03}}).budget
     assert budget.rows(1000) == 30 and budget.rows(1033) == 30 and budget.rows(1034) == 31
     assert budget.rows(torch.tensor([1000, 1033, 1034, 10])).tolist() == [30, 30, 31, 0]
+
+
+def test_a_kernel_that_computes_only_mean_proxies_refuses_a_second_order_spec(monkeypatch):
+    """A kernel says which proxies it computes (``Kernel.proxies``); a spec asking another of it fails when built,
+    naming the field — never a silent mean proxy under a second-order spec. A mean spec, or no proxy, builds."""
+    from oa_core.registry import default_registry
+    from oa_plugins.kernels.reference import TorchKernel
+
+    class MeanOnly(TorchKernel):
+        name = "mean-only-test"
+        proxies = ("mean",)
+
+    registry = default_registry()
+    monkeypatch.setitem(registry.components["kernel"], MeanOnly.name, registry.components["kernel"]["torch"].__class__(
+        "kernel", MeanOnly.name, MeanOnly, "<test>", "<test>"))
+    with pytest.raises(oa.SpecError, match=r"^proxy: kernel 'mean-only-test' computes mean proxies, not "
+                                           r"'second-order'; set proxy: mean"):
+        oa.build({"kernel": "mean-only-test"})
+    assert oa.build({"kernel": "mean-only-test", "proxy": "mean"}).kernel.name == "mean-only-test"
+    assert oa.build({"kernel": "mean-only-test", "tail": "discard"}).kernel.name == "mean-only-test"
+    with pytest.raises(oa.SpecError, match=r"proxy: Input should be 'second-order' or 'mean'"):
+        oa.build({"proxy": "exact"})

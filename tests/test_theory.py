@@ -76,8 +76,9 @@ def _gaussian_logits(n_tail: int, sigma: float, sink: int, local: int, seed: int
     return z.float().double()  # the values the float32 cache really holds
 
 
-def _blocked_gaussian_run(tail: str, sigma: float, seed: int):
-    """→ (ŵ, w, Ẑ, Z, z) over all N tokens, float64, for a pipeline with the given tail treatment and E_sel = 0."""
+def _blocked_gaussian_run(tail: str, sigma: float, seed: int, proxy: str = "mean"):
+    """→ (ŵ, w, Ẑ, Z, z) over all N tokens, float64, for a pipeline with the given tail treatment (and proxy) and
+    E_sel = 0."""
     z = _gaussian_logits(TAIL, sigma, SINK, LOCAL, seed)
     n = z.numel()
     blocks = n // BLOCK
@@ -88,8 +89,8 @@ def _blocked_gaussian_run(tail: str, sigma: float, seed: int):
     values[token // BLOCK, 0, token, token % BLOCK] = 1.0
     query = torch.zeros(blocks, 1, 1, BLOCK)
     query[..., 0] = 1.0
-    pipe = _build(clusterer={"name": "qgc", "num_clusters": 1}, tail=tail, budget={"tokens": SINK + LOCAL},
-                  sink=SINK, local=LOCAL)
+    pipe = _build(clusterer={"name": "qgc", "num_clusters": 1}, tail=tail, proxy=proxy,
+                  budget={"tokens": SINK + LOCAL}, sink=SINK, local=LOCAL)
     state = pipe.prepare(keys, values, query, scale=1.0)
     out = pipe.attend(query, state)  # [blocks, 1, 1, BLOCK]
     assert not bool(state.dense_rows.any())
@@ -149,6 +150,23 @@ def test_eq2_proxy_erf(sigma):
     # arithmetic mean weight would give E/τ = 2·erf(σ/(2√2)) ≈ 0.77 instead of 0.68.
     assert abs(error / tau - expected) < 4 * se + 1e-4, (sigma, error / tau, expected, se)
     assert error < tau  # the paper's point: a proxy stays below discarding
+
+
+@pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0])
+def test_a_second_order_proxy_weighs_each_tail_token_by_one_plus_half_the_variance(sigma):
+    """The same Gaussian tail with the second-order proxy: each tail token's weight is e^{z̄_T}(1 + σ̂_T²/2) with σ̂_T²
+    the tail's own logit variance (one key dimension: the diagonal is exact, and no tail row is read), so the tail's
+    mass is off by (1 + σ̂²/2)/e^{σ²/2} − 1 instead of the mean proxy's e^{−σ²/2} − 1."""
+    w_hat, w, _, _, z = _blocked_gaussian_run("proxy", sigma, seed=int(100 * sigma), proxy="second-order")
+    tail = slice(SINK, SINK + TAIL)
+    variance = float(z[tail].var(unbiased=False))
+    g = math.exp(float(z[tail].mean() - z.max())) * (1 + variance / 2)
+    assert torch.allclose(w_hat[tail], torch.full((TAIL,), g, dtype=torch.float64), rtol=1e-4, atol=0)
+    mass, true_mass = float(w_hat[tail].sum()), float(w[tail].sum())
+    mean_w_hat, _, _, _, _ = _blocked_gaussian_run("proxy", sigma, seed=int(100 * sigma))
+    mean_mass = float(mean_w_hat[tail].sum())
+    assert mean_mass < mass < true_mass  # both below the truth (Jensen; 1 + x ≤ e^x), the second order closer
+    assert abs(mass / true_mass - (1 + variance / 2) / math.exp(variance / 2)) < 0.03 + 4 * sigma / math.sqrt(TAIL)
 
 
 @pytest.mark.parametrize("samples", [10, 40])
@@ -334,3 +352,22 @@ def test_tail_sampling_unbiased():
     z_star = float(stats.norm.ppf(1 - 0.00135 / dim))
     se_num = num.std(0) / math.sqrt(draws)
     assert bool((num.mean(0).abs() < z_star * se_num).all()), (num.mean(0), se_num)
+
+
+@pytest.mark.parametrize("proxy", ["mean", "second-order"])
+def test_the_estimators_per_token_weights_give_the_kernels_output(proxy):
+    """metrics.estimator_weights (E, the paper's Eq. 2) measures the estimator the kernel computes: Σŵ_i v_i / Σŵ_i
+    over every token is the attend output, for either proxy."""
+    from oa_core.metrics import estimator_weights
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 300, 16, generator=gen), torch.randn(1, 2, 300, 16, generator=gen)
+    prefill = torch.randn(1, 4, 40, 16, generator=gen)
+    decode = 1.5 * keys[:, [0, 0, 1, 1], -3:] + 0.3 * torch.randn(1, 4, 3, 16, generator=gen)
+    pipe = oa.build({"kernel": "torch", "proxy": proxy, "budget": {"density": 0.1}, "sink": 4, "local": 16,
+                     "clusterer": {"name": "qgc", "num_clusters": 8}})
+    state = pipe.prepare(keys, values, prefill)
+    out = pipe.attend(decode, state)
+    w_hat, _ = estimator_weights(pipe, state, decode)
+    estimate = (w_hat.unsqueeze(-1) * values.double()[:, :, None, None]).sum(-2) / w_hat.sum(-1, keepdim=True)
+    assert torch.allclose(estimate.reshape(out.shape), out.double(), atol=1e-5)

@@ -13,6 +13,8 @@ without runs is regrouped by cluster first. Two kernels; each KV byte is read on
    columns' one-hot clusters (one cluster after another would be latency-bound) — and then, with the pooled sums,
    needs no key or value again: n_T = n_b − |X∩b|, ℓ_b = (s·q·Σk_b − Σ_{X∩b} s·q·k_i)/n_T + ln n_T, and the
    tail's part e^{ℓ_b} over the softmax's denominator, e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T over its numerator.
+   Second-order proxies also sum Σ_{X∩b} (s·q·k_i)² and add ln(1 + σ̂_T²/2) to ℓ_b: the cluster's logit variance
+   (from the pooled Σk and Σk⊙k) with the rows read taken out, as the reference kernel has it.
 2. ``_merge``: the parts rescaled to one max, summed, divided, written in the query's layout and dtype.
 
 Each kernel's programs form one 1-D grid with the selection row varying fastest (keeping a row's programs together
@@ -35,6 +37,9 @@ from oa_core.components import Kernel, PooledClusters, Selection
 from oa_core.triton_path import tl, triton
 from oa_plugins.kernels.reference import TorchKernel
 
+if triton is not None:
+    from oa_core.cluster_stats import moments_tile
+
 
 if triton is not None:
 
@@ -48,8 +53,8 @@ if triton is not None:
     def _gather_block(Q_TILE, K, V, IDX, LW, p, b, h, offs_k, in_range, g_ok, offs_d, d_ok, sk_b, sk_h, sk_n, sv_b,
                       sv_h, sv_n, KSEL, scale, HALF: tl.constexpr):
         """BLOCK_K index columns of row p → (s·q·k_i ``[BLOCK_G, BLOCK_K]``, the logits z_i = s·q·k_i + ln η_i (-inf
-        for padding and padded heads), the columns that hold a row, v_i ``[BLOCK_K, BLOCK_D]``); the keys and values
-        of padding columns are not read (zeros)."""
+        for padding and padded heads), the columns that hold a row, k_i and v_i ``[BLOCK_K, BLOCK_D]``); the keys and
+        values of padding columns are not read (zeros)."""
         idx = tl.load(IDX + p * KSEL + offs_k, mask=in_range, other=-1)
         valid = idx >= 0
         row = tl.where(valid, idx, 0)[:, None]
@@ -62,7 +67,7 @@ if triton is not None:
             qk = tl.dot(Q_TILE.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         log_weight = tl.load(LW + p * KSEL + offs_k, mask=valid, other=0.0)
         z = tl.where(g_ok[:, None] & valid[None, :], qk + log_weight[None, :], float("-inf"))
-        return qk, z, valid, v
+        return qk, z, valid, k, v
 
     @triton.jit
     def _accumulate(m, den, acc, z, v, HALF: tl.constexpr):
@@ -78,14 +83,16 @@ if triton is not None:
         return m_new, den * alpha + tl.sum(e, axis=1), acc
 
     @triton.jit
-    def _sparse_pass(Q, K, V, IDX, LW, RUNS, KSUM, VSUM, COUNT, M_OUT, L_OUT, ACC_OUT, USED_OUT,
+    def _sparse_pass(Q, K, V, IDX, LW, RUNS, KSUM, VSUM, COUNT, KSQ, M_OUT, L_OUT, ACC_OUT, USED_OUT,
                      sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                      ROWS, Hkv, Gs, T, KSEL, C, PARTS, scale,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_C: tl.constexpr,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, HALF: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, SECOND: tl.constexpr,
+                     HALF: tl.constexpr):
         """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the PARTS parts
         share every column; with proxies part j holds the runs of clusters jC', ..., jC' + C' − 1 (C' = CHUNK_C),
-        their proxies, and its share of the columns outside the runs (the sink, the window, padding)."""
+        their proxies, and its share of the columns outside the runs (the sink, the window, padding). SECOND: the
+        proxies are second-order (``PooledClusters.second_order``)."""
         p = tl.program_id(0) % ROWS
         part = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
@@ -106,7 +113,7 @@ if triton is not None:
             stop = tl.minimum(KSEL, part * per + per)
             for k0 in range(part * per, stop, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
+                _, z, _, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
                                            sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
         else:
@@ -122,6 +129,7 @@ if triton is not None:
             read_z = tl.zeros([BLOCK_G, CHUNK_C], tl.float32)
             read_n = tl.zeros([CHUNK_C], tl.int32)
             read_v = tl.zeros([CHUNK_C, BLOCK_D], tl.float32)
+            read_zz = tl.zeros([BLOCK_G, CHUNK_C], tl.float32)  # SECOND: Σ_{X∩b} (s·q·k_i)²
             first = tl.load(runs)
             resume = tl.load(runs + C)
             free = first + KSEL - resume
@@ -134,7 +142,7 @@ if triton is not None:
                 offs_x = part * per + offs_f  # among the free columns
                 offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)
                 offs_k = tl.where(offs_f < own_free, offs_x, run_start + offs_f - own_free)
-                qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
+                qk, z, valid, k, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
                                                 d_ok, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 member = valid[None, :] & (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
                 read_z += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk, 0.0), tl.trans(member.to(tl.float32)),
@@ -144,15 +152,30 @@ if triton is not None:
                     read_v += tl.dot(member.to(v.dtype), v)
                 else:
                     read_v += tl.dot(member.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                if SECOND:
+                    read_zz += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk * qk, 0.0),
+                                      tl.trans(member.to(tl.float32)), input_precision="ieee")
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
             pooled = (b * Hkv + h) * C + offs_c
-            tail = tl.load(COUNT + pooled, mask=c_ok, other=0.0) - read_n.to(tl.float32)
+            count = tl.load(COUNT + pooled, mask=c_ok, other=0.0)
+            tail = count - read_n.to(tl.float32)
             has_tail = c_ok & (tail > 0.5)
             n_tail = tl.where(has_tail, tail, 1.0)
             tile = pooled[:, None] * D + offs_d[None, :]
             key_sum = tl.load(KSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
             qk = tl.dot(q.to(tl.float32), tl.trans(key_sum), input_precision="ieee")  # [BLOCK_G, CHUNK_C]
             ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]
+            if SECOND:  # + ln(1 + σ̂_T²/2), the reference kernel's arithmetic
+                _, variance = moments_tile(key_sum, tl.load(KSQ + tile, mask=c_ok[:, None] & d_ok[None, :],
+                                                               other=0.0), count)
+                q32 = q.to(tl.float32)
+                logit_var = tl.dot(q32 * q32, tl.trans(variance), input_precision="ieee") * (scale * scale)
+                mean_logit = qk * scale / tl.maximum(count, 1.0)[None, :]
+                n_read = read_n.to(tl.float32)[None, :]
+                d1 = read_z - n_read * mean_logit  # Σ_{X∩b} (z_i − z̄_b), and Σ_{X∩b} (z_i − z̄_b)²:
+                d2 = read_zz - 2.0 * mean_logit * read_z + n_read * mean_logit * mean_logit
+                tail_var = (count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :]) / n_tail[None, :]
+                ell += tl.log(1.0 + 0.5 * tl.maximum(tail_var, 0.0))
             ell = tl.where(g_ok[:, None] & has_tail[None, :], ell, float("-inf"))
             rest = tl.load(VSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0) - read_v
             m_new = tl.maximum(m, tl.max(ell, axis=1))
@@ -221,6 +244,7 @@ class FlashKernel(Kernel):
 
     name = "flash"
     priority = 10  # ``kernel: auto`` takes it wherever it runs: on CUDA
+    proxies = ("second-order", "mean")
     block_k = 64  # index columns per block
     clusters_per_chunk: int | None = None  # clusters per program (a power of two ≥ 16); None: 16
     free_splits: int | None = None  # programs per row without proxies; None: from the shape
@@ -281,8 +305,11 @@ class FlashKernel(Kernel):
             runs = selection.runs.to(torch.int32).reshape(P, C + 1).contiguous()
             key_sum, value_sum = proxies.key_sum.float().contiguous(), proxies.value_sum.float().contiguous()
             count = proxies.count.float().contiguous()
+            second = proxies.second_order
+            key_square_sum = proxies.key_square_sum.float().contiguous() if second else key_sum
         else:
-            runs = key_sum = value_sum = count = log_weight  # unused placeholders
+            runs = key_sum = value_sum = count = key_square_sum = log_weight  # unused placeholders
+            second = False
 
         block_k, block_g, block_d = self.block_k, _pow2(G), _pow2(D)
         chunk_c = self.clusters_per_chunk or 16
@@ -306,10 +333,11 @@ class FlashKernel(Kernel):
         # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
         half = triton_path.tensor_core_dots(query.dtype)
         _sparse_pass[(P * parts,)](
-            query, keys, values, index, log_weight, runs, key_sum, value_sum, count, row_max, den, acc, used_parts,
+            query, keys, values, index, log_weight, runs, key_sum, value_sum, count, key_square_sum, row_max, den, acc, used_parts,
             query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, C, parts, scale,
-            G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, HALF=half,
+            G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, SECOND=second,
+            HALF=half,
             **{name: value for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages))
                if value is not None})
         out = empty(B, Hq, T, D, dtype=query.dtype)

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from oa_core import triton_path
 from oa_core.cluster_stats import BLOCK_C as STATS_CLUSTERS
-from oa_core.components import PooledClusters, Selection
+from oa_core.components import Selection
 from oa_core.selection import launch_select, smallest_block
 from oa_core.triton_path import libdevice, tl, triton
 from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
@@ -112,7 +112,6 @@ class FusedStep:
                                     dtype=torch.float64, device=state.length.device)
         self.tokens = spec.budget.tokens if spec.budget.tokens is not None else -1
         self.shared = spec.gqa == "shared"
-        self.proxy = spec.tail == "proxy"
         # Constant through decoding, read by every step's _grow: row-major copies.
         projection, centroids = state.clusters.space
         self.basis, self.projection, self.centroids = (t.float().contiguous()
@@ -194,9 +193,7 @@ class FusedStep:
                       self.select_block)
         selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
                               runs.view(B, H, Gs, 1, C + 1))
-        pooled = state.pooled
-        proxies = PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, state.assignment) \
-            if self.proxy else None
+        proxies = pipe.tail_proxies(state.pooled, state.assignment)
         out, _ = pipe.kernel.attend(query, keys, values, selection, proxies, state.scale)
         return out, selection
 

@@ -2,8 +2,12 @@
 
 Output = (Σ_X e^{z_i} v_i + Σ_b e^{ℓ_b} v̄_T) / (Σ_X e^{z_i} + Σ_b e^{ℓ_b}), one max-subtracted softmax over the
 exact rows X and one proxy per cluster whose tail T_b = b \\ X is not empty. The proxy is built from the pooled sums
-minus the rows read: n_T = n_b − |X∩b|, k̄_T = (Σk_b − Σ_{X∩b} k_i)/n_T, v̄_T likewise, ℓ_b = s·q·k̄_T + ln n_T.
-Nothing is recomputed over the tail. Rows carry a log weight (ln η for sampled tail rows, 0 otherwise).
+minus the rows read: n_T = n_b − |X∩b|, k̄_T = (Σk_b − Σ_{X∩b} k_i)/n_T, v̄_T likewise, ℓ_b = s·q·k̄_T + ln n_T;
+second-order proxies add ln(1 + σ̂_T²/2), the tail's logit variance: the cluster's, σ̂_b² = s²·Σ_d q_d²·Var_b(k_d)
+(cluster_stats' diagonal estimate), with the rows read taken out exactly — σ̂_T² = (n_b·σ̂_b² − D2 − D1²/n_T)/n_T with
+D1 = Σ_{X∩b} (z_i − z̄_b), D2 = Σ_{X∩b} (z_i − z̄_b)², z_i = s·q·k_i, z̄_b = s·q·k̄_b. Nothing is recomputed over the
+tail. Rows carry a log
+weight (ln η for sampled tail rows, 0 otherwise).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Kernel, PooledClusters, Selection
+from oa_core.cluster_stats import moments_from_sums
 from oa_core.scatter import count_by_slot, sum_by_slot
 
 
@@ -21,6 +26,7 @@ class TorchKernel(Kernel):
 
     name = "torch"
     priority = 1  # what ``kernel: auto`` falls back to
+    proxies = ("second-order", "mean")
 
     def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
                proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
@@ -38,7 +44,8 @@ class TorchKernel(Kernel):
         k = keys.float().gather(2, rows).reshape(*index.shape, D)
         v = values.float().gather(2, rows).reshape(*index.shape, D)
         # q [B,Hkv,g,T,1,D] @ k [B,Hkv,Gs,T,D,K]: a shared selection (Gs = 1) broadcasts over the group.
-        logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2) + selection.log_weight.float()
+        read_logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2)
+        logits = read_logits + selection.log_weight.float()
         logits = logits.masked_fill(~selection.valid, float("-inf"))
         if proxies is None:
             weights = torch.softmax(logits, dim=-1)
@@ -48,7 +55,11 @@ class TorchKernel(Kernel):
         tail_count, tail_key, tail_value = self._tails(selection, k, v, proxies)
         has_tail = tail_count > 0.5
         n = tail_count.clamp_min(1).unsqueeze(-1)
-        proxy_logits = (scale * q @ (tail_key / n).transpose(-1, -2)).squeeze(-2) + torch.log(tail_count.clamp_min(1))
+        tail_mean = tail_key / n
+        proxy_logits = (scale * q @ tail_mean.transpose(-1, -2)).squeeze(-2) + torch.log(tail_count.clamp_min(1))
+        if proxies.second_order:
+            proxy_logits = proxy_logits + torch.log1p(0.5 * self._tail_logit_variance(
+                q.squeeze(-2), selection, read_logits, tail_count, proxies, scale))
         proxy_logits = proxy_logits.masked_fill(~has_tail, float("-inf"))
         weights = torch.softmax(torch.cat([logits, proxy_logits], dim=-1), dim=-1)
         out = (weights.unsqueeze(-2) @ torch.cat([v, tail_value / n], dim=-2)).squeeze(-2)
@@ -57,14 +68,37 @@ class TorchKernel(Kernel):
     @staticmethod
     def _tails(selection: Selection, k: Tensor, v: Tensor, pooled: PooledClusters):
         """Pooled sums minus the rows read: (n_T ``[B,Hkv,Gs,T,C]``, Σ_T k and Σ_T v ``[B,Hkv,Gs,T,C,D]``)."""
-        C = pooled.count.shape[-1]
-        B, Hkv = pooled.assignment.shape[:2]
-        cluster = pooled.assignment.gather(-1, selection.index.clamp_min(0).reshape(B, Hkv, -1))
-        cluster = cluster.reshape(selection.index.shape).masked_fill(~selection.valid, C)  # C: not a cluster
+        cluster, C = _read_clusters(selection, pooled)
         expand = (slice(None), slice(None), None, None)
         return (pooled.count[expand] - count_by_slot(cluster, C, k.dtype),
                 pooled.key_sum[expand] - sum_by_slot(cluster, k, C),
                 pooled.value_sum[expand] - sum_by_slot(cluster, v, C))
+
+    @staticmethod
+    def _tail_logit_variance(q: Tensor, selection: Selection, read_logits: Tensor, tail_count: Tensor,
+                             pooled: PooledClusters, scale: float) -> Tensor:
+        """σ̂_T² ``[B,Hkv,g,T,C]`` (0 at least) for q ``[B,Hkv,g,T,D]``, the rows' logits s·q·k_i ``[B,Hkv,g,T,K]``
+        and the tails' counts."""
+        cluster, C = _read_clusters(selection, pooled)
+        cluster = cluster.expand(read_logits.shape)
+        mean, variance = moments_from_sums(pooled.count, pooled.key_sum, pooled.key_square_sum)
+        mean_logit = scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean)
+        logit_var = scale * scale * torch.einsum("bhgtd,bhcd->bhgtc", q * q, variance)
+        # The rows read, centred on their cluster's mean logit: D1 = Σ_{X∩b} (z_i − z̄_b), D2 = Σ_{X∩b} (z_i − z̄_b)².
+        centre = torch.cat([mean_logit, torch.zeros_like(mean_logit[..., :1])], -1).gather(-1, cluster)
+        deviation = (read_logits - centre).masked_fill(~selection.valid, 0.0)
+        d1, d2 = sum_by_slot(cluster, deviation, C), sum_by_slot(cluster, deviation * deviation, C)
+        n = tail_count.clamp_min(1)
+        return ((pooled.count[:, :, None, None] * logit_var - d2 - d1 * d1 / n) / n).clamp_min(0)
+
+
+def _read_clusters(selection: Selection, pooled: PooledClusters) -> tuple[Tensor, int]:
+    """The cluster of each row read, ``selection.index``'s shape (C for padding and rows outside every cluster), and
+    the number of clusters C."""
+    C = pooled.count.shape[-1]
+    B, Hkv = pooled.assignment.shape[:2]
+    cluster = pooled.assignment.gather(-1, selection.index.clamp_min(0).reshape(B, Hkv, -1))
+    return cluster.reshape(selection.index.shape).masked_fill(~selection.valid, C), C
 
 
 @hookimpl

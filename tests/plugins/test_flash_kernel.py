@@ -24,14 +24,14 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def _case(tokens=203, batch=2, kv_heads=2, group=3, dim=32, queries=2, gqa="per_head", tail="proxy", density=0.15,
-          clusters=8, dtype=torch.float32, seed=0):
+          clusters=8, dtype=torch.float32, seed=0, proxy="second-order"):
     keys, values, prefill, decode = make_inputs(batch=batch, kv_heads=kv_heads, group=group, tokens=tokens, dim=dim,
                                                 queries=queries, seed=seed)
-    pipe = oa.build({"kernel": "torch", "gqa": gqa, "tail": tail, "sink": 4, "local": 16, "seed": seed,
+    pipe = oa.build({"kernel": "torch", "gqa": gqa, "tail": tail, "proxy": proxy, "sink": 4, "local": 16, "seed": seed,
                      "budget": {"density": density}, "clusterer": {"name": "qgc", "num_clusters": clusters}})
     state = pipe.prepare(keys, values, prefill)
     selection = pipe.explain(decode, state).selection
-    proxies = state.pooled if tail == "proxy" else None
+    proxies = pipe.tail_proxies(state.pooled)
     cast = [t.to(dtype) for t in (decode, keys, values)]
     return (*cast, selection, proxies, 1 / math.sqrt(dim))
 
@@ -58,6 +58,19 @@ def _compare(case, tolerance, **partition):
 @pytest.mark.parametrize("tail", ["proxy", "discard", "sample"])
 def test_flash_matches_the_reference_fp32(gqa, tail):
     _compare(_case(gqa=gqa, tail=tail), 1e-4)
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_flash_matches_the_reference_with_mean_proxies(gqa):
+    case = _case(gqa=gqa, proxy="mean")
+    assert not case[4].second_order
+    _compare(case, 1e-4)
+    # and the two proxies differ on these inputs: the second-order term is computed, not dropped
+    query, keys, values, selection, proxies, scale = _case(gqa=gqa)
+    assert proxies.second_order
+    mean, _ = FlashKernel().attend(*case)
+    second, _ = FlashKernel().attend(query, keys, values, selection, proxies, scale)
+    assert float((mean - second).norm() / second.norm()) > 1e-3
 
 
 @pytest.mark.parametrize("tail", ["proxy", "discard"])

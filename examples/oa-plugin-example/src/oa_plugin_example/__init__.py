@@ -79,6 +79,7 @@ class Float64Kernel(Kernel):
     """Float64: the exact rows plus one count-aware proxy per cluster, accumulated in float64."""
 
     name = "float64"
+    proxies = ("second-order", "mean")  # the proxies it computes (``PooledClusters.second_order``)
 
     def attend(self, query, keys, values, selection, proxies, scale):
         B, Hq, T, D = query.shape
@@ -108,6 +109,20 @@ class Float64Kernel(Kernel):
             v_tail = proxies.value_sum.double()[:, :, None, None] - one_hot.transpose(-1, -2) @ v_read
             mean_k, mean_v = k_tail / n.clamp_min(1)[..., None], v_tail / n.clamp_min(1)[..., None]
             proxy = scale * torch.einsum("bhsgtd,bhstcd->bhsgtc", q, mean_k) + n.clamp_min(1).log()[:, :, :, None]
+            if proxies.second_order:  # + ln(1 + σ̂_T²/2): the cluster's diagonal logit variance minus the rows read
+                count = proxies.count.double()[..., None]
+                mean_b = proxies.key_sum.double() / count.clamp_min(1)
+                var_b = (proxies.key_square_sum.double() / count.clamp_min(1) - mean_b ** 2).clamp_min(0)
+                centre = scale * torch.einsum("bhsgtd,bhcd->bhsgtc", q, mean_b)
+                logit_var = scale ** 2 * torch.einsum("bhsgtd,bhcd->bhsgtc", q * q, var_b)
+                raw = scale * torch.einsum("bhsgtd,bhstkd->bhsgtk", q, k_read)
+                deviation = raw - torch.einsum("bhsgtc,bhstkc->bhsgtk", centre, one_hot)
+                d1 = torch.einsum("bhsgtk,bhstkc->bhsgtc", deviation, one_hot)
+                d2 = torch.einsum("bhsgtk,bhstkc->bhsgtc", deviation ** 2, one_hot)
+                tail = n.clamp_min(1)[:, :, :, None]
+                variance = ((proxies.count.double()[:, :, None, None, None] * logit_var - d2 - d1 ** 2 / tail)
+                            / tail).clamp_min(0)
+                proxy = proxy + torch.log1p(0.5 * variance)
             proxy = proxy.masked_fill(~(n > 0.5)[:, :, :, None], float("-inf"))
             parts_logit.append(proxy)
             parts_value.append(mean_v[:, :, :, None].expand(*proxy.shape, D))
