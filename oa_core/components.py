@@ -202,8 +202,8 @@ class PooledClusters:
     subtracts the rows it reads exactly.
 
     ``second_order``: the proxy a kernel builds from them (docs/design.md, step 7). False: the paper's mean proxy,
-    ℓ_b = s·q·k̄_T + ln n_T. True: ℓ_b + ln(1 + σ̂_T²/2), with σ̂_T² = s²·Σ_d q_d²·Var_T(k_d) the tail's diagonal
-    logit variance (from ``key_square_sum`` minus the rows read) — the second-order term of E_T[e^z] around z̄_T."""
+    ℓ_b = s·q·k̄_T + ln n_T. True: ℓ_b + ln(1 + σ̂_T²/2), the second-order term of E_T[e^z] around z̄_T, with σ̂_T²
+    the tail's logit variance: the cluster's diagonal one (from ``key_square_sum``) with the rows read taken out."""
 
     count: Tensor
     key_sum: Tensor

@@ -1,7 +1,8 @@
 """Diagnostics of one attend call beyond the output error (docs/design.md §1).
 
 - ``estimator_weights``: the estimator's unnormalised per-token weights ŵ_i (exact and sampled rows e^{z_i}·η_i, a
-  proxy's tail tokens g_T = e^{s·q·k̄_T}, times 1 + σ̂_T²/2 for a second-order proxy, discarded or unsampled tokens 0) beside the true w_i = e^{z_i}; the output
+  proxy's tail tokens g_T = e^{s·q·k̄_T}, times 1 + σ̂_T²/2 for a second-order proxy, discarded or unsampled tokens
+  0) beside the true w_i = e^{z_i}; the output
   is Σŵ_i v_i / Σŵ_i, and E = Σ|ŵ_i − w_i| / Σw_i is the weight discrepancy of the paper's Eq. 2.
 - ``topk_recall``: the share of the true top-k logits of the clusterable region that the selector ranks within its
   E_sel best scores (paper Table 2: top-32 recall at a read fraction).
@@ -20,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core.cluster_stats import moments_from_sums
+from oa_core.cluster_stats import tail_logit_variance
 from oa_core.pipeline import Pipeline
 from oa_core.scatter import count_by_slot, sum_by_slot
 from oa_core.state import PipelineState
@@ -71,14 +72,9 @@ def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tu
     tail_logit = state.scale * torch.einsum("bhgtd,bhgtcd->bhgtc", q, tail_key)
     if pipe.spec.proxy == "second-order":  # each tail token's share of the proxy: e^{s·q·k̄_T}·(1 + σ̂_T²/2)
         pooled = state.pooled
-        mean, variance = moments_from_sums(pooled.count.double(), pooled.key_sum.double(),
-                                           pooled.key_square_sum.double())
-        mean_logit = state.scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean)
-        logit_var = state.scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, variance)
         read_logits = logits.gather(-1, index).masked_fill(~valid, 0.0)
-        read_square = sum_by_slot(cluster, read_logits * read_logits, C)
-        cluster_square = pooled.count.double()[:, :, None, None] * (mean_logit * mean_logit + logit_var)
-        tail_var = ((cluster_square - read_square) / tail_count.clamp_min(1) - tail_logit * tail_logit).clamp_min(0)
+        tail_var = tail_logit_variance(q, read_logits, cluster, pooled.count.double(), pooled.key_sum.double(),
+                                       pooled.key_square_sum.double(), tail_count, state.scale)
         tail_logit = tail_logit + torch.log1p(0.5 * tail_var)
     per_token = torch.exp(tail_logit - top)  # g_T per cluster
     per_token = torch.cat([per_token, torch.zeros_like(per_token[..., :1])], -1)  # slot C: not in a cluster

@@ -53,8 +53,8 @@ if triton is not None:
     def _gather_block(Q_TILE, K, V, IDX, LW, p, b, h, offs_k, in_range, g_ok, offs_d, d_ok, sk_b, sk_h, sk_n, sv_b,
                       sv_h, sv_n, KSEL, scale, HALF: tl.constexpr):
         """BLOCK_K index columns of row p → (s·q·k_i ``[BLOCK_G, BLOCK_K]``, the logits z_i = s·q·k_i + ln η_i (-inf
-        for padding and padded heads), the columns that hold a row, k_i and v_i ``[BLOCK_K, BLOCK_D]``); the keys and
-        values of padding columns are not read (zeros)."""
+        for padding and padded heads), the columns that hold a row, v_i ``[BLOCK_K, BLOCK_D]``); the keys and values
+        of padding columns are not read (zeros)."""
         idx = tl.load(IDX + p * KSEL + offs_k, mask=in_range, other=-1)
         valid = idx >= 0
         row = tl.where(valid, idx, 0)[:, None]
@@ -67,7 +67,7 @@ if triton is not None:
             qk = tl.dot(Q_TILE.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
         log_weight = tl.load(LW + p * KSEL + offs_k, mask=valid, other=0.0)
         z = tl.where(g_ok[:, None] & valid[None, :], qk + log_weight[None, :], float("-inf"))
-        return qk, z, valid, k, v
+        return qk, z, valid, v
 
     @triton.jit
     def _accumulate(m, den, acc, z, v, HALF: tl.constexpr):
@@ -113,7 +113,7 @@ if triton is not None:
             stop = tl.minimum(KSEL, part * per + per)
             for k0 in range(part * per, stop, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                _, z, _, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
+                _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
                                            sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
         else:
@@ -142,7 +142,7 @@ if triton is not None:
                 offs_x = part * per + offs_f  # among the free columns
                 offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)
                 offs_k = tl.where(offs_f < own_free, offs_x, run_start + offs_f - own_free)
-                qk, z, valid, k, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
+                qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
                                                 d_ok, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
                 member = valid[None, :] & (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
                 read_z += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk, 0.0), tl.trans(member.to(tl.float32)),
@@ -333,7 +333,8 @@ class FlashKernel(Kernel):
         # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
         half = triton_path.tensor_core_dots(query.dtype)
         _sparse_pass[(P * parts,)](
-            query, keys, values, index, log_weight, runs, key_sum, value_sum, count, key_square_sum, row_max, den, acc, used_parts,
+            query, keys, values, index, log_weight, runs, key_sum, value_sum, count, key_square_sum, row_max, den, acc,
+            used_parts,
             query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, C, parts, scale,
             G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, SECOND=second,

@@ -6,8 +6,7 @@ minus the rows read: n_T = n_b − |X∩b|, k̄_T = (Σk_b − Σ_{X∩b} k_i)/n
 second-order proxies add ln(1 + σ̂_T²/2), the tail's logit variance: the cluster's, σ̂_b² = s²·Σ_d q_d²·Var_b(k_d)
 (cluster_stats' diagonal estimate), with the rows read taken out exactly — σ̂_T² = (n_b·σ̂_b² − D2 − D1²/n_T)/n_T with
 D1 = Σ_{X∩b} (z_i − z̄_b), D2 = Σ_{X∩b} (z_i − z̄_b)², z_i = s·q·k_i, z̄_b = s·q·k̄_b. Nothing is recomputed over the
-tail. Rows carry a log
-weight (ln η for sampled tail rows, 0 otherwise).
+tail. Rows carry a log weight (ln η for sampled tail rows, 0 otherwise).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import torch
 from torch import Tensor
 
 from oa_core import hookimpl
+from oa_core.cluster_stats import tail_logit_variance
 from oa_core.components import Kernel, PooledClusters, Selection
-from oa_core.cluster_stats import moments_from_sums
 from oa_core.scatter import count_by_slot, sum_by_slot
 
 
@@ -55,11 +54,12 @@ class TorchKernel(Kernel):
         tail_count, tail_key, tail_value = self._tails(selection, k, v, proxies)
         has_tail = tail_count > 0.5
         n = tail_count.clamp_min(1).unsqueeze(-1)
-        tail_mean = tail_key / n
-        proxy_logits = (scale * q @ tail_mean.transpose(-1, -2)).squeeze(-2) + torch.log(tail_count.clamp_min(1))
+        proxy_logits = (scale * q @ (tail_key / n).transpose(-1, -2)).squeeze(-2) + torch.log(tail_count.clamp_min(1))
         if proxies.second_order:
-            proxy_logits = proxy_logits + torch.log1p(0.5 * self._tail_logit_variance(
-                q.squeeze(-2), selection, read_logits, tail_count, proxies, scale))
+            cluster, _ = _read_clusters(selection, proxies)
+            proxy_logits = proxy_logits + torch.log1p(0.5 * tail_logit_variance(
+                q.squeeze(-2), read_logits, cluster.expand(read_logits.shape), proxies.count, proxies.key_sum,
+                proxies.key_square_sum, tail_count, scale))
         proxy_logits = proxy_logits.masked_fill(~has_tail, float("-inf"))
         weights = torch.softmax(torch.cat([logits, proxy_logits], dim=-1), dim=-1)
         out = (weights.unsqueeze(-2) @ torch.cat([v, tail_value / n], dim=-2)).squeeze(-2)
@@ -73,23 +73,6 @@ class TorchKernel(Kernel):
         return (pooled.count[expand] - count_by_slot(cluster, C, k.dtype),
                 pooled.key_sum[expand] - sum_by_slot(cluster, k, C),
                 pooled.value_sum[expand] - sum_by_slot(cluster, v, C))
-
-    @staticmethod
-    def _tail_logit_variance(q: Tensor, selection: Selection, read_logits: Tensor, tail_count: Tensor,
-                             pooled: PooledClusters, scale: float) -> Tensor:
-        """σ̂_T² ``[B,Hkv,g,T,C]`` (0 at least) for q ``[B,Hkv,g,T,D]``, the rows' logits s·q·k_i ``[B,Hkv,g,T,K]``
-        and the tails' counts."""
-        cluster, C = _read_clusters(selection, pooled)
-        cluster = cluster.expand(read_logits.shape)
-        mean, variance = moments_from_sums(pooled.count, pooled.key_sum, pooled.key_square_sum)
-        mean_logit = scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean)
-        logit_var = scale * scale * torch.einsum("bhgtd,bhcd->bhgtc", q * q, variance)
-        # The rows read, centred on their cluster's mean logit: D1 = Σ_{X∩b} (z_i − z̄_b), D2 = Σ_{X∩b} (z_i − z̄_b)².
-        centre = torch.cat([mean_logit, torch.zeros_like(mean_logit[..., :1])], -1).gather(-1, cluster)
-        deviation = (read_logits - centre).masked_fill(~selection.valid, 0.0)
-        d1, d2 = sum_by_slot(cluster, deviation, C), sum_by_slot(cluster, deviation * deviation, C)
-        n = tail_count.clamp_min(1)
-        return ((pooled.count[:, :, None, None] * logit_var - d2 - d1 * d1 / n) / n).clamp_min(0)
 
 
 def _read_clusters(selection: Selection, pooled: PooledClusters) -> tuple[Tensor, int]:
