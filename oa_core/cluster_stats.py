@@ -1,6 +1,7 @@
 """The cluster statistics every allocator sees (docs/design.md, step 4), per query head and cluster:
 z̄_b = s·q·k̄_b and σ̂_b² = s²·Σ_d q_d² Var_b(k_d), from the clusters' mean key and diagonal key variance.
-``tail_logit_variance`` takes the rows read out of σ̂_b², for the second-order proxy (step 7).
+``tail_logit_variance`` takes the rows read out of σ̂_b² and bounds it by the gap to the least logit read, for the
+second-order proxy (step 7).
 
 On CUDA both come from one Triton kernel that reads the query in its own dtype; in torch they take a dtype
 conversion, a square, two batched matrix products and two scalings — six launches, each a few microseconds at
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor
 
 from oa_core import triton_path
-from oa_core.scatter import sum_by_slot
+from oa_core.scatter import min_by_slot, sum_by_slot
 
 from oa_core.triton_path import tl, triton
 
@@ -57,7 +58,8 @@ def tail_logit_variance(query: Tensor, read_logits: Tensor, read_cluster: Tensor
                         key_square_sum: Tensor, tail_count: Tensor, scale: float) -> Tensor:
     """The second-order proxy's σ̂_T² (docs/design.md, step 7), 0 at least, ``[B, Hkv, g, T, C]``: each cluster's
     diagonal logit variance σ̂_b² with the rows read taken out exactly, (n_b·σ̂_b² − D2 − D1²/n_T)/n_T, where
-    D1 = Σ_{X∩b} (z_i − z̄_b) and D2 = Σ_{X∩b} (z_i − z̄_b)².
+    D1 = Σ_{X∩b} (z_i − z̄_b) and D2 = Σ_{X∩b} (z_i − z̄_b)²; at most (M_b − z̄_T)², M_b the least logit read from b
+    and z̄_T = z̄_b − D1/n_T the tail's mean logit (no bound where nothing of b was read).
 
     query ``[B, Hkv, g, T, D]``; read_logits z_i = s·q·k_i of the rows read ``[B, Hkv, g, T, K]`` and their clusters
     ``read_cluster`` (C for padding and rows outside every cluster: not counted); count ``[B, Hkv, C]`` and the pooled
@@ -70,7 +72,9 @@ def tail_logit_variance(query: Tensor, read_logits: Tensor, read_cluster: Tensor
     deviation = (read_logits - centre).masked_fill(read_cluster == C, 0.0)
     d1, d2 = sum_by_slot(read_cluster, deviation, C), sum_by_slot(read_cluster, deviation * deviation, C)
     n = tail_count.clamp_min(1)
-    return ((count[:, :, None, None] * logit_var - d2 - d1 * d1 / n) / n).clamp_min(0)
+    spread = ((count[:, :, None, None] * logit_var - d2 - d1 * d1 / n) / n).clamp_min(0)
+    gap = (min_by_slot(read_cluster, read_logits, C) - (mean_logit - d1 / n)).clamp_min(0)  # M_b − z̄_T
+    return torch.minimum(spread, gap * gap)
 
 
 BLOCK_C = 16  # clusters per program

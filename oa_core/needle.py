@@ -69,18 +69,19 @@ def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], ma
     try:
         bar = tqdm(total=len(samples) * len(specs), desc="needle", unit="answer", disable=not progress)
         for index, sample in enumerate(samples):
+            question, answer = sample.question_ids.to(model.device), sample.answer_ids.to(model.device)
             start = time.perf_counter()
-            context = oa.prefill_context(model, sample.context_ids)
+            context = oa.prefill_context(model, sample.context_ids.to(model.device))
             prefill_s = time.perf_counter() - start
             for name, spec in specs.items():
                 handle.use(spec)
                 start = time.perf_counter()
-                new = oa.generate_from_context(model, context, sample.question_ids, max_new_tokens=max_new_tokens,
+                new = oa.generate_from_context(model, context, question, max_new_tokens=max_new_tokens,
                                                pad_token_id=tokenizer.eos_token_id)
                 generate_s = time.perf_counter() - start
                 stats = handle.stats
                 handle.reset_stats()
-                logprob = float(oa.answer_logprob(model, context, sample.question_ids, sample.answer_ids)[0])
+                logprob = float(oa.answer_logprob(model, context, question, answer)[0])
                 handle.reset_stats()
                 text = tokenizer.decode(new[0], skip_special_tokens=True)
                 records.append({"sample": index, "spec": name, "answer": sample.answer, "output": text,

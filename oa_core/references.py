@@ -36,7 +36,8 @@ def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor |
     T_b = b \\ X when it is not empty: logit s·q·k̄_T + ln |T_b|, value v̄_T, with k̄_T and v̄_T the tail's own means;
     ``second_order`` adds ln(1 + σ̂_T²/2) to the logit (E_T[e^z] ≈ e^{z̄_T}(1 + Var_T z/2)): the tail's logit variance
     σ̂_T² = (Σ_b z² − Σ_{X∩b} z_i²)/|T_b| − z̄_T², z_i = s·q·k_i and z̄_T = s·q·k̄_T, where the cluster's Σ_b z² is
-    |b|·(z̄_b² + σ̂_b²) from its members' mean logit and diagonal logit variance s²·Σ_d q_d²·Var_b(k_d) (0 at least).
+    |b|·(z̄_b² + σ̂_b²) from its members' mean logit and diagonal logit variance s²·Σ_d q_d²·Var_b(k_d), bounded by
+    (min_{X∩b} z_i − z̄_T)² where rows of b were read (0 at least).
     """
     q, k, v = query.double(), keys.double(), values.double()
     B, Hq, T, D = q.shape
@@ -72,9 +73,13 @@ def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor |
                                 members = k[b, h, assignment[b, h] == c]
                                 mean_logit = scale * (members.mean(0) @ qv)
                                 logit_var = scale ** 2 * (qv * qv) @ members.var(0, unbiased=False)
-                                read_square = ((scale * k[b, h, ~unread & (assignment[b, h] == c)] @ qv) ** 2).sum()
-                                variance = (len(members) * (mean_logit ** 2 + logit_var) - read_square) / count \
-                                    - (logit - math.log(count)) ** 2
+                                read_logits = scale * k[b, h, ~unread & (assignment[b, h] == c)] @ qv
+                                tail_mean = logit - math.log(count)
+                                variance = (len(members) * (mean_logit ** 2 + logit_var)
+                                            - (read_logits ** 2).sum()) / count - tail_mean ** 2
+                                if len(read_logits):  # at most the squared gap to the least logit read
+                                    gap = (read_logits.min() - tail_mean).clamp_min(0)
+                                    variance = torch.minimum(variance, gap * gap)
                                 logit = logit + torch.log1p(0.5 * variance.clamp_min(0))
                             logits.append(logit.view(1))
                             vals.append(v[b, h, tail].mean(0, keepdim=True))

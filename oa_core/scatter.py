@@ -58,6 +58,13 @@ def pooled_sums(ids: Tensor, keys: Tensor, values: Tensor, slots: int,
     return sums if totals is None else tuple(total + new for total, new in zip(totals, sums))
 
 
+def min_by_slot(ids: Tensor, values: Tensor, slots: int) -> Tensor:
+    """The least of ``values`` ``[..., n]`` by ``ids`` ``[..., n]`` (in [0, slots]; ``slots`` means none) →
+    ``[..., slots]``, +inf for a slot nothing falls in."""
+    out = values.new_full((*values.shape[:-1], slots + 1), float("inf"))
+    return out.scatter_reduce_(-1, ids, values, "amin").narrow(-1, 0, slots)
+
+
 def count_by_slot(ids: Tensor, slots: int, dtype: torch.dtype = torch.long) -> Tensor:
     """How many of ``ids`` ``[..., n]`` fall in each of ``slots`` slots → ``[..., slots]``."""
     return sum_by_slot(ids, torch.ones(ids.shape, dtype=dtype, device=ids.device), slots)

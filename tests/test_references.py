@@ -6,6 +6,9 @@ import math
 import torch
 
 from oa_core import references
+from oa_core.components import PooledClusters, Selection
+from oa_core.scatter import pooled_sums
+from oa_plugins.kernels.reference import TorchKernel
 
 
 def test_proxy_attention_reading_every_row_is_softmax_attention():
@@ -121,3 +124,26 @@ def test_a_second_order_proxy_adds_the_log_of_one_plus_half_the_tails_logit_vari
     got = references.proxy_attention(query, keys, values, index, assignment, 2, 1.0, second_order=True).flatten()
     assert torch.allclose(got, expected([(0.0, values[0, 0, 0]), (1.0, values[0, 0, 1]), (3.0, values[0, 0, 2]),
                                          (2.0, values[0, 0, 3])]))
+
+
+def test_the_tails_logit_variance_is_bounded_by_its_gap_to_the_least_logit_read():
+    # One cluster, logits 0, 2, 4, 2.5 (keys along the query's first axis: the diagonal variance is exact). Read the
+    # row at 2.5: the tail {0, 2, 4} has mean 2 and variance 8/3, bounded by (2.5 − 2)² = 0.25. Read the row at 4:
+    # the tail {0, 2, 2.5} (mean 1.5, variance 7/6) lies well below it, (4 − 1.5)² = 6.25, no bound. Read the row
+    # at 0: it lies below the tail's mean, 17/6, and the bound leaves the mean proxy.
+    keys = torch.tensor([[0.0, 0.0], [2.0, 0.0], [4.0, 0.0], [2.5, 0.0]]).view(1, 1, 4, 2)
+    values = torch.randn(1, 1, 4, 2, generator=torch.Generator().manual_seed(0))
+    query = torch.tensor([1.0, 1.0]).view(1, 1, 1, 2)
+    assignment = torch.zeros(1, 1, 4, dtype=torch.long)
+    for read, tail_mean, term in ((3, 2.0, math.log(1.125)), (2, 1.5, math.log(1 + 7 / 12)), (0, 17 / 6, 0.0)):
+        tail = [row for row in range(4) if row != read]
+        weights = torch.softmax(torch.tensor([float(keys[0, 0, read, 0]), tail_mean + math.log(3) + term],
+                                             dtype=torch.float64), 0)
+        expected = weights[0] * values[0, 0, read].double() + weights[1] * values[0, 0, tail].double().mean(0)
+        index = torch.tensor([read]).view(1, 1, 1, 1, 1)
+        got = references.proxy_attention(query, keys, values, index, assignment, 1, 1.0, second_order=True)
+        assert torch.allclose(got.flatten(), expected), read
+        count, key_sum, value_sum, key_square_sum = pooled_sums(assignment, keys, values, 1)
+        proxies = PooledClusters(count, key_sum, value_sum, assignment, key_square_sum, second_order=True)
+        out, _ = TorchKernel().attend(query, keys, values, Selection(index, torch.zeros(index.shape)), proxies, 1.0)
+        assert torch.allclose(out.flatten().double(), expected, atol=1e-6), read

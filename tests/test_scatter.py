@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oa_core.scatter import count_by_slot, positions, sum_by_slot
+from oa_core.scatter import count_by_slot, min_by_slot, positions, sum_by_slot
 
 
 def test_sums_and_counts_by_slot_drop_the_spare_and_add_to_a_total():
@@ -52,3 +52,10 @@ def test_pooled_sums_in_one_triton_pass_equal_the_scatter_adds(dtype):
             assert a.dtype == torch.float32 and a.shape == b.shape, name
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-4), name
     assert found[0][..., 4].equal(totals[0][..., 4]) and found[1][..., 4, :].equal(totals[1][..., 4, :])
+
+
+def test_min_by_slot_takes_each_slots_least_and_inf_where_none_fell():
+    ids = torch.tensor([[0, 2, 0, 3, 2]])  # 3 = none (slots = 3): dropped
+    values = torch.tensor([[4.0, -1.0, 2.5, -9.0, 7.0]])
+    least = min_by_slot(ids, values, 3)
+    assert least.tolist() == [[2.5, float("inf"), -1.0]]

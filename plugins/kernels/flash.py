@@ -130,6 +130,7 @@ if triton is not None:
             read_n = tl.zeros([CHUNK_C], tl.int32)
             read_v = tl.zeros([CHUNK_C, BLOCK_D], tl.float32)
             read_zz = tl.zeros([BLOCK_G, CHUNK_C], tl.float32)  # SECOND: Σ_{X∩b} (s·q·k_i)²
+            read_lo = tl.full([BLOCK_G, CHUNK_C], float("inf"), tl.float32)  # SECOND: min_{X∩b} s·q·k_i
             first = tl.load(runs)
             resume = tl.load(runs + C)
             free = first + KSEL - resume
@@ -155,6 +156,11 @@ if triton is not None:
                 if SECOND:
                     read_zz += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk * qk, 0.0),
                                       tl.trans(member.to(tl.float32)), input_precision="ieee")
+                    for gi in tl.static_range(G):  # head by head: a [CHUNK_C, BLOCK_K] tile, not all BLOCK_G lanes
+                        lane = offs_g[:, None] == gi
+                        least = tl.min(tl.where(member, tl.sum(tl.where(lane, qk, 0.0), axis=0)[None, :],
+                                                float("inf")), axis=1)
+                        read_lo = tl.where(lane, tl.minimum(read_lo, least[None, :]), read_lo)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
             pooled = (b * Hkv + h) * C + offs_c
             count = tl.load(COUNT + pooled, mask=c_ok, other=0.0)
@@ -174,8 +180,10 @@ if triton is not None:
                 n_read = read_n.to(tl.float32)[None, :]
                 d1 = read_z - n_read * mean_logit  # Σ_{X∩b} (z_i − z̄_b), and Σ_{X∩b} (z_i − z̄_b)²:
                 d2 = read_zz - 2.0 * mean_logit * read_z + n_read * mean_logit * mean_logit
-                tail_var = (count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :]) / n_tail[None, :]
-                ell += tl.log(1.0 + 0.5 * tl.maximum(tail_var, 0.0))
+                tail_var = tl.maximum((count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :]) / n_tail[None, :],
+                                      0.0)
+                gap = tl.maximum(read_lo - (mean_logit - d1 / n_tail[None, :]), 0.0)  # M_b − z̄_T (inf: none read)
+                ell += tl.log(1.0 + 0.5 * tl.minimum(tail_var, gap * gap))
             ell = tl.where(g_ok[:, None] & has_tail[None, :], ell, float("-inf"))
             rest = tl.load(VSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0) - read_v
             m_new = tl.maximum(m, tl.max(ell, axis=1))

@@ -109,7 +109,7 @@ class Float64Kernel(Kernel):
             v_tail = proxies.value_sum.double()[:, :, None, None] - one_hot.transpose(-1, -2) @ v_read
             mean_k, mean_v = k_tail / n.clamp_min(1)[..., None], v_tail / n.clamp_min(1)[..., None]
             proxy = scale * torch.einsum("bhsgtd,bhstcd->bhsgtc", q, mean_k) + n.clamp_min(1).log()[:, :, :, None]
-            if proxies.second_order:  # + ln(1 + σ̂_T²/2): the cluster's diagonal logit variance minus the rows read
+            if proxies.second_order:  # + ln(1 + σ̂_T²/2): the cluster's diagonal logit variance minus the rows read,
                 count = proxies.count.double()[..., None]
                 mean_b = proxies.key_sum.double() / count.clamp_min(1)
                 var_b = (proxies.key_square_sum.double() / count.clamp_min(1) - mean_b ** 2).clamp_min(0)
@@ -122,6 +122,10 @@ class Float64Kernel(Kernel):
                 tail = n.clamp_min(1)[:, :, :, None]
                 variance = ((proxies.count.double()[:, :, None, None, None] * logit_var - d2 - d1 ** 2 / tail)
                             / tail).clamp_min(0)
+                # at most (M_b − z̄_T)², M_b the least logit read from the cluster (+inf: none read)
+                least = torch.where(one_hot.bool()[:, :, :, None], raw[..., None], torch.inf).amin(-2)
+                gap = (least - (centre - d1 / tail)).clamp_min(0)
+                variance = torch.minimum(variance, gap * gap)
                 proxy = proxy + torch.log1p(0.5 * variance)
             proxy = proxy.masked_fill(~(n > 0.5)[:, :, :, None], float("-inf"))
             parts_logit.append(proxy)
