@@ -61,6 +61,7 @@ class LayerRuntime:
     def __init__(self, layer: int, pipeline: Pipeline | None, question: Question = "sparse") -> None:
         self.layer = layer
         self.pipeline = pipeline  # None: this layer stays dense
+        self.dense_reason = "dense layer"  # why, where it does (the stats say it)
         self.question = question
         self.context: ContextRecord | None = None
         self.live: PipelineState | None = None
@@ -83,7 +84,7 @@ class LayerRuntime:
             out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if self.pipeline is not None:
                 self._record_context(query, key, value, attention_mask, scale)
-            self.log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else "dense layer")
+            self.log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else self.dense_reason)
             return out, weights
 
         while True:
@@ -170,13 +171,33 @@ def _same_prefix(known: Tensor, key: Tensor, past: int) -> bool:
     return torch.equal(known[:, :, probe], key[:, :, probe])
 
 
+def window_reason(module) -> str | None:
+    """Why an attention layer keeps the model's own attention, where its type is not full attention: a sliding
+    window (``config.layer_types``, as Gemma 2/3 and Qwen2 give it, or a ``sliding_window`` of every layer, as Mistral
+    gives it) or another local type; None for a full-attention layer."""
+    config = module.config
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types is not None:
+        kind = layer_types[module.layer_idx]
+        if kind == "full_attention":
+            return None
+        if kind == "sliding_attention" and window:
+            return f"dense: sliding window of {window} (the model's own attention)"
+        return f"dense: {kind} (the model's own attention)"
+    window = getattr(module, "sliding_window", window)
+    return f"dense: sliding window of {window} (the model's own attention)" if window else None
+
+
 def openattention_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered with ``AttentionInterface``: query ``[B, Hq, T, D]``, key/value ``[B, Hkv, N, D]``
     (the layer's whole cache) → (output ``[B, T, Hq, D]``, None)."""
     runtime = _RUNTIMES.get(module)
     if runtime is None:  # the attn_implementation= route: the spec from config.openattention, or the defaults
         spec = getattr(module.config, "openattention", None)
-        runtime = _RUNTIMES[module] = LayerRuntime(module.layer_idx, build(spec), question="sparse")
+        why = window_reason(module)
+        runtime = _RUNTIMES[module] = LayerRuntime(module.layer_idx, None if why else build(spec), question="sparse")
+        runtime.dense_reason = why or runtime.dense_reason
     return runtime(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
@@ -205,6 +226,10 @@ class OpenAttentionHandle:
         for layer in self.dense_layers:
             self._check_layer(layer)
         self.runtimes = {module.layer_idx: LayerRuntime(module.layer_idx, None, question) for module in attention}
+        # Layers that attend a sliding window keep the model's own attention: only full-attention layers go sparse.
+        self.windowed = {module.layer_idx: why for module in attention if (why := window_reason(module))}
+        for layer, why in self.windowed.items():
+            self.runtimes[layer].dense_reason = why
         self.use(spec, layer_specs)  # validates the specs before anything is registered
         for module in attention:
             _RUNTIMES[module] = self.runtimes[module.layer_idx]
@@ -223,7 +248,8 @@ class OpenAttentionHandle:
         default = build(spec)
         pipelines = {layer: build(s) for layer, s in layer_specs.items()}
         for layer, runtime in self.runtimes.items():
-            runtime.pipeline = None if layer in self.dense_layers else pipelines.get(layer, default)
+            dense = layer in self.dense_layers or layer in self.windowed
+            runtime.pipeline = None if dense else pipelines.get(layer, default)
             runtime.live = None
             if runtime.context is not None:  # states prepared for the old pipelines are never read again
                 runtime.context.prepared.clear()

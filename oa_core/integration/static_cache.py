@@ -136,8 +136,8 @@ def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: 
     layer.start = (~mask).sum(-1)
     torch._dynamo.mark_static_address(layer.start)
     if runtime.pipeline is None:
-        layer.dense_reason = "dense layer"
-        runtime.log("prefill", 0, n, dense=True, reason="dense layer")
+        layer.dense_reason = runtime.dense_reason
+        runtime.log("prefill", 0, n, dense=True, reason=runtime.dense_reason)
         return out, weights
     prepare = Span(key)
     try:
