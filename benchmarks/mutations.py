@@ -207,8 +207,7 @@ MUTATIONS = [
              [(" + torch.log(tail_count.clamp_min(1))", "")], KERNEL_TESTS,
              "the proxy logit without + ln n_T: one token's weight for the whole tail"),
     mutation("kernel-ignores-row-weights", "plugins/kernels/reference.py",
-             [("(scale * q @ k.transpose(-1, -2)).squeeze(-2) + selection.log_weight.float()",
-               "(scale * q @ k.transpose(-1, -2)).squeeze(-2)")], KERNEL_TESTS,
+             [("logits = read_logits + selection.log_weight.float()", "logits = read_logits")], KERNEL_TESTS,
              "sampled tail rows weigh 1 instead of η"),
     mutation("flash-proxy-without-log-count", "plugins/kernels/flash.py",
              [("ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
@@ -392,8 +391,8 @@ MUTATIONS = [
              "the fused plan water-fills the rest but forgets the floor's own rows"),
     # -- the transformers integration --------------------------------------------------------------------------------
     mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
-             [('LayerRuntime(module.layer_idx, build(spec), question="sparse")',
-               'LayerRuntime(module.layer_idx, build(spec), question="dense")')],
+             [('LayerRuntime(module.layer_idx, None if why else build(spec), question="sparse")',
+               'LayerRuntime(module.layer_idx, None if why else build(spec), question="dense")')],
              ("tests/test_integration.py",),
              "attn_implementation='openattention' attends the question densely (setup A) though B is the default"),
 ]

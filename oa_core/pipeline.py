@@ -145,8 +145,10 @@ class Pipeline:
             contracts.check_query(queries, keys, "queries")
         scale = contracts.check_scale(scale, keys.shape[-1])
         valid = contracts.check_mask(mask, keys)
-        dense_rows = self.spec.read_in_full(valid.sum(-1))
-        state = PipelineState(self, keys, values, valid, scale, dense_rows)
+        lengths = valid.sum(-1)
+        dense_rows = self.spec.read_in_full(lengths)
+        why = self.spec.why_read_in_full(lengths) if bool(dense_rows.any()) else ""
+        state = PipelineState(self, keys, values, valid, scale, dense_rows, dense_reason=why)
         if bool(dense_rows.all()):
             return state
         # The clusterable region: valid rows of sparse batch rows, past the sink and before the local window.
@@ -291,16 +293,18 @@ class Pipeline:
         note = getattr(self.kernel, "note", "")
         kernel = f"{self.kernel.name} ({self.kernel_note}{'; ' + note if note else ''})"
         return AttendStats(density_tensor=density, num_tokens=n, reads=reads, proxies=proxies, dense=plan.all_dense,
-                           reason=self._reason(plan.dense_rows, lengths), kernel=kernel)
+                           reason=self._reason(plan.dense_rows, lengths, state.dense_reason), kernel=kernel)
 
-    def _reason(self, dense_rows: Tensor, lengths: Tensor) -> str:
+    def _reason(self, dense_rows: Tensor, lengths: Tensor, why: str) -> str:
         budget = self.spec.budget.rows(lengths)
         dense = int(dense_rows.sum())
         if dense == len(lengths):
+            if why != "budget >= context":
+                return f"dense: {why}"
             if bool((lengths == lengths[0]).all()) and bool((budget == budget[0]).all()):
                 return f"dense: budget of {int(budget[0])} rows >= context of {int(lengths[0])} tokens"
             return "dense: every row's budget covers its context"
-        suffix = f"; {dense} of {len(lengths)} rows dense (budget >= context)" if dense else ""
+        suffix = f"; {dense} of {len(lengths)} rows dense ({why})" if dense else ""
         return f"sparse: {self.spec.tail} tail{suffix}"
 
 

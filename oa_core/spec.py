@@ -96,17 +96,32 @@ class PipelineSpec(BaseModel):
     seed: int = 0
 
     def read_in_full(self, lengths: torch.Tensor) -> torch.Tensor:
-        """``[B]`` valid context lengths → the rows this spec reads in full (its budget covers the context, or the
-        context is no longer than sink + local); a clear error for another row whose budget is below sink + local."""
+        """``[B]`` valid context lengths → the rows this spec reads in full: its budget covers the context, the
+        context is no longer than sink + local, or a density's budget on a short context cannot cover sink + local
+        (``too_short``; ``why_read_in_full`` says which). A budget of tokens below sink + local is a clear error."""
         budget = self.budget.rows(lengths)
-        fixed = self.sink + self.local
-        dense = (budget >= lengths) | (lengths <= fixed)
-        short = ~dense & (budget < fixed)
-        if bool(short.any()):
+        short = self.too_short(lengths)
+        if self.budget.tokens is not None and bool(short.any()):
             row = int(short.nonzero()[0, 0])
             raise SpecError(f"budget: {int(budget[row])} rows ({self.budget.model_dump(exclude_none=True)} of "
-                            f"{int(lengths[row])} tokens) is smaller than sink + local = {fixed}")
-        return dense
+                            f"{int(lengths[row])} tokens) is smaller than sink + local = {self.sink + self.local}")
+        return (budget >= lengths) | (lengths <= self.sink + self.local) | short
+
+    def too_short(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` lengths → the rows whose budget is below sink + local although the context is longer than both."""
+        budget = self.budget.rows(lengths)
+        fixed = self.sink + self.local
+        return (budget < fixed) & (budget < lengths) & (lengths > fixed)
+
+    def why_read_in_full(self, lengths: torch.Tensor) -> str:
+        """Why ``read_in_full``'s rows are read in full, in words: a short context's budget (the first such row's
+        numbers), or a budget that covers the context."""
+        short = self.too_short(lengths)
+        if not bool(short.any()):
+            return "budget >= context"
+        row = int(short.nonzero()[0, 0])
+        return (f"budget of {int(self.budget.rows(lengths)[row])} rows ({self.budget.density:.1%} of "
+                f"{int(lengths[row])} tokens) < sink + local = {self.sink + self.local}")
 
 
 def load_spec(spec: PipelineSpec | Mapping | str | Path) -> PipelineSpec:

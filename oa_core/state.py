@@ -76,6 +76,7 @@ class PipelineState:
     valid: Tensor
     scale: float
     dense_rows: Tensor
+    dense_reason: str = ""  # why, at the prepare: "budget >= context", or a short context's budget (read_in_full)
     clusters: Clusters | None = None
     pooled: PooledClusters | None = None
     index: Any = None

@@ -81,7 +81,9 @@ class StaticState:
         if capacity < n:
             raise ValueError(f"capacity: {capacity} slots cannot hold the {n} tokens already cached")
         if state.clusters is None or bool(state.dense_rows.any()):
-            raise StaticUnsupported("a batch row's budget covers its context (it is read in full)")
+            if state.dense_reason == "budget >= context":
+                raise StaticUnsupported("a batch row's budget covers its context (it is read in full)")
+            raise StaticUnsupported(f"a batch row is read in full: {state.dense_reason}")
         why = unsupported(pipe)
         if why:
             raise StaticUnsupported(why)

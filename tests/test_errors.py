@@ -17,12 +17,21 @@ def pipe():
     return oa.build(SPEC)
 
 
-def test_budget_smaller_than_sink_and_local(inputs):
+def test_a_token_budget_smaller_than_sink_and_local_is_an_error(inputs):
     keys, values, prefill, _ = inputs
-    with pytest.raises(oa.SpecError, match=r"budget: 3 rows .* is smaller than sink \+ local = 20"):
-        oa.build({**SPEC, "budget": {"density": 0.01}}).prepare(keys, values, prefill)
-    with pytest.raises(oa.SpecError, match=r"smaller than sink \+ local = 20"):
+    with pytest.raises(oa.SpecError, match=r"budget: 19 rows .* is smaller than sink \+ local = 20"):
         oa.build({**SPEC, "budget": {"tokens": 19}}).prepare(keys, values, prefill)
+
+
+def test_a_density_too_small_for_sink_and_local_on_a_short_context_reads_it_densely_and_says_why(inputs):
+    keys, values, prefill, query = inputs
+    N = keys.shape[2]
+    pipe = oa.build({**SPEC, "budget": {"density": 0.01}})  # 1% of the context: fewer rows than sink + local
+    state = pipe.prepare(keys, values, prefill)
+    out, stats = pipe.attend(query, state, return_stats=True)
+    assert stats.dense and stats.reason == f"dense: budget of {N // 100} rows (1.0% of {N} tokens) < sink + local = 20"
+    full = oa.build({**SPEC, "budget": {"density": 1.0}})
+    assert torch.allclose(out, full.attend(query, full.prepare(keys, values, prefill)), atol=1e-5)
 
 
 @pytest.mark.parametrize("where", ["keys", "values"])

@@ -351,3 +351,16 @@ def test_prefill_memory_benchmark_without_cuda_says_it_needs_a_gpu(tmp_path):
                           text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert done.returncode != 0 and "prefill_memory: needs a CUDA GPU" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_short_context_whose_budget_cannot_cover_sink_and_local_runs_dense_and_says_why():
+    # 3% of 200 tokens is 6 rows, fewer than the default sink + local of 4 + 64: dense, exactly sdpa, with the reason.
+    model, ids = tiny_llama(), prompt(200)
+    expected = greedy(model, ids, tokens=4)
+    with oa.patch(model, {"budget": {"density": 0.03}}) as handle:
+        got = greedy(model, ids, tokens=4)
+        stats = handle.stats
+    assert torch.equal(got, expected)
+    decode = [r for r in stats.records if r.phase == "decode"]
+    assert decode and all(r.dense and r.reason == "dense: budget of 6 rows (3.0% of 200 tokens) < sink + local = 68"
+                          for r in decode)

@@ -94,20 +94,18 @@ def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
 
 def check_budgets(specs: dict[str, tuple[dict, bool]], config: EvalConfig) -> None:
     """A clear error, before any model loads, for a density whose budget at some length is below the spec's sink +
-    local (``PipelineSpec.read_in_full``, the pipeline's own rule; the prompt's context is a little shorter than the
-    length: its budget is at most this one)."""
+    local (``PipelineSpec.too_short``, the pipeline's own rule: such a cell would run dense, with no figure for its
+    method; the prompt's context is a little shorter than the length: its budget is at most this one)."""
     for name, (data, dense) in specs.items():
         spec = oa.load_spec(data)
         for density in [] if dense else config.densities:
             at = spec.model_copy(update={"budget": oa.Budget(density=density)})
             for length in config.lengths:
-                try:
-                    at.read_in_full(torch.tensor([length]))
-                except oa.SpecError:
+                if bool(at.too_short(torch.tensor([length])).any()):  # it would run dense: no figure for the method
                     raise oa.SpecError(f"budget: {name} at {density:.0%} of {length} tokens reads "
                                        f"{at.budget.rows(length)} rows, fewer than its sink + local = {spec.sink} + "
                                        f"{spec.local}; pass a smaller --sink / --local-window (sink=, local= in "
-                                       "EvalConfig)") from None
+                                       "EvalConfig)")
 
 
 def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float], task: str, length: int,

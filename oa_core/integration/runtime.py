@@ -109,7 +109,8 @@ class LayerRuntime:
             state.grow_to(key, value)
             out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.live = state
-            reason = "dense: question attended densely (setup A)" if dense_question else "dense: budget >= context"
+            reason = ("dense: question attended densely (setup A)" if dense_question
+                      else f"dense: {state.dense_reason}")
             self.log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
             return out, weights
         outputs, stats = [], []
