@@ -28,7 +28,7 @@ from oa_core.components import (AllocationInput, Allocator, Clusterer, Kernel, P
                                 group_queries)
 from oa_core.registry import default_registry
 from oa_core.selection import select
-from oa_core.spec import ComponentSpec, PipelineSpec, SpecError, describe, load_spec
+from oa_core.spec import BUDGET_COVERS, ComponentSpec, PipelineSpec, SpecError, describe, load_spec
 from oa_core.state import PipelineState
 
 
@@ -299,7 +299,7 @@ class Pipeline:
         budget = self.spec.budget.rows(lengths)
         dense = int(dense_rows.sum())
         if dense == len(lengths):
-            if why != "budget >= context":
+            if why != BUDGET_COVERS:
                 return f"dense: {why}"
             if bool((lengths == lengths[0]).all()) and bool((budget == budget[0]).all()):
                 return f"dense: budget of {int(budget[0])} rows >= context of {int(lengths[0])} tokens"

@@ -118,10 +118,13 @@ class PipelineSpec(BaseModel):
         numbers), or a budget that covers the context."""
         short = self.too_short(lengths)
         if not bool(short.any()):
-            return "budget >= context"
+            return BUDGET_COVERS
         row = int(short.nonzero()[0, 0])
         return (f"budget of {int(self.budget.rows(lengths)[row])} rows ({self.budget.density:.1%} of "
                 f"{int(lengths[row])} tokens) < sink + local = {self.sink + self.local}")
+
+
+BUDGET_COVERS = "budget >= context"  # ``why_read_in_full`` where no row is a short context
 
 
 def load_spec(spec: PipelineSpec | Mapping | str | Path) -> PipelineSpec:

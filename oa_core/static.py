@@ -25,6 +25,7 @@ from oa_core import triton_path
 from oa_core.cluster_stats import cluster_logit_stats_from_sums
 from oa_core.components import AllocationInput, Clusters, PooledClusters, Selection, Selector, group_queries
 from oa_core.selection import cluster_members, select
+from oa_core.spec import BUDGET_COVERS
 from oa_core.state import PipelineState
 from oa_core.triton_path import tl, triton
 
@@ -81,7 +82,7 @@ class StaticState:
         if capacity < n:
             raise ValueError(f"capacity: {capacity} slots cannot hold the {n} tokens already cached")
         if state.clusters is None or bool(state.dense_rows.any()):
-            if state.dense_reason == "budget >= context":
+            if state.dense_reason == BUDGET_COVERS:
                 raise StaticUnsupported("a batch row's budget covers its context (it is read in full)")
             raise StaticUnsupported(f"a batch row is read in full: {state.dense_reason}")
         why = unsupported(pipe)
