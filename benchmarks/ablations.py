@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from oa_core.attention_error import measure
+from oa_core.offline_model import MODEL_HELP
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 # The same sink and local window for every spec: 1% of 4096 tokens is 40 rows, below the specs' 4 + 64.
@@ -53,7 +54,7 @@ def load_methods(paths: list[Path]) -> dict[str, dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--specs", type=Path, nargs="+", default=sorted(SPECS.glob("*.yaml")))
-    parser.add_argument("--model", default=None, help="a transformers model path or id (default: offline SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--layers", type=int, nargs="+", default=None)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import oa_core as oa
 from oa_core.attention_error import PREFILL_QUERIES, format_table, measure
-from oa_core.offline_model import TEXTS
+from oa_core.offline_model import MODEL_HELP, TEXTS
 
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.
@@ -54,7 +54,7 @@ CANDIDATES = ("openattention", "openattention-shared")  # the methods held again
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None,
-                        help="a transformers model path or id (default: the offline SmolLM2-135M-Instruct GGUF)")
+                        help=MODEL_HELP)
     parser.add_argument("--tokens", type=int, default=4096, help="N: context tokens in the cache")
     parser.add_argument("--decode", type=int, default=64, help="P: decode queries, the tokens after the context")
     parser.add_argument("--layers", type=int, nargs="+", default=None,

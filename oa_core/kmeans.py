@@ -15,8 +15,22 @@ from oa_core.geometry import on_gpu
 from oa_core.scatter import sum_by_slot
 from oa_core.triton_path import tl, triton
 
-# Points per program of a Lloyd iteration (``_lloyd_step``): of 32 to 512 at 1 to 8 warps, none faster on an H200.
-LLOYD_BLOCK = 128
+
+def lloyd_block(block_r: int) -> int:
+    """Points per program of a Lloyd iteration and of ``nearest`` at ``block_r`` dimensions: 128 (of 32 to 512 at 1
+    to 8 warps, none was faster on an H200 at 16 dimensions), 16 past 128 dimensions, where a block's tf32x3 dot
+    operands outgrow the shared memory (sm_90: 384 KB at 256 dimensions against 227 KB — key k-means on Gemma-3's
+    heads; 96 KB with 16 points, and no spills, where 32 points spilled 6 KB a thread in ``_nearest``:
+    ``benchmarks/kernel_resources.py``)."""
+    return 128 if block_r <= 128 else 16
+
+
+
+def plus_plus_block(block_r: int) -> int:
+    """Points per block of the k-means++ kernel at ``block_r`` dimensions: 4096 up to 64, then as many values as 4096
+    points of 64 (sm_90, 32 warps: 4096 points of 256 dimensions spilled 12 KB a thread, 1024 spill 2.6 KB, as 4096 of
+    64 spill 3.1 KB: ``benchmarks/kernel_resources.py``)."""
+    return min(4096, 2**18 // block_r)
 
 
 def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
@@ -91,11 +105,12 @@ def _lloyd_triton(points: Tensor, weight: Tensor, centroids: Tensor, iterations:
     assignment = torch.empty(P, n, dtype=torch.long, device=device)
     moved = torch.zeros(iterations + 1, dtype=torch.int32, device=device)
     arrived = torch.zeros(P, dtype=torch.int32, device=device)
-    grid = (triton.cdiv(n, LLOYD_BLOCK), P)
+    block_r = max(16, triton.next_power_of_2(r))
+    block_n = lloyd_block(block_r)
+    grid = (triton.cdiv(n, block_n), P)
     for i in range(iterations + 1):
         _lloyd_step[grid](x, w, cents[i % 2], cents[(i + 1) % 2], assignment, sums[0], sums[1], arrived, moved[i:],
-                          n, C, R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_C=32, BLOCK_N=LLOYD_BLOCK,
-                          PRECISION="tf32x3", FIRST=i == 0)
+                          n, C, R=r, BLOCK_R=block_r, BLOCK_C=32, BLOCK_N=block_n, PRECISION="tf32x3", FIRST=i == 0)
         if i and i % check_every == 0 and not bool(moved[i]):
             break
     return assignment, cents[i % 2]  # the centroids of the last launch's assignment
@@ -121,7 +136,7 @@ def kmeans_plus_plus(points: Tensor, weight: Tensor, draws: Tensor) -> Tensor:
     return torch.stack(centroids, dim=1)
 
 
-def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block_n: int = 4096) -> Tensor:
+def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block_n: int | None = None) -> Tensor:
     """``kmeans_plus_plus`` in one Triton launch, a program per row doing all C picks in turn. A pick is one pass over
     the row: the new centre's distances, which leave each block's total in registers; the next pick inverts the CDF
     in the block its draw falls in, found from those totals (float64), without another pass (3.2 against 4.8 ms with
@@ -129,12 +144,12 @@ def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block
     blocks whose latency, not bytes, sets the pace (at batch 1 there are 8 programs): blocks of 4096 points and 32
     warps took 1.8 ms at 8 rows of 32K points and 2.3 ms at 128 of 16K, against 2.8 and 3.2 with 2048 and 8 warps
     (the same picks). The picks equal the torch code's but where a draw falls within rounding of a CDF step (the sums
-    run in another order)."""
+    run in another order). Past 64 dimensions a block has fewer points, ``plus_plus_block``."""
     P, n, r = points.shape
     C = draws.shape[0]
     centroids = torch.empty(P, C, r, dtype=points.dtype, device=points.device)
     closest = torch.empty(P, n, dtype=torch.float32, device=points.device)
-    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_n = min(block_n or plus_plus_block(triton.next_power_of_2(r)), max(16, triton.next_power_of_2(n)))
     blocks = triton.cdiv(n, block_n)
     _kmeans_plus_plus[(P,)](points.float().contiguous(), weight.float().contiguous(), draws.double().contiguous(),
                             centroids, closest, n, C, P, blocks, R=r, BLOCK_R=triton.next_power_of_2(r),
@@ -161,7 +176,7 @@ def nearest(points: Tensor, centroids: Tensor) -> Tensor:
     return distance.argmin(-1)
 
 
-def nearest_triton(points: Tensor, centroids: Tensor, block_n: int = 128, precision: str = "tf32x3") -> Tensor:
+def nearest_triton(points: Tensor, centroids: Tensor, block_n: int | None = None, precision: str = "tf32x3") -> Tensor:
     """``nearest`` as one Triton kernel: each program takes a block of points against every centroid, a tile of 32
     at a time (the distance matrix never leaves registers), in ``precision`` dots (``tf32x3``: float32's accuracy on
     tensor cores, twice as fast as ``ieee`` on an H200, 0.15 against 0.30 ms at 128 × 16K points and 64 centroids,
@@ -171,10 +186,11 @@ def nearest_triton(points: Tensor, centroids: Tensor, block_n: int = 128, precis
     flat = points.reshape(-1, n, r).float().contiguous()
     centres = centroids.reshape(-1, C, r).float().contiguous()
     out = torch.empty(flat.shape[:2], dtype=torch.long, device=points.device)
+    block_r = max(16, triton.next_power_of_2(r))
+    block_n = block_n or lloyd_block(block_r)
     if out.numel():
-        _nearest[(triton.cdiv(n, block_n), flat.shape[0])](flat, centres, out, n, C, R=r,
-                                                            BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_C=32,
-                                                            BLOCK_N=block_n, PRECISION=precision)
+        _nearest[(triton.cdiv(n, block_n), flat.shape[0])](flat, centres, out, n, C, R=r, BLOCK_R=block_r,
+                                                            BLOCK_C=32, BLOCK_N=block_n, PRECISION=precision)
     return out.reshape(*lead, n)
 
 

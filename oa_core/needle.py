@@ -1,7 +1,8 @@
 """Needle in a haystack on a real model: dense attention against OpenAttention on one prefilled context.
 
 A seeded sample hides "The special magic number for <key> is: <7 digits>." at a random depth of an essay haystack
-fitted to a token length (RULER's niah_single_2 wording), asks for it through the model's chat template, and splits
+fitted to a token length (RULER's niah_single_2 wording), asks for it through the model's chat template (plain text
+for a base model: ``offline_model.prompt_text``), and splits
 the prompt into the *context* (prefilled once, densely) and the *question* (decoded with each spec: setup B). Each
 spec answers greedily from its own copy of the context's cache; the teacher-forced log-likelihood of the true answer
 is measured the same way.
@@ -18,7 +19,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.offline_model import haystack_text
+from oa_core.offline_model import haystack_text, prompt_text
 
 WORDS = ("amber", "breeze", "candle", "dune", "ember", "falcon", "glacier", "harbor", "ivory", "juniper", "kettle",
          "lantern", "meadow", "nectar", "orchid", "pebble", "quartz", "river", "saffron", "timber", "umbra",
@@ -29,7 +30,7 @@ INSTRUCTION = ("Some special magic numbers are hidden within the following text.
 
 @dataclass
 class NeedleSample:
-    context_ids: Tensor  # [1, N]: chat prefix, instruction and haystack with the needle
+    context_ids: Tensor  # [1, N]: chat prefix (or <bos>), instruction and haystack with the needle
     question_ids: Tensor  # [1, Q]: question, end of the user turn, assistant prefix and answer prefix
     answer: str  # the 7-digit number
     answer_ids: Tensor  # [1, A]: the answer as the model would continue the answer prefix
@@ -50,8 +51,7 @@ def make_samples(tokenizer, count: int, tokens: int, seed: int = 0) -> list[Need
         cut = haystack.rfind(". ", 0, int(len(haystack) * depth)) + 2  # after a sentence (0 if none before)
         context = haystack[:cut] + f"The special magic number for {key} is: {value}. " + haystack[cut:]
         question = f"\nWhat is the special magic number for {key} mentioned in the provided text?"
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + context + question}],
-                                             tokenize=False, add_generation_prompt=True)
+        chat = prompt_text(tokenizer, INSTRUCTION + context + question)
         split = chat.rindex(question)
         encode = lambda s: tokenizer(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
         samples.append(NeedleSample(

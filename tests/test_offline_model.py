@@ -128,3 +128,63 @@ def test_capture_restores_the_implementation_on_error(model):
     with pytest.raises(ValueError, match="not seen"):
         capture_attention(model, torch.tensor([[1, 2, 3]]), [model.config.num_hidden_layers])
     assert model.config._attn_implementation == before
+
+
+def _word_tokenizer(bos: bool):
+    """A real fast tokenizer over four words that, like Gemma's, may start every text with <bos>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<bos>": 0, "<unk>": 1, "a": 2, "b": 3}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", unk_token="<unk>")
+
+
+def test_a_base_models_prompt_is_plain_text_after_the_tokens_it_starts_with():
+    gemma_like = _word_tokenizer(bos=True)
+    prompt = offline_model.prompt_text(gemma_like, "a b")
+    assert prompt == "<bos>a b"
+    # Encoded piecewise without special tokens (as the harnesses do), it is what the tokenizer makes of the text.
+    assert gemma_like(prompt, add_special_tokens=False).input_ids == gemma_like("a b").input_ids == [0, 2, 3]
+    assert offline_model.prompt_text(_word_tokenizer(bos=False), "a b") == "a b"
+
+
+def test_an_instruction_models_prompt_is_its_chat_template_ready_for_the_answer():
+    chat = _word_tokenizer(bos=True)
+    chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert offline_model.prompt_text(chat, "a b") == "<user>a b<assistant>"
+
+
+def test_offline_models_are_known_by_name_and_other_models_by_their_path():
+    assert offline_model.model_label(None) == offline_model.model_label("smollm2-135m")
+    assert offline_model.model_label(None).startswith("SmolLM2-135M-Instruct")
+    assert offline_model.model_label("gemma3-270m").startswith("Gemma-3-270M")
+    assert offline_model.model_label("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+
+
+def test_gemma_without_its_package_says_how_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, offline_model.GEMMA3_PACKAGE, None)  # import fails as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'openattention\[gemma\]'"):
+        load_offline_model("gemma3-270m")
+
+
+def test_a_transformers_below_the_declared_floor_is_refused_before_a_model_loads(monkeypatch):
+    import importlib.metadata
+
+    from oa_core.integration import runtime
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "5.17.0" if name == "transformers" else real(name))
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.20, found 5\.17\.0"):
+        load_offline_model()
+    with pytest.raises(ImportError, match=r"pip install -U 'transformers>=5\.20'"):
+        runtime.register()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.20.0.dev0" if name == "transformers" else
+                        real(name))
+    runtime.require_transformers()  # the floor itself passes

@@ -135,3 +135,16 @@ def test_string_match_part_needs_any_reference():
     assert ruler.score("string_match_part", "LYON", ["paris", "lyon"]) == 100.0
     with pytest.raises(ValueError, match="unknown 'exact'.*string_match_all"):
         ruler.score("exact", "x", ["x"])
+
+
+def test_a_tokenizer_without_a_chat_template_gets_plain_prompts(tokenizer, tmp_path):
+    import copy
+
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None  # as a base model's GGUF tokenizer (Gemma-3-270M's) comes
+    sample = ruler.generate("niah_single_2", base, LENGTH, 1, cache_dir=tmp_path)[0]
+    assert sample.context.startswith("Some special magic numbers are hidden within the following text.")
+    assert sample.question.startswith("\nWhat are all the special magic numbers for ")
+    assert sample.question.endswith("mentioned in the provided text are")  # RULER's answer prefix, as it is
+    assert "<|im_start|>" not in sample.context + sample.question
+    assert ruler.tokenizer_key(base) != ruler.tokenizer_key(tokenizer)  # cached apart from the chat prompts

