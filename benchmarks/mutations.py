@@ -395,6 +395,20 @@ MUTATIONS = [
                'LayerRuntime(module.layer_idx, None if why else build(spec), question="dense")')],
              ("tests/test_integration.py",),
              "attn_implementation='openattention' attends the question densely (setup A) though B is the default"),
+    # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
+    mutation("flash-blocks-ignore-the-head-dim", "plugins/kernels/flash.py",
+             [("return 64 if block_d <= 64 else 16", "return 64")],
+             ("tests/plugins/test_kernel_resources.py", "tests/plugins/test_flash_kernel.py"),
+             "flash's pass takes 64-column blocks at every head dim: 18 KB a thread spilled at 256"),
+    mutation("lloyd-blocks-ignore-the-dims", "oa_core/kmeans.py",
+             [("return 128 if block_r <= 128 else 16", "return 128")], ("tests/plugins/test_kernel_resources.py",),
+             "the Lloyd step and nearest centroid take 128 points at every dim: 384 KB of shared memory at 256"),
+    mutation("plain-prompt-without-bos", "oa_core/offline_model.py",
+             [("    return tokenizer.decode(lead) + content", "    return content")],
+             ("tests/test_offline_model.py",), "a base model's prompt loses the <bos> its tokenizer starts a text with"),
+    mutation("transformers-floor-unchecked", "oa_core/integration/runtime.py",
+             [("    if tuple(int(part) for part in re.findall(", "    if False and tuple(int(part) for part in re.findall(")],
+             ("tests/test_offline_model.py",), "a transformers below the declared floor is used as it is"),
 ]
 
 
