@@ -142,6 +142,22 @@ def orthonormalize(columns: Tensor, passes: int = 2) -> Tensor:
     return torch.linalg.qr(columns).Q
 
 
+def with_key_spread(basis: Tensor, keys: Tensor, mask: Tensor, extra: int) -> Tensor:
+    """``basis`` ``[B, Hkv, D, r]`` (orthonormal) extended by the ``extra`` directions along which the keys ``[B, Hkv,
+    N, D]`` that ``mask`` ``[B, N]`` selects spread most outside it: the top eigenvectors of the centred keys'
+    covariance projected off the basis → ``[B, Hkv, D, r + extra]`` float32, orthonormal. A query subspace learnt
+    from the context misses keys that stand out where the context's queries do not look (Gemma-3's needles:
+    README, "RULER 16K on Gemma-3-270M")."""
+    weight = mask[:, None, :, None].double()
+    count = weight.sum(2, keepdim=True).clamp_min(1)
+    centred = (keys.double() - (keys.double() * weight).sum(2, keepdim=True) / count) * weight
+    inside = basis.double()
+    outside = centred - (centred @ inside) @ inside.transpose(-1, -2)
+    _, vectors = top_eigenpairs(outside.transpose(-1, -2) @ outside / count, extra)
+    extended = torch.cat([inside, vectors[..., -extra:]], -1)
+    return torch.linalg.qr(extended).Q.float()  # the spread's vectors are orthogonal to the basis up to rounding
+
+
 def _top(eigenvalues: Tensor, eigenvectors: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     r = min(rank, eigenvectors.shape[-1])
     top = eigenvectors[..., -r:].flip(-1)

@@ -268,3 +268,13 @@ def test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_jo
     for row, n in enumerate(counts.tolist()):  # entries past a row's count are never written
         assert leaving in listed[row, :n].tolist()
         assert torch.equal(listed[row, :n], listed_after[row, :n]) and torch.equal(exact[row, :n], exact_after[row, :n])
+
+
+def test_a_key_rank_basis_runs_through_the_fused_step():
+    """QGS's ``key_rank``: the fused step projects and scores on the basis the selector built, whatever its columns
+    came from: the reference's rows and output, step for step."""
+    steps, composed, fused = run_fused({**SPEC, "selector": {**SPEC["selector"], "key_rank": 4}}, steps=4)
+    for ref_rows, rows, ref_out, out in steps:
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-4
+    assert_same_state(composed, fused)

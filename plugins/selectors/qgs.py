@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from oa_core import hookimpl, triton_path
 from oa_core.components import Clusters, Selector
-from oa_core.geometry import QUERY_WINDOW, project, query_geometry
+from oa_core.geometry import QUERY_WINDOW, project, query_geometry, with_key_spread
 from oa_core.rerank import rerank_exact
 from oa_core.triton_path import tl, triton
 
@@ -31,6 +31,15 @@ class QGSConfig(BaseModel):
     query_window: int = Field(default=QUERY_WINDOW, ge=1, description="last prefill queries that estimate the basis")
     rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
                           "selectable budget (default 4; 0: the paper's QGS, no re-rank)")
+    key_rank: int = Field(default=0, ge=0, description="of the rank, dimensions along the keys' spread outside the "
+                          "query subspace (0: the query geometry alone)")
+
+    @model_validator(mode="after")
+    def _key_rank_below_rank(self) -> QGSConfig:
+        if self.key_rank >= self.rank:
+            raise ValueError(f"key_rank ({self.key_rank}) must be below rank ({self.rank}): the query geometry keeps "
+                             "at least one dimension")
+        return self
 
 
 @dataclass
@@ -55,7 +64,10 @@ class QuerySubspaceSelector(Selector):
     def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
               generator: torch.Generator | None = None) -> QGSIndex:
         region = clusters.assignment[:, 0] < clusters.num_clusters
-        basis, _ = query_geometry(keys, queries, region, self.config.rank, self.config.query_window)
+        cfg = self.config
+        basis, _ = query_geometry(keys, queries, region, cfg.rank - cfg.key_rank, cfg.query_window)
+        if cfg.key_rank:
+            basis = with_key_spread(basis, keys, region, cfg.key_rank)
         codes, scales = quantize(project(keys, basis))
         return QGSIndex(basis, codes, scales)
 

@@ -132,3 +132,51 @@ def test_scores_are_the_projected_logits_within_the_int8_bound(interpret, shared
     assert scores.shape == exact.shape
     assert ((scores.double() - exact).abs() <= bound + 1e-5).all()
     assert (bound < 0.05 * exact.abs().amax(-1, keepdim=True)).all()  # the bound is tight enough to mean something
+
+
+def _outlier_case():
+    """Keys that spread most in dims 0-3 (where the prefill queries look), little in dims 4-11, and one key (row 50)
+    far out along dim 12; a decode query that looks along dim 12 too: what a needle is to Gemma-3 (README, "RULER 16K
+    on Gemma-3-270M"). The keys' largest spread lies inside the query subspace, the outlier's outside it."""
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.zeros(1, 1, 256, 16)
+    keys[..., :12] = 0.1 * torch.randn(1, 1, 256, 12, generator=gen)
+    keys[..., :4] *= 30
+    keys[0, 0, 50, 12] = 10.0
+    prefill = torch.zeros(1, 2, 64, 16)
+    prefill[..., :4] = torch.randn(1, 2, 64, 4, generator=gen)
+    decode = torch.zeros(1, 2, 1, 16)
+    decode[..., :4] = torch.randn(1, 2, 1, 4, generator=gen)
+    decode[..., 12] = 10.0
+    return keys, prefill, decode
+
+
+def test_the_key_rank_spans_the_keys_spread_outside_the_query_subspace():
+    from oa_core.geometry import query_geometry, with_key_spread
+
+    keys, prefill, _ = _outlier_case()
+    region = torch.ones(1, 256, dtype=torch.bool)
+    basis, _ = query_geometry(keys, prefill, region, 4, 64)
+    extended = with_key_spread(basis, keys, region, 2)
+    assert extended.shape == (1, 1, 16, 6)
+    assert torch.allclose(extended[0, 0].T @ extended[0, 0], torch.eye(6), atol=1e-5)  # orthonormal
+    inside = extended[0, 0] @ extended[0, 0].T
+    assert torch.allclose(inside @ basis[0, 0], basis[0, 0], atol=1e-5)  # the query subspace is kept
+    assert inside[12, 12] > 0.99  # the outlier's direction is added
+    assert QGSConfig(rank=16, key_rank=15).key_rank == 15
+    with pytest.raises(ValueError, match=r"key_rank \(16\) must be below rank \(16\)"):
+        QGSConfig(rank=16, key_rank=16)
+
+
+@pytest.mark.parametrize("rank, key_rank, found", [(4, 0, False), (6, 2, True)])
+def test_a_key_outside_the_query_subspace_is_selected_with_a_key_rank(rank, key_rank, found):
+    """The queries span 4 dimensions: rank 4 is their whole subspace, and 2 more from the keys reach the outlier."""
+    import oa_core as oa
+
+    keys, prefill, decode = _outlier_case()
+    pipe = oa.build({"clusterer": {"name": "qgc", "num_clusters": 4, "rank": 4}, "kernel": "torch",
+                     "selector": {"name": "qgs", "rank": rank, "key_rank": key_rank, "rerank": 0},
+                     "allocator": "global", "tail": "discard", "budget": {"tokens": 20}, "sink": 4, "local": 8})
+    state = pipe.prepare(keys, keys.clone(), prefill)
+    chosen = pipe.explain(decode, state).selection.index
+    assert bool((chosen == 50).any()) is found
