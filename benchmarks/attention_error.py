@@ -35,6 +35,8 @@ METHODS = {
     "openattention-shared": {**DEFAULT, "gqa": "shared"},
     "openattention-paper": {**PAPER, "gqa": "per_head"},
     "openattention-paper-shared": {**PAPER, "gqa": "shared"},
+    # QGS's basis with half its rank along the keys' spread outside the query subspace (``key_rank``).
+    "openattention-key-rank": {**DEFAULT, "selector": {"name": "qgs", "params": {"key_rank": 8}}, "gqa": "per_head"},
     # The selector isolated: the default with exact logits (the oracle selector) instead of QGS.
     "openattention-oracle-selection": {**DEFAULT, "selector": "oracle", "gqa": "per_head"},
     "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "gqa": "per_head"},
