@@ -23,11 +23,11 @@ from oa_core.offline_model import MODEL_HELP, TEXTS
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.
 SINK, LOCAL = 4, 16
-# The default pipeline (specs/openattention.yaml), from the components' and the spec's own defaults: QGS's shortlist
-# re-scored from its keys, ErrorGate's floor, second-order proxies. The paper's (specs/openattention-paper.yaml): none
-# of the three.
+# The default pipeline (specs/openattention.yaml), from the components' and the spec's own defaults: QGS's basis half
+# along the keys' spread, its shortlist re-scored from its keys, ErrorGate's floor, second-order proxies. The paper's
+# (specs/openattention-paper.yaml): none of the four.
 DEFAULT = {"clusterer": "qgc", "selector": "qgs", "allocator": "errorgate", "tail": "proxy"}
-PAPER = {"clusterer": "qgc", "selector": {"name": "qgs", "params": {"rerank": 0.0}},
+PAPER = {"clusterer": "qgc", "selector": {"name": "qgs", "params": {"rerank": 0.0, "key_rank": 0}},
          "allocator": {"name": "errorgate", "params": {"floor": 0.0}}, "tail": "proxy", "proxy": "mean"}
 METHODS = {
     "openattention": {**DEFAULT, "gqa": "per_head"},
@@ -35,8 +35,10 @@ METHODS = {
     "openattention-shared": {**DEFAULT, "gqa": "shared"},
     "openattention-paper": {**PAPER, "gqa": "per_head"},
     "openattention-paper-shared": {**PAPER, "gqa": "shared"},
-    # QGS's basis with half its rank along the keys' spread outside the query subspace (``key_rank``).
-    "openattention-key-rank": {**DEFAULT, "selector": {"name": "qgs", "params": {"key_rank": 8}}, "gqa": "per_head"},
+    # QGS's basis from the query geometry alone (``key_rank`` 0, the paper's; the default takes half the rank from
+    # the keys' spread outside it).
+    "openattention-query-basis": {**DEFAULT, "selector": {"name": "qgs", "params": {"key_rank": 0}},
+                                  "gqa": "per_head"},
     # The selector isolated: the default with exact logits (the oracle selector) instead of QGS.
     "openattention-oracle-selection": {**DEFAULT, "selector": "oracle", "gqa": "per_head"},
     "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "gqa": "per_head"},

@@ -147,15 +147,21 @@ def with_key_spread(basis: Tensor, keys: Tensor, mask: Tensor, extra: int) -> Te
     N, D]`` that ``mask`` ``[B, N]`` selects spread most outside it: the top eigenvectors of the centred keys'
     covariance projected off the basis → ``[B, Hkv, D, r + extra]`` float32, orthonormal. A query subspace learnt
     from the context misses keys that stand out where the context's queries do not look (Gemma-3's needles:
-    README, "RULER 16K on Gemma-3-270M")."""
-    weight = mask[:, None, :, None].double()
+    README, "RULER 16K on Gemma-3-270M").
+
+    The keys are centred in float32 before their product (a large common component would otherwise cancel inside
+    it); the projection off the basis, (I − UUᵀ) C (I − UUᵀ), and the eigenpairs work on the D × D covariance C in
+    float64."""
+    weight = mask[:, None, :, None].float()
     count = weight.sum(2, keepdim=True).clamp_min(1)
-    centred = (keys.double() - (keys.double() * weight).sum(2, keepdim=True) / count) * weight
+    mean = (keys.float() * weight).sum(2, keepdim=True) / count
+    centred = (keys.float() - mean) * weight
+    covariance = (centred.transpose(-1, -2) @ centred).double() / count.double()
     inside = basis.double()
-    outside = centred - (centred @ inside) @ inside.transpose(-1, -2)
-    _, vectors = top_eigenpairs(outside.transpose(-1, -2) @ outside / count, extra)
+    off = torch.eye(inside.shape[-2], dtype=torch.float64, device=inside.device) - inside @ inside.transpose(-1, -2)
+    _, vectors = top_eigenpairs(off @ covariance @ off, extra)
     extended = torch.cat([inside, vectors[..., -extra:]], -1)
-    return torch.linalg.qr(extended).Q.float()  # the spread's vectors are orthogonal to the basis up to rounding
+    return orthonormalize(extended).float()  # the spread's vectors are orthogonal to the basis up to rounding
 
 
 def _top(eigenvalues: Tensor, eigenvectors: Tensor, rank: int) -> tuple[Tensor, Tensor]:

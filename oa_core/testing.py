@@ -97,7 +97,8 @@ def check_clusterer(component, params: dict | None = None) -> None:
 def check_selector(component, params: dict | None = None) -> None:
     """score: float32 ``[B, Hkv, Gs, T, N]``, per query head and shared by the group, finite on the clusters,
     deterministic; refine keeps the shape and the -inf outside the clusters; extend then score equals build on all
-    keys (the appended keys leave the keys' mean as it was)."""
+    keys (the appended keys leave the keys' mean as it was, and lie outside every cluster, as a decode step's keys
+    do: in the local window)."""
     selector = _instance("selector", component, params)
     keys, _, prefill, decode = _inputs()
     B, H, N, _ = keys.shape
@@ -120,8 +121,9 @@ def check_selector(component, params: dict | None = None) -> None:
         check_scores(selector, refined, tuple(masked.shape))
         expect(bool((refined[..., :4] == float("-inf")).all()), selector,
                "refine must keep -inf where the scores have it (positions outside every cluster)")
-    # Growth: build on the first N − 10 keys, extend by 10 whose mean is theirs (pairs m ± d), so that an index built
-    # on statistics of the keys (LSH centres on their mean) sees the same statistics either way.
+    # Growth: build on the first N − 10 keys, extend by 10 whose mean is theirs (pairs m ± d) and that no cluster
+    # holds (decode keys arrive in the local window), so that an index built on statistics of the keys (LSH centres
+    # on their mean; QGS's key spread is the clustered keys') sees the same statistics either way.
     first = keys[:, :, :N - 10]
     mean = first[:, :, 4:].mean(2, keepdim=True)
     spread = first[:, :, 4:9] - mean
@@ -131,7 +133,9 @@ def check_selector(component, params: dict | None = None) -> None:
                                            torch.Generator().manual_seed(3)), grown_keys[:, :, N - 10:])
     grown_scores = selector.score(query, grown, grown_keys, 0.2)
     check_scores(selector, grown_scores, (B, H, Hq // H, T, N))
-    whole = selector.build(grown_keys, prefill, clusters, torch.Generator().manual_seed(3))
+    window = assignment.clone()
+    window[..., N - 10:] = C
+    whole = selector.build(grown_keys, prefill, Clusters(window, C), torch.Generator().manual_seed(3))
     expect(torch.allclose(grown_scores, selector.score(query, whole, grown_keys, 0.2), rtol=1e-4, atol=1e-4),
            selector, "build on N − 10 keys then extend by 10 must score like build on all N keys")
 

@@ -1,8 +1,11 @@
 """QGS — Query-Geometry Selector (OpenAttention paper, §3.2, Eq. 5).
 
 Scores every key from int8 codes of its projection on the query subspace: c_i = Q8(U_rᵀk_i) with a per-key scale,
-z̃_i = s·(U_rᵀq)·c_i. It reads r bytes per key instead of 2D. U_r is the top-r eigenbasis of the prefill queries'
-second moment (``oa_core.geometry.query_geometry``): the same basis QGC clusters in, when both use the same window.
+z̃_i = s·(U_rᵀq)·c_i. It reads r bytes per key instead of 2D. In the paper U_r is the top-r eigenbasis of the
+prefill queries' second moment (``oa_core.geometry.query_geometry``), the basis QGC clusters in. Here ``key_rank`` of
+its r columns (by default half) follow the clustered keys' spread outside the query subspace instead
+(``geometry.with_key_spread``): keys that stand out where the context's queries do not look (README, "Gemma-3-270M,
+and QGS's key spread").
 
 On CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``) ``score`` is one Triton kernel: it reads each key's
 codes and scale once and writes, per selection head, the maximum over its query heads straight into the
@@ -31,12 +34,15 @@ class QGSConfig(BaseModel):
     query_window: int = Field(default=QUERY_WINDOW, ge=1, description="last prefill queries that estimate the basis")
     rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
                           "selectable budget (default 4; 0: the paper's QGS, no re-rank)")
-    key_rank: int = Field(default=0, ge=0, description="of the rank, dimensions along the keys' spread outside the "
-                          "query subspace (0: the query geometry alone)")
+    key_rank: int | None = Field(default=None, ge=0, description="of the rank, dimensions along the keys' spread "
+                                 "outside the query subspace (default: half the rank; 0: the query geometry alone, "
+                                 "the paper's)")
 
     @model_validator(mode="after")
     def _key_rank_below_rank(self) -> QGSConfig:
-        if self.key_rank >= self.rank:
+        if self.key_rank is None:
+            self.key_rank = self.rank // 2
+        elif self.key_rank >= self.rank:
             raise ValueError(f"key_rank ({self.key_rank}) must be below rank ({self.rank}): the query geometry keeps "
                              "at least one dimension")
         return self

@@ -37,10 +37,17 @@ def test_extend_matches_building_on_all_keys():
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 2, 120, 16, generator=gen)
     queries = torch.randn(2, 4, 30, 16, generator=gen)
-    selector = QuerySubspaceSelector(QGSConfig(rank=8))
+    selector = QuerySubspaceSelector(QGSConfig(rank=8, key_rank=0))  # a basis from the queries alone
     whole = selector.build(keys, queries, _everywhere(2, 2, 120))
     grown = selector.extend(selector.build(keys[:, :, :100], queries, _everywhere(2, 2, 100)), keys[:, :, 100:])
     assert torch.equal(whole.codes, grown.codes) and torch.allclose(whole.scales, grown.scales)
+    # With a key rank the basis depends on the keys prepare saw; later keys are coded in that basis.
+    selector = QuerySubspaceSelector(QGSConfig(rank=8, key_rank=4))
+    first = selector.build(keys[:, :, :100], queries, _everywhere(2, 2, 100))
+    grown = selector.extend(first, keys[:, :, 100:])
+    codes, scales = quantize(keys[:, :, 100:] @ first.basis)
+    assert torch.equal(grown.basis, first.basis) and torch.equal(grown.codes[:, :, 100:], codes)
+    assert torch.allclose(grown.scales[:, :, 100:], scales)
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "per head"])
@@ -164,6 +171,8 @@ def test_the_key_rank_spans_the_keys_spread_outside_the_query_subspace():
     assert torch.allclose(inside @ basis[0, 0], basis[0, 0], atol=1e-5)  # the query subspace is kept
     assert inside[12, 12] > 0.99  # the outlier's direction is added
     assert QGSConfig(rank=16, key_rank=15).key_rank == 15
+    # The default: half the rank from the keys (the spec then states it resolved); 0 where the rank is 1.
+    assert [QGSConfig(rank=r).key_rank for r in (16, 64, 5, 1)] == [8, 32, 2, 0]
     with pytest.raises(ValueError, match=r"key_rank \(16\) must be below rank \(16\)"):
         QGSConfig(rank=16, key_rank=16)
 
