@@ -23,7 +23,7 @@ import torch
 
 import oa_core as oa
 from oa_core.eval import ruler, runner
-from oa_core.offline_model import MODEL_HELP, load_offline_model, model_label
+from oa_core.offline_model import DEFAULT_MODEL, MODEL_HELP, load_offline_model, model_label
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - start, 1), "command": " ".join(["python", *sys.argv]),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
     }
-    out = args.out or Path("benchmarks/results") / f"selector_rank_{(args.model or 'smollm2-135m').replace('/', '_')}.json"
+    name = (args.model or DEFAULT_MODEL).replace("/", "_")
+    out = args.out or Path("benchmarks/results") / f"selector_rank_{name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     for name, gap in result["gap_to_dense"].items():
         print(f"{name:36s} answer log-lik gap to dense {gap:+.2f}")

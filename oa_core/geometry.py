@@ -152,10 +152,9 @@ def with_key_spread(basis: Tensor, keys: Tensor, mask: Tensor, extra: int) -> Te
     The keys are centred in float32 before their product (a large common component would otherwise cancel inside
     it); the projection off the basis, (I − UUᵀ) C (I − UUᵀ), and the eigenpairs work on the D × D covariance C in
     float64."""
-    weight = mask[:, None, :, None].float()
+    points, weight = keys.float(), mask[:, None, :, None].float()
     count = weight.sum(2, keepdim=True).clamp_min(1)
-    mean = (keys.float() * weight).sum(2, keepdim=True) / count
-    centred = (keys.float() - mean) * weight
+    centred = (points - (points * weight).sum(2, keepdim=True) / count) * weight
     covariance = (centred.transpose(-1, -2) @ centred).double() / count.double()
     inside = basis.double()
     off = torch.eye(inside.shape[-2], dtype=torch.float64, device=inside.device) - inside @ inside.transpose(-1, -2)

@@ -25,7 +25,6 @@ def lloyd_block(block_r: int) -> int:
     return 128 if block_r <= 128 else 16
 
 
-
 def plus_plus_block(block_r: int) -> int:
     """Points per block of the k-means++ kernel at ``block_r`` dimensions: 4096 up to 64, then as many values as 4096
     points of 64 (sm_90, 32 warps: 4096 points of 256 dimensions spilled 12 KB a thread, 1024 spill 2.6 KB, as 4096 of

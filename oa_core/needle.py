@@ -2,10 +2,9 @@
 
 A seeded sample hides "The special magic number for <key> is: <7 digits>." at a random depth of an essay haystack
 fitted to a token length (RULER's niah_single_2 wording), asks for it through the model's chat template (plain text
-for a base model: ``offline_model.prompt_text``), and splits
-the prompt into the *context* (prefilled once, densely) and the *question* (decoded with each spec: setup B). Each
-spec answers greedily from its own copy of the context's cache; the teacher-forced log-likelihood of the true answer
-is measured the same way.
+for a base model: ``offline_model.prompt_text``), and splits the prompt into the *context* (prefilled once, densely)
+and the *question* (decoded with each spec: setup B). Each spec answers greedily from its own copy of the context's
+cache; the teacher-forced log-likelihood of the true answer is measured the same way.
 """
 
 from __future__ import annotations

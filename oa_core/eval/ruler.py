@@ -16,11 +16,11 @@ Tasks (RULER, Hsieh et al. 2024; qa_1/qa_2 need SQuAD/HotpotQA and are left out)
 - ``fwe``: coded words drawn from a Zipf law (α = 2); name the 3 most frequent.
 
 Prompts use RULER's templates and answer prefixes, wrapped in the tokenizer's chat template when it has one (the
-answer prefix then follows the assistant turn's start); a base model's tokenizer has none, and its prompt is the plain
-text after the special tokens it starts a text with (``offline_model.prompt_text``). A sample's token length is that of the whole prompt (context +
-question + answer prefix); the haystack grows, by bisection on its size, until the next step would pass the target.
-Each task's haystack unit — a sentence, a needle, a list word, a coded word — is the step, so a prompt lands within
-that unit below the target (tested at 2K and 5K tokens: within 64).
+answer prefix then follows the assistant turn's start); a base model's tokenizer has none, and its prompt is the
+plain text after the special tokens it starts a text with (``offline_model.prompt_text``). A sample's token length
+is that of the whole prompt (context + question + answer prefix); the haystack grows, by bisection on its size,
+until the next step would pass the target. Each task's haystack unit — a sentence, a needle, a list word, a coded
+word — is the step, so a prompt lands within that unit below the target (tested at 2K and 5K tokens: within 64).
 
 Scoring is RULER's: ``string_match_all`` (the fraction of references found in the output, case-insensitive, × 100)
 and ``string_match_part`` (100 when any is found). Every task here uses ``string_match_all``.

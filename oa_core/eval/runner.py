@@ -35,9 +35,9 @@ import torch
 
 import oa_core as oa
 from oa_core.eval import ruler
-from oa_core.offline_model import model_label
 from oa_core.eval.records import (ATTENTION_ERROR, METRICS, ErrorRecord, RecordWriter, RulerRecord, cell_key,
                                   read_records, record_key, summarize, write_summary)
+from oa_core.offline_model import model_label
 
 
 @dataclass
