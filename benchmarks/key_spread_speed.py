@@ -3,7 +3,14 @@
 tensors of Llama-3.1-8B's shape (32 query / 8 KV heads, head dim 128) and Gemma-3-270M's (4 / 1, 256); median of 5
 runs, the device synchronised around each.
 
+Random keys are the subspace iteration's worst case: their covariance off the query subspace is nearly flat, and
+the iteration runs 56–80 products where real keys' decaying spectra stop it at its minimum of 16 (SmolLM2 and
+Gemma-3-270M keys at 4K, on the CPU). ``--model`` measures on a real model's keys instead: one prefill of ``--length``
+tokens of the essays, each full-attention layer's captured keys, values and last queries through ``prepare``, beside
+the whole model's prefill (its forward pass with a cache, as ``generate`` runs it).
+
     python benchmarks/key_spread_speed.py         # benchmarks/results/key_spread_h200.json
+    python benchmarks/key_spread_speed.py --model gemma3-270m --length 32768   # key_spread_gemma3_270m_h200.json
 """
 
 from __future__ import annotations
@@ -39,10 +46,70 @@ def timed(fn, repeats: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/key_spread_h200.json"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: benchmarks/results/key_spread_h200.json, or key_spread_MODEL_h200.json")
+    parser.add_argument("--model", default=None, help="an offline model (gemma3-270m, smollm2-135m): its real keys")
+    parser.add_argument("--length", type=int, default=32768, help="the context with --model (default: 32768)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
+    if args.length < 2 * geometry.QUERY_WINDOW:
+        parser.error(f"--length must be at least {2 * geometry.QUERY_WINDOW}")
+    if args.model is not None:
+        result = real_keys(args.model, args.length)
+        name = f"key_spread_{args.model.replace('-', '_').replace('.', '_')}_h200.json"
+    else:
+        result = random_keys()
+        name = "key_spread_h200.json"
+    result.update(device=torch.cuda.get_device_name(),
+                  versions={"torch": torch.__version__, "python": platform.python_version()})
+    out = args.out or Path("benchmarks/results") / name
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def pipeline(key_rank: int) -> oa.Pipeline:
+    return oa.build({"kernel": "flash", "gqa": "shared", "budget": {"density": 0.01},
+                     "selector": {"name": "qgs", "rank": 16, "rerank": 4, "key_rank": key_rank}})
+
+
+def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
+    """Per full-attention layer of ``model_name`` at ``length`` tokens: ``prepare`` with key_rank 0 and 8 and
+    ``with_key_spread`` alone on its captured tensors; and the whole model's prefill."""
+    from oa_core.attention_error import haystack_ids
+    from oa_core.offline_model import capture_attention, load_offline_model
+
+    model, tokenizer = load_offline_model(model_name)
+    model = model.to(device)
+    ids = haystack_ids(tokenizer, length).to(device)
+    with torch.no_grad():
+        prefill_ms = timed(lambda: model(input_ids=ids, use_cache=True), 3)
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    layers = [i for i, kind in enumerate(types) if kind == "full_attention"]  # the layers OpenAttention makes sparse
+    captured = capture_attention(model, ids, layers)
+    rows = []
+    for layer in layers:
+        queries, keys, values, scale = captured.pop(layer)
+        prefill = queries[:, :, -geometry.QUERY_WINDOW:].contiguous()
+        mask = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
+        row = {"layer": layer}
+        for key_rank in (0, 8):
+            pipe = pipeline(key_rank)
+            row[f"prepare_key_rank_{key_rank}_ms"] = timed(lambda: pipe.prepare(keys, values, prefill.clone(), scale,
+                                                                                mask))
+        basis, _ = geometry.query_geometry(keys, prefill, mask, 8, geometry.QUERY_WINDOW)
+        row["with_key_spread_ms"] = timed(lambda: geometry.with_key_spread(basis, keys, mask, 8))
+        print(row, flush=True)
+        rows.append(row)
+    total = {f"prepare_key_rank_{k}_ms": round(sum(r[f"prepare_key_rank_{k}_ms"] for r in rows), 2) for k in (0, 8)}
+    return {"benchmark": "key_spread_speed", "model": model_name, "context": length, "batch": 1,
+            "data": "the essays haystack from its first character", "dtype": str(next(model.parameters()).dtype),
+            "model_prefill_ms": prefill_ms, "sparse_layers": layers, "rows": rows, "all_sparse_layers": total}
+
+
+def random_keys() -> dict:
+    """Every shape in SHAPES on random bf16 tensors."""
     device = torch.device("cuda")
     rows = []
     for model, hq, hkv, d, batch, n in SHAPES:
@@ -53,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         mask = torch.ones(batch, n, dtype=torch.bool, device=device)
         row = {"model": model, "batch": batch, "context": n}
         for key_rank in (0, 8):
-            pipe = oa.build({"kernel": "flash", "gqa": "shared", "budget": {"density": 0.01},
-                             "selector": {"name": "qgs", "rank": 16, "rerank": 4, "key_rank": key_rank}})
+            pipe = pipeline(key_rank)
             row[f"prepare_key_rank_{key_rank}_ms"] = timed(lambda: pipe.prepare(keys, values, prefill.clone(),
                                                                                 d ** -0.5, mask))
         basis = torch.linalg.qr(torch.randn(batch, hkv, d, 8, device=device, generator=gen)).Q
@@ -67,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         del keys, values, prefill, queries, k, v
         torch.cuda.empty_cache()
-    result = {"benchmark": "key_spread_speed", "device": torch.cuda.get_device_name(), "rows": rows,
-              "versions": {"torch": torch.__version__, "python": platform.python_version()}}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return {"benchmark": "key_spread_speed", "rows": rows}
 
 
 if __name__ == "__main__":
