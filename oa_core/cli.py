@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
 
 from oa_core.components import KINDS
@@ -41,7 +43,11 @@ def validate_command(args: argparse.Namespace) -> int:
 def demo_command(args: argparse.Namespace) -> int:
     from oa_core.demo import run_demo
 
-    return run_demo(model=args.model, tokens=args.tokens, density=args.density)
+    try:
+        return run_demo(model=args.model, tokens=args.tokens, density=args.density)
+    except ValueError as exc:  # SpecError included: checked before the model loads
+        print(f"oa demo: {exc}", file=sys.stderr)
+        return 2
 
 
 def default_specs() -> list[str]:
@@ -68,6 +74,7 @@ def eval_command(args: argparse.Namespace) -> int:
                                layers=args.layers, diagnostics=args.diagnostics, batch=args.batch,
                                device=args.device)
     try:
+        _say_overrides(specs, sink=args.sink, local=args.local)
         rows = runner.run(config)
     except (SpecError, ValueError) as exc:
         print(f"oa eval: {exc}", file=sys.stderr)
@@ -79,6 +86,21 @@ def eval_command(args: argparse.Namespace) -> int:
         print(summary_table(rows))
         print(f"records and summary in {args.out}")
     return 0
+
+
+def _say_overrides(specs: list[str], **values: int | None) -> None:
+    """One line per field --sink / --local-window set for every sparse spec, with the specs' own values."""
+    from pathlib import Path
+
+    from oa_core.spec import load_spec
+
+    loaded = {Path(path).stem: load_spec(path) for path in specs}
+    sparse = {name: spec for name, spec in loaded.items() if spec.budget.density != 1.0 or spec.budget.tokens}
+    for field, value in values.items():
+        if value is not None and sparse:
+            own = ", ".join(f"{name}: {getattr(spec, field)}" for name, spec in sparse.items())
+            label = "local window" if field == "local" else field
+            print(f"oa eval: {label} {value} for every sparse spec ({own})", file=sys.stderr)
 
 
 def report_command(args: argparse.Namespace) -> int:
@@ -94,15 +116,28 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+class _WithDefaults(argparse.HelpFormatter):
+    """Help that ends with each option's default, where it has one and its text does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, argparse.SUPPRESS) or action.default is False \
+                or "default" in text:
+            return text
+        value = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
+        return f"{text} (default: {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``oa`` command line: its subcommands, their options and defaults."""
     parser = argparse.ArgumentParser(prog="oa", description="OpenAttention: sparse decode attention with tail proxies.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("plugins", help="list registered components").set_defaults(run=plugins_command)
-    validate = commands.add_parser("validate", help="check pipeline spec YAML files")
+    command = functools.partial(commands.add_parser, formatter_class=_WithDefaults)
+    command("plugins", help="list registered components").set_defaults(run=plugins_command)
+    validate = command("validate", help="check pipeline spec YAML files")
     validate.add_argument("specs", nargs="+", metavar="SPEC.yaml")
     validate.set_defaults(run=validate_command)
-    demo = commands.add_parser("demo", help="a needle in essays, answered by dense and by OpenAttention")
+    demo = command("demo", help="a needle in essays, answered by dense and by OpenAttention")
     demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--tokens", type=int, default=3000, help="context length in tokens")
     demo.add_argument("--density", type=float, default=0.03, help="read density")
@@ -110,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     from oa_core.eval.ruler import HARD_TASKS
     from oa_core.eval.records import METRICS
 
-    evaluate = commands.add_parser("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
+    evaluate = command("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
     evaluate.add_argument("--model", default=None, help=MODEL_HELP)
     evaluate.add_argument("--specs", nargs="+", default=None, metavar="SPEC.yaml",
                           help="pipeline specs (default: every baseline spec in ./specs)")
@@ -121,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tasks", nargs="+", default=list(HARD_TASKS), help="RULER tasks (default: the HARD-like set)")
     evaluate.add_argument("--length", nargs="+", type=int, default=[4096], help="prompt lengths in tokens")
     evaluate.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of the RULER samples")
     evaluate.add_argument("--setup", choices=["A", "B"], default="B", help="B: question decoded sparsely; A: dense")
     evaluate.add_argument("--sink", type=int, default=None,
                           help="sink rows for every sparse spec (default: each spec's own)")
@@ -142,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--diagnostics", action="store_true",
                           help="attention-error: also E, the selector's top-32 recall and ErrorGate's Spearman")
     evaluate.set_defaults(run=eval_command)
-    report = commands.add_parser("report", help="Markdown table and plots of an `oa eval` folder")
+    report = command("report", help="Markdown table and plots of an `oa eval` folder")
     report.add_argument("dir", help="the folder `oa eval --out` wrote")
     report.add_argument("--dense-floor", type=float, default=20.0,
                         help="tasks dense scores below this are reported apart (they cannot measure retention)")
@@ -152,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `oa report DIR | head`: the reader left; what is left to print goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command killed by SIGPIPE
 
 
 if __name__ == "__main__":

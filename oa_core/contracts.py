@@ -36,9 +36,10 @@ def expect(condition: bool, component: Component, rule: str) -> None:
 # -- the user's inputs ---------------------------------------------------------------------------------------------
 
 def check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "",
-                finite: bool = True) -> None:
+                finite: bool = True, empty: bool = False) -> None:
     """keys/values ``[B, Hkv, N, D]``, floating, of one dtype and device (and, with ``like``, the same B, Hkv, D,
-    dtype and device as it); ``finite``: no NaN/Inf (one wait on the device)."""
+    dtype and device as it); ``finite``: no NaN/Inf (one wait on the device); ``empty``: N may be 0 (rows appended),
+    else no dimension may be."""
     for name, t in ((f"{what}keys", keys), (f"{what}values", values)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -48,6 +49,9 @@ def check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: 
             raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
     if keys.shape != values.shape:
         raise ValueError(f"{what}keys and values differ in shape: {tuple(keys.shape)} vs {tuple(values.shape)}")
+    if not empty and 0 in keys.shape:
+        names = ", ".join(f"{n} = 0" for n, size in zip(("B", "Hkv", "N", "D"), keys.shape) if size == 0)
+        raise ValueError(f"{what}keys: an empty cache {tuple(keys.shape)} ({names}); prepare needs at least one row")
     if keys.dtype != values.dtype or keys.device != values.device:
         raise ValueError(f"{what}keys ({keys.dtype}, {keys.device}) and values ({values.dtype}, {values.device}) "
                          "must share dtype and device")
@@ -71,17 +75,25 @@ def all_finite(*tensors: Tensor) -> Tensor:
     return torch.isfinite(torch.cat(ends)).all()
 
 
-def check_query(query: Tensor, keys: Tensor, name: str, finite: bool = True) -> None:
-    """query ``[B, Hq, T, D]`` matching the cache ``keys`` (batch, head dim, dtype, device; Hq a multiple of Hkv)."""
+def check_query(query: Tensor, keys: Tensor, name: str, finite: bool = True, heads: int | None = None) -> None:
+    """query ``[B, Hq, T, D]``, T ≥ 1, matching the cache ``keys`` (batch, head dim, dtype, device; Hq a multiple of
+    Hkv, and ``heads`` where given: the prefill queries' count)."""
     if not isinstance(query, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(query).__name__}")
     if query.dim() != 4:
         raise ValueError(f"{name}: expected shape [B, Hq, T, D], got {tuple(query.shape)}")
+    if query.shape[1] == 0 or query.shape[2] == 0:
+        hint = "; pass queries=None to prepare without prefill queries" if name == "queries" else ""
+        raise ValueError(f"{name}: no queries in {tuple(query.shape)} ([B, Hq, T, D] with "
+                         f"{'Hq' if query.shape[1] == 0 else 'T'} = 0){hint}")
     B, Hkv, _, D = keys.shape
     if query.shape[0] != B or query.shape[3] != D:
         raise ValueError(f"{name}: batch and head dim {tuple(query.shape)} do not match the keys {tuple(keys.shape)}")
     if query.shape[1] % Hkv:
         raise ValueError(f"{name}: {query.shape[1]} query heads is not a multiple of {Hkv} KV heads")
+    if heads is not None and query.shape[1] != heads:
+        raise ValueError(f"{name}: {query.shape[1]} query heads, but the prefill queries prepare() was given had "
+                         f"{heads}")
     if query.dtype != keys.dtype or query.device != keys.device:
         raise ValueError(f"{name}: dtype/device {query.dtype}/{query.device} differ from the cache's "
                          f"{keys.dtype}/{keys.device}")
@@ -99,6 +111,11 @@ def check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:
                          f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
     if mask.device != keys.device:
         raise ValueError(f"mask: device {mask.device} differs from the cache's {keys.device}")
+    if mask.dtype != torch.bool:
+        odd = mask[(mask != 0) & (mask != 1)]
+        if odd.numel():
+            raise ValueError(f"mask: expected bool, or 0 (padding) and 1 (valid) values; got {mask.dtype} values "
+                             f"such as {', '.join(str(v) for v in odd[:3].tolist())}")
     mask = mask.bool()
     if not bool(mask.any(-1).all()):
         raise ValueError("mask: every batch row needs at least one valid position")

@@ -6,7 +6,10 @@ densely; then each method decodes the question and the answer from its own copy 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import torch
 
 from oa_core import needle
 from oa_core.offline_model import load_offline_model
@@ -16,7 +19,21 @@ from oa_core.spec import load_spec
 PAPER = Path(__file__).resolve().parent.parent / "specs" / "openattention-paper.yaml"
 
 
+def check_demo(tokens: int, density: float) -> None:
+    """A clear error, before the model loads, for a density or a context the demo cannot show sparse attention on."""
+    spec = load_spec({"budget": {"density": density}})  # SpecError: budget.density outside (0, 1]
+    most = len(needle.haystack_text()) // needle.CHARS_PER_TOKEN
+    if not 200 <= tokens <= most:
+        raise ValueError(f"tokens: expected 200 to {most} (the essays' length), got {tokens}")
+    if bool(spec.too_short(torch.tensor([tokens])).any()):
+        fixed = spec.sink + spec.local
+        raise ValueError(f"density: {density:g} of {tokens} tokens reads {spec.budget.rows(tokens)} rows, fewer than "
+                         f"sink + local = {fixed}: it would run dense; pass --tokens {math.ceil(fixed / density)} or "
+                         "more, or a larger --density")
+
+
 def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03) -> int:
+    check_demo(tokens, density)
     paper = load_spec(PAPER).model_dump(mode="json", exclude={"budget"}) if PAPER.is_file() else None
     lm, tokenizer = load_offline_model(model)
     sample = needle.make_samples(tokenizer, 1, tokens, seed=0)[0]
@@ -26,7 +43,7 @@ def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03
         specs[f"paper's {density:.0%}"] = {**paper, "budget": {"density": density}}
     print(f"Needle: 'The special magic number for ... is: {sample.answer}.' at {sample.depth:.0%} of a "
           f"{sample.context_ids.shape[1]}-token context; the question is decoded by each method from one prefill.")
-    records = needle.run(lm, tokenizer, [sample], specs, progress=False)
+    records = needle.run(lm, tokenizer, [sample], specs)
     print(f"\n{'method':18s} {'read density':>12s} {'answer log-lik':>15s} {'correct':>8s}  answer")
     for r in records:
         print(f"{r['spec']:18s} {r['density']:>12.4f} {r['answer_logprob']:>15.2f} {str(r['correct']):>8s}  "

@@ -25,6 +25,13 @@ def on_gpu(tensor: Tensor) -> bool:
     return tensor.is_cuda and triton is not None
 
 
+def check_rank(component: str, rank: int, head_dim: int) -> None:
+    """A subspace of ``rank`` dimensions must fit the head dim (a clear error where it would silently shrink)."""
+    if rank > head_dim:
+        raise ValueError(f"{component}: rank {rank} is larger than the head dim {head_dim}; a rank of at most "
+                         f"{head_dim} fits")
+
+
 def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int,
                    window: int) -> tuple[Tensor, Tensor]:
     """Top-``rank`` eigenpairs of the query second moment per KV head.

@@ -36,6 +36,9 @@ class NeedleSample:
     depth: float  # where the needle sits, as a fraction of the haystack
 
 
+CHARS_PER_TOKEN = 12  # the essays' characters a sample reads per token of its context (a margin over ~4)
+
+
 def make_samples(tokenizer, count: int, tokens: int, seed: int = 0) -> list[NeedleSample]:
     """``count`` seeded samples whose context is ``tokens`` tokens (± a sentence)."""
     text = haystack_text()
@@ -44,8 +47,8 @@ def make_samples(tokenizer, count: int, tokens: int, seed: int = 0) -> list[Need
         rng = random.Random(f"needle:{seed}:{index}")
         key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
         value = str(rng.randint(1_000_000, 9_999_999))
-        start = rng.randrange(0, len(text) - 12 * tokens)
-        haystack = tokenizer.decode(tokenizer(text[start:start + 12 * tokens]).input_ids[:tokens - 60])
+        start = rng.randrange(0, len(text) - CHARS_PER_TOKEN * tokens)
+        haystack = tokenizer.decode(tokenizer(text[start:start + CHARS_PER_TOKEN * tokens]).input_ids[:tokens - 60])
         depth = rng.random()
         cut = haystack.rfind(". ", 0, int(len(haystack) * depth)) + 2  # after a sentence (0 if none before)
         context = haystack[:cut] + f"The special magic number for {key} is: {value}. " + haystack[cut:]
@@ -73,6 +76,7 @@ def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], ma
             context = oa.prefill_context(model, sample.context_ids.to(model.device))
             prefill_s = time.perf_counter() - start
             for name, spec in specs.items():
+                bar.set_description(f"needle: {name}")
                 handle.use(spec)
                 start = time.perf_counter()
                 new = oa.generate_from_context(model, context, question, max_new_tokens=max_new_tokens,

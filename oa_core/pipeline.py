@@ -35,16 +35,24 @@ from oa_core.state import PipelineState
 def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
     """A Pipeline from a spec model, a mapping, or a YAML file path. Raises SpecError naming the field."""
     spec = load_spec(spec if spec is not None else {})
-    kernel, kernel_note = _kernel(spec.kernel)
-    selector = _instantiate("selector", spec.selector)
+    parts, errors = {}, []
+    for kind, make in (("clusterer", _instantiate), ("selector", _instantiate), ("allocator", _instantiate),
+                       ("kernel", lambda _, component: _kernel(component))):
+        try:
+            parts[kind] = make(kind, getattr(spec, kind))
+        except SpecError as exc:  # every bad component in one error
+            errors.append(str(exc))
+    if errors:
+        raise SpecError("; ".join(errors))
+    selector, (kernel, kernel_note) = parts["selector"], parts["kernel"]
     if spec.tail == "proxy" and spec.proxy not in type(kernel).proxies:
         raise SpecError(f"proxy: kernel {kernel.name!r} computes {' and '.join(type(kernel).proxies)} proxies, not "
                         f"{spec.proxy!r}; set proxy: {type(kernel).proxies[0]} or use another kernel")
     if spec.tail == "sample" and spec.gqa == "shared" and type(selector).sample_pool is not Selector.sample_pool:
         raise SpecError(f"gqa: tail: sample with selector {selector.name!r} draws a pool per query head; "
                         "use gqa: per_head")
-    return Pipeline(spec, clusterer=_instantiate("clusterer", spec.clusterer), selector=selector,
-                    allocator=_instantiate("allocator", spec.allocator), kernel=kernel, kernel_note=kernel_note)
+    return Pipeline(spec, clusterer=parts["clusterer"], selector=selector, allocator=parts["allocator"], kernel=kernel,
+                    kernel_note=kernel_note)
 
 
 def _kernel(kernel: ComponentSpec) -> tuple[Kernel, str]:
@@ -147,8 +155,14 @@ class Pipeline:
         valid = contracts.check_mask(mask, keys)
         lengths = valid.sum(-1)
         dense_rows = self.spec.read_in_full(lengths)
-        why = self.spec.why_read_in_full(lengths) if bool(dense_rows.any()) else ""
-        state = PipelineState(self, keys, values, valid, scale, dense_rows, dense_reason=why)
+        reasons = [self.spec.why_read_in_full(lengths)] if bool(dense_rows.any()) else []
+        few = self._too_few_to_cluster(lengths) & ~dense_rows
+        if bool(few.any()):
+            reasons.append(self._too_few_reason(lengths, few))
+            dense_rows = dense_rows | few
+        why = "; ".join(reasons)
+        state = PipelineState(self, keys, values, valid, scale, dense_rows, dense_reason=why,
+                              query_heads=None if queries is None else queries.shape[1])
         if bool(dense_rows.all()):
             return state
         # The clusterable region: valid rows of sparse batch rows, past the sink and before the local window.
@@ -162,6 +176,20 @@ class Pipeline:
             _stream(f"selector:{self.spec.seed}")))
         state.start_clusters(clusters, index)
         return state
+
+    def _too_few_to_cluster(self, lengths: Tensor) -> Tensor:
+        """``[B]`` lengths → the rows with no more keys between the sink and the local window than the clusterer's
+        ``num_clusters``: every key would be its own cluster, and the proxies the keys themselves (read in full)."""
+        wanted = getattr(getattr(self.clusterer, "config", None), "num_clusters", None)
+        if wanted is None:
+            return torch.zeros_like(lengths, dtype=torch.bool)
+        return lengths - self.spec.sink - self.spec.local <= wanted
+
+    def _too_few_reason(self, lengths: Tensor, few: Tensor) -> str:
+        row = int(few.nonzero()[0, 0])
+        keys = max(0, int(lengths[row]) - self.spec.sink - self.spec.local)
+        return (f"clusterer.num_clusters = {self.clusterer.config.num_clusters} >= the {keys} keys between sink and "
+                f"local window of a {int(lengths[row])}-token context (each key would be its own cluster)")
 
     # -- per decode query -------------------------------------------------------------------------------------
 
@@ -248,7 +276,7 @@ class Pipeline:
     def _check(self, query: Tensor, state: PipelineState, causal: bool, validate: bool) -> None:
         if not isinstance(state, PipelineState) or state.pipeline is not self:
             raise ValueError("state: pass the PipelineState this pipeline's prepare() returned")
-        contracts.check_query(query, state.keys, "query", validate)
+        contracts.check_query(query, state.keys, "query", validate, heads=state.query_heads)
         if causal and query.shape[2] > max(self.spec.local, 1) and state.clusters is not None:
             raise ValueError(f"query: {query.shape[2]} causal queries do not fit the local window of "
                              f"{self.spec.local}; attend them in blocks of at most local tokens")

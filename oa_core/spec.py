@@ -26,7 +26,8 @@ def describe(error: ValidationError, prefix: str = "") -> str:
     for item in error.errors():
         loc = ".".join(str(part) for part in item["loc"] if part != "params")
         field = ".".join(part for part in (prefix, loc) if part)
-        lines.append(f"{field or '<spec>'}: {item['msg']}")
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{field}: {message}" if field else message)  # a whole-spec rule names its fields itself
     return "; ".join(lines)
 
 
@@ -95,17 +96,20 @@ class PipelineSpec(BaseModel):
         default="per_head", description="select per query head, or once per KV head for the whole GQA group")
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _tokens_cover_sink_and_local(self) -> PipelineSpec:
+        if self.budget.tokens is not None and self.budget.tokens < self.sink + self.local:
+            raise ValueError(f"budget.tokens: {self.budget.tokens} rows is smaller than sink + local = {self.sink} + "
+                             f"{self.local} = {self.sink + self.local} (the budget includes them); raise budget.tokens "
+                             "or lower sink / local")
+        return self
+
     def read_in_full(self, lengths: torch.Tensor) -> torch.Tensor:
         """``[B]`` valid context lengths → the rows this spec reads in full: its budget covers the context, the
         context is no longer than sink + local, or a density's budget on a short context cannot cover sink + local
-        (``too_short``; ``why_read_in_full`` says which). A budget of tokens below sink + local is a clear error."""
+        (``too_short``; ``why_read_in_full`` says which). A budget of tokens covers sink + local (validated)."""
         budget = self.budget.rows(lengths)
-        short = self.too_short(lengths)
-        if self.budget.tokens is not None and bool(short.any()):
-            row = int(short.nonzero()[0, 0])
-            raise SpecError(f"budget: {int(budget[row])} rows ({self.budget.model_dump(exclude_none=True)} of "
-                            f"{int(lengths[row])} tokens) is smaller than sink + local = {self.sink + self.local}")
-        return (budget >= lengths) | (lengths <= self.sink + self.local) | short
+        return (budget >= lengths) | (lengths <= self.sink + self.local) | self.too_short(lengths)
 
     def too_short(self, lengths: torch.Tensor) -> torch.Tensor:
         """``[B]`` lengths → the rows whose budget is below sink + local although the context is longer than both."""
@@ -138,7 +142,9 @@ def load_spec(spec: PipelineSpec | Mapping | str | Path) -> PipelineSpec:
         try:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
-            raise SpecError(f"{path}: invalid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+            raise SpecError(f"{where}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
         if data is None:
             data = {}
         if not isinstance(data, Mapping):

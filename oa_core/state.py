@@ -77,6 +77,7 @@ class PipelineState:
     scale: float
     dense_rows: Tensor
     dense_reason: str = ""  # why, at the prepare: "budget >= context", or a short context's budget (read_in_full)
+    query_heads: int | None = None  # Hq of the prefill queries prepare() was given: decode queries must match
     clusters: Clusters | None = None
     pooled: PooledClusters | None = None
     index: Any = None
@@ -178,7 +179,7 @@ class PipelineState:
         """Decode-time growth: add ``[B, Hkv, t, D]`` rows; rows leaving the local window join their nearest cluster
         (rows of dense batch rows stay exact). The state keeps the concatenated cache; to follow a cache that grows
         by itself (transformers'), without a second copy, use ``grow_to``."""
-        check_cache(keys, values, like=self.keys, what="appended ")
+        check_cache(keys, values, like=self.keys, what="appended ", empty=True)
         self._grow(torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2))
 
     def grow_to(self, keys: Tensor, values: Tensor) -> None:
@@ -190,7 +191,7 @@ class PipelineState:
             raise ValueError(f"grow_to: expected the grown cache [B, Hkv, N' >= {n}, D], got "
                              f"{tuple(getattr(keys, 'shape', ()))}")
         new_keys, new_values = keys[:, :, n:], values[:, :, n:]
-        check_cache(new_keys, new_values, like=self.keys, what="appended ", finite=False)
+        check_cache(new_keys, new_values, like=self.keys, what="appended ", finite=False, empty=True)
         # The new rows finite and known rows unchanged (a few, spread, the last included), in one wait: grow_to runs
         # at every decode step.
         ok = all_finite(new_keys, new_values)
@@ -199,7 +200,7 @@ class PipelineState:
             ok &= (keys[:, :, known] == self.keys[:, :, known]).all()
             ok &= (values[:, :, n - 1] == self.values[:, :, n - 1]).all()
         if not bool(ok):
-            check_cache(new_keys, new_values, what="appended ")  # raises when the new rows hold NaN/Inf
+            check_cache(new_keys, new_values, what="appended ", empty=True)  # raises when the new rows hold NaN/Inf
             raise CacheMismatch(f"grow_to: the grown cache's first rows are not this state's (compared at positions "
                                 f"{', '.join(map(str, known))})")
         self._grow(keys, values)

@@ -48,3 +48,26 @@ def test_the_eval_defaults_pass_their_own_budget_check(monkeypatch):
     low = runner.EvalConfig(specs=config.specs, densities=[0.01], lengths=args.length)  # the case the help names
     with pytest.raises(SpecError, match=r"fewer than its sink \+ local = 4 \+ 64"):
         runner.check_budgets(runner.resolved_specs(low), low)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--density", "2"], "budget.density: Input should be less than or equal to 1"),
+    (["--density", "0.01"], "density: 0.01 of 3000 tokens reads 30 rows, fewer than sink + local = 68: it would run "
+                            "dense; pass --tokens 6800 or more"),
+    (["--tokens", "100"], "tokens: expected 200 to "),
+])
+def test_demo_refuses_bad_arguments_before_the_model_loads(monkeypatch, capsys, args, message):
+    from oa_core import cli, demo
+
+    monkeypatch.setattr(demo, "load_offline_model", lambda *_, **__: pytest.fail("the model loaded"))
+    assert cli.main(["demo", *args]) == 2
+    assert f"oa demo: {message}" in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults():
+    from oa_core import cli
+
+    text = cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
+    flat = " ".join(text.split())
+    assert "samples per task and length (default: 20)" in flat and "(default: 0.1 0.05 0.03)" in flat
+    assert "seed of the RULER samples (default: 0)" in flat

@@ -17,10 +17,10 @@ def pipe():
     return oa.build(SPEC)
 
 
-def test_a_token_budget_smaller_than_sink_and_local_is_an_error(inputs):
-    keys, values, prefill, _ = inputs
-    with pytest.raises(oa.SpecError, match=r"budget: 19 rows .* is smaller than sink \+ local = 20"):
-        oa.build({**SPEC, "budget": {"tokens": 19}}).prepare(keys, values, prefill)
+def test_a_token_budget_smaller_than_sink_and_local_is_an_error_of_the_spec():
+    with pytest.raises(oa.SpecError, match=r"^budget\.tokens: 19 rows is smaller than sink \+ local = 4 \+ 16 = 20"):
+        oa.build({**SPEC, "budget": {"tokens": 19}})
+    assert oa.build({**SPEC, "budget": {"tokens": 20}}).spec.budget.tokens == 20
 
 
 def test_a_density_too_small_for_sink_and_local_on_a_short_context_reads_it_densely_and_says_why(inputs):
@@ -100,6 +100,54 @@ def test_query_mismatches(pipe, inputs):
         pipe.attend(decode.to("meta"), state)
 
 
+def test_empty_inputs(pipe, inputs):
+    keys, values, prefill, decode = inputs
+    with pytest.raises(ValueError, match=r"keys: an empty cache \(2, 2, 0, 32\) \(N = 0\)"):
+        pipe.prepare(keys[:, :, :0], values[:, :, :0], prefill)
+    with pytest.raises(ValueError, match=r"keys: an empty cache \(0, 2, 300, 32\) \(B = 0\)"):
+        pipe.prepare(keys[:0], values[:0])
+    with pytest.raises(ValueError, match=r"queries: no queries .* T = 0\); pass queries=None"):
+        pipe.prepare(keys, values, prefill[:, :, :0])
+    state = pipe.prepare(keys, values, prefill)
+    with pytest.raises(ValueError, match=r"query: no queries in \(2, 6, 0, 32\)"):
+        pipe.attend(decode[:, :, :0], state)
+    state.append(keys[:, :, :0], values[:, :, :0])  # appending no rows is no growth, not an error
+    assert state.num_tokens == keys.shape[2]
+
+
+def test_decode_queries_keep_the_prefill_queries_head_count(pipe, inputs):
+    keys, values, prefill, decode = inputs
+    state = pipe.prepare(keys, values, prefill)
+    more = torch.cat([decode, decode[:, :2]], dim=1)  # 8 heads: still a multiple of the 2 KV heads
+    with pytest.raises(ValueError, match="query: 8 query heads, but the prefill queries prepare.. was given had 6"):
+        pipe.attend(more, state)
+
+
+def test_a_rank_beyond_the_head_dim_is_an_error(inputs):
+    keys, values, prefill, _ = inputs  # head dim 32
+    for spec, who in (({"clusterer": {"name": "qgc", "num_clusters": 8, "rank": 33}}, "clusterer 'qgc'"),
+                      ({"selector": {"name": "qgs", "rank": 64}}, "selector 'qgs'")):
+        with pytest.raises(ValueError, match=f"{who}: rank {33 if 'clusterer' in who else 64} is larger than the "
+                                             "head dim 32"):
+            oa.build({**SPEC, **spec}).prepare(keys, values, prefill)
+    oa.build({**SPEC, "selector": {"name": "qgs", "rank": 32}}).prepare(keys, values, prefill)  # the whole dim fits
+
+
+def test_more_clusters_than_keys_to_cluster_reads_densely_and_says_why(inputs):
+    keys, values, prefill, decode = inputs  # 300 tokens: 280 between sink and local window
+    for clusters, dense in ((280, True), (279, False)):
+        pipe = oa.build({**SPEC, "clusterer": {"name": "qgc", "num_clusters": clusters}})
+        out, stats = pipe.attend(decode, pipe.prepare(keys, values, prefill), return_stats=True)
+        assert stats.dense == dense
+    assert stats.reason.startswith("sparse")
+    pipe = oa.build({**SPEC, "clusterer": {"name": "kmeans", "num_clusters": 2000}})
+    out, stats = pipe.attend(decode, pipe.prepare(keys, values, prefill), return_stats=True)
+    assert stats.reason == ("dense: clusterer.num_clusters = 2000 >= the 280 keys between sink and local window of a "
+                            "300-token context (each key would be its own cluster)")
+    full = oa.build({**SPEC, "budget": {"density": 1.0}})
+    assert torch.allclose(out, full.attend(decode, full.prepare(keys, values, prefill)), atol=1e-5)
+
+
 def test_appended_rows_must_match_the_cache(pipe, inputs):
     keys, values, prefill, _ = inputs
     state = pipe.prepare(keys, values, prefill)
@@ -139,6 +187,11 @@ def test_bad_masks(pipe, inputs):
         pipe.prepare(keys, values, prefill, mask=empty)
     with pytest.raises(ValueError, match="mask: device meta differs from the cache's cpu"):
         pipe.prepare(keys, values, prefill, mask=torch.ones(2, 300, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match=r"mask: expected bool, or 0 \(padding\) and 1 \(valid\) values; got "
+                                         "torch.float32 values such as 0.5"):
+        pipe.prepare(keys, values, prefill, mask=torch.full((2, 300), 0.5))
+    ones = pipe.prepare(keys, values, prefill, mask=torch.ones(2, 300, dtype=torch.long))  # transformers' 0/1 masks
+    assert ones.valid.dtype == torch.bool and bool(ones.valid.all())
 
 
 def test_grow_to_a_cache_that_is_not_this_states(pipe, inputs):

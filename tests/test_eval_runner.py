@@ -3,6 +3,8 @@ the dense reference, resuming after a crash to the same summary, and clear error
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -214,7 +216,7 @@ def test_bad_arguments_are_named(model, tokenizer, tmp_path):
         runner.run(_config(tmp_path, densities=[1.5]), model, tokenizer)
     with pytest.raises(ValueError, match="setup"):
         runner.run(_config(tmp_path, setup="C"), model, tokenizer)
-    with pytest.raises(ValueError, match="batch: expected at least 1 sample, got 0"):
+    with pytest.raises(ValueError, match="batch: expected at least 1, got 0"):
         runner.run(_config(tmp_path, batch=0), model, tokenizer)
     with pytest.raises(ValueError, match="device: 'gpu' is not a torch device"):
         runner.run(_config(tmp_path, device="gpu"), model, tokenizer)
@@ -238,6 +240,31 @@ def test_oa_eval_names_bad_input(tmp_path, capsys):
     assert "oa eval: spec file not found" in capsys.readouterr().err
     assert main(["eval", "--specs", "specs/openattention.yaml", "--tasks", "qa_1", "--out", str(tmp_path)]) == 2
     assert "oa eval: tasks: unknown 'qa_1'; known: niah_single_1" in capsys.readouterr().err
+
+
+def test_oa_eval_refuses_bad_numbers_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    import oa_core.offline_model
+    from oa_core.cli import main
+
+    monkeypatch.setattr(oa_core.offline_model, "load_offline_model", lambda *_, **__: pytest.fail("a model loaded"))
+    for args, message in ((["--samples", "0"], "samples: expected at least 1, got 0"),
+                          (["--length", "0"], "lengths: expected positive token counts, got [0]"),
+                          (["--max-new-tokens", "0"], "max_new_tokens: expected at least 1, got 0"),
+                          (["--local-window", "-1"], "local: expected at least 0, got -1"),
+                          (["--densities", "2"], "densities: 2.0 is outside (0, 1]")):
+        assert main(["eval", "--specs", "specs/openattention.yaml", "--out", str(tmp_path), *args]) == 2, args
+        assert f"oa eval: {message}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no summary, no records
+
+
+def test_oa_eval_says_when_it_overrides_the_specs_sink_or_local(tmp_path, capsys, monkeypatch):
+    import oa_core.offline_model
+    from oa_core.cli import main
+
+    monkeypatch.setattr(oa_core.offline_model, "load_offline_model", lambda *_, **__: pytest.fail("a model loaded"))
+    assert main(["eval", "--specs", "specs/openattention.yaml", "--local-window", "16", "--samples", "0",
+                 "--out", str(tmp_path)]) == 2
+    assert "oa eval: local window 16 for every sparse spec (openattention: 64)" in capsys.readouterr().err
 
 
 def test_cells_are_dealt_in_turn_and_grouped_by_unit():
@@ -321,6 +348,55 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     assert _colored_fraction(tmp_path / "accuracy_vs_density.png") > 0.002  # the line and its markers
     assert main(["report", str(tmp_path / "nothing-here")]) == 2
     assert "no records" in capsys.readouterr().err
+
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, monkeypatch):
+    """`oa report DIR | head -1`: the pipe's reader gone, the rest of the output goes nowhere, no traceback."""
+    from oa_core.cli import main
+
+    records = [dict(spec="dense", density=None, task="vt", length=4096, sample=0, score=50.0, answer_logprob=-2.0,
+                    measured_density=1.0)]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    read, write = os.pipe()
+    os.close(read)  # the reader has left
+    with os.fdopen(write, "w", buffering=1) as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        assert main(["report", str(tmp_path)]) == 141
+
+
+def test_a_method_that_covers_fewer_tasks_than_dense_says_so_in_the_plot(tmp_path, monkeypatch):
+    from oa_core.eval import report
+
+    labels = []
+    monkeypatch.setattr(report, "_pyplot", lambda: _recording_pyplot(labels))
+    means = [{"spec": "dense", "density": 1.0, "tasks": 3, "retention": 1.0},
+             {"spec": "quest", "density": 0.1, "tasks": 3, "retention": 0.9},
+             {"spec": "quest", "density": 0.01, "tasks": 2, "retention": 0.5},
+             {"spec": "openattention", "density": 0.1, "tasks": 3, "retention": 1.0}]
+    report.plot_accuracy_vs_density(means, tmp_path / "plot.png")
+    assert "quest (2 of 3 tasks)" in labels and "openattention" in labels
+    assert labels[-1] == "openattention"  # drawn last: on top of a line it coincides with
+
+
+def _recording_pyplot(labels):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(plt, name)
+
+        def subplots(self, *args, **kwargs):
+            fig, axes = plt.subplots(*args, **kwargs)
+            for ax in axes.flat:
+                plot = ax.plot
+                ax.plot = lambda *a, _plot=plot, **k: (labels.append(k.get("label")), _plot(*a, **k))[1]
+            return fig, axes
+
+    return Recording()
 
 
 def test_a_method_keeps_its_colour_with_or_without_ablations():

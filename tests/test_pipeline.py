@@ -26,7 +26,7 @@ def test_budget_covering_the_context_is_dense_and_says_so(inputs, budget):
 
 def test_clusters_of_one_token_give_dense_attention(inputs):
     keys, values, prefill, decode = inputs
-    spec = {"clusterer": {"name": "qgc", "num_clusters": 300}, "sink": 4, "local": 16, "budget": {"tokens": 28}}
+    spec = {"clusterer": {"name": "position", "block_size": 1}, "sink": 4, "local": 16, "budget": {"tokens": 28}}
     out, stats = run(spec, keys, values, prefill, decode)
     assert not stats.dense and stats.density == pytest.approx(28 / 300)
     assert int(stats.proxies.min()) == 300 - 20 - 8  # every unread token is its own proxy

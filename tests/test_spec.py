@@ -70,6 +70,12 @@ def test_unknown_component_lists_the_known_ones():
         oa.build({"selector": "nope"})
 
 
+def test_every_bad_component_is_named_in_one_error():
+    with pytest.raises(oa.SpecError, match=r"^clusterer: unknown clusterer 'nope'; known: kmeans, position, qgc; "
+                                           r"selector: unknown selector 'nada'; .*; kernel\.x: Extra inputs"):
+        oa.build({"clusterer": "nope", "selector": "nada", "kernel": {"name": "torch", "x": 1}})
+
+
 def test_invalid_component_parameter_names_the_field():
     with pytest.raises(oa.SpecError, match=r"clusterer\.num_clusters"):
         oa.build({"clusterer": {"name": "qgc", "num_clusters": 0}})
@@ -93,6 +99,13 @@ def test_yaml_is_loaded_safely(tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text("clusterer: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(oa.SpecError, match="invalid YAML"):
+        oa.build(path)
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("sink: 4\nbudget: {tokens: 10\nlocal: 64\n")
+    with pytest.raises(oa.SpecError, match=rf"^{path}, line 3, column 6: invalid YAML: expected ',' or '}}'"):
         oa.build(path)
 
 

@@ -125,6 +125,16 @@ def _colors(specs) -> dict[str, tuple]:
     return colors
 
 
+def _markers(specs) -> dict[str, str]:
+    """One marker shape per spec, methods and ablations each in their own order (as ``_colors``): a line that lies
+    on another is still told apart."""
+    markers = {}
+    for ablations in (False, True):
+        group = sorted(s for s in set(specs) - {"dense"} if s.startswith(ABLATION_PREFIX) == ablations)
+        markers.update(zip(group, itertools.cycle("osD^vP*Xh<>p")))
+    return markers
+
+
 def plot_accuracy_vs_density(means: list[dict], path: Path,
                              ylabel: str = "mean retention (score / dense, same samples)",
                              title: str = "Retention against read density", key: str = "retention") -> None:
@@ -141,18 +151,23 @@ def plot_accuracy_vs_density(means: list[dict], path: Path,
     if ablations:
         panels.append(("ablations of OpenAttention", [s for s in ("dense", "openattention") if s in by_spec]
                        + ablations))
-    colors = _colors(by_spec)
+    colors, markers = _colors(by_spec), _markers(by_spec)
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.0), dpi=120, squeeze=False,
                              sharey=True)
     ticks = sorted({100 * m["density"] for m in means if m["spec"] != "dense"})
+    dense_tasks = max((m["tasks"] for m in by_spec.get("dense", [])), default=None)
     for ax, (name, specs) in zip(axes[0], panels):
-        for spec in specs:
+        # OpenAttention drawn last, on top; a marker per method, hollow, so lines that coincide stay visible.
+        for spec in sorted(specs, key=lambda s: s == "openattention"):
             ms = sorted(by_spec[spec], key=lambda m: m["density"])
             if spec == "dense":
                 ax.axhline(ms[0][key], color="black", linestyle="--", linewidth=1, label="dense")
                 continue
-            ax.plot([100 * m["density"] for m in ms], [m[key] for m in ms], marker="o", label=spec,
-                    color=colors[spec], linewidth=2.5 if spec == "openattention" else 1.5)
+            fewest = min(m["tasks"] for m in ms)
+            label = spec if dense_tasks is None or fewest >= dense_tasks else f"{spec} ({fewest} of {dense_tasks} tasks)"
+            ax.plot([100 * m["density"] for m in ms], [m[key] for m in ms], marker=markers[spec], label=label,
+                    color=colors[spec], markerfacecolor="none", markersize=8 if spec == "openattention" else 6,
+                    linewidth=2.5 if spec == "openattention" else 1.5, zorder=3 if spec == "openattention" else 2)
         ax.set_xscale("log")
         ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
         ax.minorticks_off()
@@ -185,7 +200,7 @@ def plot_per_task(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("score")
         ax.set_ylim(0, 100)
         ax.set_title(f"read density {density:.0%}", fontsize=9)
-    axes[0, 0].legend(fontsize=7, ncol=min(len(specs), 4))
+    axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the bars
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)

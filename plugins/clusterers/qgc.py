@@ -18,7 +18,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Clusterer, Clusters
-from oa_core.geometry import QUERY_WINDOW, project, query_geometry
+from oa_core.geometry import QUERY_WINDOW, check_rank, project, query_geometry
 from oa_core.kmeans import lloyd, nearest
 
 
@@ -39,6 +39,7 @@ class QueryGeometryClusterer(Clusterer):
 
     def fit(self, keys: Tensor, queries: Tensor | None, mask: Tensor, generator: torch.Generator) -> Clusters:
         cfg = self.config
+        check_rank("clusterer 'qgc'", cfg.rank, keys.shape[-1])
         basis, eigenvalues = query_geometry(keys, queries, mask, cfg.rank, cfg.query_window)
         projection = basis * eigenvalues.sqrt()[..., None, :]  # U_r Λ_r^{1/2}, [B, Hkv, D, r]
         points = project(keys, projection)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from oa_core import hookimpl, triton_path
 from oa_core.components import Clusters, Selector
-from oa_core.geometry import QUERY_WINDOW, project, query_geometry, with_key_spread
+from oa_core.geometry import QUERY_WINDOW, check_rank, project, query_geometry, with_key_spread
 from oa_core.rerank import rerank_exact
 from oa_core.triton_path import tl, triton
 
@@ -71,6 +71,7 @@ class QuerySubspaceSelector(Selector):
               generator: torch.Generator | None = None) -> QGSIndex:
         region = clusters.assignment[:, 0] < clusters.num_clusters
         cfg = self.config
+        check_rank("selector 'qgs'", cfg.rank, keys.shape[-1])
         basis, _ = query_geometry(keys, queries, region, cfg.rank - cfg.key_rank, cfg.query_window)
         if cfg.key_rank:
             basis = with_key_spread(basis, keys, region, cfg.key_rank)
