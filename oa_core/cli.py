@@ -90,12 +90,11 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def _say_overrides(specs: list[str], **values: int | None) -> None:
     """One line per field --sink / --local-window set for every sparse spec, with the specs' own values."""
-    from pathlib import Path
-
+    from oa_core.eval.config import is_reference, spec_name
     from oa_core.spec import load_spec
 
-    loaded = {Path(path).stem: load_spec(path) for path in specs}
-    sparse = {name: spec for name, spec in loaded.items() if spec.budget.density != 1.0 or spec.budget.tokens}
+    loaded = {spec_name(path): load_spec(path) for path in specs}
+    sparse = {name: spec for name, spec in loaded.items() if not is_reference(spec)}
     for field, value in values.items():
         if value is not None and sparse:
             own = ", ".join(f"{name}: {getattr(spec, field)}" for name, spec in sparse.items())

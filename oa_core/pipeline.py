@@ -35,23 +35,26 @@ from oa_core.state import PipelineState
 def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
     """A Pipeline from a spec model, a mapping, or a YAML file path. Raises SpecError naming the field."""
     spec = load_spec(spec if spec is not None else {})
-    parts, errors = {}, []
-    for kind, make in (("clusterer", _instantiate), ("selector", _instantiate), ("allocator", _instantiate),
-                       ("kernel", lambda _, component: _kernel(component))):
+    errors = []
+
+    def attempt(make, *args):  # every bad component in one error
         try:
-            parts[kind] = make(kind, getattr(spec, kind))
-        except SpecError as exc:  # every bad component in one error
+            return make(*args)
+        except SpecError as exc:
             errors.append(str(exc))
+
+    clusterer, selector, allocator = (attempt(_instantiate, kind, getattr(spec, kind))
+                                      for kind in ("clusterer", "selector", "allocator"))
+    kernel, kernel_note = attempt(_kernel, spec.kernel) or (None, None)
     if errors:
         raise SpecError("; ".join(errors))
-    selector, (kernel, kernel_note) = parts["selector"], parts["kernel"]
     if spec.tail == "proxy" and spec.proxy not in type(kernel).proxies:
         raise SpecError(f"proxy: kernel {kernel.name!r} computes {' and '.join(type(kernel).proxies)} proxies, not "
                         f"{spec.proxy!r}; set proxy: {type(kernel).proxies[0]} or use another kernel")
     if spec.tail == "sample" and spec.gqa == "shared" and type(selector).sample_pool is not Selector.sample_pool:
         raise SpecError(f"gqa: tail: sample with selector {selector.name!r} draws a pool per query head; "
                         "use gqa: per_head")
-    return Pipeline(spec, clusterer=parts["clusterer"], selector=selector, allocator=parts["allocator"], kernel=kernel,
+    return Pipeline(spec, clusterer=clusterer, selector=selector, allocator=allocator, kernel=kernel,
                     kernel_note=kernel_note)
 
 
@@ -156,9 +159,9 @@ class Pipeline:
         lengths = valid.sum(-1)
         dense_rows = self.spec.read_in_full(lengths)
         reasons = [self.spec.why_read_in_full(lengths)] if bool(dense_rows.any()) else []
-        few = self._too_few_to_cluster(lengths) & ~dense_rows
-        if bool(few.any()):
-            reasons.append(self._too_few_reason(lengths, few))
+        few, few_why = self._too_few_to_cluster(lengths, dense_rows)
+        if few_why:
+            reasons.append(few_why)
             dense_rows = dense_rows | few
         why = "; ".join(reasons)
         state = PipelineState(self, keys, values, valid, scale, dense_rows, dense_reason=why,
@@ -177,19 +180,18 @@ class Pipeline:
         state.start_clusters(clusters, index)
         return state
 
-    def _too_few_to_cluster(self, lengths: Tensor) -> Tensor:
-        """``[B]`` lengths → the rows with no more keys between the sink and the local window than the clusterer's
-        ``num_clusters``: every key would be its own cluster, and the proxies the keys themselves (read in full)."""
+    def _too_few_to_cluster(self, lengths: Tensor, dense_rows: Tensor) -> tuple[Tensor, str]:
+        """``[B]`` lengths → (the rows not already ``dense_rows`` with no more keys between the sink and the local
+        window than the clusterer's ``num_clusters`` — every key would be its own cluster, the proxies the keys
+        themselves —, why in words; "" when none)."""
         wanted = getattr(getattr(self.clusterer, "config", None), "num_clusters", None)
-        if wanted is None:
-            return torch.zeros_like(lengths, dtype=torch.bool)
-        return lengths - self.spec.sink - self.spec.local <= wanted
-
-    def _too_few_reason(self, lengths: Tensor, few: Tensor) -> str:
+        keys = lengths - self.spec.sink - self.spec.local
+        few = (keys <= wanted if wanted is not None else torch.zeros_like(dense_rows)) & ~dense_rows
+        if not bool(few.any()):
+            return few, ""
         row = int(few.nonzero()[0, 0])
-        keys = max(0, int(lengths[row]) - self.spec.sink - self.spec.local)
-        return (f"clusterer.num_clusters = {self.clusterer.config.num_clusters} >= the {keys} keys between sink and "
-                f"local window of a {int(lengths[row])}-token context (each key would be its own cluster)")
+        return few, (f"clusterer.num_clusters = {wanted} >= the {max(0, int(keys[row]))} keys between sink and local "
+                     f"window of a {int(lengths[row])}-token context (each key would be its own cluster)")
 
     # -- per decode query -------------------------------------------------------------------------------------
 

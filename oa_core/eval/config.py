@@ -40,6 +40,11 @@ def spec_name(path: str) -> str:
     return Path(path).stem
 
 
+def is_reference(spec: oa.PipelineSpec) -> bool:
+    """Whether a spec reads the whole context (``specs/dense.yaml``): the dense reference, never overridden."""
+    return spec.budget.density == 1.0 and spec.budget.tokens is None
+
+
 def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
     """name → (the spec as a mapping — its own sink and local, unless the config overrides them —, whether it is the
     dense reference)."""
@@ -47,7 +52,7 @@ def resolved_specs(config: EvalConfig) -> dict[str, tuple[dict, bool]]:
     for path in config.specs:
         spec = oa.load_spec(path)  # a clear SpecError for a bad file, before any work
         data = spec.model_dump(mode="json", exclude_none=True)
-        dense = spec.budget.density == 1.0 and spec.budget.tokens is None
+        dense = is_reference(spec)
         if not dense:
             data.update({k: v for k, v in (("sink", config.sink), ("local", config.local)) if v is not None})
         out[spec_name(path)] = (data, dense)
