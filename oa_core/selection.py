@@ -61,15 +61,14 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
 
 
 def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None) -> Tensor:
-    """``select`` in torch: the scores sorted (descending, stable), then stably by cluster, so that each cluster's
-    positions form one run, best first; the first q_b of each run are kept and listed in position order."""
+    """``select`` in torch: one stable sort by (cluster, score descending), so that each cluster's positions form one
+    run, best first (ties: the earlier position); the first q_b of each run are kept and listed in position order."""
     num_tokens = scores.shape[-1]
     num_clusters = quotas.shape[-1]
-    by_score = scores.argsort(dim=-1, descending=True, stable=True)
-    cluster = assignment[:, :, None, None, :].expand_as(scores).gather(-1, by_score)
-    by_cluster = cluster.argsort(dim=-1, stable=True)
-    ranked = by_score.gather(-1, by_cluster)
-    cluster = cluster.gather(-1, by_cluster)
+    cluster = assignment[:, :, None, None, :].expand_as(scores)
+    # int64 keys: the cluster in the high half, the score's order reversed in the low (0 for the best float32).
+    ranked = ((cluster << 32) + (2 ** 31 - 1 - order_keys(scores))).argsort(dim=-1, stable=True)
+    cluster = cluster.gather(-1, ranked)
     sizes = count_by_slot(assignment, num_clusters)
     starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
     starts = torch.cat([starts, starts.new_zeros(*starts.shape[:-1], 1)], -1)  # slot C: outside, never taken
@@ -79,14 +78,34 @@ def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width:
     return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
+def order_keys(scores: Tensor) -> Tensor:
+    """float32 scores → int64 keys in [-(2^31 - 1), 2^31 - 1] in the same order (the bits, negated magnitude for
+    negative floats: -0.0 and 0.0 tie, as they compare), as the Triton kernel's ``order_key``."""
+    bits = scores.float().contiguous().view(torch.int32)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits).long()
+
+
+def best_first(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` best of ``scores`` ``[..., N]`` float32 along the last dim, in the order of a stable descending sort
+    (score descending, then position ascending) → (their scores, their positions), each ``[..., k]``.
+
+    What ``scores.sort(descending=True, stable=True)`` gives in its first k columns, without sorting all N: a top-k
+    over int64 keys that order the scores as floats do (the bits, negated magnitude for negatives: -0.0 ties 0.0) in
+    their high half and the position, reversed, in their low half, so no two keys tie and any top-k is that order (on
+    2 CPU cores at N = 4096, k = 492: 0.11 against 1.1 ms)."""
+    n = scores.shape[-1]
+    keys = (order_keys(scores) << 32) + (n - 1 - torch.arange(n, device=scores.device))
+    top = keys.topk(min(k, n), dim=-1).indices
+    return scores.gather(-1, top), top
+
+
 def top_counts(scores: Tensor, assignment: Tensor, budget: Tensor, num_clusters: int,
                width: int | None = None) -> Tensor:
     """How many of each row's ``budget`` ``[B, Hkv, 1, 1]`` best ``scores`` ``[B, Hkv, Gs, T, N]`` (-inf: none) fall
     in each cluster of ``assignment`` ``[B, Hkv, N]`` → ``[B, Hkv, Gs, T, C]``. ``width``: a bound of the budget known
     on the host (None: read from it, a device sync)."""
     width = min(width if width is not None else int(budget.max()), scores.shape[-1])
-    # A stable sort, not topk: tied scores (a Quest page) go to the earliest positions, on every device.
-    top_scores, top = (t[..., :width] for t in scores.sort(dim=-1, descending=True, stable=True))
+    top_scores, top = best_first(scores, width)  # tied scores (a Quest page): the earliest positions, on every device
     assignment = assignment[:, :, None, None, :].expand_as(scores)
     beyond = torch.arange(width, device=scores.device) >= budget[..., None]  # a row's own budget
     clusters = assignment.gather(-1, top).masked_fill((top_scores == float("-inf")) | beyond, num_clusters)

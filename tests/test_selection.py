@@ -162,3 +162,20 @@ def test_int8_scores_match_the_reference():
     fast = group_int8_scores(projected, codes, scales, 0.125, Q, 1).view(B, H, Q, N)  # each row its own group
     reference = (projected @ codes.float().transpose(-1, -2)) * (0.125 * scales[:, :, None, :])
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (37, 5), (300, 300), (4096, 492), (500, 600)])
+def test_best_first_is_a_stable_descending_sort_cut_at_k(n, k):
+    """Ties (rounded scores, equal pages), -inf, and -0.0 beside 0.0: the same scores and positions, in the same
+    order, as the first k columns of a stable descending sort."""
+    from oa_core.selection import best_first
+
+    gen = torch.Generator().manual_seed(n)
+    scores = (torch.randn(2, 3, 2, 1, n, generator=gen) * 4).round() / 2  # many ties
+    scores[0, 0, 0, 0, : n // 3] = float("-inf")
+    scores[1, 1, 1, 0, ::3] = -0.0
+    scores[1, 1, 1, 0, 1::3] = 0.0
+    values, positions = best_first(scores, k)
+    expected_values, expected_positions = (t[..., :k] for t in scores.sort(dim=-1, descending=True, stable=True))
+    assert torch.equal(positions, expected_positions)
+    assert torch.equal(values, expected_values)
