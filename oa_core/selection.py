@@ -55,9 +55,32 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
     Σ_b q_b known on the host, so that nothing waits on the device), or the largest Σ_b q_b when None. ``members``
     (``cluster_members``): with them and a width, the Triton kernel where it runs (CUDA tensors, or the CPU under
     ``TRITON_INTERPRET=1``)."""
-    if members is not None and width is not None and triton_path.unavailable_reason(scores.device) is None:
-        return select_per_cluster(scores, *members, quotas, width)
+    if members is not None and width is not None:
+        if triton_path.unavailable_reason(scores.device) is None:
+            return select_per_cluster(scores, *members, quotas, width)
+        return select_by_members(scores, members[0], quotas, width)
     return select_by_sorting(scores, assignment, quotas, width)
+
+
+def select_by_members(scores: Tensor, members: Tensor, quotas: Tensor, width: int) -> Tensor:
+    """``select_by_sorting``'s positions, in its order (clusters in order, each run best first), from each cluster's
+    own scores: read through ``members`` ``[B, Hkv, C, S]`` (-1 padded), one top-k of the largest quota per cluster
+    over ``best_first``'s unique keys, the first q_b of each kept. No sort over the context (on 2 CPU cores, 4K
+    tokens in 64 clusters: 0.3 against 1.2 ms)."""
+    B, Hkv, Gs, T, N = scores.shape
+    C, S = members.shape[-2:]
+    most = min(int(quotas.max()) if quotas.numel() else 0, S)  # on the host: the CPU's path
+    if most == 0:
+        return scores.new_full((B, Hkv, Gs, T, width), -1, dtype=torch.long)
+    keys = (order_keys(scores) << 32) + (N - 1 - torch.arange(N, device=scores.device))
+    listed = members.long().reshape(B, Hkv, 1, 1, C * S)
+    own = keys.gather(-1, listed.clamp_min(0).expand(B, Hkv, Gs, T, -1)).view(B, Hkv, Gs, T, C, S)
+    own = own.masked_fill(listed.view(B, Hkv, 1, 1, C, S) < 0, torch.iinfo(torch.long).min)
+    best = N - 1 - (own.topk(most, dim=-1).values & 0xFFFFFFFF)  # [B, Hkv, Gs, T, C, most] positions, best first
+    kept = torch.arange(most, device=scores.device) < quotas[..., None]
+    flat = best.flatten(-2)
+    taken = positions(kept.flatten(-2), width)
+    return flat.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
 def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None) -> Tensor:

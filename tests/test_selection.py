@@ -179,3 +179,22 @@ def test_best_first_is_a_stable_descending_sort_cut_at_k(n, k):
     expected_values, expected_positions = (t[..., :k] for t in scores.sort(dim=-1, descending=True, stable=True))
     assert torch.equal(positions, expected_positions)
     assert torch.equal(values, expected_values)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_select_by_members_lists_what_select_by_sorting_lists(seed):
+    """The CPU's per-cluster path against the sorting reference, position for position: ties, ragged clusters,
+    positions outside every cluster, quotas from 0 to a whole cluster."""
+    from oa_core.selection import select_by_members
+
+    gen = torch.Generator().manual_seed(seed)
+    B, H, Gs, T, N, C = 2, 2, 3, 2, 300, 7
+    scores = (torch.randn(B, H, Gs, T, N, generator=gen) * 3).round()  # many ties
+    assignment = torch.randint(C, (B, H, N), generator=gen)
+    assignment[..., :10] = C  # outside every cluster
+    scores = scores.masked_fill(assignment[:, :, None, None] == C, float("-inf"))
+    members, counts = cluster_members(assignment, C)
+    quotas = (torch.rand(B, H, Gs, T, C, generator=gen) * (counts[:, :, None, None] + 1)).floor().long()
+    width = int(quotas.sum(-1).max()) + 3
+    assert torch.equal(select_by_members(scores, members, quotas, width),
+                       select_by_sorting(scores, assignment, quotas, width))
