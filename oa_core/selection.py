@@ -50,13 +50,13 @@ FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: th
 def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None,
            members: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """scores ``[B, Hkv, Gs, T, N]`` (-inf outside the clusters), assignment ``[B, Hkv, N]`` (C outside), quotas
-    ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run, in
-    position order, clusters in order, then -1 padding. Ties go to the earlier position. K = ``width`` (a bound on
-    Σ_b q_b known on the host, so that nothing waits on the device), or the largest Σ_b q_b when None. ``members``
-    (``cluster_members``): with them and a width, the Triton kernel where it runs (CUDA tensors, or the CPU under
-    ``TRITON_INTERPRET=1``)."""
+    ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run (best
+    first in torch, in position order from the Triton kernel: the same set), clusters in order, then -1 padding. Ties
+    go to the earlier position. K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the
+    device), or the largest Σ_b q_b when None. ``members`` (``cluster_members``) and a width: the Triton kernel on
+    CUDA tensors, ``select_by_members`` elsewhere (tests run the kernel on the CPU under ``TRITON_INTERPRET=1``)."""
     if members is not None and width is not None:
-        if triton_path.unavailable_reason(scores.device) is None:
+        if scores.is_cuda and triton_path.unavailable_reason(scores.device) is None:
             return select_per_cluster(scores, *members, quotas, width)
         return select_by_members(scores, members[0], quotas, width)
     return select_by_sorting(scores, assignment, quotas, width)
