@@ -1,7 +1,8 @@
 """Per-cluster top-q_b selection (docs/design.md, step 6): inside each cluster b, the q_b positions of highest score.
 
-``select`` is the entry: the torch reference (``select_by_sorting``) on any device, or on CUDA tensors the Triton
-kernel below (``select_per_cluster``), which gives the same set without sorting the context.
+``select`` is the entry: on CUDA tensors the Triton kernel below (``select_per_cluster``), elsewhere
+``select_by_members`` in torch; ``select_by_sorting`` is the torch reference both are tested against. All three list
+the same positions in the same order.
 
 The torch reference sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
@@ -50,11 +51,11 @@ FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: th
 def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None,
            members: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """scores ``[B, Hkv, Gs, T, N]`` (-inf outside the clusters), assignment ``[B, Hkv, N]`` (C outside), quotas
-    ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run (best
-    first in torch, in position order from the Triton kernel: the same set), clusters in order, then -1 padding. Ties
-    go to the earlier position. K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the
-    device), or the largest Σ_b q_b when None. ``members`` (``cluster_members``) and a width: the Triton kernel on
-    CUDA tensors, ``select_by_members`` elsewhere (tests run the kernel on the CPU under ``TRITON_INTERPRET=1``)."""
+    ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run in
+    position order, clusters in order, then -1 padding; the same on every path. Ties go to the earlier position.
+    K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the device), or the largest
+    Σ_b q_b when None. ``members`` (``cluster_members``) and a width: the Triton kernel on CUDA tensors,
+    ``select_by_members`` elsewhere (tests run the kernel on the CPU under ``TRITON_INTERPRET=1``)."""
     if members is not None and width is not None:
         if scores.is_cuda and triton_path.unavailable_reason(scores.device) is None:
             return select_per_cluster(scores, *members, quotas, width)
@@ -63,10 +64,10 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
 
 
 def select_by_members(scores: Tensor, members: Tensor, quotas: Tensor, width: int) -> Tensor:
-    """``select_by_sorting``'s positions, in its order (clusters in order, each run best first), from each cluster's
-    own scores: read through ``members`` ``[B, Hkv, C, S]`` (-1 padded), one top-k of the largest quota per cluster
-    over ``best_first``'s unique keys, the first q_b of each kept. No sort over the context (on 2 CPU cores, 4K
-    tokens in 64 clusters: 0.3 against 1.2 ms)."""
+    """``select``'s positions from each cluster's own scores: read through ``members`` ``[B, Hkv, C, S]`` (-1
+    padded), one top-k of the largest quota per cluster over ``best_first``'s unique keys, the first q_b of each
+    kept and put back in position order. No sort over the context (on 2 CPU cores, 4K tokens in 64 clusters: 0.3
+    against 1.2 ms)."""
     B, Hkv, Gs, T, N = scores.shape
     C, S = members.shape[-2:]
     most = min(int(quotas.max()) if quotas.numel() else 0, S)  # on the host: the CPU's path
@@ -84,16 +85,17 @@ def select_by_members(scores: Tensor, members: Tensor, quotas: Tensor, width: in
         rows = (quota > least).nonzero().squeeze(-1)
         if k > 0 and rows.numel() and (least == 0 or most > FEW_PICKS):
             best[rows, :k] = own[rows].topk(k, dim=-1).values
-    best = (N - 1 - (best & 0xFFFFFFFF)).view(B, Hkv, Gs, T, C, most)  # positions, best first
     kept = torch.arange(most, device=scores.device) < quotas[..., None]
-    flat = best.flatten(-2)
+    best = (N - 1 - (best & 0xFFFFFFFF)).view(B, Hkv, Gs, T, C, most)  # positions, best first
+    best = best.masked_fill(~kept, N).sort(-1).values  # the kept ones first, in position order
     taken = positions(kept.flatten(-2), width)
-    return flat.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
+    return best.flatten(-2).gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
 def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None) -> Tensor:
-    """``select`` in torch: one stable sort by (cluster, score descending), so that each cluster's positions form one
-    run, best first (ties: the earlier position); the first q_b of each run are kept and listed in position order."""
+    """``select`` in torch, the reference: one stable sort by (cluster, score descending), so that each cluster's
+    positions form one run, best first (ties: the earlier position); the first q_b of each run are kept, then listed
+    cluster by cluster in position order."""
     num_tokens = scores.shape[-1]
     num_clusters = quotas.shape[-1]
     cluster = assignment[:, :, None, None, :].expand_as(scores)
@@ -105,8 +107,10 @@ def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width:
     starts = torch.cat([starts, starts.new_zeros(*starts.shape[:-1], 1)], -1)  # slot C: outside, never taken
     rank = torch.arange(num_tokens, device=scores.device) - starts.gather(-1, cluster)
     quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1).gather(-1, cluster)
-    taken = positions(rank < quota, width)
-    return ranked.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
+    kept = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, ranked, rank < quota)  # by position
+    by_cluster = assignment.argsort(dim=-1, stable=True)[:, :, None, None, :].expand_as(scores)
+    taken = positions(kept.gather(-1, by_cluster), width)
+    return by_cluster.gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
 
 
 def order_keys(scores: Tensor) -> Tensor:
