@@ -13,6 +13,9 @@ import math
 import torch
 from torch import Tensor
 
+from oa_core.scatter import gather_rows
+from oa_core.selection import best_first
+
 
 def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, multiple: float, budget: Tensor,
                  width: int) -> Tensor:
@@ -26,12 +29,11 @@ def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, mult
     if longest <= 0:
         return scores
     B, Hkv, Gs, G, T, D = query.shape
-    # A stable sort, not topk: the shortlist at a tie in the cut is the same on every device.
-    cut, top = (t[..., :longest] for t in scores.sort(dim=-1, descending=True, stable=True))
+    cut, top = best_first(scores, longest)  # at a tie in the cut, the earlier positions, on every device
     length = torch.ceil(multiple * budget.double()).long().clamp_max(longest)[..., None]  # [B, Hkv, 1, 1, 1]
     listed = (torch.arange(longest, device=scores.device) < length) & (cut > -math.inf)
     # The rows gathered first, then cast: a cast of the whole cache would read and write all of it every step.
-    rows = keys.gather(2, top.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, D)).float().view(B, Hkv, Gs, T, longest, D)
+    rows = gather_rows(keys, top.reshape(B, Hkv, -1)).float().view(B, Hkv, Gs, T, longest, D)
     exact = scale * torch.einsum("bhsgtd,bhstld->bhsgtl", query.float(), rows).amax(3)
     # The rest go below the shortlist's lowest exact logit: shifted by (lowest exact − the last listed cheap score)
     # − 1, which keeps their order (each scored at most that last one).

@@ -118,3 +118,12 @@ if triton is not None:
         tl.store(KEY_SUM + out, key_sum, mask=in_d)
         tl.store(VALUE_SUM + out, value_sum, mask=in_d)
         tl.store(KEY_SQUARE_SUM + out, key_square_sum, mask=in_d)
+
+
+def gather_rows(table: Tensor, index: Tensor) -> Tensor:
+    """``table`` ``[B, H, N, D]`` at ``index`` ``[B, H, M]`` (positions in [0, N)) → ``[B, H, M, D]``: whole rows
+    copied, as ``table.gather(2, index[..., None].expand(..., D))`` gives them, by one ``index_select`` over the
+    flattened rows (on 2 CPU cores 0.024 against 0.15 ms for 3 × 1227 rows of 64)."""
+    B, H, N, D = table.shape
+    base = torch.arange(B * H, device=index.device).view(B, H, 1) * N
+    return table.reshape(B * H * N, D).index_select(0, (index + base).reshape(-1)).view(B, H, -1, D)

@@ -19,7 +19,6 @@ from oa_core.components import Clusters, PooledClusters
 from oa_core.contracts import all_finite, check_cache
 from oa_core.scatter import compact, pooled_sums, positions
 from oa_core.selection import add_members, cluster_members
-from oa_core.triton_path import triton
 
 if TYPE_CHECKING:
     from oa_core.pipeline import Pipeline
@@ -109,7 +108,7 @@ class PipelineState:
             fixed = self.exact_rows()
             fixed_counts = fixed.sum(-1).cpu()
             members, largest = None, 0
-            if self.clusters is not None and _wants_members(self.keys):  # for the GPU's per-cluster selection
+            if self.clusters is not None:  # select reads each cluster's scores through its members
                 members = cluster_members(self.pooled.assignment, self.num_clusters, room=MEMBER_ROOM)
                 largest = int(members[1].max()) if members[1].numel() else 0
             self._plan = self._read_plan(positions(fixed), self.valid.sum(-1).cpu(), fixed_counts, members, largest,
@@ -257,8 +256,3 @@ class PipelineState:
 
 
 MEMBER_ROOM = 64  # slots per cluster for growth in the member table: a check (a device sync) every 64 rows at most
-
-
-def _wants_members(keys: Tensor) -> bool:
-    """Whether the plan lists the clusters' members: for the GPU's per-cluster selection, CUDA caches only."""
-    return keys.is_cuda and triton is not None  # the condition on which `select` uses them

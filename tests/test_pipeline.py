@@ -171,9 +171,8 @@ def _listed_members(plan):
 
 @pytest.mark.parametrize("budget", [{"density": 0.3}, {"tokens": 40}])
 def test_growth_updates_the_plan_as_a_fresh_one_would_be(budget, monkeypatch):
-    # Without sorting the context again: the positions read every step, the budget's split, the member lists (here
-    # on the CPU too), through a table that fills up (2 clusters), in a left-padded batch with a dense row.
-    monkeypatch.setattr(state_module, "_wants_members", lambda keys: True)
+    # Without sorting the context again: the positions read every step, the budget's split, the member lists,
+    # through a table that fills up (2 clusters), in a left-padded batch with a dense row.
     monkeypatch.setattr(state_module, "MEMBER_ROOM", 2)  # the table fills up: checked, then built anew
     keys, values, prefill, decode = make_inputs(batch=1, tokens=330, seed=8)
     rows = [(keys[:, :, :300], values[:, :, :300]), (keys[:, :, :250], values[:, :, :250]),

@@ -17,7 +17,7 @@ from torch import Tensor
 from oa_core import hookimpl
 from oa_core.cluster_stats import tail_logit_variance
 from oa_core.components import Kernel, PooledClusters, Selection
-from oa_core.scatter import count_by_slot, sum_by_slot
+from oa_core.scatter import count_by_slot, gather_rows, sum_by_slot
 
 
 class TorchKernel(Kernel):
@@ -39,9 +39,9 @@ class TorchKernel(Kernel):
             return out.reshape(B, Hq, T, D).to(query.dtype), None
 
         index = selection.index.clamp_min(0)  # [B, Hkv, Gs, T, K]
-        rows = index.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, D)
-        k = keys.float().gather(2, rows).reshape(*index.shape, D)
-        v = values.float().gather(2, rows).reshape(*index.shape, D)
+        rows = index.reshape(B, Hkv, -1)
+        k = gather_rows(keys, rows).float().reshape(*index.shape, D)  # the rows read, then cast: not the whole cache
+        v = gather_rows(values, rows).float().reshape(*index.shape, D)
         # q [B,Hkv,g,T,1,D] @ k [B,Hkv,Gs,T,D,K]: a shared selection (Gs = 1) broadcasts over the group.
         read_logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2)
         logits = read_logits + selection.log_weight.float()
