@@ -66,11 +66,12 @@ def main() -> None:
         entry["speedup_wall"] = round(base_wall / wall, 2)
         entry["speedup_decode"] = round(summary(base, base_wall)["decode_total_s"] / entry["decode_total_s"], 2)
         entry["same_answers"] = all(records[k]["output"] == base[k]["output"] for k in shared)
-        entry["max_logprob_diff"] = max(abs(records[k]["answer_logprob"] - base[k]["answer_logprob"]) for k in shared)
+        entry["max_logprob_diff"] = max((abs(records[k]["answer_logprob"] - base[k]["answer_logprob"]) for k in shared),
+                                        default=None)
         result["runs"][label] = entry
         print(f"{label}: wall {wall:.0f} s ({entry['speedup_wall']}x), decode {entry['decode_total_s']} s "
               f"({entry['speedup_decode']}x), same answers: {entry['same_answers']}, "
-              f"max log-lik difference {entry['max_logprob_diff']:.1e}")
+              f"max log-lik difference {entry['max_logprob_diff']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
