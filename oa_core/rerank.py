@@ -14,7 +14,15 @@ import torch
 from torch import Tensor
 
 from oa_core.scatter import gather_rows
-from oa_core.selection import best_first
+from oa_core.selection import best_of
+
+
+def exact_logits(query: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """query ``[B, Hkv, Gs, G, T, D]``, keys ``[B, Hkv, N, D]`` → ``[B, Hkv, Gs, T, N]`` float32: s·q·k of every key,
+    the largest over each selection head's G query heads (the oracle selector's scores)."""
+    B, Hkv, Gs, G, T, D = query.shape
+    logits = scale * query.float().reshape(B, Hkv, -1, D) @ keys.float().transpose(-1, -2)
+    return logits.view(B, Hkv, Gs, G, T, -1).amax(3)
 
 
 def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, multiple: float, budget: Tensor,
@@ -22,23 +30,26 @@ def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, mult
     """scores ``[B, Hkv, Gs, T, N]`` (-inf: not selectable), query ``[B, Hkv, Gs, G, T, D]``, keys ``[B, Hkv, N, D]``
     → scores of the same shape where each row's shortlist — its best ⌈``multiple`` × budget⌉ positions by
     ``scores``, budget ``[B, Hkv, 1, 1]`` the row's selectable rows, at most ``width`` (a bound known on the host) —
-    holds their exact logits (s·q·k, the largest over the selection head's G query heads, as the oracle selector
-    scores), and every other selectable position ranks below all of them, in its old order. -inf stays -inf; ties
-    at the cut go to the earlier position. Nothing waits on the device."""
-    longest = min(scores.shape[-1], math.ceil(multiple * width))
+    holds their exact logits (``exact_logits``: s·q·k, the largest over the selection head's G query heads), and
+    every other selectable position ranks below all of them, in its old order. -inf stays -inf; ties at the cut go
+    to the earlier position. Where a KV head's shortlists (Gs·T of them) list more rows than its cache holds, every
+    key is scored once instead of gathering them (fewer bytes read; the same logits up to rounding). Nothing waits on
+    a GPU."""
+    N = scores.shape[-1]
+    longest = min(N, math.ceil(multiple * width))
     if longest <= 0:
         return scores
     B, Hkv, Gs, G, T, D = query.shape
-    cut, top = best_first(scores, longest)  # at a tie in the cut, the earlier positions, on every device
     length = torch.ceil(multiple * budget.double()).long().clamp_max(longest)[..., None]  # [B, Hkv, 1, 1, 1]
-    listed = (torch.arange(longest, device=scores.device) < length) & (cut > -math.inf)
-    # The rows gathered first, then cast: a cast of the whole cache would read and write all of it every step.
-    rows = gather_rows(keys, top.reshape(B, Hkv, -1)).float().view(B, Hkv, Gs, T, longest, D)
-    exact = scale * torch.einsum("bhsgtd,bhstld->bhsgtl", query.float(), rows).amax(3)
-    # The rest go below the shortlist's lowest exact logit: shifted by (lowest exact − the last listed cheap score)
-    # − 1, which keeps their order (each scored at most that last one).
-    lowest = torch.where(listed, exact, torch.full_like(exact, math.inf)).amin(-1, keepdim=True)
-    last = cut.gather(-1, (listed.sum(-1, keepdim=True) - 1).clamp_min(0))
-    shift = torch.where(listed.any(-1, keepdim=True), lowest - last - 1, torch.zeros_like(last))
-    out = scores + shift
+    cut, top, listed = best_of(scores, longest, length)  # at a tie in the cut, the earlier positions
+    if Gs * T * longest >= N:
+        exact = exact_logits(query, keys, scale).gather(-1, top)
+    else:  # the rows gathered first, then cast: a cast of the whole cache would read and write all of it
+        rows = gather_rows(keys, top.reshape(B, Hkv, -1)).float().view(B, Hkv, Gs, T, longest, D)
+        exact = scale * torch.einsum("bhsgtd,bhstld->bhsgtl", query.float(), rows).amax(3)
+    # The rest go below the shortlist's lowest exact logit: shifted by (lowest exact − the lowest listed cheap
+    # score) − 1, which keeps their order (each scored at most that lowest one).
+    lowest = exact.masked_fill(~listed, math.inf).amin(-1, keepdim=True)
+    last = cut.masked_fill(~listed, math.inf).amin(-1, keepdim=True)
+    out = scores + torch.where(listed.any(-1, keepdim=True), lowest - last - 1, 0.0)
     return out.scatter(-1, top, torch.where(listed, exact, out.gather(-1, top)))

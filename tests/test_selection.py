@@ -155,21 +155,34 @@ def test_int8_scores_match_the_reference():
     assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n, k", [(1, 1), (37, 5), (300, 300), (4096, 492), (500, 600)])
-def test_best_first_is_a_stable_descending_sort_cut_at_k(n, k):
-    """Ties (rounded scores, equal pages), -inf, and -0.0 beside 0.0: the same scores and positions, in the same
-    order, as the first k columns of a stable descending sort."""
-    from oa_core.selection import best_first
+@pytest.mark.parametrize("n, k", [(1, 1), (37, 5), (300, 300), (4096, 492), (500, 600), (50, 0)])
+@pytest.mark.parametrize("fewer", [False, True])
+def test_best_of_is_a_stable_descending_sort_cut_at_k(n, k, fewer):
+    """Ties (rounded scores, equal pages), -inf, and -0.0 beside 0.0: the set of the first k columns of a stable
+    descending sort, with the same scores, and each row's first ``counts`` marked (every row k, the unsorted path;
+    or some rows fewer, the sorted one)."""
+    from oa_core.selection import best_of
 
     gen = torch.Generator().manual_seed(n)
     scores = (torch.randn(2, 3, 2, 1, n, generator=gen) * 4).round() / 2  # many ties
     scores[0, 0, 0, 0, : n // 3] = float("-inf")
     scores[1, 1, 1, 0, ::3] = -0.0
     scores[1, 1, 1, 0, 1::3] = 0.0
-    values, positions = best_first(scores, k)
-    expected_values, expected_positions = (t[..., :k] for t in scores.sort(dim=-1, descending=True, stable=True))
-    assert torch.equal(positions, expected_positions)
-    assert torch.equal(values, expected_values)
+    kept_k = min(k, n)
+    counts = torch.full((2, 3, 1, 1, 1), kept_k)
+    if fewer:
+        counts[1, 2] = max(kept_k // 3, 1)
+        counts[0, 1] = 0
+    values, positions, kept = best_of(scores, k, counts)
+    expected_values, expected_positions = (t[..., :kept_k] for t in scores.sort(dim=-1, descending=True, stable=True))
+    order = positions.argsort(-1)  # compared as sets: by position
+    assert torch.equal(positions.gather(-1, order), expected_positions.sort(-1).values)
+    assert torch.equal(values, scores.gather(-1, positions))
+    rank = torch.arange(kept_k)
+    expected_kept = (rank < counts) & (expected_values > float("-inf"))
+    marked = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, positions, kept)
+    expected_marked = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, expected_positions, expected_kept)
+    assert torch.equal(marked, expected_marked)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -51,28 +51,36 @@ class TorchKernel(Kernel):
             out = (weights.unsqueeze(-2) @ v).squeeze(-2)
             return out.reshape(B, Hq, T, D).to(query.dtype), None
 
-        tail_count, tail_key, tail_value = self._tails(selection, k, v, proxies)
+        # The tails through the rows' logits, never their key or value vectors: with z_i = s·q·k_i,
+        # s·q·k̄_T = (s·q·Σk_b − Σ_{X∩b} z_i)/n_T, and a proxy's weight w_b on v̄_T = (Σv_b − Σ_{X∩b} v_i)/n_T is
+        # c_b = w_b/n_T on Σv_b and −c_b on each row read from b.
+        cluster, C = _read_clusters(selection, proxies)  # [B, Hkv, Gs, T, K]
+        heads = cluster.expand(read_logits.shape)  # [B, Hkv, g, T, K]
+        expand = (slice(None), slice(None), None, None)
+        read_count, read_sum, leaves = self._taken(cluster, heads, read_logits, C)
+        tail_count = proxies.count[expand] - read_count  # [B, Hkv, Gs, T, C]
         has_tail = tail_count > 0.5
-        n = tail_count.clamp_min(1).unsqueeze(-1)
-        proxy_logits = (scale * q @ (tail_key / n).transpose(-1, -2)).squeeze(-2) + torch.log(tail_count.clamp_min(1))
+        n = tail_count.clamp_min(1)
+        q = q.squeeze(-2)  # [B, Hkv, g, T, D]
+        tail_sum = scale * torch.einsum("bhgtd,bhcd->bhgtc", q, proxies.key_sum) - read_sum
+        proxy_logits = tail_sum / n + torch.log(n)
         if proxies.second_order:
-            cluster, _ = _read_clusters(selection, proxies)
             proxy_logits = proxy_logits + torch.log1p(0.5 * tail_logit_variance(
-                q.squeeze(-2), read_logits, cluster.expand(read_logits.shape), proxies.count, proxies.key_sum,
-                proxies.key_square_sum, tail_count, scale))
+                q, read_logits, heads, proxies.count, proxies.key_sum, proxies.key_square_sum, tail_count, scale))
         proxy_logits = proxy_logits.masked_fill(~has_tail, float("-inf"))
         weights = torch.softmax(torch.cat([logits, proxy_logits], dim=-1), dim=-1)
-        out = (weights.unsqueeze(-2) @ torch.cat([v, tail_value / n], dim=-2)).squeeze(-2)
+        share = weights[..., logits.shape[-1]:] / n  # c_b
+        row_weights = weights[..., :logits.shape[-1]] - torch.cat([share, torch.zeros_like(share[..., :1])],
+                                                                  -1).gather(-1, leaves)
+        out = (row_weights.unsqueeze(-2) @ v).squeeze(-2) + torch.einsum("bhgtc,bhcd->bhgtd", share,
+                                                                          proxies.value_sum)
         return out.reshape(B, Hq, T, D).to(query.dtype), has_tail.sum(-1)
 
     @staticmethod
-    def _tails(selection: Selection, k: Tensor, v: Tensor, pooled: PooledClusters):
-        """Pooled sums minus the rows read: (n_T ``[B,Hkv,Gs,T,C]``, Σ_T k and Σ_T v ``[B,Hkv,Gs,T,C,D]``)."""
-        cluster, C = _read_clusters(selection, pooled)
-        expand = (slice(None), slice(None), None, None)
-        return (pooled.count[expand] - count_by_slot(cluster, C, k.dtype),
-                pooled.key_sum[expand] - sum_by_slot(cluster, k, C),
-                pooled.value_sum[expand] - sum_by_slot(cluster, v, C))
+    def _taken(cluster: Tensor, heads: Tensor, read_logits: Tensor, C: int) -> tuple[Tensor, Tensor, Tensor]:
+        """What the rows read take out of their clusters' tails: (how many ``[B, Hkv, Gs, T, C]``, the sum of their
+        logits ``[B, Hkv, g, T, C]``, the cluster each row's value leaves ``[B, Hkv, g, T, K]``, C for none)."""
+        return count_by_slot(cluster, C, read_logits.dtype), sum_by_slot(heads, read_logits, C), heads
 
 
 def _read_clusters(selection: Selection, pooled: PooledClusters) -> tuple[Tensor, int]:
