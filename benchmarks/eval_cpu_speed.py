@@ -9,7 +9,8 @@ Run the README's example once per checkout (same machine, nothing else running),
 then summarise the runs (the first is the baseline):
 
     python benchmarks/eval_cpu_speed.py --run 2f68294 /tmp/readme-eval-base 804.1 \\
-        --run f7e7be0 /tmp/readme-eval-merged 558.0 --out benchmarks/results/eval_cpu_readme_example.json
+        --run f7e7be0 /tmp/readme-eval-merged 558.0 --run 1534f44 /tmp/readme-eval-bestof 495.07 \\
+        --run 5e23779 /tmp/readme-eval-rowsread 462.42 --out benchmarks/results/eval_cpu_readme_example.json
 
 Per run: the wall time given (the command's, model load included), and from the records the seconds each spec ×
 density spent decoding (``generate_s``, summed over tasks and samples) and prefilling (once per sample). Each run is
