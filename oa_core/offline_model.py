@@ -101,6 +101,12 @@ def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype
     return model.eval(), tokenizer
 
 
+def cache_root() -> Path:
+    """Where OpenAttention keeps what it derives once (RULER prompts, GGUF configs and tokenizers): ``$OA_CACHE_DIR``,
+    else ``~/.cache/openattention``."""
+    return Path(os.environ.get("OA_CACHE_DIR") or Path.home() / ".cache" / "openattention")
+
+
 def _gguf_config_and_tokenizer(gguf: Path):
     """The config and tokenizer of a GGUF file: parsed from it once (transformers reads the whole file, its
     vocabulary included, for each: about 4 s each for SmolLM2 on 2 CPU cores) and kept beside the RULER cache, under
@@ -112,8 +118,7 @@ def _gguf_config_and_tokenizer(gguf: Path):
 
     stat = gguf.stat()
     digest = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
-    root = Path(os.environ.get("OA_CACHE_DIR") or Path.home() / ".cache" / "openattention") / "gguf"
-    kept = root / digest.hexdigest()[:16] / gguf.parent.name
+    kept = cache_root() / "gguf" / digest.hexdigest()[:16] / gguf.parent.name
     if (kept / "config.json").is_file() and (kept / "tokenizer_config.json").is_file():
         return AutoConfig.from_pretrained(kept), AutoTokenizer.from_pretrained(kept)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

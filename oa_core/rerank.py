@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core.scatter import gather_rows
+from oa_core.scatter import gather_rows, gathers_more_than_it_holds
 from oa_core.selection import best_of
 
 
@@ -42,7 +42,7 @@ def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, mult
     B, Hkv, Gs, G, T, D = query.shape
     length = torch.ceil(multiple * budget.double()).long().clamp_max(longest)[..., None]  # [B, Hkv, 1, 1, 1]
     cut, top, listed = best_of(scores, longest, length)  # at a tie in the cut, the earlier positions
-    if Gs * T * longest >= N:
+    if gathers_more_than_it_holds(Gs * T * longest, keys):
         exact = exact_logits(query, keys, scale).gather(-1, top)
     else:  # the rows gathered first, then cast: a cast of the whole cache would read and write all of it
         rows = gather_rows(keys, top.reshape(B, Hkv, -1)).float().view(B, Hkv, Gs, T, longest, D)

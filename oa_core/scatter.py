@@ -127,3 +127,10 @@ def gather_rows(table: Tensor, index: Tensor) -> Tensor:
     B, H, N, D = table.shape
     base = torch.arange(B * H, device=index.device).view(B, H, 1) * N
     return table.reshape(B * H * N, D).index_select(0, (index + base).reshape(-1)).view(B, H, -1, D)
+
+
+def gathers_more_than_it_holds(rows: int, table: Tensor) -> bool:
+    """Whether gathering ``rows`` rows per (batch row, head) of ``table`` ``[B, H, N, D]`` would read more than the
+    table holds: then one product over the whole table reads fewer bytes than ``gather_rows`` (the rule of the
+    re-rank's shortlist and the torch kernel's rows, e.g. a question's causal block of queries)."""
+    return rows >= table.shape[2]

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from oa_core.offline_model import haystack_text, prompt_text
+from oa_core.offline_model import cache_root, haystack_text, prompt_text
 
 GENERATOR_VERSION = 2  # part of the cache key: bump when the generated text changes
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -176,7 +176,7 @@ def generate(task: str, tokenizer, length: int, count: int, seed: int = 0, cache
 
 
 def cache_path(task: str, tokenizer, length: int, seed: int, cache_dir: str | os.PathLike | None = None) -> Path:
-    root = Path(cache_dir or os.environ.get("OA_CACHE_DIR") or Path.home() / ".cache" / "openattention")
+    root = Path(cache_dir) if cache_dir else cache_root()
     return root / "ruler" / f"{task}-{length}-{tokenizer_key(tokenizer)}-seed{seed}-v{GENERATOR_VERSION}.jsonl"
 
 
