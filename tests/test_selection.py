@@ -202,3 +202,40 @@ def test_select_by_members_lists_what_select_by_sorting_lists(seed):
     width = int(quotas.sum(-1).max()) + 3
     assert torch.equal(select_by_members(scores, members, quotas, width),
                        select_by_sorting(scores, assignment, quotas, width))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("with_members", [True, False], ids=["members", "no members"])
+def test_select_from_shortlist_lists_what_select_by_sorting_lists(seed, with_members):
+    """The CPU's path: rows whose quotas the shortlist covers (quotas a row's best rows fill, as ErrorGate's floor
+    and the global allocator give) and rows where a low-scored cluster asks for more than the shortlist holds of
+    it (then the rows go through the members, or the sort), side by side; ties, -inf, positions outside every
+    cluster, widths wider than the shortlist."""
+    from oa_core.selection import SHORTLIST, select_from_shortlist, top_counts, unique_keys
+
+    gen = torch.Generator().manual_seed(seed)
+    B, H, Gs, T, N, C = 2, 2, 3, 2, 300, 7
+    scores = (torch.randn(B, H, Gs, T, N, generator=gen) * 3).round()  # many ties
+    assignment = torch.randint(C, (B, H, N), generator=gen)
+    assignment[..., :10] = C  # outside every cluster
+    scores = scores.masked_fill(assignment[:, :, None, None] == C, float("-inf"))
+    scores[0, 0, 0, 0] = float("-inf")  # a row of -inf only
+    members, counts = cluster_members(assignment, C)
+    width = 40
+    quotas = top_counts(scores, assignment, torch.full((B, H, 1, 1), width), C, width)  # covered by the shortlist
+    quotas[1, :, 1, :, 3] = torch.minimum(quotas[1, :, 1, :, 3] + 25, counts[1, :, None, 3])  # more than its best
+    quotas[0, 1, 2, 1, 2] = counts[0, 1, 2]  # a whole cluster
+    least = int(quotas.sum(-1).max())  # the narrowest width
+    for w in (least, 2 * least):
+        fast = select_from_shortlist(scores, assignment, quotas, w, members if with_members else None)
+        assert torch.equal(fast, select_by_sorting(scores, assignment, quotas, w)), w
+    # Both kinds of row were there: some cluster of a row asks for more than the row's shortlist holds of it.
+    shortlisted = unique_keys(scores).topk(SHORTLIST * least, dim=-1).indices
+    cluster = assignment[:, :, None, None, :].expand_as(scores).gather(-1, shortlisted)
+    held = torch.zeros(*cluster.shape[:-1], C + 1, dtype=torch.long).scatter_add_(-1, cluster, torch.ones_like(cluster))
+    short = (held[..., :C] < quotas).any(-1)
+    assert short.any() and not short.all()
+    quotas[..., 3] = counts[:, :, None, None, 3]  # every row asks for more than its shortlist holds
+    least = int(quotas.sum(-1).max())
+    fast = select_from_shortlist(scores, assignment, quotas, least, members if with_members else None)
+    assert torch.equal(fast, select_by_sorting(scores, assignment, quotas, least))
