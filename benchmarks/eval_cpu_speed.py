@@ -12,6 +12,12 @@ then summarise the runs (the first is the baseline):
         --run f7e7be0 /tmp/readme-eval-merged 558.0 --run 1534f44 /tmp/readme-eval-bestof 495.07 \\
         --run 5e23779 /tmp/readme-eval-rowsread 462.42 --out benchmarks/results/eval_cpu_readme_example.json
 
+and, re-measured on another day (the baseline again, then the newer checkouts):
+
+    python benchmarks/eval_cpu_speed.py --run 2f68294 /tmp/readme-eval-base2f 1231.83 \
+        --run f969b8e /tmp/readme-eval-base 730.86 --run f360a09 /tmp/readme-eval-new 704.06 \
+        --out benchmarks/results/eval_cpu_readme_example_2026-12-04.json
+
 Per run: the wall time given (the command's, model load included), and from the records the seconds each spec ×
 density spent decoding (``generate_s``, summed over tasks and samples) and prefilling (once per sample). Each run is
 compared with the first: the speed-up, and whether every answer is the same and by how much the answer
