@@ -191,13 +191,9 @@ def test_select_by_members_lists_what_select_by_sorting_lists(seed):
     positions outside every cluster, quotas from 0 to a whole cluster."""
     from oa_core.selection import select_by_members
 
-    gen = torch.Generator().manual_seed(seed)
-    B, H, Gs, T, N, C = 2, 2, 3, 2, 300, 7
-    scores = (torch.randn(B, H, Gs, T, N, generator=gen) * 3).round()  # many ties
-    assignment = torch.randint(C, (B, H, N), generator=gen)
-    assignment[..., :10] = C  # outside every cluster
-    scores = scores.masked_fill(assignment[:, :, None, None] == C, float("-inf"))
-    members, counts = cluster_members(assignment, C)
+    gen, scores, assignment, members, counts = _ragged_case(seed)
+    B, H, Gs, T, N = scores.shape
+    C = counts.shape[-1]
     quotas = (torch.rand(B, H, Gs, T, C, generator=gen) * (counts[:, :, None, None] + 1)).floor().long()
     width = int(quotas.sum(-1).max()) + 3
     assert torch.equal(select_by_members(scores, members, quotas, width),
@@ -213,14 +209,10 @@ def test_select_from_shortlist_lists_what_select_by_sorting_lists(seed, with_mem
     cluster, widths wider than the shortlist."""
     from oa_core.selection import SHORTLIST, select_from_shortlist, top_counts, unique_keys
 
-    gen = torch.Generator().manual_seed(seed)
-    B, H, Gs, T, N, C = 2, 2, 3, 2, 300, 7
-    scores = (torch.randn(B, H, Gs, T, N, generator=gen) * 3).round()  # many ties
-    assignment = torch.randint(C, (B, H, N), generator=gen)
-    assignment[..., :10] = C  # outside every cluster
-    scores = scores.masked_fill(assignment[:, :, None, None] == C, float("-inf"))
+    _, scores, assignment, members, counts = _ragged_case(seed)
+    B, H, Gs, T, N = scores.shape
+    C = counts.shape[-1]
     scores[0, 0, 0, 0] = float("-inf")  # a row of -inf only
-    members, counts = cluster_members(assignment, C)
     width = 40
     quotas = top_counts(scores, assignment, torch.full((B, H, 1, 1), width), C, width)  # covered by the shortlist
     quotas[1, :, 1, :, 3] = torch.minimum(quotas[1, :, 1, :, 3] + 25, counts[1, :, None, 3])  # more than its best
@@ -239,3 +231,16 @@ def test_select_from_shortlist_lists_what_select_by_sorting_lists(seed, with_mem
     least = int(quotas.sum(-1).max())
     fast = select_from_shortlist(scores, assignment, quotas, least, members if with_members else None)
     assert torch.equal(fast, select_by_sorting(scores, assignment, quotas, least))
+
+
+def _ragged_case(seed: int):
+    """(generator, scores [2, 2, 3, 2, 300] with many ties, -inf outside the clusters, assignment to 7 ragged
+    clusters with 10 positions outside every cluster, its member table and counts)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, Gs, T, N, C = 2, 2, 3, 2, 300, 7
+    scores = (torch.randn(B, H, Gs, T, N, generator=gen) * 3).round()  # many ties
+    assignment = torch.randint(C, (B, H, N), generator=gen)
+    assignment[..., :10] = C  # outside every cluster
+    scores = scores.masked_fill(assignment[:, :, None, None] == C, float("-inf"))
+    members, counts = cluster_members(assignment, C)
+    return gen, scores, assignment, members, counts
