@@ -80,7 +80,7 @@ def select_from_shortlist(scores: Tensor, assignment: Tensor, quotas: Tensor, wi
     C = quotas.shape[-1]
     longest = min(N, SHORTLIST * width)
     if longest == 0 or width == 0:
-        return scores.new_full((B, Hkv, Gs, T, width), -1, dtype=torch.long)
+        return scores.new_full((B, Hkv, Gs, T, min(width, N)), -1, dtype=torch.long)
     every = unique_keys(scores)
     keys, listed = every.topk(longest, dim=-1, sorted=False)
     cluster = assignment[:, :, None, None, :].expand(B, Hkv, Gs, T, N).gather(-1, listed)  # C: outside
@@ -101,8 +101,7 @@ def select_from_shortlist(scores: Tensor, assignment: Tensor, quotas: Tensor, wi
     order = (cluster * N + listed).masked_fill(~taken, C * N).sort(-1).values[..., :width]
     out = (order % N).masked_fill(order >= C * N, -1)  # min(width, N) wide, as select_by_sorting's
     if bool(short.any()):
-        rows = _select_rows(scores, assignment, quotas, width, members, short, every)
-        out[short] = torch.nn.functional.pad(rows, (0, out.shape[-1] - rows.shape[-1]), value=-1)
+        out[short] = _select_rows(scores, assignment, quotas, width, members, short, every)
     return out
 
 
@@ -135,7 +134,7 @@ def select_by_members(scores: Tensor, members: Tensor, quotas: Tensor, width: in
     C, S = members.shape[-2:]
     most = min(int(quotas.max()) if quotas.numel() else 0, S)  # on the host: the CPU's path
     if most == 0:
-        return scores.new_full((B, Hkv, Gs, T, width), -1, dtype=torch.long)
+        return scores.new_full((B, Hkv, Gs, T, min(width, N)), -1, dtype=torch.long)
     keys = unique_keys(scores) if keys is None else keys
     listed = members.long().reshape(B, Hkv, 1, 1, C * S)
     own = keys.gather(-1, listed.clamp_min(0).expand(B, Hkv, Gs, T, -1)).view(B, Hkv, Gs, T, C, S)
@@ -152,8 +151,10 @@ def select_by_members(scores: Tensor, members: Tensor, quotas: Tensor, width: in
     kept = torch.arange(most, device=scores.device) < quotas[..., None]
     best = (N - 1 - (best & 0xFFFFFFFF)).view(B, Hkv, Gs, T, C, most)  # positions, best first
     best = best.masked_fill(~kept, N).sort(-1).values  # the kept ones first, in position order
-    taken = positions(kept.flatten(-2), width)
-    return best.flatten(-2).gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
+    wide = min(width, N)  # as select_by_sorting's: positions(..., width) of N
+    taken = positions(kept.flatten(-2), wide)  # (at most C × most wide)
+    out = best.flatten(-2).gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
+    return torch.nn.functional.pad(out, (0, wide - out.shape[-1]), value=-1)
 
 
 def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None) -> Tensor:

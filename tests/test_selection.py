@@ -196,8 +196,12 @@ def test_select_by_members_lists_what_select_by_sorting_lists(seed):
     C = counts.shape[-1]
     quotas = (torch.rand(B, H, Gs, T, C, generator=gen) * (counts[:, :, None, None] + 1)).floor().long()
     width = int(quotas.sum(-1).max()) + 3
-    assert torch.equal(select_by_members(scores, members, quotas, width),
-                       select_by_sorting(scores, assignment, quotas, width))
+    for w in (width, N + 5, C * members.shape[-1] + 5):  # wider than the context, than the member table
+        assert torch.equal(select_by_members(scores, members, quotas, w),
+                           select_by_sorting(scores, assignment, quotas, w))
+    none = torch.zeros_like(quotas)
+    assert torch.equal(select_by_members(scores, members, none, N + 5),
+                       select_by_sorting(scores, assignment, none, N + 5))
 
 
 @pytest.mark.parametrize("seed", range(4))
