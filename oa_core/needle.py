@@ -79,12 +79,13 @@ def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], ma
                 bar.set_description(f"needle: {name}")
                 handle.use(spec)
                 start = time.perf_counter()
-                new = oa.generate_from_context(model, context, question, max_new_tokens=max_new_tokens,
+                shared, rest = oa.share_question(model, context, question)  # its leading blocks attended once
+                new = oa.generate_from_context(model, shared, rest, max_new_tokens=max_new_tokens,
                                                pad_token_id=tokenizer.eos_token_id)
                 generate_s = time.perf_counter() - start
                 stats = handle.stats
                 handle.reset_stats()
-                logprob = float(oa.answer_logprob(model, context, question, answer)[0])
+                logprob = float(oa.answer_logprob(model, shared, rest, answer)[0])
                 handle.reset_stats()
                 text = tokenizer.decode(new[0], skip_special_tokens=True)
                 records.append({"sample": index, "spec": name, "answer": sample.answer, "output": text,

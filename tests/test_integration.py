@@ -200,6 +200,53 @@ def test_switching_specs_keeps_only_the_current_pipelines_prepared_state():
             assert all(len(r.context.prepared) == 1 for r in runtimes)
     assert torch.equal(first, again)  # prepared again from the recorded context, the same state
 
+@pytest.mark.parametrize("setup", ["A", "B"])
+def test_a_shared_question_answers_and_scores_as_the_whole_question_does(setup):
+    """``share_question``: the question's leading blocks attended once, then generation and scoring each continue
+    from a copy of the layers' states — the same tokens and log-likelihoods as from the context and the whole
+    question, on a left-padded batch, with the shared tokens attended once instead of twice."""
+    model = tiny_llama()
+    ids, mask = prompt(240, seed=5, batch=2), torch.ones(2, 240, dtype=torch.long)
+    ids[1, :40], mask[1, :40] = 0, 0
+    question, answer = prompt(21, seed=6, batch=2), prompt(4, seed=8, batch=2)
+    with oa.patch(model, SPARSE, setup=setup) as handle:
+        context = oa.prefill_context(model, ids, mask)
+        handle.reset_stats()
+        expected = (oa.generate_from_context(model, context, question, max_new_tokens=6, pad_token_id=0),
+                    oa.answer_logprob(model, context, question, answer))
+        alone = sum(r.tokens for r in handle.stats.records if r.phase == "question")
+        handle.reset_stats()
+        shared, rest = oa.share_question(model, context, question)
+        got = (oa.generate_from_context(model, shared, rest, max_new_tokens=6, pad_token_id=0),
+               oa.answer_logprob(model, shared, rest, answer))
+        together = sum(r.tokens for r in handle.stats.records if r.phase == "question")
+        again = oa.answer_logprob(model, shared, rest, answer)  # the shared states are copied, never consumed
+    # Setup B: whole causal blocks of the spec's local window (8), the rest more than one token; A: all but two.
+    assert question.shape[1] - rest.shape[1] == {"A": 19, "B": 16}[setup]
+    assert torch.equal(shared.input_ids, torch.cat([ids, question[:, :-rest.shape[1]]], dim=1))
+    assert torch.equal(got[0], expected[0])
+    assert torch.allclose(got[1], expected[1], atol=1e-5) and torch.equal(again, got[1])
+    assert alone - together == (question.shape[1] - rest.shape[1]) * len(handle.runtimes)  # the shared part once
+    assert all(runtime.live is None for runtime in handle.runtimes.values())
+
+
+def test_a_shared_question_keeps_to_its_spec_and_whole_blocks_of_every_layer():
+    model, context, question = tiny_llama(layers=3), prompt(240, seed=5), prompt(30, seed=6)
+    with oa.patch(model, SPARSE, layer_specs={2: {**SPARSE, "local": 12}}) as handle:
+        assert oa.integration.shared_question_tokens(model, 30) == 24  # whole blocks of 8 and of 12
+        assert oa.integration.shared_question_tokens(model, 25) == 0  # 23 tokens hold no block of both
+        ctx = oa.prefill_context(model, context)
+        shared, rest = oa.share_question(model, ctx, question)
+        assert rest.shape[1] == 6 and set(shared.states) == {0, 1, 2}
+        handle.use({**SPARSE, "budget": {"density": 0.1}})
+        with pytest.raises(ValueError, match="extended .* under another spec"):
+            oa.generate_from_context(model, shared, rest, max_new_tokens=2, pad_token_id=0)
+        with pytest.raises(ValueError, match=r"extend_context: expected tokens \[B=1, T >= 1\], got \(1, 0\)"):
+            oa.extend_context(model, ctx, question[:, :0])
+    with oa.patch(model, SPARSE, dense_layers=[0, 1, 2]):
+        assert oa.integration.shared_question_tokens(model, 30) == 28  # no sparse layer: all but two
+
+
 def test_answer_logprob_is_the_teacher_forced_likelihood():
     model, context, question, answer = tiny_llama(), prompt(100, seed=7), prompt(5, seed=8), prompt(4, seed=9)
     with oa.patch(model, DENSE_BUDGET):

@@ -372,12 +372,13 @@ def _release(device: torch.device) -> None:
 def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask, max_new_tokens: int):
     """One cell's work on one batch → (new tokens, generation seconds, measured density, answer log-likelihoods)."""
     start = time.perf_counter()
-    new = oa.generate_from_context(model, context, question_ids, max_new_tokens=max_new_tokens,
+    shared, rest = oa.share_question(model, context, question_ids)  # its leading blocks attended once for both
+    new = oa.generate_from_context(model, shared, rest, max_new_tokens=max_new_tokens,
                                    pad_token_id=tokenizer.eos_token_id)
     seconds = time.perf_counter() - start
     density = handle.stats.density
     handle.reset_stats()
-    logprobs = oa.answer_logprob(model, context, question_ids, answer_ids, answer_mask).tolist()
+    logprobs = oa.answer_logprob(model, shared, rest, answer_ids, answer_mask).tolist()
     handle.reset_stats()
     return new, seconds, density, logprobs
 

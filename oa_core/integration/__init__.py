@@ -11,15 +11,17 @@
   (imported when first used: it loads transformers' cache machinery, half a second).
 - ``stats``: what each layer call read and how long it took (``handle.stats``).
 - ``generation``: one prefilled context, many continuations (``prefill_context``, ``generate_from_context``,
-  ``answer_logprob``).
+  ``answer_logprob``; ``share_question``: a question's leading blocks attended once for both).
 """
 
-from oa_core.integration.generation import (Context, answer_logprob, cache_kwargs, generate_from_context, positions,
-                                            prefill_context)
+from oa_core.integration.generation import (Context, answer_logprob, cache_kwargs, extend_context,
+                                            generate_from_context, positions, prefill_context, share_question,
+                                            shared_question_tokens)
 from oa_core.integration.runtime import (IMPLEMENTATION, LayerRuntime, OpenAttentionHandle, openattention_attention,
                                          patch, register, runtimes, unpatch)
 from oa_core.integration.stats import GenerationStats, StepRecord
 
 __all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OpenAttentionHandle", "StepRecord",
-           "answer_logprob", "cache_kwargs", "generate_from_context", "openattention_attention", "patch", "positions",
-           "prefill_context", "register", "runtimes", "unpatch"]
+           "answer_logprob", "cache_kwargs", "extend_context", "generate_from_context", "openattention_attention",
+           "patch", "positions", "prefill_context", "register", "runtimes", "share_question", "shared_question_tokens",
+           "unpatch"]

@@ -1,10 +1,18 @@
 """Prefill a context once, then answer many questions from copies of its cache — what the demo, the needle and the
-RULER harnesses do with one prefill per sample and many methods."""
+RULER harnesses do with one prefill per sample and many methods.
+
+    context = oa.prefill_context(model, context_ids)                 # dense, once per sample
+    handle.use(spec)                                                 # then per method:
+    shared, rest = oa.share_question(model, context, question_ids)   # the question's leading blocks, attended once
+    new = oa.generate_from_context(model, shared, rest, max_new_tokens=32)
+    logprob = oa.answer_logprob(model, shared, rest, answer_ids)    # the same as from (context, question_ids)
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +20,7 @@ import torch
 from torch import Tensor
 
 from oa_core.integration.runtime import runtimes
+from oa_core.state import PipelineState
 
 
 @dataclass
@@ -21,6 +30,9 @@ class Context:
     input_ids: Tensor
     attention_mask: Tensor
     cache: Any
+    # A context extended past its prefill (``extend_context``): each sparse layer's state after it, which every
+    # continuation starts from (a copy of); its pipeline is the spec it was extended under.
+    states: dict[int, PipelineState] | None = None
 
 
 def cache_kwargs(model, cache) -> dict[str, Any]:
@@ -66,11 +78,54 @@ def _continuation(model, context: Context, question_ids: Tensor):
     living on beside the next continuation's copy."""
     ids = torch.cat([context.input_ids, question_ids], dim=1)
     mask = torch.cat([context.attention_mask, torch.ones_like(question_ids)], dim=1)
+    layers = runtimes(model)
+    for layer, state in (context.states or {}).items():
+        if state.pipeline is not layers[layer].pipeline:
+            raise ValueError(f"this context was extended (extend_context) under another spec than layer {layer}'s "
+                             "now: extend the prefilled context again after handle.use")
     try:
+        for layer, state in (context.states or {}).items():
+            layers[layer].live = state.fork()
         yield ids, mask, copy.deepcopy(context.cache)
     finally:
         for runtime in runtimes(model).values():
             runtime.live = None
+
+
+def extend_context(model, context: Context, tokens: Tensor) -> Context:
+    """``context`` continued by ``tokens`` ``[B, T]``, attended as the model is patched now (a question's tokens:
+    sparsely in causal blocks, or densely in setup A) → a Context whose continuations start after them, from the
+    layers' states as they left them. Valid for the spec in use: after ``handle.use`` extend the prefill again."""
+    if tokens.dim() != 2 or tokens.shape[0] != context.input_ids.shape[0] or tokens.shape[1] == 0:
+        raise ValueError(f"extend_context: expected tokens [B={context.input_ids.shape[0]}, T >= 1], got "
+                         f"{tuple(tokens.shape)}")
+    with _continuation(model, context, tokens) as (ids, mask, cache), torch.no_grad():
+        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions(mask)[:, -tokens.shape[1]:],
+                    use_cache=True, **cache_kwargs(model, cache), **_last_logits_only(model))
+        states = {layer: runtime.live for layer, runtime in runtimes(model).items() if runtime.live is not None}
+    return Context(ids, mask, _output_cache(out), states)
+
+
+def shared_question_tokens(model, question_tokens: int) -> int:
+    """How many leading tokens of a ``question_tokens``-long question a generation and a scoring of its answer can
+    attend once, together (``share_question``): whole causal blocks of every sparse layer — each continuation then
+    attends the rest in the very blocks it would have attended alone — and at most all but two, so that the rest is
+    still a question (more than one token), never a decode step. 0: nothing to share."""
+    block = 1
+    for runtime in runtimes(model).values():
+        if runtime.pipeline is not None and runtime.question == "sparse":
+            block = math.lcm(block, max(runtime.pipeline.spec.local, 1))
+    return max(question_tokens - 2, 0) // block * block
+
+
+def share_question(model, context: Context, question_ids: Tensor) -> tuple[Context, Tensor]:
+    """(``context`` extended by the question's first ``shared_question_tokens``, the rest of the question): generate
+    from them and score the answer after them as from ``context`` and the whole question, the shared blocks attended
+    once instead of twice."""
+    shared = shared_question_tokens(model, question_ids.shape[1])
+    if shared == 0:
+        return context, question_ids
+    return extend_context(model, context, question_ids[:, :shared]), question_ids[:, shared:]
 
 
 def generate_from_context(model, context: Context, question_ids: Tensor, **generate_kwargs) -> Tensor:
