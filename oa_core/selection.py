@@ -1,9 +1,9 @@
 """Per-cluster top-q_b selection (docs/design.md, step 6): inside each cluster b, the q_b positions of highest score.
 
-``select`` is the entry: on CUDA tensors the Triton kernel below (``select_per_cluster``), elsewhere
-``select_from_shortlist`` in torch (each row's best few times the budget, ranked inside their clusters; a row whose
-quotas outnumber its shortlist goes through ``select_by_members``); ``select_by_sorting`` is the torch reference they
-are tested against. All of them list the same positions in the same order.
+``select`` is the entry: on CUDA tensors the Triton kernel below (``select_per_cluster``), on CPU tensors its C++
+counterpart (``oa_core.native``: each cluster's threshold by ``std::nth_element``, compiled at first use);
+``select_by_sorting`` is the torch reference they are tested against, and what runs where neither can. All of them
+list the same positions in the same order.
 
 The torch reference sorts every row's N scores twice. Here each (selection row, cluster)
 program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core import triton_path
+from oa_core import native, triton_path
 from oa_core.scatter import count_by_slot, positions
 from oa_core.triton_path import tl, triton
 
@@ -54,107 +54,16 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
     """scores ``[B, Hkv, Gs, T, N]`` (-inf outside the clusters), assignment ``[B, Hkv, N]`` (C outside), quotas
     ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run in
     position order, clusters in order, then -1 padding; the same on every path. Ties go to the earlier position.
-    K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the device), or the largest
-    Σ_b q_b when None. ``members`` (``cluster_members``) and a width: the Triton kernel on CUDA tensors,
-    ``select_from_shortlist`` elsewhere (tests run the kernel on the CPU under ``TRITON_INTERPRET=1``)."""
+    K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the device; at most N), or the
+    largest Σ_b q_b when None. ``members`` (``cluster_members``) and a width: the Triton kernel on CUDA tensors, the
+    compiled C++ one on CPU tensors (``oa_core.native``; tests run the Triton kernel on the CPU under
+    ``TRITON_INTERPRET=1``); ``select_by_sorting`` otherwise."""
     if members is not None and width is not None:
         if scores.is_cuda and triton_path.unavailable_reason(scores.device) is None:
             return select_per_cluster(scores, *members, quotas, width)
-        return select_from_shortlist(scores, assignment, quotas, width, members[0])
+        if scores.device.type == "cpu" and native.library() is not None:
+            return native.select_per_cluster(scores, *members, quotas, width)
     return select_by_sorting(scores, assignment, quotas, width)
-
-
-SHORTLIST = 2  # select_from_shortlist's shortlist, in multiples of the width
-
-
-def select_from_shortlist(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int,
-                          members: Tensor | None = None) -> Tensor:
-    """``select``'s positions from each row's ``SHORTLIST`` × ``width`` best (the CPU's path): a cluster's q_b best are
-    all in that shortlist whenever it holds q_b of the cluster's rows (a cluster's row outside it ranks below every
-    row in it). Those are ranked inside their clusters and listed cluster by cluster in position order by sorts over
-    the shortlist, not over the context or the clusters' members: few long rows where the members are many short
-    ones (on 2 CPU cores a top-k over 576 rows of 127 takes 0.3 ms, over 9 rows of 4,096 0.06). A row where some
-    cluster's quota outnumbers its shortlisted rows is selected through ``members`` (``select_by_members``), or
-    ``select_by_sorting`` without them."""
-    B, Hkv, Gs, T, N = scores.shape
-    C = quotas.shape[-1]
-    longest = min(N, SHORTLIST * width)
-    if longest == 0 or width == 0:
-        return scores.new_full((B, Hkv, Gs, T, min(width, N)), -1, dtype=torch.long)
-    every = unique_keys(scores)
-    keys, listed = every.topk(longest, dim=-1, sorted=False)
-    cluster = assignment[:, :, None, None, :].expand(B, Hkv, Gs, T, N).gather(-1, listed)  # C: outside
-    count = count_by_slot(cluster, C + 1)  # slot C: the shortlisted rows outside the clusters
-    short = (count[..., :C] < quotas).any(-1)  # [B, Hkv, Gs, T]; the CPU's path: no device to wait on
-    if bool(short.all()):  # (ErrorGate's water-filled quotas often go to clusters of few well-scored rows)
-        return _select_rows(scores, assignment, quotas, width, members, None, every)
-    listed, order = listed.sort(-1)  # in position order: the stable sort below keeps it among equal keys
-    keys, cluster = keys.gather(-1, order), cluster.gather(-1, order)
-    # Best first inside each cluster: the cluster in the high half, the score's order reversed in the low.
-    ranked = ((cluster << 32) + (2 ** 31 - 1 - (keys >> 32))).argsort(dim=-1, stable=True)
-    starts = count.cumsum(-1) - count
-    by_rank = cluster.gather(-1, ranked)
-    quota = torch.cat([quotas, torch.zeros_like(quotas[..., :1])], dim=-1)
-    taken = (torch.arange(longest, device=scores.device) - starts.gather(-1, by_rank)) < quota.gather(-1, by_rank)
-    taken = torch.zeros_like(taken).scatter(-1, ranked, taken)  # by shortlist slot
-    # Cluster by cluster, in position order: one sort of (cluster, position), the rows not taken last.
-    order = (cluster * N + listed).masked_fill(~taken, C * N).sort(-1).values[..., :width]
-    out = (order % N).masked_fill(order >= C * N, -1)  # min(width, N) wide, as select_by_sorting's
-    if bool(short.any()):
-        out[short] = _select_rows(scores, assignment, quotas, width, members, short, every)
-    return out
-
-
-def _select_rows(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int, members: Tensor | None,
-                 rows: Tensor | None, keys: Tensor) -> Tensor:
-    """``select``'s positions by ``select_by_members`` (or ``select_by_sorting`` without members), for every row
-    (``rows`` None) or ``[R, width]`` for the selection rows where ``rows`` ``[B, Hkv, Gs, T]`` is True, each as a
-    head of its own. ``keys``: the scores' ``unique_keys``."""
-    if rows is None:
-        if members is not None:
-            return select_by_members(scores, members, quotas, width, keys)
-        return select_by_sorting(scores, assignment, quotas, width)
-    B, Hkv, Gs, T, N = scores.shape
-    head = torch.arange(B * Hkv, device=scores.device).view(B, Hkv, 1, 1).expand(B, Hkv, Gs, T)[rows]
-    picked = scores[rows][None, :, None, None, :]
-    quota = quotas[rows][None, :, None, None, :]
-    if members is not None:
-        return select_by_members(picked, members.flatten(0, 1)[head][None], quota, width,
-                                 keys[rows][None, :, None, None, :])[0, :, 0, 0]
-    return select_by_sorting(picked, assignment.flatten(0, 1)[head][None], quota, width)[0, :, 0, 0]
-
-
-def select_by_members(scores: Tensor, members: Tensor, quotas: Tensor, width: int,
-                      keys: Tensor | None = None) -> Tensor:
-    """``select``'s positions from each cluster's own scores: read through ``members`` ``[B, Hkv, C, S]`` (-1
-    padded), one top-k of the largest quota per cluster over ``unique_keys``, the first q_b of each
-    kept and put back in position order. No sort over the context (on 2 CPU cores, 4K tokens in 64 clusters: 0.3
-    against 1.2 ms). ``keys``: the scores' ``unique_keys``, where the caller has them."""
-    B, Hkv, Gs, T, N = scores.shape
-    C, S = members.shape[-2:]
-    most = min(int(quotas.max()) if quotas.numel() else 0, S)  # on the host: the CPU's path
-    if most == 0:
-        return scores.new_full((B, Hkv, Gs, T, min(width, N)), -1, dtype=torch.long)
-    keys = unique_keys(scores) if keys is None else keys
-    listed = members.long().reshape(B, Hkv, 1, 1, C * S)
-    own = keys.gather(-1, listed.clamp_min(0).expand(B, Hkv, Gs, T, -1)).view(B, Hkv, Gs, T, C, S)
-    own = own.masked_fill(listed.view(B, Hkv, 1, 1, C, S) < 0, torch.iinfo(torch.long).min).view(-1, S)
-    # Most clusters take a few rows or none: a top-k of FEW_PICKS over those that take any, of the largest quota
-    # over those that take more (1 in 8 at 10% of 4K tokens in 64 clusters); the unwritten slots are never kept.
-    quota = quotas.reshape(-1)
-    best = torch.empty(own.shape[0], most, dtype=torch.long, device=scores.device)
-    tiers = [(0, min(most, FEW_PICKS))] + ([(FEW_PICKS, most)] if most > FEW_PICKS else [])
-    for least, k in tiers:
-        rows = (quota > least).nonzero().squeeze(-1)
-        if rows.numel():
-            best[rows, :k] = own[rows].topk(k, dim=-1).values
-    kept = torch.arange(most, device=scores.device) < quotas[..., None]
-    best = (N - 1 - (best & 0xFFFFFFFF)).view(B, Hkv, Gs, T, C, most)  # positions, best first
-    best = best.masked_fill(~kept, N).sort(-1).values  # the kept ones first, in position order
-    wide = min(width, N)  # as select_by_sorting's: positions(..., width) of N
-    taken = positions(kept.flatten(-2), wide)  # (at most C × most wide)
-    out = best.flatten(-2).gather(-1, taken.clamp_min(0)).masked_fill(taken < 0, -1)
-    return torch.nn.functional.pad(out, (0, wide - out.shape[-1]), value=-1)
 
 
 def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None) -> Tensor:

@@ -1,7 +1,8 @@
-"""The GPU selection path under Triton's interpreter: per-cluster top-q_b without sorting, and QGS scores from the
-int8 codes, each against the torch reference."""
+"""The GPU selection path under Triton's interpreter, the CPU's compiled one: per-cluster top-q_b without sorting,
+and QGS scores from the int8 codes, each against the torch reference."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -186,55 +187,58 @@ def test_best_of_is_a_stable_descending_sort_cut_at_k(n, k, fewer):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_select_by_members_lists_what_select_by_sorting_lists(seed):
-    """The CPU's per-cluster path against the sorting reference, position for position: ties, ragged clusters,
-    positions outside every cluster, quotas from 0 to a whole cluster."""
-    from oa_core.selection import select_by_members
+def test_the_compiled_cpu_selection_lists_what_select_by_sorting_lists(seed):
+    """The CPU's path (``oa_core.native``, compiled at first use) against the sorting reference, position for
+    position: ties, -inf, ragged clusters and positions outside every cluster; quotas a row's best rows fill and
+    quotas of low-scored clusters, whole clusters, none; widths that cut a row, and wider than the context and than
+    the member table; the member table as growth leaves it (a view with a spare slot per head)."""
+    from oa_core import native
+    from oa_core.selection import add_members, select, top_counts
 
+    if native._compiler() is None and native.library() is None:
+        pytest.skip("no C++ compiler here: select runs its torch reference (test_select_without_the_compiled_path)")
+    assert native.unavailable_reason() is None  # a compiler is here: the library builds
     gen, scores, assignment, members, counts = _ragged_case(seed)
     B, H, Gs, T, N = scores.shape
     C = counts.shape[-1]
-    quotas = (torch.rand(B, H, Gs, T, C, generator=gen) * (counts[:, :, None, None] + 1)).floor().long()
-    width = int(quotas.sum(-1).max()) + 3
-    for w in (width, N + 5, C * members.shape[-1] + 5):  # wider than the context, than the member table
-        assert torch.equal(select_by_members(scores, members, quotas, w),
-                           select_by_sorting(scores, assignment, quotas, w))
-    none = torch.zeros_like(quotas)
-    assert torch.equal(select_by_members(scores, members, none, N + 5),
-                       select_by_sorting(scores, assignment, none, N + 5))
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("with_members", [True, False], ids=["members", "no members"])
-def test_select_from_shortlist_lists_what_select_by_sorting_lists(seed, with_members):
-    """The CPU's path: rows whose quotas the shortlist covers (quotas a row's best rows fill, as ErrorGate's floor
-    and the global allocator give) and rows where a low-scored cluster asks for more than the shortlist holds of
-    it (then the rows go through the members, or the sort), side by side; ties, -inf, positions outside every
-    cluster, widths wider than the shortlist."""
-    from oa_core.selection import SHORTLIST, select_from_shortlist, top_counts, unique_keys
-
-    _, scores, assignment, members, counts = _ragged_case(seed)
-    B, H, Gs, T, N = scores.shape
-    C = counts.shape[-1]
     scores[0, 0, 0, 0] = float("-inf")  # a row of -inf only
-    width = 40
-    quotas = top_counts(scores, assignment, torch.full((B, H, 1, 1), width), C, width)  # covered by the shortlist
+    quotas = top_counts(scores, assignment, torch.full((B, H, 1, 1), 40), C, 40)  # a row's best
     quotas[1, :, 1, :, 3] = torch.minimum(quotas[1, :, 1, :, 3] + 25, counts[1, :, None, 3])  # more than its best
     quotas[0, 1, 2, 1, 2] = counts[0, 1, 2]  # a whole cluster
-    least = int(quotas.sum(-1).max())  # the narrowest width
-    for w in (least, 2 * least):
-        fast = select_from_shortlist(scores, assignment, quotas, w, members if with_members else None)
-        assert torch.equal(fast, select_by_sorting(scores, assignment, quotas, w)), w
-    # Both kinds of row were there: some cluster of a row asks for more than the row's shortlist holds of it.
-    shortlisted = unique_keys(scores).topk(SHORTLIST * least, dim=-1).indices
-    cluster = assignment[:, :, None, None, :].expand_as(scores).gather(-1, shortlisted)
-    held = torch.zeros(*cluster.shape[:-1], C + 1, dtype=torch.long).scatter_add_(-1, cluster, torch.ones_like(cluster))
-    short = (held[..., :C] < quotas).any(-1)
-    assert short.any() and not short.all()
-    quotas[..., 3] = counts[:, :, None, None, 3]  # every row asks for more than its shortlist holds
-    least = int(quotas.sum(-1).max())
-    fast = select_from_shortlist(scores, assignment, quotas, least, members if with_members else None)
-    assert torch.equal(fast, select_by_sorting(scores, assignment, quotas, least))
+    random = (torch.rand(B, H, Gs, T, C, generator=gen) * (counts[:, :, None, None] + 1)).floor().long()
+    for q in (quotas, random, torch.zeros_like(quotas)):
+        least = int(q.sum(-1).max())
+        for w in (max(least - 7, 1), least, N + 5, C * members.shape[-1] + 5):
+            fast = select(scores, assignment, q, w, (members, counts))
+            assert torch.equal(fast, native.select_per_cluster(scores, members, counts, q, w))  # the path taken
+            assert torch.equal(fast, select_by_sorting(scores, assignment, q, w)), w
+    # Growth's table: positions N.. joined clusters 1 and 5 (a view of a buffer with a spare slot per head).
+    ids = torch.tensor([1, 5]).expand(B, H, 2)
+    grown, grown_counts = add_members(cluster_members(assignment, C, room=2)[0], counts, ids, torch.arange(N, N + 2))
+    assert not grown.is_contiguous()
+    wider = torch.cat([scores, torch.randn(B, H, Gs, T, 2, generator=gen)], dim=-1)
+    grown_assignment = torch.cat([assignment, ids], dim=-1)
+    q = (torch.rand(B, H, Gs, T, C, generator=gen) * (grown_counts[:, :, None, None] + 1)).floor().long()
+    assert torch.equal(native.select_per_cluster(wider, grown, grown_counts, q, 60),
+                       select_by_sorting(wider, grown_assignment, q, 60))
+
+
+def test_select_without_the_compiled_path_runs_the_reference_and_says_so(monkeypatch):
+    from oa_core import native
+    from oa_core.selection import select
+
+    _, scores, assignment, members, counts = _ragged_case(0)
+    quotas = (counts[:, :, None, None] // 2).expand(*scores.shape[:-1], -1).contiguous()
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_reason", "no C++ compiler found")
+    monkeypatch.setattr(native, "_warned", False)
+    with pytest.warns(RuntimeWarning, match=r"compiled selection is unavailable \(no C\+\+ compiler found\); the "
+                                            "torch reference runs instead"):
+        got = select(scores, assignment, quotas, 200, (members, counts))
+    assert torch.equal(got, select_by_sorting(scores, assignment, quotas, 200))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        select(scores, assignment, quotas, 200, (members, counts))
 
 
 def _ragged_case(seed: int):
