@@ -18,6 +18,14 @@ and, re-measured on another day (the baseline again, then the newer checkouts):
         --run f969b8e /tmp/readme-eval-base 730.86 --run f360a09 /tmp/readme-eval-new 704.06 \
         --out benchmarks/results/eval_cpu_readme_example_2026-12-04.json
 
+and, where the machine's speed drifts within the hour, a checkout bracketing the baseline (run before and after it;
+``--bracket`` gives their mean against the baseline):
+
+    python benchmarks/eval_cpu_speed.py --run 2f68294 /tmp/readme-eval-base2f-s2 1519.86 \
+        --run 438119f /tmp/readme-eval-share438 724.86 --run 8dcbf37 /tmp/readme-eval-native56 588.58 \
+        --run "8dcbf37 again" /tmp/readme-eval-native-s2 855.77 --bracket 8dcbf37 "8dcbf37 again" \
+        --out benchmarks/results/eval_cpu_readme_example_2026-12-04b.json
+
 Per run: the wall time given (the command's, model load included), and from the records the seconds each spec ×
 density spent decoding (``generate_s``, summed over tasks and samples) and prefilling (once per sample). Each run is
 compared with the first: the speed-up, and whether every answer is the same and by how much the answer
@@ -60,6 +68,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", nargs=3, action="append", required=True, metavar=("LABEL", "RECORDS_DIR", "WALL_S"),
                         help="a run: its label (e.g. the commit), its --out folder, its wall time in seconds")
+    parser.add_argument("--bracket", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="two runs of one checkout, one before the baseline's run and one after it: their mean "
+                             "wall time against the baseline's (a drift of the machine's speed over the three runs "
+                             "cancels where it is even)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = [(label, load(Path(folder)), float(wall)) for label, folder, wall in args.run]
@@ -79,6 +91,12 @@ def main() -> None:
         print(f"{label}: wall {wall:.0f} s ({entry['speedup_wall']}x), decode {entry['decode_total_s']} s "
               f"({entry['speedup_decode']}x), same answers: {entry['same_answers']}, "
               f"max log-lik difference {entry['max_logprob_diff']}")
+    if args.bracket:
+        walls = [result["runs"][label]["wall_s"] for label in args.bracket]
+        mean = sum(walls) / 2
+        result["bracket"] = {"runs": args.bracket, "mean_wall_s": round(mean, 2),
+                             "speedup_wall": round(base_wall / mean, 2)}
+        print(f"bracket {' + '.join(args.bracket)}: mean wall {mean:.0f} s ({result['bracket']['speedup_wall']}x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
