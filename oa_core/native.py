@@ -6,9 +6,10 @@ row, cluster) — the cluster's q_b best found with ``std::nth_element`` over it
 members above that threshold written in position order — does the same work in tens of microseconds.
 
 The source below is compiled once per machine with the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or
-``clang++``; a second or two) into a cache directory (``$OA_NATIVE_CACHE``, else ``~/.cache/openattention``), named
-by the source's hash, and loaded with ctypes: no torch headers, no build step at install. Without a compiler, or with
-``OA_NATIVE=0``, ``select`` runs its torch reference (``select_by_sorting``) and says so once.
+``clang++``; a second or two) into a cache directory (``$OA_NATIVE_CACHE``, else ``~/.cache/openattention``, else
+the temporary folder), named by the source's hash, and loaded with ctypes: no torch headers, no build step at
+install. Without a compiler ``select`` runs its torch reference (``select_by_sorting``) and says so once;
+``OA_NATIVE=0`` chooses the reference.
 """
 
 from __future__ import annotations
@@ -80,9 +81,16 @@ _warned = False
 
 
 def _cache_dir() -> Path:
+    """``$OA_NATIVE_CACHE``, else ``~/.cache/openattention``; the system's temporary folder where that cannot be made
+    (a read-only home, as some CI sandboxes have)."""
     if os.environ.get("OA_NATIVE_CACHE"):
         return Path(os.environ["OA_NATIVE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "openattention"
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "openattention"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        folder = Path(tempfile.gettempdir()) / f"openattention-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    return folder
 
 
 def _compiler() -> str | None:
