@@ -200,6 +200,7 @@ def test_switching_specs_keeps_only_the_current_pipelines_prepared_state():
             assert all(len(r.context.prepared) == 1 for r in runtimes)
     assert torch.equal(first, again)  # prepared again from the recorded context, the same state
 
+
 @pytest.mark.parametrize("setup", ["A", "B"])
 def test_a_shared_question_answers_and_scores_as_the_whole_question_does(setup):
     """``share_question``: the question's leading blocks attended once, then generation and scoring each continue

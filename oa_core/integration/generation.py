@@ -88,7 +88,7 @@ def _continuation(model, context: Context, question_ids: Tensor):
             layers[layer].live = state.fork()
         yield ids, mask, copy.deepcopy(context.cache)
     finally:
-        for runtime in runtimes(model).values():
+        for runtime in layers.values():
             runtime.live = None
 
 
