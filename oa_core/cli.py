@@ -76,7 +76,7 @@ def eval_command(args: argparse.Namespace) -> int:
     try:
         _say_overrides(specs, sink=args.sink, local=args.local)
         rows = runner.run(config)
-    except (SpecError, ValueError) as exc:
+    except (SpecError, ValueError, ModuleNotFoundError) as exc:
         print(f"oa eval: {exc}", file=sys.stderr)
         return 2
     except runner.IncompleteRun as exc:
@@ -106,8 +106,8 @@ def report_command(args: argparse.Namespace) -> int:
     from oa_core.eval.report import build_report
 
     try:
-        path = build_report(args.dir, dense_floor=args.dense_floor)
-    except FileNotFoundError as exc:
+        path = build_report(args.dir, dense_floor=args.dense_floor, generator=args.generator)
+    except (FileNotFoundError, ValueError) as exc:
         print(f"oa report: {exc}", file=sys.stderr)
         return 2
     print(path.read_text(encoding="utf-8"))
@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("dir", help="the folder `oa eval --out` wrote")
     report.add_argument("--dense-floor", type=float, default=20.0,
                         help="tasks dense scores below this are reported apart (they cannot measure retention)")
+    report.add_argument("--generator", default=None,
+                        help="the RULER generator whose records to report, where the folder holds several's")
     report.set_defaults(run=report_command)
     return parser
 

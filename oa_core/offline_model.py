@@ -135,17 +135,20 @@ def _gguf_config_and_tokenizer(gguf: Path):
     return config, tokenizer
 
 
-def prompt_text(tokenizer, content: str) -> str:
+def prompt_text(tokenizer, content: str, history: Iterable[tuple[str, str]] = ()) -> str:
     """The text a model is prompted with: ``content`` as a user turn of the tokenizer's chat template, ready for
-    the assistant's answer (an instruction-tuned model); without a template (a base model), ``content`` as it is
-    after the special tokens the tokenizer puts before a text (e.g. Gemma's ``<bos>``), so that it can be encoded
-    piecewise with ``add_special_tokens=False``."""
+    the assistant's answer (an instruction-tuned model), after the (user, assistant) turns of ``history`` (a worked
+    example); without a template (a base model), the turns and ``content`` as plain text — each earlier turn as its
+    user and assistant text then a newline — after the special tokens the tokenizer puts before a text (e.g. Gemma's
+    ``<bos>``), so that it can be encoded piecewise with ``add_special_tokens=False``."""
+    history = list(history)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+        turns = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
+        return tokenizer.apply_chat_template(turns + [{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     plain, special = (tokenizer("a", add_special_tokens=flag).input_ids for flag in (False, True))
     lead = special[:special.index(plain[0])] if plain and plain[0] in special else []
-    return tokenizer.decode(lead) + content
+    return tokenizer.decode(lead) + "".join(user + answer + "\n" for user, answer in history) + content
 
 
 def smollm2_folder() -> Path:

@@ -40,7 +40,7 @@ def model(tokenizer):
 
 
 def _config(out, **overrides):
-    base = dict(specs=SPECS, densities=[0.1], tasks=["niah_single_1", "vt"], lengths=[512], samples=2,
+    base = dict(specs=SPECS, densities=[0.1], tasks=["niah_single_1", "vt"], lengths=[1024], samples=2,
                 out=Path(out), max_new_tokens=3, progress=False, sink=4, local=16)
     return runner.EvalConfig(**{**base, **overrides})
 
@@ -73,6 +73,9 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
         {("dense", 1.0, t) for t in ("niah_single_1", "vt")} | \
         {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}
     assert (out / "summary.csv").read_text().splitlines()[0].split(",") == list(eval_records.SUMMARY_FIELDS)
+    from oa_core.eval import ruler
+
+    assert {r["generator"] for r in records} == {ruler.GENERATOR} == {r["generator"] for r in rows}
     for row in rows:
         if row["spec"] == "dense":
             assert row["logprob_gap"] == 0.0
@@ -169,7 +172,8 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
     cell is answered in one run, each record with the batch it was decoded in."""
     from oa_core.eval import ruler
 
-    config = _config(tmp_path, specs=["specs/oracle-topk.yaml"], tasks=["niah_single_2"], samples=6, batch=4)
+    config = _config(tmp_path, specs=["specs/oracle-topk.yaml"], tasks=["niah_single_2"], samples=6, batch=4,
+                     lengths=[512])
     samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
     first = runner.sample_batches([len(runner.encode(tokenizer, s.question)) for s in samples], 4)[0]
     assert len(first) >= 3, "the test needs a batch of three samples or more"
@@ -199,7 +203,8 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
     other = tmp_path / "answer"
     monkeypatch.setattr(runner.oa, "prefill_context", prefill)
     monkeypatch.setattr(runner, "_answer", answer_fits_one)
-    runner.run(_config(other, **{k: getattr(config, k) for k in ("specs", "tasks", "samples", "batch")}), model,
+    same = ("specs", "tasks", "samples", "batch", "lengths")
+    runner.run(_config(other, **{k: getattr(config, k) for k in same}), model,
                tokenizer)
     records = eval_records.read_records(other)
     assert len(records) == 12
@@ -294,7 +299,7 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
            "OA_CACHE_DIR": str(tmp_path / "cache")}
     command = [torchrun, "--nproc-per-node", "2", "--master-port", "29531", "-m", "oa_core.cli", "eval",
                "--model", str(folder), "--specs", *SPECS, "--densities", "0.1", "--tasks", "niah_single_1", "vt",
-               "--length", "512", "--samples", "2", "--max-new-tokens", "3", "--sink", "4", "--local-window", "16",
+               "--length", "1024", "--samples", "2", "--max-new-tokens", "3", "--sink", "4", "--local-window", "16",
                "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -338,8 +343,11 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
     # Means over the tasks dense can do (niah 80, vt 60; cwe 0 is reported apart), beside dense's on those tasks.
-    assert "| openattention | 1% | 2 | 35.0 | 70.0 | 0.50 | -0.50 | 0.0100 |" in text
-    assert "| openattention | 10% | 2 | 70.0 | 70.0 | 1.00 | +0.00 | 0.1000 |" in text
+    # The mean's 95% Wilson interval over its 4 samples beside it (35 of 100: 8 to 77).
+    assert "| openattention | 1% | 2 | 35.0 (8–77) | 70.0 | 0.50 | -0.50 | 0.0100 |" in text
+    assert "| openattention | 10% | 2 | 70.0 (27–94) | 70.0 | 1.00 | +0.00 | 0.1000 |" in text
+    assert "| openattention | 1% | vt | 4096 | 2 | 30.0 (" in text  # per task too
+    assert f"Samples: `{eval_records.LEGACY_GENERATOR}`" in text  # records naming no generator: the old one's
     assert "## Tasks the model cannot do even dense\n\ncwe (4096)" in text
     summary = json.loads((tmp_path / "summary.json").read_text())  # written from the records too
     assert len(summary) == 3 * 3 and {(r["spec"], r["task"]) for r in summary} == {
@@ -349,6 +357,56 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing-here")]) == 2
     assert "no records" in capsys.readouterr().err
 
+
+
+def test_a_score_interval_is_wilsons():
+    """Textbook values: 10 of 20 → [29.9, 70.1], 20 of 20 → [83.9, 100], 0 of 20 → [0, 16.1] (×100)."""
+    for mean, (low, high) in ((50.0, (29.93, 70.07)), (100.0, (83.89, 100.0)), (0.0, (0.0, 16.11))):
+        assert eval_records.wilson_interval(mean, 20) == pytest.approx((low, high), abs=0.01)
+    narrow, wide = eval_records.wilson_interval(50.0, 200), eval_records.wilson_interval(50.0, 20)
+    assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 2.5  # ten times the samples: about 1/√10 of the width
+
+
+def _generator_records(generator):
+    made = {} if generator is None else {"generator": generator}
+    return [dict(spec=spec, density=density, task="vt", length=4096, sample=sample, score=score, answer_logprob=-1.0,
+                 measured_density=density or 1.0, **made)
+            for sample in range(2) for spec, density, score in (("dense", None, 100.0), ("quest", 0.1, 50.0))]
+
+
+def test_records_of_two_generators_never_meet_in_a_table(tmp_path, capsys):
+    from oa_core.cli import main
+    from oa_core.eval import ruler
+
+    old, new = _generator_records(None), _generator_records(ruler.GENERATOR)
+    for r in new:
+        r["score"] = 0.0 if r["spec"] == "quest" else r["score"]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
+    rows = eval_records.summarize(eval_records.read_records(tmp_path))
+    quest = {r["generator"]: r for r in rows if r["spec"] == "quest"}
+    assert {g: (r["score"], r["samples"]) for g, r in quest.items()} == {eval_records.LEGACY_GENERATOR: (50.0, 2),
+                                                                          ruler.GENERATOR: (0.0, 2)}
+    assert "| generator |" in eval_records.summary_table(rows)  # marked when a table has several
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"2 generators, {eval_records.LEGACY_GENERATOR} (4 cells), {ruler.GENERATOR} (4 cells)" in err
+    assert "--generator" in err
+    assert main(["report", str(tmp_path), "--generator", ruler.GENERATOR]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert f"Samples: `{ruler.GENERATOR}`" in text and "| quest | 10% | vt | 4096 | 2 | 0.0 (0–66) |" in text
+    assert main(["report", str(tmp_path), "--generator", "ruler-0000000"]) == 2
+    assert "no RULER records of 'ruler-0000000'" in capsys.readouterr().err
+
+
+def test_oa_eval_will_not_add_cells_to_another_generators_folder(tmp_path, monkeypatch):
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _generator_records(None)))
+    monkeypatch.setattr("oa_core.offline_model.load_offline_model", _no_model)
+    with pytest.raises(ValueError, match=f"holds RULER records of the generator {eval_records.LEGACY_GENERATOR}"):
+        runner.run(_config(tmp_path, tasks=["vt"]))
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the folder was checked")
 
 
 def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, monkeypatch):
@@ -415,7 +473,7 @@ def test_report_of_a_real_run(uninterrupted):
     out, _ = uninterrupted
     text = build_report(out).read_text()
     # A random model scores 0 dense: every task is one it cannot do, and no retention is claimed.
-    assert "niah_single_1 (512), vt (512)" in text and "retention cannot be measured" in text
+    assert "niah_single_1 (1024), vt (1024)" in text and "retention cannot be measured" in text
     assert _colored_fraction(out / "per_task.png") > 0 and _colored_fraction(out / "accuracy_vs_density.png") > 0
 
 
@@ -448,7 +506,7 @@ def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
     (no random draws) give each sample the log-likelihood and output it gets alone; a sparse spec reads its budget."""
     from oa_core.eval import ruler
 
-    samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
+    samples = ruler.generate("niah_multikey_2", tokenizer, 512, 6)  # needle lines: contexts of different lengths
     questions = [len(runner.encode(tokenizer, s.question)) for s in samples]
     batches = runner.sample_batches(questions, 4)
     assert sorted(i for b in batches for i in b) == list(range(6)) and all(len(b) <= 4 for b in batches)
@@ -458,7 +516,8 @@ def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
     contexts = {len(runner.encode(tokenizer, samples[i].context)) for i in together[0]}
     assert len(contexts) > 1, "the test needs contexts of different lengths (padding)"
 
-    config = dict(specs=["specs/oracle-topk.yaml", "specs/openattention.yaml"], tasks=["niah_single_2"], samples=6)
+    config = dict(specs=["specs/oracle-topk.yaml", "specs/openattention.yaml"], tasks=["niah_multikey_2"], samples=6,
+                  lengths=[512])
     runner.run(_config(tmp_path / "alone", **config), model, tokenizer)
     runner.run(_config(tmp_path / "batched", batch=4, **config), model, tokenizer)
     alone = {eval_records.record_key(r): r for r in eval_records.read_records(tmp_path / "alone")}
@@ -476,7 +535,7 @@ def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
 def test_sink_and_local_are_the_specs_own_unless_overridden(tmp_path):
     """Without sink=/local= each spec keeps its own (the YAML's local 64); a budget below them is refused, naming the
     spec, before any model loads (no model is passed here: a load would fail the test)."""
-    config = _config(tmp_path, sink=None, local=None)
+    config = _config(tmp_path, sink=None, local=None, lengths=[512])
     specs = runner.resolved_specs(config)
     assert all(data.get("local", 64) == 64 for data, dense in specs.values() if not dense)
     with pytest.raises(oa.SpecError, match=r"budget: .* at 10% of 512 tokens reads 51 rows, fewer than its sink \+ "

@@ -149,6 +149,8 @@ def test_a_base_models_prompt_is_plain_text_after_the_tokens_it_starts_with():
     # Encoded piecewise without special tokens (as the harnesses do), it is what the tokenizer makes of the text.
     assert gemma_like(prompt, add_special_tokens=False).input_ids == gemma_like("a b").input_ids == [0, 2, 3]
     assert offline_model.prompt_text(_word_tokenizer(bos=False), "a b") == "a b"
+    # A worked example before the question: its turns as plain text, a newline after each (RULER's few-shot).
+    assert offline_model.prompt_text(gemma_like, "a b", history=[("b", " a")]) == "<bos>b a\na b"
 
 
 def test_an_instruction_models_prompt_is_its_chat_template_ready_for_the_answer():
@@ -156,6 +158,7 @@ def test_an_instruction_models_prompt_is_its_chat_template_ready_for_the_answer(
     chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                           "{% if add_generation_prompt %}<assistant>{% endif %}")
     assert offline_model.prompt_text(chat, "a b") == "<user>a b<assistant>"
+    assert offline_model.prompt_text(chat, "a b", history=[("b", "a")]) == "<user>b<assistant>a<user>a b<assistant>"
 
 
 def test_offline_models_are_known_by_name_and_other_models_by_their_path():

@@ -27,11 +27,19 @@ def listed(python: Path) -> set[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
     """A virtual environment that sees this one's packages (torch, openattention) and has no pip of its own: pip
-    runs from here with --python, so the build uses this environment's setuptools (offline, no build isolation)."""
+    runs from here with --python, so the build uses this environment's setuptools (offline, no build isolation).
+    ``--system-site-packages`` alone shows the base interpreter's packages, not a virtual environment's this one may
+    be: a ``.pth`` line adds this environment's site folders (their own ``.pth`` files, editable installs', run)."""
+    import site
+
     path = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True,
                    timeout=300)
-    return path / "bin" / "python"
+    python = path / "bin" / "python"
+    inner = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    folders = [folder for folder in site.getsitepackages() if Path(folder).is_dir()]
+    (Path(inner) / "outer-environment.pth").write_text(f"import site; list(map(site.addsitedir, {folders!r}))\n")
+    return python
 
 
 def pip(venv: Path, *args: str) -> subprocess.CompletedProcess:

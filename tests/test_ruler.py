@@ -2,11 +2,9 @@
 (SmolLM2's), answers where they belong, seeded, cached; RULER's scoring on hand-written cases."""
 
 import re
-from collections import Counter
-
 import pytest
 
-from oa_core.eval import ruler
+from oa_core.eval import ruler, ruler_tasks
 
 LENGTH = 2048
 
@@ -22,68 +20,30 @@ def _count(tokenizer, text):
 
 
 @pytest.mark.parametrize("task", list(ruler.TASKS))
-def test_prompts_fit_the_target_length(task, samples, tokenizer):
+def test_prompts_and_their_answers_fit_the_target_length(task, samples, tokenizer):
+    room = ruler.NEW_TOKENS[ruler.TASKS[task].family]  # RULER counts the tokens to generate in the length
     for sample in samples[task]:
         tokens = _count(tokenizer, sample.prompt)
-        assert tokens == sample.tokens
-        assert LENGTH - 64 <= tokens <= LENGTH, (task, tokens)  # within one haystack unit below the target
-        assert sample.question.endswith(ruler.TEMPLATES[ruler.TASKS[task].family][1].format(
-            query=_query(sample), kind=ruler.TASKS[task].value, count=len(sample.answers)).lstrip())
-
-
-def _query(sample):
-    match = re.search(r"for (.+) mentioned in the provided text\?|assigned the value (\d+) in", sample.question)
-    return next((g for g in match.groups() if g), "") if match else ""
+        assert tokens == sample.tokens and sample.max_new_tokens == room
+        assert LENGTH - 64 <= tokens + room <= LENGTH, (task, tokens)  # within one haystack unit below the target
+        assert all(answer not in sample.question for answer in sample.answers)  # the question gives nothing away
 
 
 def test_lengths_scale_with_the_target(tokenizer, tmp_path):
     for task in ("niah_single_2", "fwe"):
         sample = ruler.generate(task, tokenizer, 5000, 1, cache_dir=tmp_path)[0]
-        assert 5000 - 64 <= _count(tokenizer, sample.prompt) <= 5000
+        assert 5000 - 64 <= _count(tokenizer, sample.prompt) + sample.max_new_tokens <= 5000
 
 
-@pytest.mark.parametrize("task", [t for t in list(ruler.TASKS) if t.startswith("niah")])
-def test_needles_hold_the_answers(task, samples):
-    config = ruler.TASKS[task]
-    for sample in samples[task]:
-        assert len(sample.answers) == config.values * config.queries
-        keys = _query(sample).replace(" and ", ", ").split(", ")
-        assert len(keys) == config.queries
-        for key in keys:
-            found = re.findall(rf"One of the special magic {config.value} for {re.escape(key)} is: ([\w-]+)\.",
-                               sample.context)
-            assert found and set(found) <= set(sample.answers)  # each asked key's needles, nothing else
-        assert sorted(sum((re.findall(rf"for {re.escape(k)} is: ([\w-]+)\.", sample.context) for k in keys), [])) \
-            == sorted(sample.answers)
-        assert not any(answer in sample.question for answer in sample.answers)  # the question gives nothing away
-        if config.haystack == "needle":  # a haystack of other keys' needles
-            assert sample.context.count("One of the special magic") > 20
-
-
-def test_variable_chain_is_complete_and_in_order(samples):
-    for sample in samples["vt"]:
-        value = _query(sample)
-        chain = sample.answers
-        assert len(chain) == ruler.VT_HOPS + 1
-        positions = [sample.context.index(f"VAR {chain[0]} = {value}.")]
-        positions += [sample.context.index(f"VAR {b} = VAR {a}.") for a, b in zip(chain, chain[1:])]
-        assert positions == sorted(positions)
-
-
-def test_common_words_are_the_most_common(samples):
-    for sample in samples["cwe"]:
-        listed = Counter(re.findall(r"^\d+\. (\w+)$", sample.context, flags=re.M))
-        assert len(sample.answers) == ruler.CWE_COMMON
-        assert all(listed[word] == ruler.CWE_COMMON_FREQ for word in sample.answers)
-        assert max(n for word, n in listed.items() if word not in sample.answers) == ruler.CWE_RARE_FREQ
-
-
-def test_frequent_words_are_the_most_frequent(samples):
-    for sample in samples["fwe"]:
-        body = sample.context.split("coded words. ", 1)[1]
-        counts = Counter(w for w in body.split() if w != "....").most_common()
-        assert [w for w, _ in counts[:ruler.FWE_ANSWERS]] == sample.answers
-        assert counts[ruler.FWE_ANSWERS - 1][1] > counts[ruler.FWE_ANSWERS][1]  # no tie at the cut
+def test_a_chat_template_wraps_the_prompt_and_cwes_example_is_an_earlier_turn(samples):
+    sample = samples["cwe"][0]
+    assert sample.context.startswith("<|im_start|>")
+    assert sample.context.count("<|im_start|>user") == 2  # the worked example, then the task
+    assert sample.context.count("<|im_start|>assistant\nAnswer: The top 10 words") == 1  # its answer, prefix first
+    assert sample.question.endswith("<|im_start|>assistant\nAnswer: The top 10 words that appear most often in the "
+                                    "list are:")  # RULER's answer prefix after the assistant turn's start
+    vt = samples["vt"][0]
+    assert vt.context.count("<|im_start|>user") == 1  # vt's example is inside the user turn, as RULER places it
 
 
 def test_seeds_decide_the_samples(tokenizer, tmp_path):
@@ -117,7 +77,8 @@ def test_bad_arguments_are_named(tokenizer):
         ruler.generate("vt", tokenizer, 100, 1)
     with pytest.raises(ValueError, match="count"):
         ruler.generate("vt", tokenizer, LENGTH, 0)
-    with pytest.raises(ValueError, match="cwe: even the smallest prompt is longer than 512"):  # 300 listed words
+    with pytest.raises(ValueError, match="cwe: even the smallest prompt, with its 120 tokens to generate, is longer "
+                                         "than 512"):  # its example and 10 words listed 6 times
         ruler.generate("cwe", tokenizer, 512, 1, use_cache=False)
 
 
@@ -142,9 +103,23 @@ def test_a_tokenizer_without_a_chat_template_gets_plain_prompts(tokenizer, tmp_p
 
     base = copy.deepcopy(tokenizer)
     base.chat_template = None  # as a base model's GGUF tokenizer (Gemma-3-270M's) comes
-    sample = ruler.generate("niah_single_2", base, LENGTH, 1, cache_dir=tmp_path)[0]
+    sample = ruler.generate("niah_multivalue", base, LENGTH, 1, cache_dir=tmp_path)[0]
     assert sample.context.startswith("Some special magic numbers are hidden within the following text.")
     assert sample.question.startswith("\nWhat are all the special magic numbers for ")
     assert sample.question.endswith("mentioned in the provided text are")  # RULER's answer prefix, as it is
     assert "<|im_start|>" not in sample.context + sample.question
     assert ruler.tokenizer_key(base) != ruler.tokenizer_key(tokenizer)  # cached apart from the chat prompts
+
+
+def test_one_value_asked_is_asked_in_the_singular(samples):
+    sample = samples["niah_single_3"][0]  # RULER rewrites its template when one value is asked
+    assert "A special magic uuid is hidden within the following text." in sample.context
+    assert re.search(r"\nWhat is the special magic uuid for .+ mentioned in the provided text\?", sample.question)
+    assert sample.question.endswith("The special magic uuid for " + sample.question.split(" for ")[1].split(
+        " mentioned")[0] + " mentioned in the provided text is")
+
+
+def test_a_word_list_too_short_for_the_length_is_a_clear_error(tokenizer, monkeypatch):
+    monkeypatch.setattr(ruler_tasks, "wonderwords_list", lambda kind: tuple(f"{kind[:4]}{i}" for i in range(20)))
+    with pytest.raises(ValueError, match="cwe: its word list fills at most .* english_words.json"):
+        ruler.generate("cwe", tokenizer, 8192, 1, use_cache=False)

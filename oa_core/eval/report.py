@@ -1,10 +1,12 @@
 """``oa report DIR``: what an ``oa eval`` folder holds, as Markdown and plots.
 
 - ``summary.csv`` / ``summary.json``: rewritten from the records (as ``oa eval`` writes them at its end).
-- ``report.md``: per spec and density, averaged over the tasks dense can do (score, retention vs dense, answer
-  log-likelihood gap, measured density); the same per task; and the tasks the model cannot do even dense.
+- ``report.md``: the RULER generator that made the samples (records of two generators are refused unless
+  ``--generator`` picks one); per spec and density, averaged over the tasks dense can do (score with its 95% Wilson
+  interval, retention vs dense, answer log-likelihood gap, measured density); the same per task; and the tasks the
+  model cannot do even dense.
 - ``accuracy_vs_density.png``: mean retention against read density, a line per method, dense as a level (the paper's
-  figure); ``per_task.png``: a bar per method and task, a panel per density.
+  figure); ``per_task.png``: a bar per method and task with its 95% interval, a panel per density.
 - For ``--metric attention-error`` records: the mean relative output error per spec and density, and
   ``error_vs_density.png``.
 """
@@ -16,18 +18,21 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from oa_core.eval.records import ATTENTION_ERROR, fmt, read_records, summarize, summary_table, write_summary
+from oa_core.eval.records import (ATTENTION_ERROR, LEGACY_GENERATOR, fmt, generator_of, interval, read_records,
+                                  summarize, summary_table, wilson_interval, write_summary)
 
 # A task dense scores below this (of 100) cannot measure retention: reported apart, left out of the means.
 DENSE_FLOOR = 20.0
 
 
-def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
-    """Writes report.md and the PNGs into ``out`` (an ``oa eval`` folder) → the report's path."""
+def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR, generator: str | None = None) -> Path:
+    """Writes report.md and the PNGs into ``out`` (an ``oa eval`` folder) → the report's path. Its RULER records
+    must come from one generator, or ``generator`` picks one (a ValueError lists them otherwise)."""
     out = Path(out)
     records = read_records(out)
     if not records:
         raise FileNotFoundError(f"{out}: no records*.jsonl here; run `oa eval --out {out}` first")
+    records = _one_generator(records, out, generator)
     every = summarize(records)
     write_summary(out, every)  # as of these records (a run cut short never wrote its own)
     errors = [r for r in every if r["metric"] == ATTENTION_ERROR]
@@ -39,6 +44,8 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
     lines = [f"# Evaluation report: `{out}`", "",
              f"{len(records)} cells; model: {records[0].get('model', '?')}; setup {records[0].get('setup', '?')}; "
              f"seed {records[0].get('seed', '?')}.", ""]
+    if rows:
+        lines += [_generator_line(rows[0]["generator"]), ""]
     if errors:
         lines += _error_section(errors, out)
     if not rows:
@@ -65,6 +72,29 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR) -> Path:
     return path
 
 
+def _one_generator(records: list[dict], out: Path, generator: str | None) -> list[dict]:
+    """The records of one RULER generator (and every attention-error record): scores of different generators' samples
+    never share a table."""
+    found = sorted({generator_of(r) for r in records} - {""})
+    if generator is not None:
+        if generator not in found:
+            raise ValueError(f"generator: {out} has no RULER records of {generator!r}; it has {', '.join(found)}")
+        return [r for r in records if generator_of(r) in ("", generator)]
+    if len(found) > 1:
+        counts = ", ".join(f"{g} ({sum(generator_of(r) == g for r in records)} cells)" for g in found)
+        raise ValueError(f"{out} holds RULER records of {len(found)} generators, {counts}; their samples differ and "
+                         "their scores do not compare: pass --generator NAME for one of them")
+    return records
+
+
+def _generator_line(generator: str) -> str:
+    if generator == LEGACY_GENERATOR:
+        return (f"Samples: `{generator}`, OpenAttention's RULER-like generator before it followed NVIDIA/RULER "
+                "(no worked examples for vt and cwe, an easier fwe, plural prompts; docs/evaluation.md). Its scores do "
+                "not compare with RULER's, nor with a later generator's.")
+    return f"Samples: `{generator}`, NVIDIA/RULER's generator at that commit, offline (docs/evaluation.md)."
+
+
 def _error_section(rows: list[dict], out: Path) -> list[str]:
     """attention-error rows: the mean relative output error over layers per spec, density and length, and its plot."""
     table = ["| spec | density | length | layers | mean relative error | measured density |", "|" + "---|" * 6]
@@ -88,15 +118,20 @@ def _means(rows: list[dict]) -> list[dict]:
         return sum(values) / len(values) if values else math.nan
 
     keys = ("score", "dense_score", "retention", "logprob_gap", "measured_density")
-    return [{"spec": spec, "density": density, "tasks": len(rs), **{k: mean(r[k] for r in rs) for k in keys}}
-            for (spec, density), rs in sorted(groups.items(), key=lambda g: (g[0][0], -g[0][1]))]
+    means = []
+    for (spec, density), rs in sorted(groups.items(), key=lambda g: (g[0][0], -g[0][1])):
+        row = {"spec": spec, "density": density, "tasks": len(rs), **{k: mean(r[k] for r in rs) for k in keys}}
+        if rs[0]["metric"] == "ruler":  # the interval of the mean over every sample of these tasks
+            row["score_low"], row["score_high"] = wilson_interval(row["score"], sum(r["samples"] for r in rs))
+        means.append(row)
+    return means
 
 
 def _means_table(means: list[dict]) -> str:
-    lines = ["| spec | density | tasks | score | dense on its tasks | retention | log-lik gap | measured density |",
-             "|" + "---|" * 8]
+    lines = ["| spec | density | tasks | score (95% interval) | dense on its tasks | retention | log-lik gap | "
+             "measured density |", "|" + "---|" * 8]
     for m in means:
-        lines.append(f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f} | "
+        lines.append(f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f}{interval(m)} | "
                      f"{fmt(m['dense_score'], '.1f')} | {fmt(m['retention'], '.2f')} | "
                      f"{fmt(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
     return "\n".join(lines)
@@ -186,15 +221,19 @@ def plot_per_task(rows: list[dict], path: Path) -> None:
     densities = sorted({r["density"] for r in rows if r["spec"] != "dense"}, reverse=True) or [1.0]
     tasks = sorted({(r["task"], r["length"]) for r in rows})
     specs = sorted({r["spec"] for r in rows})
-    score = {(r["spec"], r["density"], r["task"], r["length"]): r["score"] for r in rows}
+    score = {(r["spec"], r["density"], r["task"], r["length"]): r for r in rows}
     fig, axes = plt.subplots(len(densities), 1, figsize=(max(6.4, 1.2 * len(tasks) + 2), 2.8 * len(densities)),
                              dpi=120, squeeze=False)
     width = 0.8 / max(len(specs), 1)
     colors = {**_colors(specs), "dense": (0.2, 0.2, 0.2)}
     for ax, density in zip(axes[:, 0], densities):
         for i, spec in enumerate(specs):
-            values = [score.get((spec, 1.0 if spec == "dense" else density, t, n), math.nan) for t, n in tasks]
-            ax.bar([x + i * width for x in range(len(tasks))], values, width=width, label=spec, color=colors[spec])
+            cells = [score.get((spec, 1.0 if spec == "dense" else density, t, n)) for t, n in tasks]
+            values = [c["score"] if c else math.nan for c in cells]
+            below = [c["score"] - c["score_low"] if c else math.nan for c in cells]  # the 95% interval
+            above = [c["score_high"] - c["score"] if c else math.nan for c in cells]
+            ax.bar([x + i * width for x in range(len(tasks))], values, width=width, label=spec, color=colors[spec],
+                   yerr=[below, above], error_kw={"elinewidth": 0.6, "capsize": 1.5, "ecolor": (0.3, 0.3, 0.3)})
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tasks))])
         ax.set_xticklabels([f"{t}\n{n}" for t, n in tasks], fontsize=7)
         ax.set_ylabel("score")

@@ -35,7 +35,7 @@ import torch
 import oa_core as oa
 from oa_core.eval import ruler
 from oa_core.eval.config import EvalConfig, check_budgets, check_config, resolved_specs, spec_name  # noqa: F401
-from oa_core.eval.records import (ATTENTION_ERROR, ErrorRecord, RecordWriter, RulerRecord, cell_key,
+from oa_core.eval.records import (ATTENTION_ERROR, ErrorRecord, RecordWriter, RulerRecord, cell_key, generator_of,
                                   read_records, record_key, summarize, write_summary)
 from oa_core.offline_model import model_label
 
@@ -80,7 +80,11 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     rank, world = _distributed()
     device = _rank_device(config.device, world) if config.device else None  # a clear error before the model loads
     out = Path(config.out)
-    done = {record_key(r) for r in read_records(out)}
+    records = read_records(out)
+    check_generator(records, config, out)
+    if config.metric == "ruler":
+        ruler.check_dependencies()
+    done = {record_key(r) for r in records}
     if config.metric == "ruler" and not _ruler_missing(specs, config, done):
         return _summarize(out, rank, world)  # every cell is done: no model to load (a resumed sweep's phase)
     if model is None:
@@ -129,6 +133,15 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
                             "same command again to retry them (with fewer ranks per GPU or a smaller --batch if it "
                             "happens again)")
     return rows
+
+
+def check_generator(records: list[dict], config: EvalConfig, out: Path) -> None:
+    """A clear error, before any model loads, for RULER cells to be added to a folder whose records another RULER
+    generator made: their scores are of other samples and do not compare (a report would have to keep them apart)."""
+    others = {generator_of(r) for r in records} - {ruler.GENERATOR, ""}
+    if config.metric == "ruler" and others:
+        raise ValueError(f"out: {out} holds RULER records of the generator {', '.join(sorted(others))}, this one is "
+                         f"{ruler.GENERATOR}: their samples differ and their scores do not compare; pass another --out")
 
 
 def _ruler_missing(specs: dict[str, tuple[dict, bool]], config: EvalConfig, done: set[tuple]) -> bool:
@@ -261,8 +274,8 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                     writer.write(RulerRecord(
                         spec=name, density=target, task=task, length=length, sample=index,
                         score=ruler.score(sample.metric, output, sample.answers), answer_logprob=logprobs[row],
-                        measured_density=density, resolved_spec=resolved, **meta, output=output,
-                        answers=sample.answers, prompt_tokens=sample.tokens,
+                        measured_density=density, resolved_spec=resolved, **meta, generator=ruler.GENERATOR,
+                        output=output, answers=sample.answers, prompt_tokens=sample.tokens,
                         context_tokens=int(context_mask[row].sum()), question_tokens=question_ids.shape[1],
                         batch=len(indices), prefill_s=round(prefill_s, 3), generate_s=round(seconds, 3),
                         device=str(device), prefill_peak_gib=prefill_peak, peak_gib=peak))
