@@ -12,8 +12,9 @@
 # is running (nvidia-cuda-mps-control -d, as root, no GPU setting changed; `echo quit | nvidia-cuda-mps-control`
 # stops it).
 #
-# Phases, each resumable (a rerun skips the cells already under OUT_ROOT/ruler_smollm2_{4k,8k}; a phase whose cells
-# ran out of memory says so and the script goes on: run it again to retry them):
+# Phases, each resumable (a rerun skips the cells already under OUT_ROOT/ruler_c3f5e3b_smollm2_{4k,8k}, named for the
+# RULER generator: a folder holds one generator's records; a phase whose cells ran out of memory says so and the
+# script goes on: run it again to retry them):
 #   1-2. dense on all eleven tasks at 4K and 8K (the reference, and which tasks the model can do: dense score >= 20)
 #   3. the baselines and OpenAttention on the 4K tasks;  4. the ablations at 4K;  5. the baselines at 8K
 # Then `oa report` writes each folder's summary, report.md and plots.
@@ -41,13 +42,13 @@ run() {  # length batch specs tasks...
   torchrun --nproc-per-node "$RANKS" --master-port 29561 -m oa_core.cli eval --specs $specs --tasks "$@" \
     --densities 0.1 0.05 0.03 0.01 \
     --length "$length" --samples 20 --batch "$batch" --sink 4 --local-window 16 --device "$DEVICE" \
-    --out "$ROOT/ruler_smollm2_$((length / 1024))k" \
+    --out "$ROOT/ruler_c3f5e3b_smollm2_$((length / 1024))k" \
     || echo "$(date +%T) ${length} tokens: incomplete (see above); run the script again to retry what is missing"
 }
 doable() {  # the tasks dense scores at least 20 on at this length
   python3 -c "
 import json
-rows = json.load(open('$ROOT/ruler_smollm2_$(($1 / 1024))k/summary.json'))
+rows = json.load(open('$ROOT/ruler_c3f5e3b_smollm2_$(($1 / 1024))k/summary.json'))
 print(' '.join(r['task'] for r in rows if r['spec'] == 'dense' and r['score'] >= 20))"
 }
 
@@ -56,5 +57,5 @@ run 8192 "$B8" specs/dense.yaml $TASKS
 run 4096 "$B4" "$MAIN" $(doable 4096)
 run 4096 "$B4" "$ABLATIONS" $(doable 4096)
 run 8192 "$B8" "$MAIN" $(doable 8192)
-oa report "$ROOT/ruler_smollm2_4k"
-oa report "$ROOT/ruler_smollm2_8k"
+oa report "$ROOT/ruler_c3f5e3b_smollm2_4k"
+oa report "$ROOT/ruler_c3f5e3b_smollm2_8k"

@@ -236,7 +236,7 @@ def plot_per_task(rows: list[dict], path: Path) -> None:
                    yerr=[below, above], error_kw={"elinewidth": 0.6, "capsize": 1.5, "ecolor": (0.3, 0.3, 0.3)})
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tasks))])
         ax.set_xticklabels([f"{t}\n{n}" for t, n in tasks], fontsize=7)
-        ax.set_ylabel("score")
+        ax.set_ylabel("score (bars: 95% interval)")
         ax.set_ylim(0, 100)
         ax.set_title(f"read density {density:.0%}", fontsize=9)
     axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the bars
