@@ -90,8 +90,8 @@ MUTATIONS = [
                "return ((nearest(sub_spaces(keys, dims), centroids) + 1) % 256).to(torch.uint8)")], PQ_TESTS,
              "decode-time growth codes a key by the centroid after its nearest"),
     mutation("pq-trains-on-unclustered-keys", "plugins/selectors/pq.py",
-             [("return region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)",
-               "return (region.cumsum(-1) - 1) % stride.clamp_min(1) == 0")], PQ_TESTS,
+             [("chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)",
+               "chosen = (region.cumsum(-1) - 1) % stride.clamp_min(1) == 0")], PQ_TESTS,
              "the centroids also learn from the keys outside the clustered region (sink, local window, padding)"),
     # -- QGC (Eq. 4) ------------------------------------------------------------------------------------------------
     mutation("qgc-projection-without-sqrt-lambda", "plugins/clusterers/qgc.py",

@@ -20,6 +20,7 @@ On CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``) ``score`` is o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,15 +32,13 @@ from oa_core.kmeans import lloyd_iterations, nearest
 from oa_core.rerank import rerank_exact
 from oa_core.triton_path import tl, triton
 
-CENTROIDS = 256  # a byte's worth
-
-
 class PQSConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    dims: int = Field(default=8, ge=1, description="dimensions per sub-space: D / dims code bytes per key")
+    dims: int = Field(default=8, ge=1, description="dimensions per sub-space: D / dims codes per key")
+    bits: Literal[4, 8] = Field(default=8, description="bits per code: 2^bits centroids per sub-space")
     iterations: int = Field(default=8, ge=0, description="Lloyd iterations of each sub-space's k-means")
-    train: int = Field(default=4096, ge=CENTROIDS, description="keys per (batch row, KV head) the centroids are learnt "
+    train: int = Field(default=4096, ge=256, description="keys per (batch row, KV head) the centroids are learnt "
                        "from, evenly spaced over the context (all of them when it has fewer)")
     rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
                           "selectable budget (0: the codes' scores alone)")
@@ -47,8 +46,8 @@ class PQSConfig(BaseModel):
 
 @dataclass
 class PQSIndex:
-    centroids: Tensor  # [B, Hkv, M, 256, dims] float32
-    codes: Tensor  # [B, Hkv, N, M] uint8
+    centroids: Tensor  # [B, Hkv, M, 2^bits, dims] float32
+    codes: Tensor  # [B, Hkv, N, M] uint8 (4-bit codes are kept a byte each here; a deployment packs two a byte)
 
 
 def sub_spaces(keys: Tensor, dims: int) -> Tensor:
@@ -58,29 +57,30 @@ def sub_spaces(keys: Tensor, dims: int) -> Tensor:
 
 
 def encode(keys: Tensor, centroids: Tensor) -> Tensor:
-    """keys ``[B, Hkv, N, D]``, centroids ``[B, Hkv, M, 256, dims]`` → codes ``[B, Hkv, N, M]`` uint8: each sub-space's
+    """keys ``[B, Hkv, N, D]``, centroids ``[B, Hkv, M, C, dims]`` → codes ``[B, Hkv, N, M]`` uint8: each sub-space's
     nearest centroid."""
     dims = centroids.shape[-1]
     return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8).transpose(-1, -2).contiguous()
 
 
-def training_mask(region: Tensor, most: int) -> Tensor:
-    """region ``[B, N]`` → the keys the centroids are learnt from: every k-th of the region, k = ⌈its size / most⌉
-    (deterministic, spread over the whole context)."""
+def training_positions(region: Tensor, most: int) -> tuple[Tensor, Tensor]:
+    """region ``[B, N]`` → (the positions of the keys the centroids are learnt from ``[B, n]``, which of them are
+    such keys ``[B, n]``), n = min(``most``, N): every k-th key of the region, k = ⌈its size / most⌉, in order
+    (deterministic, spread over the whole context); a row with fewer fills its end with other positions, not chosen."""
     stride = (region.sum(-1, keepdim=True) + most - 1) // most
-    return region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)
+    chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)
+    positions = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)[:, :min(most, region.shape[-1])]
+    return positions, chosen.gather(-1, positions)
 
 
-def initial_centroids(points: Tensor, train: Tensor) -> Tensor:
-    """points ``[B, Hkv, M, N, dims]``, train ``[B, N]`` → 256 starting centroids ``[B, Hkv, M, 256, dims]``: the
-    training keys at 256 evenly spaced ranks (repeated where there are fewer). No draw, no k-means++: its 256 sequential
-    passes cost more than the Lloyd iterations that follow."""
-    B, Hkv, M, N, dims = points.shape
-    count = train.sum(-1, keepdim=True)  # [B, 1]
-    ordered = torch.argsort((~train).to(torch.int8), dim=-1, stable=True)  # training positions first, in order
-    ranks = (torch.arange(CENTROIDS, device=points.device) * count) // CENTROIDS
-    picked = ordered.gather(-1, ranks.clamp_max((count - 1).clamp_min(0)))  # [B, 256]
-    return points.gather(3, picked[:, None, None, :, None].expand(B, Hkv, M, CENTROIDS, dims))
+def initial_centroids(points: Tensor, weight: Tensor, count: int) -> Tensor:
+    """points ``[P, n, dims]`` whose chosen ones (``weight`` > 0) come first → ``count`` starting centroids ``[P,
+    count, dims]``: the chosen points at evenly spaced ranks (repeated where there are fewer). No draw, no
+    k-means++: its sequential passes cost more than the Lloyd iterations that follow."""
+    available = (weight > 0).sum(-1, keepdim=True)  # [P, 1]
+    ranks = (torch.arange(count, device=points.device) * available) // count
+    picked = ranks.clamp_max((available - 1).clamp_min(0))  # [P, count]
+    return points.gather(1, picked[..., None].expand(*picked.shape, points.shape[-1]))
 
 
 class ProductQuantisedSelector(Selector):
@@ -95,28 +95,31 @@ class ProductQuantisedSelector(Selector):
         dims = self.config.dims
         if D % dims:
             raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
-        M = D // dims
-        train = training_mask(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)  # [B, N]
-        points = sub_spaces(keys, dims)
-        weight = train[:, None, None, :].expand(B, Hkv, M, N).reshape(-1, N).float()
-        start = initial_centroids(points, train).reshape(-1, CENTROIDS, dims)
-        codes, centroids = lloyd_iterations(points.reshape(-1, N, dims), weight, start, self.config.iterations)
-        codes = codes.view(B, Hkv, M, N).to(torch.uint8).transpose(-1, -2).contiguous()
-        return PQSIndex(centroids.view(B, Hkv, M, CENTROIDS, dims), codes)
+        M, count = D // dims, 2 ** self.config.bits
+        positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
+        n = positions.shape[-1]
+        points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
+        weight = chosen[:, None, None, :].expand(B, Hkv, M, n).reshape(-1, n).float()
+        _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), self.config.iterations)
+        centroids = centroids.view(B, Hkv, M, count, dims)
+        return PQSIndex(centroids, encode(keys, centroids))
+
+    def scoring_bytes(self, head_dim: int) -> float:
+        return head_dim / self.config.dims * self.config.bits / 8  # a code per sub-space
 
     def token_codes(self, index: PQSIndex, keys: Tensor) -> dict[str, Tensor]:
         return {"codes": encode(keys, index.centroids)}
 
     def score(self, query: Tensor, index: PQSIndex, keys: Tensor, scale: float) -> Tensor:
         B, Hkv, Gs, G, T, D = query.shape
-        M, dims = index.centroids.shape[2], index.centroids.shape[-1]
+        M, C, dims = index.centroids.shape[2:]
         sub = query.float().reshape(B, Hkv, Gs * G * T, M, dims)  # rows (selection head, query head, query)
-        tables = torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids)  # q_m·c_{m,j}: [B, Hkv, rows, M, 256]
+        tables = torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids)  # q_m·c_{m,j}: [B, Hkv, rows, M, C]
         if triton_path.unavailable_reason(query.device) is None and scale > 0:
             return group_lut_scores(tables, index.codes, scale, T, G).view(B, Hkv, Gs, T, -1)
-        offsets = index.codes.long() + CENTROIDS * torch.arange(M, device=query.device)  # [B, Hkv, N, M]
+        offsets = index.codes.long() + C * torch.arange(M, device=query.device)  # [B, Hkv, N, M]
         N = offsets.shape[2]
-        picked = tables.reshape(B, Hkv, -1, M * CENTROIDS).gather(
+        picked = tables.reshape(B, Hkv, -1, M * C).gather(
             -1, offsets.reshape(B, Hkv, 1, N * M).expand(B, Hkv, tables.shape[2], N * M))
         scores = scale * picked.view(B, Hkv, -1, N, M).sum(-1)
         return scores.view(B, Hkv, Gs, G, T, N).amax(3)
@@ -133,7 +136,7 @@ class ProductQuantisedSelector(Selector):
 
 def group_lut_scores(tables: Tensor, codes: Tensor, scale: float, queries: int, group: int, *,
                      block_n: int | None = None, num_warps: int = 4) -> Tensor:
-    """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, 256]`` float32 (rows ordered
+    """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, M]`` uint8, ``scale`` s > 0; ``group``: the
     heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group): s·max over the selection head's
     group of Σ_m table[m, code_m]. Launches one kernel and waits for nothing."""
@@ -146,7 +149,7 @@ def group_lut_scores(tables: Tensor, codes: Tensor, scale: float, queries: int, 
     block_n = block_n or min(256, max(16, triton.next_power_of_2(N)))
     num_blocks = triton.cdiv(N, block_n)
     _group_lut_scores[(B * Hkv * num_blocks,)](tables.contiguous(), codes.contiguous(), out, N, queries, rows,
-                                               num_blocks, scale, G=group, M=M, BLOCK_M=triton.next_power_of_2(M),
+                                               num_blocks, scale, G=group, M=M, C=C, BLOCK_M=triton.next_power_of_2(M),
                                                BLOCK_N=block_n, num_warps=num_warps)
     return out
 
@@ -155,10 +158,10 @@ if triton is not None:
 
     @triton.jit
     def _group_lut_scores(TABLES, CODES, OUT, N, T, ROWS, num_blocks, scale, G: tl.constexpr, M: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program per (batch row, KV head, block of BLOCK_N tokens): the block's codes ``[BLOCK_N, M]`` stay in
         registers while each of the ROWS output rows (selection head · T + query) takes the maximum over its G query
-        heads of a gather from that head's table (a 256-entry row per sub-space) summed over the M sub-spaces."""
+        heads of a gather from that head's table (a C-entry row per sub-space) summed over the M sub-spaces."""
         pid = tl.program_id(0)
         head = (pid // num_blocks).to(tl.int64)
         offs_n = (pid % num_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,13 +169,13 @@ if triton is not None:
         in_n = offs_n < N
         both = in_n[:, None] & (offs_m[None, :] < M)
         codes = tl.load(CODES + (head * N + offs_n[:, None]) * M + offs_m[None, :], mask=both, other=0).to(tl.int32)
-        entry = offs_m[None, :] * 256 + codes  # each code's place in its sub-space's row of the table
+        entry = offs_m[None, :] * C + codes  # each code's place in its sub-space's row of the table
         for row in range(0, ROWS):
             s = (row // T).to(tl.int64)
             t = (row % T).to(tl.int64)
             best = tl.full([BLOCK_N], float("-inf"), tl.float32)
             for j in tl.static_range(G):
-                table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * 256)
+                table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
                 best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
             tl.store(OUT + (head * ROWS + row) * N + offs_n, best * scale, mask=in_n)
 

@@ -4,7 +4,7 @@ import torch
 import oa_core as oa
 from oa_core.components import Clusters, group_queries
 from oa_plugins.selectors.oracle import OracleSelector
-from oa_plugins.selectors.pq import CENTROIDS, PQSConfig, ProductQuantisedSelector, sub_spaces, training_mask
+from oa_plugins.selectors.pq import PQSConfig, ProductQuantisedSelector, sub_spaces, training_positions
 
 
 def _everywhere(batch, heads, tokens):
@@ -27,7 +27,7 @@ def test_a_sub_space_of_at_most_256_keys_is_coded_exactly():
     selector = ProductQuantisedSelector(PQSConfig(dims=8))
     index = selector.build(keys, None, _everywhere(2, 2, 200))
     assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, 200, 4)
-    assert index.centroids.shape == (2, 2, 4, CENTROIDS, 8)
+    assert index.centroids.shape == (2, 2, 4, 256, 8)
     assert torch.allclose(_reconstructed(index), keys)
     assert torch.allclose(selector.score(query, index, keys, 0.25), OracleSelector().score(query, None, keys, 0.25),
                           atol=1e-5)
@@ -102,12 +102,14 @@ def test_the_centroids_learn_from_at_most_train_keys_spread_over_the_region():
     region = torch.zeros(2, 1000, dtype=torch.bool)
     region[0, 4:980] = True
     region[1, 300:500] = True
-    chosen = training_mask(region, 256)
+    positions, chosen = training_positions(region, 256)
+    assert positions.shape == (2, 256)
     assert chosen[0].sum() <= 256 and chosen[1].sum() == 200  # a region smaller than the bound: all of it
-    assert not (chosen & ~region).any()
-    where = chosen[0].nonzero().flatten()
+    assert all(bool(region[row, positions[row][chosen[row]]].all()) for row in range(2))
+    where = positions[0][chosen[0]]
     assert where[0] == 4 and where[-1] > 900  # from the region's first key to near its end, evenly
     assert (where.diff() == where.diff()[0]).all()
+    assert torch.equal(positions[1][:200], torch.arange(300, 500))  # chosen first, in order
 
 
 def _outlier_case():

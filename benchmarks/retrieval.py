@@ -1,0 +1,160 @@
+"""Retrieval as retrieval: needles of several kinds in several texts, answered by each spec beside exact top-k.
+
+    python benchmarks/retrieval.py --model gemma3-270m --tokens 4096 8192     # benchmarks/results/retrieval_<model>.json
+    python benchmarks/retrieval.py --model smollm2-135m --specs specs/openattention.yaml my-spec.yaml
+
+Per length, ``--samples`` seeded needle prompts (``oa_core.needle``): sample i hides a 7-digit number, a hyphenated
+word pair or a UUID (in turn) in the essays, Python's reference prose or Python source (in turn), at a random depth.
+Each context is prefilled once; dense, exact top-k (``specs/oracle-topk.yaml``) and every ``--specs`` file at every
+density answer it (setup B, sink 4 and local 16 for every sparse spec). Per spec and density:
+
+- accuracy (the value in the greedy answer) and the answer's teacher-forced log-likelihood gap to dense;
+- **the recall of the answer's rows**, a diagnostic: at the query that predicts the answer's first token, the rows
+  exact top-k reads outside the sink and the local window, and the share of them (by count, and by their attention
+  weight) the spec reads too — per diagnosed layer (``--layers``: a model's full-attention layers, at most six spread
+  over it) and query head, from one dense capture of the prompt, the spec prepared on the cache before that query;
+- the selector's scoring bytes per key (``Selector.scoring_bytes``: codes or bounds) and the re-rank's, beside the
+  dense row's 2·D·2 bytes of key and value in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import oa_core as oa
+from oa_core import metrics, needle
+from oa_core.offline_model import MODEL_HELP, capture_attention, load_offline_model, model_label
+
+ROOT = Path(__file__).resolve().parent.parent
+SPARSE = {"sink": 4, "local": 16}  # 1% of 4K tokens is 40 rows: below the specs' own 4 + 64
+WINDOW = 256  # the integration's prefill query window: the context's last queries
+EXACT = "oracle-topk"
+
+
+def full_attention_layers(model, most: int = 6) -> list[int]:
+    """The layers attending the whole context (a sliding-window layer is dense over its window), at most ``most``
+    spread evenly."""
+    kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    return [full[round(j * (len(full) - 1) / max(most - 1, 1))] for j in range(min(most, len(full)))]
+
+
+def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict], layers: list[int]) -> dict:
+    """spec → (recall by count, recall by weight) of the rows exact top-k at the spec's density reads at the query
+    before the answer's first token, outside sink and local, averaged over ``layers`` and query heads."""
+    ids = torch.cat([sample.context_ids, sample.question_ids], 1)
+    n = ids.shape[1] - 1  # the cache: every position before the last; the query: the prompt's last
+    context = sample.context_ids.shape[1]
+    captured = capture_attention(model, ids, layers)
+    recalls: dict[str, list[tuple[float, float]]] = {name: [] for name in specs}
+    for queries, keys, values, scale in captured.values():
+        keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
+        prefill = queries[:, :, context - WINDOW:context].float()
+        weights = None
+        outside = torch.zeros(n, dtype=torch.bool)
+        outside[SPARSE["sink"]:n - SPARSE["local"]] = True
+        for name, spec in specs.items():
+            exact_spec = {**oa.load_spec(ROOT / "specs" / f"{EXACT}.yaml").model_dump(mode="json"), **SPARSE,
+                          "budget": spec["budget"]}
+            reads = {}
+            for which, this in (("exact", exact_spec), ("spec", spec)):
+                pipe = oa.build(this)
+                state = pipe.prepare(keys, values, prefill, scale=scale)
+                reads[which] = metrics.exact_reads(pipe, state, query).reshape(-1, n) & outside
+                if weights is None:
+                    weights = metrics.attention_weights(query, state).reshape(-1, n)
+            wanted, got = reads["exact"], reads["exact"] & reads["spec"]
+            for head in range(wanted.shape[0]):
+                count = int(wanted[head].sum())
+                if count:
+                    recalls[name].append((int(got[head].sum()) / count,
+                                          float(weights[head][got[head]].sum() / weights[head][wanted[head]].sum())))
+    return {name: (statistics.fmean(r for r, _ in rows), statistics.fmean(w for _, w in rows))
+            for name, rows in recalls.items() if rows}
+
+
+def scoring_bytes(spec: dict, head_dim: int) -> dict:
+    """What the spec's selector reads per key to choose (codes or bounds, ``Selector.scoring_bytes``), and what its
+    re-rank reads per key of the context on average (the shortlist's keys, multiple × density × 2·D bf16 bytes)."""
+    pipe = oa.build(spec)
+    codes = pipe.selector.scoring_bytes(head_dim)
+    rerank = getattr(pipe.selector.config, "rerank", 0.0) if pipe.selector.refines else 0.0
+    shortlist = rerank * spec["budget"]["density"] * 2 * head_dim * 2
+    return {"codes": codes, "rerank": round(shortlist, 2), "dense_row": 2 * head_dim * 2}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="context lengths")
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.03, 0.01])
+    parser.add_argument("--specs", nargs="+", type=Path, default=[ROOT / "specs/openattention.yaml"],
+                        help="spec files, each at every density, named by file stem")
+    parser.add_argument("--kinds", nargs="+", default=list(needle.KINDS), choices=needle.KINDS)
+    parser.add_argument("--texts", nargs="+", default=["essays", "python-docs", "python-source"])
+    parser.add_argument("--layers", type=int, nargs="*", default=None,
+                        help="layers of the recall diagnostic (default: the full-attention ones, at most six)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/retrieval_<model>.json")
+    args = parser.parse_args(argv)
+    try:  # every spec checked before the model loads; the density, sink and local are the benchmark's
+        named = {path.stem: oa.load_spec(path).model_dump(mode="json", exclude={"budget", "sink", "local"})
+                 for path in [ROOT / "specs" / f"{EXACT}.yaml", *args.specs]}
+    except oa.SpecError as exc:
+        parser.error(str(exc))
+    start = time.perf_counter()
+    model, tokenizer = load_offline_model(args.model)
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    layers = args.layers if args.layers is not None else full_attention_layers(model)
+    sparse = {f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
+              for name, spec in named.items() for d in args.densities}
+    specs = {"dense": {"budget": {"density": 1.0}}, **sparse}
+    result = {"benchmark": "retrieval", "model": model_label(args.model), "head_dim": head_dim,
+              "kinds": args.kinds, "texts": args.texts, "samples": args.samples, "seed": args.seed,
+              "setup": "B", "sink": SPARSE["sink"], "local": SPARSE["local"], "recall_layers": layers,
+              "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
+              "scoring_bytes_per_key": {name: scoring_bytes(spec, head_dim) for name, spec in sparse.items()},
+              "lengths": {}}
+    for tokens in args.tokens:
+        samples = needle.make_samples(tokenizer, args.samples, tokens, seed=args.seed, kinds=tuple(args.kinds),
+                                      texts=tuple(args.texts))
+        records = needle.run(model, tokenizer, samples, specs)
+        recall = {name: [] for name in sparse}
+        for index, sample in enumerate(tqdm(samples, desc=f"recall at {tokens}", unit="sample")):
+            for name, (count, weight) in answer_row_recall(model, sample, sparse, layers).items():
+                recall[name].append((count, weight))
+                next(r for r in records if r["sample"] == index and r["spec"] == name).update(
+                    answer_row_recall=round(count, 4), answer_row_weight_recall=round(weight, 4))
+        summary = needle.summarize(records)
+        for name, rows in recall.items():
+            summary[name]["answer_row_recall"] = round(statistics.fmean(c for c, _ in rows), 4)
+            summary[name]["answer_row_weight_recall"] = round(statistics.fmean(w for _, w in rows), 4)
+        result["lengths"][str(tokens)] = {"summary": summary, "records": records}
+        print(f"\n{tokens} tokens, {model_label(args.model)}:")
+        print(f"{'spec':24s} {'accuracy':>9s} {'log-lik gap':>12s} {'row recall':>11s} {'weight recall':>14s}")
+        for name, row in summary.items():
+            print(f"{name:24s} {row['accuracy']:>9.2f} {row['logprob_gap']:>+12.3f} "
+                  f"{row.get('answer_row_recall', float('nan')):>11.3f} "
+                  f"{row.get('answer_row_weight_recall', float('nan')):>14.3f}")
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    result["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
+                         "threads": torch.get_num_threads()}
+    result["command"] = "python benchmarks/retrieval.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
