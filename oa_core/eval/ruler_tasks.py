@@ -95,6 +95,7 @@ class Prompt(NamedTuple):
     history: tuple[tuple[str, str], ...] = ()
     info: dict = {}
 
+
 def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -114,6 +115,7 @@ def _singular(text: str) -> str:
     for plural, singular in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
         text = text.replace(plural, singular)
     return text
+
 
 # -- word lists and sentences ----------------------------------------------------------------------------------------
 
@@ -168,6 +170,7 @@ def sentence_splitter():
     params.sent_starters = set(english.sent_starters)
     params.ortho_context.update(english.ortho_context)
     return punkt.PunktSentenceTokenizer(params)
+
 
 # -- the tasks: each returns (build(size) → Prompt, the least size) ------------------------------------------------
 
