@@ -1,6 +1,6 @@
 """Retrieval as retrieval: needles of several kinds in several texts, answered by each spec beside exact top-k.
 
-    python benchmarks/retrieval.py --model gemma3-270m --tokens 4096 8192     # benchmarks/results/retrieval_<model>.json
+    python benchmarks/retrieval.py --model gemma3-270m --tokens 4096 8192   # benchmarks/results/retrieval_<model>.json
     python benchmarks/retrieval.py --model smollm2-135m --specs specs/openattention.yaml my-spec.yaml
 
 Per length, ``--samples`` seeded needle prompts (``oa_core.needle``): sample i hides a 7-digit number, a hyphenated
@@ -10,9 +10,10 @@ density answer it (setup B, sink 4 and local 16 for every sparse spec). Per spec
 
 - accuracy (the value in the greedy answer) and the answer's teacher-forced log-likelihood gap to dense;
 - **the recall of the answer's rows**, a diagnostic: at the query that predicts the answer's first token, the rows
-  exact top-k reads outside the sink and the local window, and the share of them (by count, and by their attention
-  weight) the spec reads too — per diagnosed layer (``--layers``: a model's full-attention layers, at most six spread
-  over it) and query head, from one dense capture of the prompt, the spec prepared on the cache before that query;
+  exact top-k reads outside the sink and the local window, and the shares of them that the selector's own scores
+  rank within 4 × the budget (the shortlist: what a re-rank can recover), that the spec reads, and that it reads
+  weighted by their attention — per diagnosed layer (``--layers``: a model's full-attention layers, at most six
+  spread over it) and query head, from one dense capture of the prompt, the spec prepared on the cache before it;
 - the selector's scoring bytes per key (``Selector.scoring_bytes``: codes or bounds) and the re-rank's, beside the
   dense row's 2·D·2 bytes of key and value in bf16.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -32,6 +34,7 @@ from tqdm import tqdm
 
 import oa_core as oa
 from oa_core import metrics, needle
+from oa_core.components import group_queries
 from oa_core.offline_model import MODEL_HELP, capture_attention, load_offline_model, model_label
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,13 +52,15 @@ def full_attention_layers(model, most: int = 6) -> list[int]:
 
 
 def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict], layers: list[int]) -> dict:
-    """spec → (recall by count, recall by weight) of the rows exact top-k at the spec's density reads at the query
-    before the answer's first token, outside sink and local, averaged over ``layers`` and query heads."""
+    """spec → the shares of the rows exact top-k at the spec's density reads, at the query before the answer's first
+    token and outside sink and local, that (1) the selector's own scores rank within 4 × the selectable budget (the
+    shortlist a re-rank would see), (2) the spec reads, (3) the spec reads weighted by their attention; averaged over
+    ``layers`` and query heads."""
     ids = torch.cat([sample.context_ids, sample.question_ids], 1)
     n = ids.shape[1] - 1  # the cache: every position before the last; the query: the prompt's last
     context = sample.context_ids.shape[1]
     captured = capture_attention(model, ids, layers)
-    recalls: dict[str, list[tuple[float, float]]] = {name: [] for name in specs}
+    recalls: dict[str, list[tuple[float, float, float]]] = {name: [] for name in specs}
     for queries, keys, values, scale in captured.values():
         keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
         prefill = queries[:, :, context - WINDOW:context].float()
@@ -72,14 +77,30 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
                 reads[which] = metrics.exact_reads(pipe, state, query).reshape(-1, n) & outside
                 if weights is None:
                     weights = metrics.attention_weights(query, state).reshape(-1, n)
+            short = shortlist(pipe, state, query)
             wanted, got = reads["exact"], reads["exact"] & reads["spec"]
             for head in range(wanted.shape[0]):
                 count = int(wanted[head].sum())
                 if count:
-                    recalls[name].append((int(got[head].sum()) / count,
+                    recalls[name].append((int((wanted[head] & short[head]).sum()) / count,
+                                          int(got[head].sum()) / count,
                                           float(weights[head][got[head]].sum() / weights[head][wanted[head]].sum())))
-    return {name: (statistics.fmean(r for r, _ in rows), statistics.fmean(w for _, w in rows))
+    return {name: tuple(statistics.fmean(row[i] for row in rows) for i in range(3))
             for name, rows in recalls.items() if rows}
+
+
+def shortlist(pipe, state, query) -> torch.Tensor:
+    """Each query head's best 4 × selectable budget clustered rows by the selector's own scores (before any re-rank),
+    bool ``[Hq, n]`` (one batch row, one query)."""
+    plan = state.plan()
+    grouped = group_queries(query, state.keys.shape[1], pipe.spec.gqa == "shared")
+    scores = pipe.selector.score(grouped, state.index, state.keys, state.scale)
+    scores = scores.masked_fill(plan.unclustered, -math.inf)
+    width = min(4 * int(plan.selectable.max()), scores.shape[-1])
+    top = scores.topk(width, dim=-1)
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top.indices, top.values > -math.inf)
+    heads, kv_heads = query.shape[1], state.keys.shape[1]
+    return chosen.expand(-1, -1, heads // kv_heads, -1, -1).reshape(heads, -1)  # a shared selection: every head's
 
 
 def scoring_bytes(spec: dict, head_dim: int) -> dict:
@@ -130,22 +151,24 @@ def main(argv: list[str] | None = None) -> int:
                                       texts=tuple(args.texts))
         records = needle.run(model, tokenizer, samples, specs)
         recall = {name: [] for name in sparse}
+        fields = ("answer_rows_in_shortlist", "answer_rows_read", "answer_weight_read")
         for index, sample in enumerate(tqdm(samples, desc=f"recall at {tokens}", unit="sample")):
-            for name, (count, weight) in answer_row_recall(model, sample, sparse, layers).items():
-                recall[name].append((count, weight))
+            for name, shares in answer_row_recall(model, sample, sparse, layers).items():
+                recall[name].append(shares)
                 next(r for r in records if r["sample"] == index and r["spec"] == name).update(
-                    answer_row_recall=round(count, 4), answer_row_weight_recall=round(weight, 4))
+                    {field: round(share, 4) for field, share in zip(fields, shares)})
         summary = needle.summarize(records)
         for name, rows in recall.items():
-            summary[name]["answer_row_recall"] = round(statistics.fmean(c for c, _ in rows), 4)
-            summary[name]["answer_row_weight_recall"] = round(statistics.fmean(w for _, w in rows), 4)
+            summary[name].update({field: round(statistics.fmean(row[i] for row in rows), 4)
+                                  for i, field in enumerate(fields)})
         result["lengths"][str(tokens)] = {"summary": summary, "records": records}
         print(f"\n{tokens} tokens, {model_label(args.model)}:")
-        print(f"{'spec':24s} {'accuracy':>9s} {'log-lik gap':>12s} {'row recall':>11s} {'weight recall':>14s}")
+        print(f"{'spec':24s} {'accuracy':>9s} {'log-lik gap':>12s} {'in shortlist':>13s} {'rows read':>10s} "
+              f"{'weight read':>12s}")
         for name, row in summary.items():
-            print(f"{name:24s} {row['accuracy']:>9.2f} {row['logprob_gap']:>+12.3f} "
-                  f"{row.get('answer_row_recall', float('nan')):>11.3f} "
-                  f"{row.get('answer_row_weight_recall', float('nan')):>14.3f}")
+            shares = [row.get(field, math.nan) for field in fields]
+            print(f"{name:24s} {row['accuracy']:>9.2f} {row['logprob_gap']:>+12.3f} {shares[0]:>13.3f} "
+                  f"{shares[1]:>10.3f} {shares[2]:>12.3f}")
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
                          "threads": torch.get_num_threads()}

@@ -1,17 +1,17 @@
-"""PQS — product-quantised selection: every dimension of a key, one byte per sub-space.
+"""PQS — product-quantised selection: every dimension of a key, a few bits for each.
 
 QGS codes a key by its projection on a few directions (the context queries' and the keys' main ones); a query that
 looks elsewhere — an answer's query on Gemma-3's 256-dimensional heads — scores a needle's key by what those
 directions kept of it, and the needle misses the shortlist. Product quantisation (Jégou, Douze and Schmid, "Product
 quantization for nearest neighbor search", TPAMI 2011) covers every dimension instead: a head's D dimensions are split
-into M = D / ``dims`` sub-spaces; in each, 256 centroids are learnt from the context's keys (k-means,
-``oa_core.kmeans``) and a key is coded by its nearest centroid's number, one byte per sub-space. A query scores a key
-by table lookup, z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
+into M = D / ``dims`` sub-spaces; in each, 2^``bits`` centroids are learnt from the context's keys (k-means,
+``oa_core.kmeans``) and a key is coded by its nearest centroid's number. A query scores a key by table lookup,
+z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
 s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query.
 
-D / ``dims`` bytes per key: D/8 by default, 1/32 of a key and value in bf16, for every head size (the scoring bytes
-follow the head, not a constant). The shortlist's best ``rerank`` × budget rows are re-scored from their keys, as QGS's
-(``oa_core.rerank``).
+The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte): 1/16 of a
+key and value in bf16 on every head size, the scoring bytes following the head rather than a constant. The
+shortlist's best ``rerank`` × budget rows are re-scored from their keys, as QGS's (``oa_core.rerank``).
 
 On CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``) ``score`` is one Triton kernel after the tables
 (``group_lut_scores``); elsewhere the torch reference.
@@ -35,8 +35,8 @@ from oa_core.triton_path import tl, triton
 class PQSConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    dims: int = Field(default=8, ge=1, description="dimensions per sub-space: D / dims codes per key")
-    bits: Literal[4, 8] = Field(default=8, description="bits per code: 2^bits centroids per sub-space")
+    dims: int = Field(default=2, ge=1, description="dimensions per sub-space: D / dims codes per key")
+    bits: Literal[4, 8] = Field(default=4, description="bits per code: 2^bits centroids per sub-space")
     iterations: int = Field(default=8, ge=0, description="Lloyd iterations of each sub-space's k-means")
     train: int = Field(default=4096, ge=256, description="keys per (batch row, KV head) the centroids are learnt "
                        "from, evenly spaced over the context (all of them when it has fewer)")
@@ -84,7 +84,7 @@ def initial_centroids(points: Tensor, weight: Tensor, count: int) -> Tensor:
 
 
 class ProductQuantisedSelector(Selector):
-    """PQS: a byte per sub-space of every key, scored by table lookup (then the shortlist by exact logits)."""
+    """PQS: a code per sub-space of every key, scored by table lookup (then the shortlist by exact logits)."""
 
     name = "pq"
     Config = PQSConfig
@@ -100,7 +100,8 @@ class ProductQuantisedSelector(Selector):
         n = positions.shape[-1]
         points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
         weight = chosen[:, None, None, :].expand(B, Hkv, M, n).reshape(-1, n).float()
-        _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), self.config.iterations)
+        start = initial_centroids(points, weight, count)
+        _, centroids = lloyd_iterations(points, weight, start, self.config.iterations)
         centroids = centroids.view(B, Hkv, M, count, dims)
         return PQSIndex(centroids, encode(keys, centroids))
 

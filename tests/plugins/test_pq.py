@@ -19,23 +19,24 @@ def _reconstructed(index):
     return picked.permute(0, 1, 3, 2, 4).reshape(B, Hkv, -1, M * dims)
 
 
-def test_a_sub_space_of_at_most_256_keys_is_coded_exactly():
-    """With no more keys than a byte's centroids, every key is a centroid: the scores are the exact logits."""
+@pytest.mark.parametrize("bits, tokens", [(8, 200), (4, 16)])
+def test_a_sub_space_of_at_most_its_centroids_keys_is_coded_exactly(bits, tokens):
+    """With no more keys than 2^bits centroids, every key is a centroid: the scores are the exact logits."""
     gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(2, 2, 200, 32, generator=gen)
+    keys = torch.randn(2, 2, tokens, 32, generator=gen)
     query = group_queries(torch.randn(2, 6, 2, 32, generator=gen), 2, shared=False)
-    selector = ProductQuantisedSelector(PQSConfig(dims=8))
-    index = selector.build(keys, None, _everywhere(2, 2, 200))
-    assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, 200, 4)
-    assert index.centroids.shape == (2, 2, 4, 256, 8)
+    selector = ProductQuantisedSelector(PQSConfig(dims=8, bits=bits))
+    index = selector.build(keys, None, _everywhere(2, 2, tokens))
+    assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, tokens, 4)
+    assert index.centroids.shape == (2, 2, 4, 2 ** bits, 8)
     assert torch.allclose(_reconstructed(index), keys)
     assert torch.allclose(selector.score(query, index, keys, 0.25), OracleSelector().score(query, None, keys, 0.25),
                           atol=1e-5)
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
-@pytest.mark.parametrize("shared", [False, True], ids=["per head", "shared"])
-def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret, shared, monkeypatch):
+@pytest.mark.parametrize("shared, bits", [(False, 4), (True, 8)], ids=["per head, 4 bits", "shared, 8 bits"])
+def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret, shared, bits, monkeypatch):
     """z̃_i = s·Σ_m q_m·c_{m,code}: within s·Σ_m ‖q_m‖·‖k_im − c_{m,code}‖ of s·q·k_i, on the torch path and on the
     Triton kernel (each sub-space's centroid the nearest of the 256). Norms vary 100-fold; N is not a block's
     multiple."""
@@ -46,7 +47,7 @@ def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret,
     B, Hkv, g, T, N, D, dims = 2, 2, 3, 2, 900, 24, 8  # 3 sub-spaces
     keys = torch.randn(B, Hkv, N, D, generator=gen) * torch.logspace(-1, 1, N).view(1, 1, N, 1)
     decode = torch.randn(B, Hkv * g, T, D, generator=gen)
-    selector = ProductQuantisedSelector(PQSConfig(dims=dims))
+    selector = ProductQuantisedSelector(PQSConfig(dims=dims, bits=bits))
     index = selector.build(keys, None, _everywhere(B, Hkv, N))
     query = group_queries(decode, Hkv, shared)
     scores = selector.score(query, index, keys, 0.3)
@@ -68,7 +69,8 @@ def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret,
     assert torch.allclose(chosen, nearest, atol=1e-4)
 
 
-def test_the_fused_scores_match_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_fused_scores_match_the_torch_path(bits, monkeypatch):
     """The kernel takes each selection head's maximum over its G query heads before the positive factor s; odd
     sub-space counts and small blocks."""
     pytest.importorskip("triton")
@@ -78,7 +80,7 @@ def test_the_fused_scores_match_the_torch_path(monkeypatch):
     B, Hkv, g, T, N, D = 2, 3, 2, 3, 77, 12  # 3 sub-spaces of 4: M not a power of two
     keys = torch.randn(B, Hkv, N, D, generator=gen)
     query = group_queries(torch.randn(B, Hkv * g, T, D, generator=gen), Hkv, shared=True)
-    selector = ProductQuantisedSelector(PQSConfig(dims=4))
+    selector = ProductQuantisedSelector(PQSConfig(dims=4, bits=bits))
     index = selector.build(keys, None, _everywhere(B, Hkv, N))
     tables = torch.einsum("bhrmd,bhmcd->bhrmc", query.reshape(B, Hkv, g * T, 3, 4), index.centroids)
     fused = pq.group_lut_scores(tables, index.codes, 0.5, T, g, block_n=16).view(B, Hkv, 1, T, N)
@@ -127,7 +129,7 @@ def _outlier_case():
     return keys, prefill, decode
 
 
-@pytest.mark.parametrize("selector, found", [({"name": "pq", "dims": 4, "rerank": 0}, True),
+@pytest.mark.parametrize("selector, found", [({"name": "pq", "rerank": 0}, True),
                                              ({"name": "qgs", "rank": 4, "key_rank": 0, "rerank": 0}, False)],
                          ids=["pq", "qgs in the query subspace"])
 def test_a_key_where_no_context_query_looks_is_selected(selector, found):
