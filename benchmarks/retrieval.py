@@ -61,24 +61,29 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
     context = sample.context_ids.shape[1]
     captured = capture_attention(model, ids, layers)
     recalls: dict[str, list[tuple[float, float, float]]] = {name: [] for name in specs}
+    exact = oa.load_spec(ROOT / "specs" / f"{EXACT}.yaml").model_dump(mode="json")
     for queries, keys, values, scale in captured.values():
         keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
         prefill = queries[:, :, context - WINDOW:context].float()
-        weights = None
         outside = torch.zeros(n, dtype=torch.bool)
         outside[SPARSE["sink"]:n - SPARSE["local"]] = True
+
+        def reads(spec: dict):
+            pipe = oa.build(spec)
+            state = pipe.prepare(keys, values, prefill, scale=scale)
+            return pipe, state, metrics.exact_reads(pipe, state, query).reshape(-1, n) & outside
+
+        wanted_at: dict[float, torch.Tensor] = {}  # exact top-k's rows, per density
+        weights = None
         for name, spec in specs.items():
-            exact_spec = {**oa.load_spec(ROOT / "specs" / f"{EXACT}.yaml").model_dump(mode="json"), **SPARSE,
-                          "budget": spec["budget"]}
-            reads = {}
-            for which, this in (("exact", exact_spec), ("spec", spec)):
-                pipe = oa.build(this)
-                state = pipe.prepare(keys, values, prefill, scale=scale)
-                reads[which] = metrics.exact_reads(pipe, state, query).reshape(-1, n) & outside
-                if weights is None:
-                    weights = metrics.attention_weights(query, state).reshape(-1, n)
+            density = spec["budget"]["density"]
+            if density not in wanted_at:
+                _, state, wanted_at[density] = reads({**exact, **SPARSE, "budget": spec["budget"]})
+                weights = metrics.attention_weights(query, state).reshape(-1, n)
+            pipe, state, read = reads(spec)
             short = shortlist(pipe, state, query)
-            wanted, got = reads["exact"], reads["exact"] & reads["spec"]
+            wanted = wanted_at[density]
+            got = wanted & read
             for head in range(wanted.shape[0]):
                 count = int(wanted[head].sum())
                 if count:
