@@ -49,6 +49,7 @@ def mutation(name: str, file: str, edits, tests, bug: str) -> Mutation:
 
 QGS_TESTS = ("tests/plugins/test_qgs.py", "tests/test_selection.py", "tests/test_conformance.py")
 PQ_TESTS = ("tests/plugins/test_pq.py", "tests/test_conformance.py")
+RULER_TESTS = ("tests/test_ruler_fidelity.py",)
 ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py")
 KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_flash_kernel.py",
                 "tests/test_conformance.py")
@@ -93,6 +94,44 @@ MUTATIONS = [
              [("chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)",
                "chosen = (region.cumsum(-1) - 1) % stride.clamp_min(1) == 0")], PQ_TESTS,
              "the centroids also learn from the keys outside the clustered region (sink, local window, padding)"),
+    # -- RULER's generator (NVIDIA/RULER at c3f5e3b) -----------------------------------------------------------------
+    mutation("ruler-never-singular", "oa_core/eval/ruler_tasks.py",
+             [("singular = config.num_needle_q * config.num_needle_v == 1", "singular = False")], RULER_TESTS,
+             "a niah task asking for one value keeps the plural template"),
+    mutation("ruler-noise-lines-joined-by-spaces", "oa_core/eval/ruler_tasks.py",
+             [('context, where = "\\n".join(placed)', 'context, where = " ".join(placed)')], RULER_TESTS,
+             "the noise and needle haystacks' lines joined by spaces, not newlines"),
+    mutation("ruler-vt-statements-with-periods", "oa_core/eval/ruler_tasks.py",
+             [('[f"VAR {variables[0]} = {value}"]', '[f"VAR {variables[0]} = {value}."]')], RULER_TESTS,
+             "vt's first assignment ends with a period"),
+    mutation("ruler-vt-without-its-example", "oa_core/eval/ruler_tasks.py",
+             [('return Prompt(example + "\\n" + content, question, prefix, list(variables))',
+               'return Prompt(content, question, prefix, list(variables))')], RULER_TESTS,
+             "vt's worked example left out"),
+    mutation("ruler-cwe-without-its-example", "oa_core/eval/ruler_tasks.py",
+             [("return Prompt(content, question, prefix, order[:config.num_cw], history)",
+               "return Prompt(content, question, prefix, order[:config.num_cw])")], RULER_TESTS,
+             "cwe's worked example left out"),
+    mutation("ruler-cwe-list-by-lines", "oa_core/eval/ruler_tasks.py",
+             [('return " ".join(f"{i + 1}. {word}" for i, word in enumerate(items))',
+               'return "\\n".join(f"{i + 1}. {word}" for i, word in enumerate(items))')], RULER_TESTS,
+             "cwe's numbered list one word a line, not space-separated"),
+    mutation("ruler-fwe-answers-ranks-1-3", "oa_core/eval/ruler_tasks.py",
+             [('vocabulary[0] = "..."  # the top rank is noise', 'pass')], RULER_TESTS,
+             "fwe without its noise word: the answers are then the three most frequent words (an easier task)"),
+    mutation("ruler-query-without-oxford-comma", "oa_core/eval/ruler_tasks.py",
+             [('", ".join(queries[:-1]) + ", and " + queries[-1]', '", ".join(queries[:-1]) + " and " + queries[-1]')],
+             RULER_TESTS, "several keys asked joined 'a, b and c'"),
+    mutation("ruler-no-room-to-generate", "oa_core/eval/ruler.py",
+             [("budget = length - NEW_TOKENS[config.family]", "budget = length")], RULER_TESTS,
+             "the prompt alone fills the length, leaving no room for the tokens RULER lets the model generate"),
+    mutation("ruler-essays-from-a-later-word", "oa_core/eval/ruler_tasks.py",
+             [("text = \" \".join(words[:size] if size <= len(words)",
+               "text = \" \".join(words[100:100 + size] if size <= len(words)")], RULER_TESTS,
+             "the essay haystack starts past the essays' first word"),
+    mutation("ruler-keys-of-two-nouns", "oa_core/eval/ruler_tasks.py",
+             [('return f"{r.choice(adjectives)}-{r.choice(nouns)}"', 'return f"{r.choice(nouns)}-{r.choice(nouns)}"')],
+             RULER_TESTS, "niah keys drawn as noun-noun pairs, not adjective-noun"),
     # -- QGC (Eq. 4) ------------------------------------------------------------------------------------------------
     mutation("qgc-projection-without-sqrt-lambda", "plugins/clusterers/qgc.py",
              [("projection = basis * eigenvalues.sqrt()[..., None, :]", "projection = basis")], QGC_TESTS,
@@ -468,8 +507,13 @@ def _apply(source: Path, m: Mutation) -> str:
 
 def _environment(site: Path) -> dict[str, str]:
     """The copy first on the path (``site`` links ``oa_core`` and ``oa_plugins`` to it), no bytecode cache (a module
-    rewritten twice within a second must not load stale), the Triton kernels in their interpreter."""
-    return {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1", "TRITON_INTERPRET": "1"}
+    rewritten twice within a second must not load stale), the Triton kernels in their interpreter, and the essays
+    where this checkout finds them (the copy has no ``../shared`` beside it: the tests that need them would skip)."""
+    from oa_core.offline_model import haystack_candidates
+
+    found = next((path.parent for path in haystack_candidates() if path.is_file()), None)
+    data = {"OA_DATA_DIR": str(found)} if found and "OA_DATA_DIR" not in os.environ else {}
+    return {**os.environ, **data, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1", "TRITON_INTERPRET": "1"}
 
 
 def _check_imports_from(source: Path, site: Path) -> None:
@@ -518,6 +562,9 @@ def main(argv=None) -> int:
             print(tail)
             raise SystemExit(f"the tests fail without any mutation ({', '.join(failed) or 'see above'}): "
                              "fix them first")
+        if not re.search(r"\b\d+ passed", tail):  # every test skipped would catch nothing, and say nothing
+            print(tail)
+            raise SystemExit("no test ran on the unchanged copy (all skipped: see above)")
         rows = []
         for m in tqdm(chosen, desc="mutations", unit="mutation"):
             original = _apply(source, m)
