@@ -21,6 +21,7 @@ density answer it (setup B, sink 4 and local 16 for every sparse spec). Per spec
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import platform
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPARSE = {"sink": 4, "local": 16}  # 1% of 4K tokens is 40 rows: below the specs' own 4 + 64
 WINDOW = 256  # the integration's prefill query window: the context's last queries
 EXACT = "oracle-topk"
+RUN_FIELDS = ("model", "kinds", "texts", "seed", "sink", "local", "recall_layers", "specs")  # what a line must share
 
 
 def full_attention_layers(model, most: int = 6) -> list[int]:
@@ -65,7 +67,7 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
     for queries, keys, values, scale in captured.values():
         keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
         prefill = queries[:, :, context - WINDOW:context].float()
-        outside = torch.zeros(n, dtype=torch.bool)
+        outside = torch.zeros(n, dtype=torch.bool, device=keys.device)
         outside[SPARSE["sink"]:n - SPARSE["local"]] = True
 
         def reads(spec: dict):
@@ -98,9 +100,12 @@ def shortlist(pipe, state, query) -> torch.Tensor:
     """Each query head's best 4 × selectable budget clustered rows by the selector's own scores (before any re-rank),
     bool ``[Hq, n]`` (one batch row, one query)."""
     plan = state.plan()
+    if state.clusters is None:  # a state read densely (a budget above the context): every row is "shortlisted"
+        return torch.ones(query.shape[1], state.keys.shape[2], dtype=torch.bool, device=query.device)
     grouped = group_queries(query, state.keys.shape[1], pipe.spec.gqa == "shared")
     scores = pipe.selector.score(grouped, state.index, state.keys, state.scale)
-    scores = scores.masked_fill(plan.unclustered, -math.inf)
+    clusters = state.clusters  # positions outside every cluster (sink, local, padding) are read anyway
+    scores = scores.masked_fill((clusters.assignment >= clusters.num_clusters)[:, :, None, None, :], -math.inf)
     width = min(4 * int(plan.selectable.max()), scores.shape[-1])
     top = scores.topk(width, dim=-1)
     chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top.indices, top.values > -math.inf)
@@ -131,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="*", default=None,
                         help="layers of the recall diagnostic (default: the full-attention ones, at most six)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu (the default), cuda, cuda:1 ...")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/retrieval_<model>.json")
     args = parser.parse_args(argv)
     try:  # every spec checked before the model loads; the density, sink and local are the benchmark's
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     start = time.perf_counter()
     model, tokenizer = load_offline_model(args.model)
+    model.to(args.device)
     head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     layers = args.layers if args.layers is not None else full_attention_layers(model)
     sparse = {f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
@@ -151,34 +158,46 @@ def main(argv: list[str] | None = None) -> int:
               "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
               "scoring_bytes_per_key": {name: scoring_bytes(spec, head_dim) for name, spec in sparse.items()},
               "lengths": {}}
+    out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
+    log = out.with_suffix(".jsonl")  # one line per (length, sample, spec), appended as each sample ends: a rerun resumes
+    run = hashlib.sha256(json.dumps({k: result[k] for k in RUN_FIELDS}, sort_keys=True).encode()).hexdigest()[:12]
+    kept = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    kept = [r for r in kept if r.get("run") == run]  # another configuration's lines stay in the file, unread
+    fields = ("answer_rows_in_shortlist", "answer_rows_read", "answer_weight_read")
     for tokens in args.tokens:
+        done = {r["sample"] for r in kept if r["tokens"] == tokens}
         samples = needle.make_samples(tokenizer, args.samples, tokens, seed=args.seed, kinds=tuple(args.kinds),
                                       texts=tuple(args.texts))
-        records = needle.run(model, tokenizer, samples, specs)
-        recall = {name: [] for name in sparse}
-        fields = ("answer_rows_in_shortlist", "answer_rows_read", "answer_weight_read")
-        for index, sample in enumerate(tqdm(samples, desc=f"recall at {tokens}", unit="sample")):
-            for name, shares in answer_row_recall(model, sample, sparse, layers).items():
-                recall[name].append(shares)
-                next(r for r in records if r["sample"] == index and r["spec"] == name).update(
-                    {field: round(share, 4) for field, share in zip(fields, shares)})
+        for index, sample in enumerate(tqdm(samples, desc=f"retrieval at {tokens}", unit="sample")):
+            if index in done:
+                continue
+            records = needle.run(model, tokenizer, [sample], specs, progress=False)
+            shares = answer_row_recall(model, sample, sparse, layers)
+            with log.open("a") as stream:
+                for record in records:
+                    record.update({"run": run, "tokens": tokens, "sample": index})
+                    record.update({field: round(share, 4) for field, share in zip(fields, shares.get(record["spec"], ()))})
+                    stream.write(json.dumps(record) + "\n")
+            kept.extend(records)
+        records = [r for r in kept if r["tokens"] == tokens and r["sample"] < args.samples]
         summary = needle.summarize(records)
-        for name, rows in recall.items():
-            summary[name].update({field: round(statistics.fmean(row[i] for row in rows), 4)
-                                  for i, field in enumerate(fields)})
+        for name, row in summary.items():
+            rows = [r for r in records if r["spec"] == name and fields[0] in r]
+            row["correct"] = sum(r["correct"] for r in records if r["spec"] == name)
+            row.update({field: round(statistics.fmean(r[field] for r in rows), 4) for field in fields if rows})
         result["lengths"][str(tokens)] = {"summary": summary, "records": records}
         print(f"\n{tokens} tokens, {model_label(args.model)}:")
-        print(f"{'spec':24s} {'accuracy':>9s} {'log-lik gap':>12s} {'in shortlist':>13s} {'rows read':>10s} "
+        print(f"{'spec':24s} {'correct':>8s} {'log-lik gap':>12s} {'in shortlist':>13s} {'rows read':>10s} "
               f"{'weight read':>12s}")
         for name, row in summary.items():
             shares = [row.get(field, math.nan) for field in fields]
-            print(f"{name:24s} {row['accuracy']:>9.2f} {row['logprob_gap']:>+12.3f} {shares[0]:>13.3f} "
-                  f"{shares[1]:>10.3f} {shares[2]:>12.3f}")
+            print(f"{name:24s} {row['correct']:>5d}/{row['samples']:<2d} {row['logprob_gap']:>+12.3f} "
+                  f"{shares[0]:>13.3f} {shares[1]:>10.3f} {shares[2]:>12.3f}")
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
-                         "threads": torch.get_num_threads()}
+                         "threads": torch.get_num_threads(), "device": str(model.device),
+                         "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None}
     result["command"] = "python benchmarks/retrieval.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
