@@ -2,6 +2,9 @@
 
     python benchmarks/retrieval.py --model gemma3-270m --tokens 4096 8192   # benchmarks/results/retrieval_<model>.json
     python benchmarks/retrieval.py --model smollm2-135m --specs specs/openattention.yaml my-spec.yaml
+    python benchmarks/retrieval.py --model gemma3-270m --device cuda     # the same on a GPU
+
+Each sample's lines go to retrieval_<model>.jsonl as it ends; the same command run again resumes from them.
 
 Per length, ``--samples`` seeded needle prompts (``oa_core.needle``): sample i hides a 7-digit number, a hyphenated
 word pair or a UUID (in turn) in the essays, Python's reference prose or Python source (in turn), at a random depth.
