@@ -80,8 +80,9 @@ MUTATIONS = [
              QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
     # -- PQS (product-quantised selection) ---------------------------------------------------------------------------
     mutation("pq-torch-score-skips-a-sub-space", "plugins/selectors/pq.py",
-             [("scores = scale * picked.view(B, Hkv, -1, N, M).sum(-1)",
-               "scores = scale * picked.view(B, Hkv, -1, N, M)[..., 1:].sum(-1)")], PQ_TESTS,
+             [("offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)",
+               "offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)"
+               "[..., 1:]")], PQ_TESTS,
              "the torch scores add the tables of every sub-space but the first"),
     mutation("pq-triton-score-skips-a-sub-space", "plugins/selectors/pq.py",
              [("both = in_n[:, None] & (offs_m[None, :] < M)", "both = in_n[:, None] & (offs_m[None, :] < M - 1)")],

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
@@ -118,12 +119,14 @@ class ProductQuantisedSelector(Selector):
         tables = torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids)  # q_m·c_{m,j}: [B, Hkv, rows, M, C]
         if triton_path.unavailable_reason(query.device) is None and scale > 0:
             return group_lut_scores(tables, index.codes, scale, T, G).view(B, Hkv, Gs, T, -1)
-        offsets = index.codes.long() + C * torch.arange(M, device=query.device)  # [B, Hkv, N, M]
-        N = offsets.shape[2]
-        picked = tables.reshape(B, Hkv, -1, M * C).gather(
-            -1, offsets.reshape(B, Hkv, 1, N * M).expand(B, Hkv, tables.shape[2], N * M))
-        scores = scale * picked.view(B, Hkv, -1, N, M).sum(-1)
-        return scores.view(B, Hkv, Gs, G, T, N).amax(3)
+        # Each key a bag of its M table entries (sub-space m's code j at m·C + j), summed by embedding_bag: one pass
+        # over the codes per (batch row, KV head) for all its query rows, not a gather of rows × N × M entries.
+        N, rows = index.codes.shape[2], tables.shape[2]
+        offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)
+        entries = tables.reshape(B * Hkv, rows, M * C).transpose(1, 2).contiguous()  # [B·Hkv, M·C, rows]
+        sums = torch.stack([F.embedding_bag(offsets[i], entries[i], mode="sum") for i in range(B * Hkv)])
+        scores = scale * sums.transpose(1, 2).reshape(B, Hkv, Gs, G, T, N)
+        return scores.amax(3)
 
     @property
     def refines(self) -> bool:
