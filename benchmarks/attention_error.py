@@ -39,6 +39,8 @@ METHODS = {
     # the keys' spread outside it).
     "openattention-query-basis": {**DEFAULT, "selector": {"name": "qgs", "params": {"key_rank": 0}},
                                   "gqa": "per_head"},
+    # The default with PQS's product-quantised codes of every dimension in QGS's place (specs/ablate-selector-pq.yaml).
+    "openattention-pq": {**DEFAULT, "selector": {"name": "pq", "params": {"dims": 2, "bits": 4}}, "gqa": "per_head"},
     # The selector isolated: the default with exact logits (the oracle selector) instead of QGS.
     "openattention-oracle-selection": {**DEFAULT, "selector": "oracle", "gqa": "per_head"},
     "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "gqa": "per_head"},
@@ -52,7 +54,7 @@ METHODS = {
 }
 # The accuracy issue's targets: mean error at most this fraction of oracle top-k's, at these densities.
 TARGETS = {0.01: 0.4, 0.03: 0.4}
-CANDIDATES = ("openattention", "openattention-shared")  # the methods held against the targets
+CANDIDATES = ("openattention", "openattention-shared", "openattention-pq")  # the methods held against the targets
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -48,6 +48,7 @@ def mutation(name: str, file: str, edits, tests, bug: str) -> Mutation:
 
 
 QGS_TESTS = ("tests/plugins/test_qgs.py", "tests/test_selection.py", "tests/test_conformance.py")
+PQ_TESTS = ("tests/plugins/test_pq.py", "tests/test_conformance.py")
 RULER_TESTS = ("tests/test_ruler_fidelity.py",)
 ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py")
 KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_flash_kernel.py",
@@ -77,6 +78,23 @@ MUTATIONS = [
              [("codes, scales = quantize(project(keys, index.basis))\n        return {",
                "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return {")],
              QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
+    # -- PQS (product-quantised selection) ---------------------------------------------------------------------------
+    mutation("pq-torch-score-skips-a-sub-space", "plugins/selectors/pq.py",
+             [("offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)",
+               "offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)"
+               "[..., 1:]")], PQ_TESTS,
+             "the torch scores add the tables of every sub-space but the first"),
+    mutation("pq-triton-score-skips-a-sub-space", "plugins/selectors/pq.py",
+             [("both = in_n[:, None] & (offs_m[None, :] < M)", "both = in_n[:, None] & (offs_m[None, :] < M - 1)")],
+             PQ_TESTS, "the fused scores read the codes of every sub-space but the last"),
+    mutation("pq-growth-codes-off-by-one", "plugins/selectors/pq.py",
+             [("return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8)",
+               "return ((nearest(sub_spaces(keys, dims), centroids) + 1) % 256).to(torch.uint8)")], PQ_TESTS,
+             "decode-time growth codes a key by the centroid after its nearest"),
+    mutation("pq-trains-on-unclustered-keys", "plugins/selectors/pq.py",
+             [("chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)",
+               "chosen = (region.cumsum(-1) - 1) % stride.clamp_min(1) == 0")], PQ_TESTS,
+             "the centroids also learn from the keys outside the clustered region (sink, local window, padding)"),
     # -- RULER's generator (NVIDIA/RULER at c3f5e3b) -----------------------------------------------------------------
     mutation("ruler-never-singular", "oa_core/eval/ruler_tasks.py",
              [("singular = config.num_needle_q * config.num_needle_v == 1", "singular = False")], RULER_TESTS,

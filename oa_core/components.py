@@ -141,6 +141,11 @@ class Selector(Component):
         needs ``extend`` overridden, and the fast path does not apply)."""
         return None
 
+    def scoring_bytes(self, head_dim: int) -> float | None:
+        """What ``score`` reads per key, in bytes, where a deployment keeps keys in bf16 (2·D bytes each): its codes
+        or bounds, for a budget's arithmetic of what a step reads. None: not stated."""
+        return None
+
     def score(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor:
         """query ``[B, Hkv, Gs, G, T, D]`` → approximate logits ``[B, Hkv, Gs, T, N]`` (float32): for each selection
         head, the largest over its G query heads (any order-preserving score will do: only the ranking matters)."""

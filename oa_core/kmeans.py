@@ -166,13 +166,22 @@ def assign_and_sum(points: Tensor, weight: Tensor, centroids: Tensor) -> tuple[T
     return assignment, sum_by_slot(slot, points, C), sum_by_slot(slot, weight, C)
 
 
+NEAREST_CHUNK = 1 << 19  # distances computed at a time on the CPU (2 MiB of float32)
+
+
 def nearest(points: Tensor, centroids: Tensor) -> Tensor:
     """points ``[..., n, r]``, centroids ``[..., C, r]`` → index of the nearest centroid ``[..., n]`` (the first of
     equals): argmin over b of ‖μ_b‖² − 2·x·μ_b. On CUDA tensors one Triton pass over the points."""
     if on_gpu(points):
         return nearest_triton(points, centroids)
-    distance = (centroids * centroids).sum(-1)[..., None, :] - 2 * points @ centroids.transpose(-1, -2)
-    return distance.argmin(-1)
+    *lead, n, r = points.shape
+    flat, means = points.reshape(-1, n, r), centroids.reshape(-1, *centroids.shape[-2:])
+    norms, out = (means * means).sum(-1)[:, None, :], points.new_empty(flat.shape[:2], dtype=torch.long)
+    step = max(1, NEAREST_CHUNK // max(n * means.shape[1], 1))  # rows whose distances stay in the CPU's cache
+    for i in range(0, flat.shape[0], step):
+        part = slice(i, i + step)
+        out[part] = (norms[part] - 2 * flat[part] @ means[part].transpose(-1, -2)).argmin(-1)
+    return out.view(*lead, n)
 
 
 def nearest_triton(points: Tensor, centroids: Tensor, block_n: int | None = None, precision: str = "tf32x3") -> Tensor:

@@ -1,16 +1,19 @@
 """Needle in a haystack on a real model: dense attention against OpenAttention on one prefilled context.
 
-A seeded sample hides "The special magic number for <key> is: <7 digits>." at a random depth of an essay haystack
-fitted to a token length (RULER's niah_single_2 wording), asks for it through the model's chat template (plain text
-for a base model: ``offline_model.prompt_text``), and splits the prompt into the *context* (prefilled once, densely)
-and the *question* (decoded with each spec: setup B). Each spec answers greedily from its own copy of the context's
-cache; the teacher-forced log-likelihood of the true answer is measured the same way.
+A seeded sample hides "The special magic {number|word|uuid} for <key> is: <value>." at a random depth of a haystack
+text fitted to a token length (RULER's niah wording; the essays by default, or another of ``offline_model.TEXTS``),
+asks for it through the model's chat template (plain text for a base model: ``offline_model.prompt_text``), and
+splits the prompt into the *context* (prefilled once, densely) and the *question* (decoded with each spec: setup B).
+Each spec answers greedily from its own copy of the context's cache; the teacher-forced log-likelihood of the true
+answer is measured the same way. Values: 7 digits (``number``), two words joined by a hyphen (``word``), a version-4
+UUID (``uuid``: a long code, where a selection that loses rows gets the last characters wrong).
 """
 
 from __future__ import annotations
 
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,44 +26,62 @@ from oa_core.offline_model import haystack_text, prompt_text
 WORDS = ("amber", "breeze", "candle", "dune", "ember", "falcon", "glacier", "harbor", "ivory", "juniper", "kettle",
          "lantern", "meadow", "nectar", "orchid", "pebble", "quartz", "river", "saffron", "timber", "umbra",
          "velvet", "willow", "zephyr")
-INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will "
-               "quiz you about the numbers afterwards.\n")
+INSTRUCTION = ("Some special magic {kinds} are hidden within the following text. Make sure to memorize it. I will "
+               "quiz you about the {kinds} afterwards.\n")
+KINDS = ("number", "word", "uuid")
 
 
 @dataclass
 class NeedleSample:
     context_ids: Tensor  # [1, N]: chat prefix (or <bos>), instruction and haystack with the needle
     question_ids: Tensor  # [1, Q]: question, end of the user turn, assistant prefix and answer prefix
-    answer: str  # the 7-digit number
+    answer: str  # the value: 7 digits, two words or a UUID
     answer_ids: Tensor  # [1, A]: the answer as the model would continue the answer prefix
     depth: float  # where the needle sits, as a fraction of the haystack
+    kind: str = "number"
+    text: str = "essays"
 
 
 CHARS_PER_TOKEN = 12  # the essays' characters a sample reads per token of its context (a margin over ~4)
 
 
-def make_samples(tokenizer, count: int, tokens: int, seed: int = 0) -> list[NeedleSample]:
-    """``count`` seeded samples whose context is ``tokens`` tokens (± a sentence)."""
-    text = haystack_text()
+def make_samples(tokenizer, count: int, tokens: int, seed: int = 0, kinds: tuple[str, ...] = ("number",),
+                 texts: tuple[str, ...] = ("essays",)) -> list[NeedleSample]:
+    """``count`` seeded samples whose context is ``tokens`` tokens (± a sentence); sample i hides a value of
+    ``kinds[i % len(kinds)]`` in ``texts[i // len(kinds) % len(texts)]``."""
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"kinds: unknown {kind!r}; known: {', '.join(KINDS)}")
+    haystacks = {name: haystack_text(name) for name in dict.fromkeys(texts)}  # an unknown name: a clear ValueError
     samples = []
     for index in range(count):
+        kind, name = kinds[index % len(kinds)], texts[index // len(kinds) % len(texts)]
+        text = haystacks[name]
         rng = random.Random(f"needle:{seed}:{index}")
         key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
-        value = str(rng.randint(1_000_000, 9_999_999))
-        start = rng.randrange(0, len(text) - CHARS_PER_TOKEN * tokens)
+        value = _value(kind, rng)
+        start = rng.randrange(0, max(1, len(text) - CHARS_PER_TOKEN * tokens))
         haystack = tokenizer.decode(tokenizer(text[start:start + CHARS_PER_TOKEN * tokens]).input_ids[:tokens - 60])
         depth = rng.random()
         cut = haystack.rfind(". ", 0, int(len(haystack) * depth)) + 2  # after a sentence (0 if none before)
-        context = haystack[:cut] + f"The special magic number for {key} is: {value}. " + haystack[cut:]
-        question = f"\nWhat is the special magic number for {key} mentioned in the provided text?"
-        chat = prompt_text(tokenizer, INSTRUCTION + context + question)
+        context = haystack[:cut] + f"The special magic {kind} for {key} is: {value}. " + haystack[cut:]
+        question = f"\nWhat is the special magic {kind} for {key} mentioned in the provided text?"
+        chat = prompt_text(tokenizer, INSTRUCTION.format(kinds=kind + "s") + context + question)
         split = chat.rindex(question)
         encode = lambda s: tokenizer(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
         samples.append(NeedleSample(
             context_ids=encode(chat[:split]),
-            question_ids=encode(chat[split:] + f"The special magic number for {key} mentioned in the provided text is"),
-            answer=value, answer_ids=encode(f" {value}."), depth=cut / max(len(haystack), 1)))
+            question_ids=encode(chat[split:] + f"The special magic {kind} for {key} mentioned in the provided text is"),
+            answer=value, answer_ids=encode(f" {value}."), depth=cut / max(len(haystack), 1), kind=kind, text=name))
     return samples
+
+
+def _value(kind: str, rng: random.Random) -> str:
+    if kind == "number":
+        return str(rng.randint(1_000_000, 9_999_999))
+    if kind == "word":
+        return f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
 def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], max_new_tokens: int = 12,
@@ -88,8 +109,9 @@ def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], ma
                 logprob = float(oa.answer_logprob(model, shared, rest, answer)[0])
                 handle.reset_stats()
                 text = tokenizer.decode(new[0], skip_special_tokens=True)
-                records.append({"sample": index, "spec": name, "answer": sample.answer, "output": text,
-                                "correct": sample.answer in text, "answer_logprob": logprob,
+                records.append({"sample": index, "spec": name, "kind": sample.kind, "text": sample.text,
+                                "answer": sample.answer, "output": text,
+                                "correct": sample.answer.lower() in text.lower(), "answer_logprob": logprob,
                                 "density": stats.density, "context_tokens": sample.context_ids.shape[1],
                                 "question_tokens": sample.question_ids.shape[1], "depth": round(sample.depth, 3),
                                 "prefill_s": round(prefill_s, 2), "generate_s": round(generate_s, 2),

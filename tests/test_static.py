@@ -65,6 +65,17 @@ def test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows
         assert relative_error(out, ref_out) < 1e-5
 
 
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_pqs_codes_grown_in_place_read_the_reference_rows(gqa):
+    """PQS on the fast path: each new row coded into the static index (``token_codes``) as the reference appends it,
+    and selectable once it leaves the local window (24 steps past a window of 16)."""
+    spec = {**SPEC, "gqa": gqa, "kernel": "torch", "selector": {"name": "pq", "params": {"dims": 2, "bits": 4}},
+            "allocator": {"name": "errorgate", "params": {"floor": 0.5}}}
+    for ref_rows, rows, ref_out, out in run_both(spec, steps=24):
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-5
+
+
 def test_the_triton_path_matches_too():
     """Under the interpreter: the QGS kernel, ErrorGate's fused allocation, the member-list selection and flash."""
     if not oa.available()["kernel"] or "flash" not in oa.available()["kernel"]:

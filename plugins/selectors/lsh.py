@@ -66,6 +66,9 @@ class SimHashSelector(Selector):
         index = LSHIndex(planes, center, keys.new_zeros(B, Hkv, 0, L, dtype=_bucket_dtype(K)))
         return self.extend(index, keys)
 
+    def scoring_bytes(self, head_dim: int) -> float:
+        return self.config.K * self.config.L / 8  # K·L sign bits
+
     def token_codes(self, index: LSHIndex, keys: Tensor) -> dict[str, Tensor]:
         return {"buckets": self._hash(index, keys.float() - index.center)}
 

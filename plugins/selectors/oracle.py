@@ -15,6 +15,9 @@ class OracleSelector(Selector):
 
     name = "oracle"
 
+    def scoring_bytes(self, head_dim: int) -> float:
+        return 2 * head_dim  # the key itself, in bf16
+
     def token_codes(self, index: None, keys: Tensor) -> dict[str, Tensor]:
         return {}  # it reads the keys themselves
 

@@ -78,6 +78,9 @@ class QuerySubspaceSelector(Selector):
         codes, scales = quantize(project(keys, basis))
         return QGSIndex(basis, codes, scales)
 
+    def scoring_bytes(self, head_dim: int) -> float:
+        return self.config.rank + 4  # int8 codes and a float32 scale
+
     def token_codes(self, index: QGSIndex, keys: Tensor) -> dict[str, Tensor]:
         codes, scales = quantize(project(keys, index.basis))
         return {"codes": codes, "scales": scales}

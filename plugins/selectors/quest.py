@@ -43,6 +43,9 @@ class QuestSelector(Selector):
     name = "quest"
     Config = QuestConfig
 
+    def scoring_bytes(self, head_dim: int) -> float:
+        return 2 * 2 * head_dim / self.config.page_size  # a page's min and max keys in bf16, over its tokens
+
     def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
               generator: torch.Generator | None = None) -> QuestIndex:
         B, Hkv, N, D = keys.shape

@@ -1,0 +1,189 @@
+"""PQS — product-quantised selection: every dimension of a key, a few bits for each.
+
+QGS codes a key by its projection on a few directions (the context queries' and the keys' main ones); a query that
+looks elsewhere — an answer's query on Gemma-3's 256-dimensional heads — scores a needle's key by what those
+directions kept of it, and the needle misses the shortlist. Product quantisation (Jégou, Douze and Schmid, "Product
+quantization for nearest neighbor search", TPAMI 2011) covers every dimension instead: a head's D dimensions are split
+into M = D / ``dims`` sub-spaces; in each, 2^``bits`` centroids are learnt from the context's keys (k-means,
+``oa_core.kmeans``) and a key is coded by its nearest centroid's number. A query scores a key by table lookup,
+z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
+s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query.
+
+The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte): 1/16 of a
+key and value in bf16 on every head size, the scoring bytes following the head rather than a constant. The
+shortlist's best ``rerank`` × budget rows are re-scored from their keys, as QGS's (``oa_core.rerank``).
+
+On CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``) ``score`` is one Triton kernel after the tables
+(``group_lut_scores``); elsewhere the torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from oa_core import hookimpl, triton_path
+from oa_core.components import Clusters, Selector
+from oa_core.kmeans import lloyd_iterations, nearest
+from oa_core.rerank import rerank_exact
+from oa_core.triton_path import tl, triton
+
+class PQSConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dims: int = Field(default=2, ge=1, description="dimensions per sub-space: D / dims codes per key")
+    bits: Literal[4, 8] = Field(default=4, description="bits per code: 2^bits centroids per sub-space")
+    iterations: int = Field(default=8, ge=0, description="Lloyd iterations of each sub-space's k-means")
+    train: int = Field(default=4096, ge=256, description="keys per (batch row, KV head) the centroids are learnt "
+                       "from, evenly spaced over the context (all of them when it has fewer)")
+    rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
+                          "selectable budget (0: the codes' scores alone)")
+
+
+@dataclass
+class PQSIndex:
+    centroids: Tensor  # [B, Hkv, M, 2^bits, dims] float32
+    codes: Tensor  # [B, Hkv, N, M] uint8 (4-bit codes are kept a byte each here; a deployment packs two a byte)
+
+
+def sub_spaces(keys: Tensor, dims: int) -> Tensor:
+    """keys ``[B, Hkv, N, D]`` → ``[B, Hkv, M, N, dims]`` float32, M = D / dims (a view's copy)."""
+    B, Hkv, N, D = keys.shape
+    return keys.float().reshape(B, Hkv, N, D // dims, dims).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def encode(keys: Tensor, centroids: Tensor) -> Tensor:
+    """keys ``[B, Hkv, N, D]``, centroids ``[B, Hkv, M, C, dims]`` → codes ``[B, Hkv, N, M]`` uint8: each sub-space's
+    nearest centroid."""
+    dims = centroids.shape[-1]
+    return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8).transpose(-1, -2).contiguous()
+
+
+def training_positions(region: Tensor, most: int) -> tuple[Tensor, Tensor]:
+    """region ``[B, N]`` → (the positions of the keys the centroids are learnt from ``[B, n]``, which of them are
+    such keys ``[B, n]``), n = min(``most``, N): every k-th key of the region, k = ⌈its size / most⌉, in order
+    (deterministic, spread over the whole context); a row with fewer fills its end with other positions, not chosen."""
+    stride = (region.sum(-1, keepdim=True) + most - 1) // most
+    chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)
+    positions = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)[:, :min(most, region.shape[-1])]
+    return positions, chosen.gather(-1, positions)
+
+
+def initial_centroids(points: Tensor, weight: Tensor, count: int) -> Tensor:
+    """points ``[P, n, dims]`` whose chosen ones (``weight`` > 0) come first → ``count`` starting centroids ``[P,
+    count, dims]``: the chosen points at evenly spaced ranks (repeated where there are fewer). No draw, no
+    k-means++: its sequential passes cost more than the Lloyd iterations that follow."""
+    available = (weight > 0).sum(-1, keepdim=True)  # [P, 1]
+    ranks = (torch.arange(count, device=points.device) * available) // count
+    picked = ranks.clamp_max((available - 1).clamp_min(0))  # [P, count]
+    return points.gather(1, picked[..., None].expand(*picked.shape, points.shape[-1]))
+
+
+class ProductQuantisedSelector(Selector):
+    """PQS: a code per sub-space of every key, scored by table lookup (then the shortlist by exact logits)."""
+
+    name = "pq"
+    Config = PQSConfig
+
+    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
+              generator: torch.Generator | None = None) -> PQSIndex:
+        B, Hkv, N, D = keys.shape
+        dims = self.config.dims
+        if D % dims:
+            raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
+        M, count = D // dims, 2 ** self.config.bits
+        positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
+        n = positions.shape[-1]
+        points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
+        weight = chosen[:, None, None, :].expand(B, Hkv, M, n).reshape(-1, n).float()
+        start = initial_centroids(points, weight, count)
+        _, centroids = lloyd_iterations(points, weight, start, self.config.iterations)
+        centroids = centroids.view(B, Hkv, M, count, dims)
+        return PQSIndex(centroids, encode(keys, centroids))
+
+    def scoring_bytes(self, head_dim: int) -> float:
+        return head_dim / self.config.dims * self.config.bits / 8  # a code per sub-space
+
+    def token_codes(self, index: PQSIndex, keys: Tensor) -> dict[str, Tensor]:
+        return {"codes": encode(keys, index.centroids)}
+
+    def score(self, query: Tensor, index: PQSIndex, keys: Tensor, scale: float) -> Tensor:
+        B, Hkv, Gs, G, T, D = query.shape
+        M, C, dims = index.centroids.shape[2:]
+        sub = query.float().reshape(B, Hkv, Gs * G * T, M, dims)  # rows (selection head, query head, query)
+        tables = torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids)  # q_m·c_{m,j}: [B, Hkv, rows, M, C]
+        if triton_path.unavailable_reason(query.device) is None and scale > 0:
+            return group_lut_scores(tables, index.codes, scale, T, G).view(B, Hkv, Gs, T, -1)
+        # Each key a bag of its M table entries (sub-space m's code j at m·C + j), summed by embedding_bag: one pass
+        # over the codes per (batch row, KV head) for all its query rows, not a gather of rows × N × M entries.
+        N, rows = index.codes.shape[2], tables.shape[2]
+        offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)
+        entries = tables.reshape(B * Hkv, rows, M * C).transpose(1, 2).contiguous()  # [B·Hkv, M·C, rows]
+        sums = torch.stack([F.embedding_bag(offsets[i], entries[i], mode="sum") for i in range(B * Hkv)])
+        scores = scale * sums.transpose(1, 2).reshape(B, Hkv, Gs, G, T, N)
+        return scores.amax(3)
+
+    @property
+    def refines(self) -> bool:
+        return self.config.rerank > 0
+
+    def refine(self, scores: Tensor, query: Tensor, index: PQSIndex, keys: Tensor, scale: float, budget: Tensor,
+               width: int) -> Tensor:
+        """With ``rerank`` > 0 the best ``rerank`` × budget rows by the codes' scores are re-scored from their keys."""
+        return rerank_exact(scores, query, keys, scale, self.config.rerank, budget, width)
+
+
+def group_lut_scores(tables: Tensor, codes: Tensor, scale: float, queries: int, group: int, *,
+                     block_n: int | None = None, num_warps: int = 4) -> Tensor:
+    """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
+    (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, M]`` uint8, ``scale`` s > 0; ``group``: the
+    heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group): s·max over the selection head's
+    group of Σ_m table[m, code_m]. Launches one kernel and waits for nothing."""
+    B, Hkv, Q, M, C = tables.shape
+    N = codes.shape[2]
+    rows = Q // group
+    out = torch.empty(B, Hkv, rows, N, device=tables.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    block_n = block_n or min(256, max(16, triton.next_power_of_2(N)))
+    num_blocks = triton.cdiv(N, block_n)
+    _group_lut_scores[(B * Hkv * num_blocks,)](tables.contiguous(), codes.contiguous(), out, N, queries, rows,
+                                               num_blocks, scale, G=group, M=M, C=C, BLOCK_M=triton.next_power_of_2(M),
+                                               BLOCK_N=block_n, num_warps=num_warps)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _group_lut_scores(TABLES, CODES, OUT, N, T, ROWS, num_blocks, scale, G: tl.constexpr, M: tl.constexpr,
+                          C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program per (batch row, KV head, block of BLOCK_N tokens): the block's codes ``[BLOCK_N, M]`` stay in
+        registers while each of the ROWS output rows (selection head · T + query) takes the maximum over its G query
+        heads of a gather from that head's table (a C-entry row per sub-space) summed over the M sub-spaces."""
+        pid = tl.program_id(0)
+        head = (pid // num_blocks).to(tl.int64)
+        offs_n = (pid % num_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        in_n = offs_n < N
+        both = in_n[:, None] & (offs_m[None, :] < M)
+        codes = tl.load(CODES + (head * N + offs_n[:, None]) * M + offs_m[None, :], mask=both, other=0).to(tl.int32)
+        entry = offs_m[None, :] * C + codes  # each code's place in its sub-space's row of the table
+        for row in range(0, ROWS):
+            s = (row // T).to(tl.int64)
+            t = (row % T).to(tl.int64)
+            best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+            for j in tl.static_range(G):
+                table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
+                best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
+            tl.store(OUT + (head * ROWS + row) * N + offs_n, best * scale, mask=in_n)
+
+
+@hookimpl
+def register_selectors(register):
+    register(ProductQuantisedSelector)

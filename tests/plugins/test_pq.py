@@ -1,0 +1,151 @@
+import pytest
+import torch
+
+import oa_core as oa
+from oa_core.components import Clusters, group_queries
+from oa_plugins.selectors.oracle import OracleSelector
+from oa_plugins.selectors.pq import PQSConfig, ProductQuantisedSelector, sub_spaces, training_positions
+
+
+def _everywhere(batch, heads, tokens):
+    return Clusters(torch.zeros(batch, heads, tokens, dtype=torch.long), 1)
+
+
+def _reconstructed(index):
+    """Each key as its codes say: the centroid of its code in every sub-space, ``[B, Hkv, N, D]``."""
+    B, Hkv, M, C, dims = index.centroids.shape
+    codes = index.codes.long().permute(0, 1, 3, 2)  # [B, Hkv, M, N]
+    picked = index.centroids.gather(3, codes[..., None].expand(*codes.shape, dims))  # [B, Hkv, M, N, dims]
+    return picked.permute(0, 1, 3, 2, 4).reshape(B, Hkv, -1, M * dims)
+
+
+@pytest.mark.parametrize("bits, tokens", [(8, 200), (4, 16)])
+def test_a_sub_space_of_at_most_its_centroids_keys_is_coded_exactly(bits, tokens):
+    """With no more keys than 2^bits centroids, every key is a centroid: the scores are the exact logits."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, tokens, 32, generator=gen)
+    query = group_queries(torch.randn(2, 6, 2, 32, generator=gen), 2, shared=False)
+    selector = ProductQuantisedSelector(PQSConfig(dims=8, bits=bits))
+    index = selector.build(keys, None, _everywhere(2, 2, tokens))
+    assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, tokens, 4)
+    assert index.centroids.shape == (2, 2, 4, 2 ** bits, 8)
+    assert torch.allclose(_reconstructed(index), keys)
+    assert torch.allclose(selector.score(query, index, keys, 0.25), OracleSelector().score(query, None, keys, 0.25),
+                          atol=1e-5)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
+@pytest.mark.parametrize("shared, bits", [(False, 4), (True, 8)], ids=["per head, 4 bits", "shared, 8 bits"])
+def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret, shared, bits, monkeypatch):
+    """z̃_i = s·Σ_m q_m·c_{m,code}: within s·Σ_m ‖q_m‖·‖k_im − c_{m,code}‖ of s·q·k_i, on the torch path and on the
+    Triton kernel (each sub-space's centroid the nearest of the 256). Norms vary 100-fold; N is not a block's
+    multiple."""
+    if interpret == "1":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    gen = torch.Generator().manual_seed(1)
+    B, Hkv, g, T, N, D, dims = 2, 2, 3, 2, 900, 24, 8  # 3 sub-spaces
+    keys = torch.randn(B, Hkv, N, D, generator=gen) * torch.logspace(-1, 1, N).view(1, 1, N, 1)
+    decode = torch.randn(B, Hkv * g, T, D, generator=gen)
+    selector = ProductQuantisedSelector(PQSConfig(dims=dims, bits=bits))
+    index = selector.build(keys, None, _everywhere(B, Hkv, N))
+    query = group_queries(decode, Hkv, shared)
+    scores = selector.score(query, index, keys, 0.3)
+    error = keys - _reconstructed(index)  # [B, Hkv, N, D]
+    per_head = decode.view(B, Hkv, g, T, D)
+    exact = 0.3 * torch.einsum("bhgtd,bhnd->bhgtn", per_head, keys)
+    bound = 0.3 * torch.einsum("bhgtm,bhnm->bhgtn", per_head.unflatten(-1, (-1, dims)).norm(dim=-1),
+                               error.unflatten(-1, (-1, dims)).norm(dim=-1))
+    if shared:  # |max_j a_j − max_j b_j| ≤ max_j |a_j − b_j|
+        exact, bound = exact.amax(2, keepdim=True), bound.amax(2, keepdim=True)
+    assert scores.shape == exact.shape == (B, Hkv, 1 if shared else g, T, N)
+    assert ((scores - exact).abs() <= bound + 1e-4).all()
+    # Each code is its sub-space's nearest centroid.
+    points = sub_spaces(keys, dims)  # [B, Hkv, M, N, dims]
+    nearest = (points[..., :, None, :] - index.centroids[..., None, :, :]).norm(dim=-1).amin(-1)  # (not cdist's
+    # matmul form, whose rounding at these norms is larger than the gaps it would judge)
+    chosen = (points - index.centroids.gather(
+        3, index.codes.long().permute(0, 1, 3, 2)[..., None].expand(*points.shape))).norm(dim=-1)
+    assert torch.allclose(chosen, nearest, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_fused_scores_match_the_torch_path(bits, monkeypatch):
+    """The kernel takes each selection head's maximum over its G query heads before the positive factor s; odd
+    sub-space counts and small blocks."""
+    pytest.importorskip("triton")
+    from oa_plugins.selectors import pq
+
+    gen = torch.Generator().manual_seed(2)
+    B, Hkv, g, T, N, D = 2, 3, 2, 3, 77, 12  # 3 sub-spaces of 4: M not a power of two
+    keys = torch.randn(B, Hkv, N, D, generator=gen)
+    query = group_queries(torch.randn(B, Hkv * g, T, D, generator=gen), Hkv, shared=True)
+    selector = ProductQuantisedSelector(PQSConfig(dims=4, bits=bits))
+    index = selector.build(keys, None, _everywhere(B, Hkv, N))
+    tables = torch.einsum("bhrmd,bhmcd->bhrmc", query.reshape(B, Hkv, g * T, 3, 4), index.centroids)
+    fused = pq.group_lut_scores(tables, index.codes, 0.5, T, g, block_n=16).view(B, Hkv, 1, T, N)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert torch.allclose(fused, selector.score(query, index, keys, 0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_new_keys_are_coded_by_the_centroids_prepare_learnt():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 600, 16, generator=gen)
+    selector = ProductQuantisedSelector(PQSConfig(dims=4))
+    first = selector.build(keys[:, :, :500], None, _everywhere(1, 2, 500))
+    grown = selector.extend(first, keys[:, :, 500:])
+    assert torch.equal(grown.centroids, first.centroids) and torch.equal(grown.codes[:, :, :500], first.codes)
+    points = sub_spaces(keys[:, :, 500:], 4)
+    expected = (points[..., :, None, :] - first.centroids[..., None, :, :]).norm(dim=-1).argmin(-1).permute(0, 1, 3, 2)
+    assert torch.equal(grown.codes[:, :, 500:].long(), expected)
+
+
+def test_the_centroids_learn_from_at_most_train_keys_spread_over_the_region():
+    region = torch.zeros(2, 1000, dtype=torch.bool)
+    region[0, 4:980] = True
+    region[1, 300:500] = True
+    positions, chosen = training_positions(region, 256)
+    assert positions.shape == (2, 256)
+    assert chosen[0].sum() <= 256 and chosen[1].sum() == 200  # a region smaller than the bound: all of it
+    assert all(bool(region[row, positions[row][chosen[row]]].all()) for row in range(2))
+    where = positions[0][chosen[0]]
+    assert where[0] == 4 and where[-1] > 900  # from the region's first key to near its end, evenly
+    assert (where.diff() == where.diff()[0]).all()
+    assert torch.equal(positions[1][:200], torch.arange(300, 500))  # chosen first, in order
+
+
+def _outlier_case():
+    """Many keys spread in dims 0-3, where every prefill query looks, and one (row 300) far out along dim 13, where
+    none does; a decode query that looks along dim 13 too (a needle's answer on Gemma-3, README)."""
+    gen = torch.Generator().manual_seed(4)
+    keys = 0.1 * torch.randn(1, 1, 1024, 16, generator=gen)
+    keys[..., :4] *= 30
+    keys[0, 0, 300, 13] = 3.0
+    prefill = torch.zeros(1, 2, 64, 16)
+    prefill[..., :4] = torch.randn(1, 2, 64, 4, generator=gen)
+    decode = torch.zeros(1, 2, 1, 16)
+    decode[..., :4] = torch.randn(1, 2, 1, 4, generator=gen)
+    decode[..., 13] = 10.0
+    return keys, prefill, decode
+
+
+@pytest.mark.parametrize("selector, found", [({"name": "pq", "rerank": 0}, True),
+                                             ({"name": "qgs", "rank": 4, "key_rank": 0, "rerank": 0}, False)],
+                         ids=["pq", "qgs in the query subspace"])
+def test_a_key_where_no_context_query_looks_is_selected(selector, found):
+    """PQ codes every dimension, so the key reaches the selection whatever direction the query takes; a code of the
+    context queries' subspace does not see it."""
+    keys, prefill, decode = _outlier_case()
+    pipe = oa.build({"clusterer": {"name": "qgc", "num_clusters": 4, "rank": 4}, "kernel": "torch",
+                     "selector": selector, "allocator": "global", "tail": "discard", "budget": {"tokens": 20},
+                     "sink": 4, "local": 8})
+    state = pipe.prepare(keys, keys.clone(), prefill)
+    assert bool((pipe.explain(decode, state).selection.index == 300).any()) is found
+
+
+def test_a_head_dim_the_sub_spaces_do_not_divide_is_refused():
+    selector = ProductQuantisedSelector(PQSConfig(dims=8))
+    with pytest.raises(ValueError, match="selector 'pq': dims 8 does not divide the head dim 12"):
+        selector.build(torch.randn(1, 1, 300, 12), None, _everywhere(1, 1, 300))
+    with pytest.raises(oa.SpecError, match="dims"):
+        oa.build({"selector": {"name": "pq", "dims": 0}})
