@@ -53,3 +53,17 @@ def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, mult
     last = cut.masked_fill(~listed, math.inf).amin(-1, keepdim=True)
     out = scores + torch.where(listed.any(-1, keepdim=True), lowest - last - 1, 0.0)
     return out.scatter(-1, top, torch.where(listed, exact, out.gather(-1, top)))
+
+
+class ExactRerank:
+    """For a selector whose ``Config`` has ``rerank`` (a multiple of the selectable budget): with ``rerank`` > 0 the
+    best ``rerank`` × budget rows by its codes' scores are re-scored from their keys (``rerank_exact``). QGS and PQS
+    take their ``refines`` and ``refine`` from here."""
+
+    @property
+    def refines(self) -> bool:
+        return self.config.rerank > 0
+
+    def refine(self, scores: Tensor, query: Tensor, index, keys: Tensor, scale: float, budget: Tensor,
+               width: int) -> Tensor:
+        return rerank_exact(scores, query, keys, scale, self.config.rerank, budget, width)

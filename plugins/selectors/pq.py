@@ -30,7 +30,7 @@ from torch import Tensor
 from oa_core import hookimpl, triton_path
 from oa_core.components import Clusters, Selector
 from oa_core.kmeans import lloyd_iterations, nearest
-from oa_core.rerank import rerank_exact
+from oa_core.rerank import ExactRerank
 from oa_core.triton_path import tl, triton
 
 class PQSConfig(BaseModel):
@@ -84,7 +84,7 @@ def initial_centroids(points: Tensor, weight: Tensor, count: int) -> Tensor:
     return points.gather(1, picked[..., None].expand(*picked.shape, points.shape[-1]))
 
 
-class ProductQuantisedSelector(Selector):
+class ProductQuantisedSelector(ExactRerank, Selector):
     """PQS: a code per sub-space of every key, scored by table lookup (then the shortlist by exact logits)."""
 
     name = "pq"
@@ -127,15 +127,6 @@ class ProductQuantisedSelector(Selector):
         sums = torch.stack([F.embedding_bag(offsets[i], entries[i], mode="sum") for i in range(B * Hkv)])
         scores = scale * sums.transpose(1, 2).reshape(B, Hkv, Gs, G, T, N)
         return scores.amax(3)
-
-    @property
-    def refines(self) -> bool:
-        return self.config.rerank > 0
-
-    def refine(self, scores: Tensor, query: Tensor, index: PQSIndex, keys: Tensor, scale: float, budget: Tensor,
-               width: int) -> Tensor:
-        """With ``rerank`` > 0 the best ``rerank`` × budget rows by the codes' scores are re-scored from their keys."""
-        return rerank_exact(scores, query, keys, scale, self.config.rerank, budget, width)
 
 
 def group_lut_scores(tables: Tensor, codes: Tensor, scale: float, queries: int, group: int, *,

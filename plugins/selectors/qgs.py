@@ -23,7 +23,7 @@ from torch import Tensor
 from oa_core import hookimpl, triton_path
 from oa_core.components import Clusters, Selector
 from oa_core.geometry import QUERY_WINDOW, check_rank, project, query_geometry, with_key_spread
-from oa_core.rerank import rerank_exact
+from oa_core.rerank import ExactRerank
 from oa_core.triton_path import tl, triton
 
 
@@ -61,7 +61,7 @@ def quantize(projected: Tensor) -> tuple[Tensor, Tensor]:
     return torch.round(projected / scales[..., None]).to(torch.int8), scales
 
 
-class QuerySubspaceSelector(Selector):
+class QuerySubspaceSelector(ExactRerank, Selector):
     """QGS: int8 codes of keys projected on the query subspace (paper Eq. 5)."""
 
     name = "qgs"
@@ -94,15 +94,6 @@ class QuerySubspaceSelector(Selector):
             return group_int8_scores(projected, index.codes, index.scales, scale, T, G)
         scores = (projected @ index.codes.float().transpose(-1, -2)) * (scale * index.scales[:, :, None, :])
         return scores.view(B, Hkv, Gs, G, T, -1).amax(3)
-
-    @property
-    def refines(self) -> bool:
-        return self.config.rerank > 0
-
-    def refine(self, scores: Tensor, query: Tensor, index: QGSIndex, keys: Tensor, scale: float, budget: Tensor,
-               width: int) -> Tensor:
-        """With ``rerank`` > 0 the best ``rerank`` × budget rows by the codes' scores are re-scored from their keys."""
-        return rerank_exact(scores, query, keys, scale, self.config.rerank, budget, width)
 
 
 def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: float, queries: int, group: int, *,
