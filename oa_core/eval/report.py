@@ -111,18 +111,20 @@ def _error_section(rows: list[dict], out: Path) -> list[str]:
 
 def _bytes_section(records: list[dict]) -> list[str]:
     """Per sparse spec and density: the bytes per key of the context its selection reads (``Pipeline.scoring_bytes``),
-    from a record's resolved spec and head size. Empty when the records predate ``head_dim``."""
+    from a record's resolved spec and the model's head size (a folder holds one model's records; those written
+    before records had ``head_dim`` take it from the others). Empty when no record has it."""
     from oa_core.pipeline import build
 
-    specs = {(r["spec"], r["density"]): r for r in records if r.get("density") is not None and r.get("head_dim")}
-    if not specs:
+    head_dim = next((r["head_dim"] for r in records if r.get("head_dim")), None)
+    specs = {(r["spec"], r["density"]): r for r in records if r.get("density") is not None}
+    if head_dim is None or not specs:
         return []
     lines = ["## What the selection reads per key", "",
              "Bytes per key of the context, keys and values in bf16; a dense row is 2·D·2 bytes.", "",
              "| spec | density | head dim | codes or bounds | re-rank's keys | dense row |", "|" + "---|" * 6]
     for (spec, density), r in sorted(specs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
-        read = build(r["resolved_spec"]).scoring_bytes(r["head_dim"])
-        lines.append(f"| {spec} | {density:.0%} | {r['head_dim']} | {fmt(read['codes'], '.4g')} | "
+        read = build(r["resolved_spec"]).scoring_bytes(head_dim)
+        lines.append(f"| {spec} | {density:.0%} | {head_dim} | {fmt(read['codes'], '.4g')} | "
                      f"{read['rerank']:.4g} | {read['dense_row']} |")
     return lines + [""]
 
