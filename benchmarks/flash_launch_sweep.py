@@ -7,14 +7,19 @@ with the rows and output checked against the reference; then each compiled kerne
                                                                  # (bk) and clusters_per_chunk (cc)
     python benchmarks/flash_launch_sweep.py OUT.json occupancy   # fewer stages or warps: more programs per SM
 """
-import sys, json, torch
+import json
+import sys
+
+import torch
+
 sys.path.insert(0, "benchmarks")
-from kernel_h200 import graphed, bench, kernel_breakdown, decode_inputs, repeated_fused_step
 import oa_core as oa
+from kernel_h200 import bench, decode_inputs, graphed, kernel_breakdown, repeated_fused_step
 from oa_core import selection as selmod
+from oa_core.components import PooledClusters
 from oa_plugins.kernels.flash import FlashKernel
 from oa_plugins.kernels.reference import TorchKernel
-from oa_core.components import PooledClusters
+
 dev = torch.device("cuda")
 base_warps = selmod._warps
 results = []
@@ -56,7 +61,10 @@ for B, N, dens in SHAPES:
     torch.cuda.empty_cache()
 json.dump(results, open(sys.argv[1], "w"), indent=1)
 # registers and spills of every compiled kernel
-import triton, importlib
+import importlib
+
+import triton
+
 mods = ["oa_plugins.kernels.flash", "oa_plugins.kernels.flash_step", "oa_core.selection", "oa_plugins.selectors.qgs", "oa_core.cluster_stats"]
 for m in mods:
     mod = importlib.import_module(m)

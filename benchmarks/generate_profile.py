@@ -32,9 +32,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import generate_speed as gs  # noqa: E402  (the model, the methods and the timing of generate_speed)
+import generate_speed as gs  # the model, the methods and the timing of generate_speed
 
 HOST_PHASES = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch", "cudaStreamSynchronize")
 # The fast path's kernels (``_split_pass``: the dense engine's; ``_cluster_stats``: the fused step's in earlier commits).

@@ -29,7 +29,7 @@ import torch
 import oa_core as oa
 
 sys.path.insert(0, str(Path(__file__).parent))
-import generate_speed  # noqa: E402  (the benchmark's model and clock)
+import generate_speed  # the benchmark's model and clock
 
 OUT = Path(__file__).parent / "results" / "prepare_in_generate.json"
 TARGET = generate_speed.PREPARE_TARGET  # the issue's: prepare at most 10% of the model's dense prefill

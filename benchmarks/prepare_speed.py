@@ -104,7 +104,6 @@ def model_inputs(batch: int, context: int, device: torch.device, repeats: int) -
     static cache, and that model's dense prefill per layer in milliseconds (4 layers less 2, halved)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from generate_speed import build_model
-
     from oa_core.pipeline import Pipeline
 
     model = build_model(False, 4, device)

@@ -5,17 +5,37 @@ with one count-aware proxy per cluster of keys.
     pipe = oa.build({"clusterer": "qgc", "selector": "qgs", "budget": {"density": 0.03}})
 """
 
-from oa_core.hookspecs import hookimpl
-from oa_core.components import (AllocationInput, Allocator, Clusterer, Clusters, Component, Kernel,
-                                PooledClusters, Selection, Selector, group_queries)
+from oa_core.components import (
+    AllocationInput,
+    Allocator,
+    Clusterer,
+    Clusters,
+    Component,
+    Kernel,
+    PooledClusters,
+    Selection,
+    Selector,
+    group_queries,
+)
 from oa_core.contracts import ContractViolation
-from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_spec
-from oa_core.registry import available
-from oa_core.pipeline import AttendStats, Explanation, Pipeline, build
-from oa_core.state import PipelineState
-from oa_core.integration import (Context, GenerationStats, OpenAttentionHandle, answer_logprob, extend_context,
-                                 generate_from_context, patch, prefill_context, share_question, unpatch)
+from oa_core.hookspecs import hookimpl
+from oa_core.integration import (
+    Context,
+    GenerationStats,
+    OpenAttentionHandle,
+    answer_logprob,
+    extend_context,
+    generate_from_context,
+    patch,
+    prefill_context,
+    share_question,
+    unpatch,
+)
 from oa_core.integration import register as register_attention
+from oa_core.pipeline import AttendStats, Explanation, Pipeline, build
+from oa_core.registry import available
+from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_spec
+from oa_core.state import PipelineState
 
 __version__ = "0.1.0"
 

@@ -22,8 +22,14 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.offline_model import (OFFLINE_MODELS, TEXTS, capture_attention, haystack_text, load_offline_model,
-                                  model_label)
+from oa_core.offline_model import (
+    OFFLINE_MODELS,
+    TEXTS,
+    capture_attention,
+    haystack_text,
+    load_offline_model,
+    model_label,
+)
 
 PREFILL_QUERIES = 256
 

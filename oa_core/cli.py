@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tokens", type=int, default=3000, help="context length in tokens")
     demo.add_argument("--density", type=float, default=0.03, help="read density")
     demo.set_defaults(run=demo_command)
-    from oa_core.eval.ruler import HARD_TASKS
     from oa_core.eval.records import METRICS
+    from oa_core.eval.ruler import HARD_TASKS
 
     evaluate = command("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
     evaluate.add_argument("--model", default=None, help=MODEL_HELP)

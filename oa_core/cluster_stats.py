@@ -15,7 +15,6 @@ from torch import Tensor
 
 from oa_core import triton_path
 from oa_core.scatter import min_by_slot, sum_by_slot
-
 from oa_core.triton_path import tl, triton
 
 

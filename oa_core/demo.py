@@ -46,7 +46,7 @@ def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03
     records = needle.run(lm, tokenizer, [sample], specs)
     print(f"\n{'method':18s} {'read density':>12s} {'answer log-lik':>15s} {'correct':>8s}  answer")
     for r in records:
-        print(f"{r['spec']:18s} {r['density']:>12.4f} {r['answer_logprob']:>15.2f} {str(r['correct']):>8s}  "
+        print(f"{r['spec']:18s} {r['density']:>12.4f} {r['answer_logprob']:>15.2f} {r['correct']!s:>8s}  "
               f"{r['output'].strip()!r}")
     times = "; ".join(f"{r['spec']}: clustering {r['prepare_s']} s, sparse attention {r['sparse_attend_s']} s"
                       for r in records[1:])

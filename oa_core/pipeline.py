@@ -24,8 +24,16 @@ from torch import Tensor
 
 from oa_core import contracts
 from oa_core.cluster_stats import cluster_logit_stats
-from oa_core.components import (AllocationInput, Allocator, Clusterer, Kernel, PooledClusters, Selection, Selector,
-                                group_queries)
+from oa_core.components import (
+    AllocationInput,
+    Allocator,
+    Clusterer,
+    Kernel,
+    PooledClusters,
+    Selection,
+    Selector,
+    group_queries,
+)
 from oa_core.registry import default_registry
 from oa_core.selection import select
 from oa_core.spec import BUDGET_COVERS, ComponentSpec, PipelineSpec, SpecError, describe, load_spec

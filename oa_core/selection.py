@@ -40,7 +40,6 @@ from oa_core import native, triton_path
 from oa_core.scatter import count_by_slot, positions
 from oa_core.triton_path import tl, triton
 
-
 # The smallest block's upper bound (a power of two): a typical cluster at 64 clusters of 32K tokens. Smaller typical
 # clusters get a smaller block (``smallest_block``): at 64 clusters of 16K tokens (about 255 rows each) 256 lanes
 # instead of 512 took the selection from 35 to 30 µs at 3% on the H200; at 32K tokens 256 lanes were 20-50% slower.

@@ -6,10 +6,10 @@ import os
 # device benchmarks exercise the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from oa_core.testing import make_inputs  # noqa: E402,F401  (the tests' inputs are the conformance kit's)
+from oa_core.testing import make_inputs  # the tests' inputs are the conformance kit's
 
 
 def load_benchmark(name: str):

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from oa_core.cluster_stats import cluster_logit_stats  # noqa: E402
+from oa_core.cluster_stats import cluster_logit_stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -214,9 +214,10 @@ def test_the_new_rows_codes_are_qgs_quantize_with_halves_to_even():
 def test_generate_through_the_fused_step_gives_the_default_caches_logits():
     """The fused step inside transformers: ``generate`` on the static cache — eagerly, and compiled in one graph
     (``aot_eager``, fullgraph) — gives the default cache's logits and tokens, every layer on the fused step."""
+    from transformers import CompileConfig
+
     from test_integration import SPARSE, tiny_llama
     from test_static_cache import generate, padded_batch
-    from transformers import CompileConfig
 
     model, (ids, mask) = tiny_llama(), padded_batch()
     config = CompileConfig(backend="aot_eager", fullgraph=True)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import oa_core as oa
-from oa_core import state as state_module
 from conftest import dense_attention, make_inputs, relative_error
+from oa_core import state as state_module
 
 SMALL = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16}
 

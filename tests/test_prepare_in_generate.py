@@ -2,6 +2,7 @@
 adds over the same process's dense-engine (medians over the rounds), and its device span over that prefill."""
 
 import pytest
+
 from conftest import load_benchmark
 
 

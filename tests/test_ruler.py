@@ -2,6 +2,7 @@
 (SmolLM2's), answers where they belong, seeded, cached; RULER's scoring on hand-written cases."""
 
 import re
+
 import pytest
 
 from oa_core.eval import ruler, ruler_tasks

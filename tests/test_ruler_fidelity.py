@@ -34,7 +34,7 @@ def samples(plain, tmp_path_factory):
 
 
 def test_the_generator_names_the_commit_it_follows():
-    assert ruler.GENERATOR == f"ruler-{OFFICIAL['commit']}"
+    assert f"ruler-{OFFICIAL['commit']}" == ruler.GENERATOR
 
 
 @pytest.mark.parametrize("task", TASKS)

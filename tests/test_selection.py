@@ -9,10 +9,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from oa_core.selection import select_by_sorting  # noqa: E402
-from oa_core import selection  # noqa: E402
-from oa_core.selection import cluster_members, select_per_cluster, size_classes  # noqa: E402
-from oa_plugins.selectors.qgs import group_int8_scores, quantize  # noqa: E402
+from oa_core import selection
+from oa_core.selection import (
+    cluster_members,
+    select_by_sorting,
+    select_per_cluster,
+    size_classes,
+)
+from oa_plugins.selectors.qgs import group_int8_scores, quantize
 
 
 def test_cluster_members_lists_each_cluster_in_position_order():

@@ -19,8 +19,18 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from oa_core.eval.records import (ATTENTION_ERROR, LEGACY_GENERATOR, fmt, generator_of, interval, read_records,
-                                  summarize, summary_table, wilson_interval, write_summary)
+from oa_core.eval.records import (
+    ATTENTION_ERROR,
+    LEGACY_GENERATOR,
+    fmt,
+    generator_of,
+    interval,
+    read_records,
+    summarize,
+    summary_table,
+    wilson_interval,
+    write_summary,
+)
 
 # A task dense scores below this (of 100) cannot measure retention: reported apart, left out of the means.
 DENSE_FLOOR = 20.0

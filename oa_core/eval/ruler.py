@@ -40,8 +40,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from oa_core.eval.ruler_tasks import (BUILDERS, HARD_TASKS, NEW_TOKENS, TASKS, TEMPLATES,  # noqa: F401 (the API)
-                                      HaystackTooLarge, Prompt, check_dependencies, count_tokens, words_digest)
+from oa_core.eval.ruler_tasks import (  # noqa: F401 (the API)
+    BUILDERS,
+    HARD_TASKS,
+    NEW_TOKENS,
+    TASKS,
+    TEMPLATES,
+    HaystackTooLarge,
+    Prompt,
+    check_dependencies,
+    count_tokens,
+    words_digest,
+)
 from oa_core.offline_model import cache_root, prompt_text
 
 RULER_COMMIT = "c3f5e3b"  # NVIDIA/RULER, the generator followed here

@@ -136,7 +136,7 @@ def check_dependencies() -> None:
         _eval_module(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wonderwords_list(kind: str) -> tuple[str, ...]:
     """wonderwords' ``nounlist``, ``adjectivelist`` or ``verblist``, as RULER reads them (a word a line)."""
     from importlib.resources import files

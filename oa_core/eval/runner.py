@@ -35,8 +35,18 @@ import torch
 import oa_core as oa
 from oa_core.eval import ruler
 from oa_core.eval.config import EvalConfig, check_budgets, check_config, resolved_specs, spec_name  # noqa: F401
-from oa_core.eval.records import (ATTENTION_ERROR, ErrorRecord, RecordWriter, RulerRecord, cell_key, generator_of,
-                                  read_records, record_key, summarize, write_summary)
+from oa_core.eval.records import (
+    ATTENTION_ERROR,
+    ErrorRecord,
+    RecordWriter,
+    RulerRecord,
+    cell_key,
+    generator_of,
+    read_records,
+    record_key,
+    summarize,
+    write_summary,
+)
 from oa_core.offline_model import model_label
 
 

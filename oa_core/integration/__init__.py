@@ -14,11 +14,27 @@
   ``answer_logprob``; ``share_question``: a question's leading blocks attended once for both).
 """
 
-from oa_core.integration.generation import (Context, answer_logprob, cache_kwargs, extend_context,
-                                            generate_from_context, positions, prefill_context, share_question,
-                                            shared_question_tokens)
-from oa_core.integration.runtime import (IMPLEMENTATION, LayerRuntime, OpenAttentionHandle, openattention_attention,
-                                         patch, register, runtimes, unpatch)
+from oa_core.integration.generation import (
+    Context,
+    answer_logprob,
+    cache_kwargs,
+    extend_context,
+    generate_from_context,
+    positions,
+    prefill_context,
+    share_question,
+    shared_question_tokens,
+)
+from oa_core.integration.runtime import (
+    IMPLEMENTATION,
+    LayerRuntime,
+    OpenAttentionHandle,
+    openattention_attention,
+    patch,
+    register,
+    runtimes,
+    unpatch,
+)
 from oa_core.integration.stats import GenerationStats, StepRecord
 
 __all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OpenAttentionHandle", "StepRecord",

@@ -33,6 +33,7 @@ from oa_core.kmeans import lloyd_iterations, nearest
 from oa_core.rerank import ExactRerank
 from oa_core.triton_path import tl, triton
 
+
 class PQSConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -8,12 +8,12 @@ import torch
 import oa_core as oa
 from conftest import make_inputs
 from oa_core.components import AllocationInput
+from oa_core.kmeans import nearest
 from oa_plugins.allocators.mass import MassAllocator
 from oa_plugins.allocators.uniform import UniformAllocator
 from oa_plugins.allocators.variance import VarianceAllocator
 from oa_plugins.clusterers.kmeans import KeyKMeans, KMeansConfig
 from oa_plugins.clusterers.position import PositionBlocks, PositionConfig
-from oa_core.kmeans import nearest
 
 
 def allocation(mean_logit, logit_var, counts, budget):

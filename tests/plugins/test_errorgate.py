@@ -90,8 +90,8 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
     """The GPU path of ErrorGate (priority, sum over the group and water-filling in one Triton kernel), run by Triton's
     interpreter here, gives the torch ops' quotas exactly."""
     pytest.importorskip("triton")
-    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
     from oa_core.water_filling import WaterFillAllocator
+    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
 
     for seed in range(2):
         inputs = fused_inputs(seed, g=g, shared=shared)
@@ -107,8 +107,8 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
 
 def test_the_fused_triton_errorgate_handles_extreme_logits_like_the_torch_one():
     pytest.importorskip("triton")
-    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
     from oa_core.water_filling import WaterFillAllocator
+    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
 
     counts = torch.full((8,), 20.0)
     mean_logit = torch.tensor([1e4, -1e4, 9990.0, 0.0, 1e4, -5e3, 3.0, 9999.0])
@@ -167,8 +167,8 @@ def test_quotas_are_eq7_water_filling_of_eq6_estimates(path, shared):
     """Against the float64 references written from the paper (oa_core.references): ε̂_b of Eq. 6 over each head's Ẑ,
     summed over a shared group, water-filled by Eq. 7 and rounded by largest remainders."""
     from oa_core import references
-    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
     from oa_core.water_filling import WaterFillAllocator
+    from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
 
     for seed in range(3):
         inputs = heads_that_differ(seed, shared)

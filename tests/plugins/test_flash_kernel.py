@@ -12,12 +12,12 @@ import torch
 
 pytest.importorskip("triton")
 
-import oa_core as oa  # noqa: E402
-from conftest import make_inputs  # noqa: E402  (conftest sets TRITON_INTERPRET=1 before any kernel is defined)
-from oa_core.components import Selection  # noqa: E402
-from oa_core import triton_path  # noqa: E402
-from oa_plugins.kernels.flash import FlashKernel, block_columns  # noqa: E402
-from oa_plugins.kernels.reference import TorchKernel  # noqa: E402
+import oa_core as oa
+from conftest import make_inputs  # conftest sets TRITON_INTERPRET=1 before any kernel is defined
+from oa_core import triton_path
+from oa_core.components import Selection
+from oa_plugins.kernels.flash import FlashKernel, block_columns
+from oa_plugins.kernels.reference import TorchKernel
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the CPU run of the Triton kernels needs TRITON_INTERPRET=1 from the start")
