@@ -65,7 +65,7 @@ def integration_checks() -> list[dict]:
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 256, (1, n), generator=gen).cuda() for n in (700, 1000)]
 
-        def greedy(ids, mask=None):
+        def greedy(ids, mask=None, model=model):
             mask = torch.ones_like(ids) if mask is None else mask
             with torch.no_grad():
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,

@@ -84,6 +84,32 @@ def attention_kernels(counts: Counter) -> dict[str, int]:
             if k.startswith(("kernel:", "op:")) and any(m in k.lower() for m in marks)}
 
 
+def decode_steps(model, context, question, pad_token_id, steps: int, device: torch.device) -> dict:
+    """The spec in use, decoding from ``context``: milliseconds per decode step (two generations of different lengths,
+    after a warm-up), and the events per decode step (two profiles' difference)."""
+
+    def generate(new_tokens: int):
+        return oa.generate_from_context(model, context, question, max_new_tokens=new_tokens,
+                                        min_new_tokens=new_tokens, pad_token_id=pad_token_id)
+
+    generate(2)  # warm-up (compiles the Triton kernels)
+    times = {}
+    for new_tokens in (2, 2 + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        generate(new_tokens)
+        synchronize(device)
+        times[new_tokens] = time.perf_counter() - start
+    short, long = profiled(device, lambda: generate(2)), profiled(device, lambda: generate(2 + steps))
+    per_step = {k: round((long[k] - short[k]) / steps, 1) for k in ("cuda_kernels", "launches", "syncs", "aten_ops")}
+    ops = Counter({k: long[k] - short[k] for k in long if k.startswith("op:")})
+    return {
+        "ms_per_decode_step": round((times[2 + steps] - times[2]) / steps * 1e3, 2),
+        "per_decode_step": per_step,
+        "top_ops_per_decode_step": {k[3:]: round(v / steps, 1) for k, v in ops.most_common(15)},
+    }
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -107,7 +133,7 @@ def main(argv=None) -> None:
         config = {"length": length, "batch": batch, "context_tokens": ids.shape[1], "specs": {}}
         result["configs"].append(config)
 
-        def prefill():
+        def prefill(ids=ids, mask=mask):
             return oa.prefill_context(model, ids, mask)
 
         prefill()  # warm-up
@@ -132,31 +158,11 @@ def main(argv=None) -> None:
         for name, (data, dense) in specs.items():
             spec = data if dense else {**data, "budget": {"density": args.density}}
             handle.use(spec)
-
-            def generate(steps: int):
-                return oa.generate_from_context(model, context, question, max_new_tokens=steps, min_new_tokens=steps,
-                                                pad_token_id=tokenizer.eos_token_id)
-
-            generate(2)  # warm-up (compiles the Triton kernels)
-            times = {}
-            for steps in (2, 2 + args.steps):
-                synchronize(device)
-                start = time.perf_counter()
-                generate(steps)
-                synchronize(device)
-                times[steps] = time.perf_counter() - start
-            short, long = profiled(device, lambda: generate(2)), profiled(device, lambda: generate(2 + args.steps))
-            per_step = {k: round((long[k] - short[k]) / args.steps, 1) for k in ("cuda_kernels", "launches", "syncs",
-                                                                                 "aten_ops")}
-            ops = Counter({k: long[k] - short[k] for k in long if k.startswith("op:")})
-            config["specs"][name] = {
-                "ms_per_decode_step": round((times[2 + args.steps] - times[2]) / args.steps * 1e3, 2),
-                "per_decode_step": per_step,
-                "top_ops_per_decode_step": {k[3:]: round(v / args.steps, 1) for k, v in ops.most_common(15)},
-            }
+            config["specs"][name] = decode_steps(model, context, question, tokenizer.eos_token_id, args.steps, device)
             handle.reset_stats()
             save()
-            print(f"  {name}: {config['specs'][name]['ms_per_decode_step']} ms per decode step, {per_step}", flush=True)
+            print(f"  {name}: {config['specs'][name]['ms_per_decode_step']} ms per decode step, "
+                  f"{config['specs'][name]['per_decode_step']}", flush=True)
         context = None  # before the next length's prefill
         if device.type == "cuda":
             torch.cuda.empty_cache()

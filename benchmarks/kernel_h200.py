@@ -281,6 +281,44 @@ def static_step(pipe: Pipeline, state, query) -> dict:
             "static_step_kernels_ms": breakdown}
 
 
+def dense_times(query, keys, values) -> tuple[float, float]:
+    """Dense SDPA decode over the whole cache: median milliseconds eagerly and replayed from a CUDA graph."""
+
+    def dense():
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
+
+    return bench(dense), bench(graphed(dense))
+
+
+def decode_growth(state, keys, values) -> tuple[float, float, float]:
+    """A decode step's growth, outside attend: one token (a token leaving the local window joins its cluster) and the
+    plan rebuilt; `append` concatenates the cache itself, `grow_to` follows a cache that grew by itself (the
+    transformers integration: DynamicCache has concatenated already) → median milliseconds of append + plan, of
+    grow_to + plan, and of the cache's own concatenation (keys and values)."""
+    new_key, new_value = keys[:, :, -1:].clone(), values[:, :, -1:].clone()
+    grown_keys, grown_values = torch.cat([keys, new_key], dim=2), torch.cat([values, new_value], dim=2)
+
+    def grow(how):
+        grown = state.fork()
+        if how == "append":
+            grown.append(new_key, new_value)
+        else:
+            grown.grow_to(grown_keys, grown_values)
+        grown.plan()
+
+    return (bench(lambda: grow("append")), bench(lambda: grow("grow_to")),
+            bench(lambda: torch.cat([keys, new_key], dim=2)) * 2)
+
+
+def prepare_times(first: Pipeline, keys, values, prefill) -> tuple[float, float]:
+    """The layer's dense causal prefill attention (batch 1) and ``first.prepare`` once more (warm): median
+    milliseconds."""
+    q_prefill = torch.randn(1, HQ, keys.shape[2], D, device=keys.device, dtype=torch.bfloat16)
+    causal_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q_prefill, keys, values, is_causal=True, enable_gqa=True))
+    return causal_ms, bench(lambda: first.prepare(keys, values, prefill))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -291,9 +329,7 @@ def main(argv=None) -> int:
     for batch in args.batch:
         for context in args.context:
             keys, values, prefill, query = decode_inputs(batch, context, device)
-            dense = lambda: torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
-            dense_ms = bench(dense)
-            dense_graph_ms = bench(graphed(dense))
+            dense_ms, dense_graph_ms = dense_times(query, keys, values)
             dense_bytes = 2 * keys.numel() * keys.element_size()
             bandwidth = dense_bytes / (dense_ms * 1e-3)
             for gqa in args.gqa:
@@ -334,34 +370,15 @@ def main(argv=None) -> int:
                           f"({row['speedup_static_step_graph']:.2f}× dense), = reference rows: "
                           f"{row['static_rows_match_reference']}, err {row['static_vs_reference_rel_error']:.1e}",
                           flush=True)
-                # A decode step's growth, outside attend: one token (a token leaving the local window joins its
-                # cluster) and the plan rebuilt; `append` concatenates the cache itself, `grow_to` follows a cache that
-                # grew by itself (the transformers integration: DynamicCache has concatenated already).
-                new_key, new_value = keys[:, :, -1:].clone(), values[:, :, -1:].clone()
-                grown_keys, grown_values = torch.cat([keys, new_key], dim=2), torch.cat([values, new_value], dim=2)
-
-                def grow(how, state=state):
-                    grown = state.fork()
-                    if how == "append":
-                        grown.append(new_key, new_value)
-                    else:
-                        grown.grow_to(grown_keys, grown_values)
-                    grown.plan()
-
+                append_ms, grow_to_ms, concat_ms = decode_growth(state, keys, values)
                 growth.append({"batch": batch, "context": context, "gqa": gqa,
-                               "append_and_plan_ms": round(bench(lambda: grow("append")), 4),
-                               "grow_to_and_plan_ms": round(bench(lambda: grow("grow_to")), 4),
-                               "dense_ms": round(dense_ms, 4),
-                               "cache_concat_ms": round(bench(lambda: torch.cat([keys, new_key], dim=2)) * 2, 4)})
-                del grown_keys, grown_values
+                               "append_and_plan_ms": round(append_ms, 4), "grow_to_and_plan_ms": round(grow_to_ms, 4),
+                               "dense_ms": round(dense_ms, 4), "cache_concat_ms": round(concat_ms, 4)})
                 print(f"decode growth: {growth[-1]}", flush=True)
                 if batch == 1 and gqa == args.gqa[0]:
-                    q_prefill = torch.randn(1, HQ, context, D, device=device, dtype=torch.bfloat16)
-                    causal_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        q_prefill, keys, values, is_causal=True, enable_gqa=True))
+                    causal_ms, again_ms = prepare_times(first, keys, values, prefill)
                     prepare.append({"context": context, "prepare_ms_first_call": round(prepare_ms, 3),
-                                    "prepare_ms": round(bench(lambda: first.prepare(keys, values, prefill)), 3),
-                                    "dense_prefill_attention_ms": round(causal_ms, 3)})
+                                    "prepare_ms": round(again_ms, 3), "dense_prefill_attention_ms": round(causal_ms, 3)})
                     print(f"prepare at N={context}: {prepare[-1]}", flush=True)
                 del state
             del keys, values

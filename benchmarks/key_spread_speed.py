@@ -16,6 +16,7 @@ the whole model's prefill (its forward pass with a cache, as ``generate`` runs i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -74,6 +75,11 @@ def pipeline(key_rank: int) -> oa.Pipeline:
                      "selector": {"name": "qgs", "rank": 16, "rerank": 4, "key_rank": key_rank}})
 
 
+def prepare_ms(pipe: oa.Pipeline, keys, values, prefill, scale, mask) -> float:
+    """``pipe.prepare`` on the tensors, each run on its own copy of the prefill queries: median milliseconds."""
+    return timed(lambda: pipe.prepare(keys, values, prefill.clone(), scale, mask))
+
+
 def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
     """Per full-attention layer of ``model_name`` at ``length`` tokens: ``prepare`` with key_rank 0 and 8 and
     ``with_key_spread`` alone on its captured tensors; and the whole model's prefill."""
@@ -95,11 +101,9 @@ def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
         mask = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
         row = {"layer": layer}
         for key_rank in (0, 8):
-            pipe = pipeline(key_rank)
-            row[f"prepare_key_rank_{key_rank}_ms"] = timed(lambda: pipe.prepare(keys, values, prefill.clone(), scale,
-                                                                                mask))
+            row[f"prepare_key_rank_{key_rank}_ms"] = prepare_ms(pipeline(key_rank), keys, values, prefill, scale, mask)
         basis, _ = geometry.query_geometry(keys, prefill, mask, 8, geometry.QUERY_WINDOW)
-        row["with_key_spread_ms"] = timed(lambda: geometry.with_key_spread(basis, keys, mask, 8))
+        row["with_key_spread_ms"] = timed(functools.partial(geometry.with_key_spread, basis, keys, mask, 8))
         print(row, flush=True)
         rows.append(row)
     total = {f"prepare_key_rank_{k}_ms": round(sum(r[f"prepare_key_rank_{k}_ms"] for r in rows), 2) for k in (0, 8)}
@@ -120,15 +124,14 @@ def random_keys() -> dict:
         mask = torch.ones(batch, n, dtype=torch.bool, device=device)
         row = {"model": model, "batch": batch, "context": n}
         for key_rank in (0, 8):
-            pipe = pipeline(key_rank)
-            row[f"prepare_key_rank_{key_rank}_ms"] = timed(lambda: pipe.prepare(keys, values, prefill.clone(),
-                                                                                d ** -0.5, mask))
+            row[f"prepare_key_rank_{key_rank}_ms"] = prepare_ms(pipeline(key_rank), keys, values, prefill, d ** -0.5,
+                                                                mask)
         basis = torch.linalg.qr(torch.randn(batch, hkv, d, 8, device=device, generator=gen)).Q
-        row["with_key_spread_ms"] = timed(lambda: geometry.with_key_spread(basis, keys, mask, 8))
+        row["with_key_spread_ms"] = timed(functools.partial(geometry.with_key_spread, basis, keys, mask, 8))
         queries = torch.randn(batch, hq, n, d, device=device, generator=gen, dtype=torch.bfloat16)
         k, v = keys.repeat_interleave(hq // hkv, 1), values.repeat_interleave(hq // hkv, 1)
         row["sdpa_prefill_attention_ms"] = timed(
-            lambda: torch.nn.functional.scaled_dot_product_attention(queries, k, v, is_causal=True), 3)
+            functools.partial(torch.nn.functional.scaled_dot_product_attention, queries, k, v, is_causal=True), 3)
         print(row, flush=True)
         rows.append(row)
         del keys, values, prefill, queries, k, v

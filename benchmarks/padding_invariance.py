@@ -27,13 +27,13 @@ def main() -> None:
         for row, p in enumerate(prompts):
             ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
 
-        def greedy(x, m=None):
+        def greedy(x, m=None, model=model):
             with torch.no_grad():
                 out = model.generate(input_ids=x, attention_mask=torch.ones_like(x) if m is None else m,
                                      max_new_tokens=16, do_sample=False, pad_token_id=0)
             return out[:, x.shape[1]:]
 
-        def invariant() -> bool:
+        def invariant(prompts=prompts, ids=ids, mask=mask) -> bool:
             alone = [greedy(p) for p in prompts]
             batched = greedy(ids, mask)
             return all(torch.equal(batched[row], alone[row][0]) for row in range(2))

@@ -12,6 +12,7 @@ the inputs for each call, and the largest difference between their outputs. Writ
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def main(argv=None) -> None:
     rows = []
     for batch in args.batch:
         query, key, value = (torch.randn(batch, h, args.length, 64, device="cuda") for h in (hq, hkv, hkv))
-        plain, expected = peak_gib(lambda: AttentionInterface()["sdpa"](layer, query, key, value, None, scaling=0.125))
-        ours, got = peak_gib(lambda: oa.integration.prefill.model_sdpa(layer, query, key, value, None, 0.125, 0.0))
+        sdpa = AttentionInterface()["sdpa"]
+        plain, expected = peak_gib(functools.partial(sdpa, layer, query, key, value, None, scaling=0.125))
+        ours, got = peak_gib(functools.partial(oa.integration.prefill.model_sdpa, layer, query, key, value, None, 0.125,
+                                               0.0))
         rows.append({"batch": batch, "length": args.length, "query_heads": hq, "kv_heads": hkv,
                      "transformers_sdpa_gib": plain, "openattention_sdpa_gib": ours,
                      "max_abs_diff": (got - expected).abs().max().item()})

@@ -73,20 +73,15 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
         prefill = queries[:, :, context - WINDOW:context].float()
         outside = torch.zeros(n, dtype=torch.bool, device=keys.device)
         outside[SPARSE["sink"]:n - SPARSE["local"]] = True
-
-        def reads(spec: dict):
-            pipe = oa.build(spec)
-            state = pipe.prepare(keys, values, prefill, scale=scale)
-            return pipe, state, metrics.exact_reads(pipe, state, query).reshape(-1, n) & outside
-
+        layer = (keys, values, prefill, scale, query, outside)
         wanted_at: dict[float, torch.Tensor] = {}  # exact top-k's rows, per density
         weights = None
         for name, spec in specs.items():
             density = spec["budget"]["density"]
             if density not in wanted_at:
-                _, state, wanted_at[density] = reads({**exact, **SPARSE, "budget": spec["budget"]})
+                _, state, wanted_at[density] = reads({**exact, **SPARSE, "budget": spec["budget"]}, *layer)
                 weights = metrics.attention_weights(query, state).reshape(-1, n)
-            pipe, state, read = reads(spec)
+            pipe, state, read = reads(spec, *layer)
             short = shortlist(pipe, state, query)
             wanted = wanted_at[density]
             got = wanted & read
@@ -98,6 +93,14 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
                                           float(weights[head][got[head]].sum() / weights[head][wanted[head]].sum())))
     return {name: tuple(statistics.fmean(row[i] for row in rows) for i in range(3))
             for name, rows in recalls.items() if rows}
+
+
+def reads(spec: dict, keys, values, prefill, scale, query, outside) -> tuple:
+    """The spec's pipeline, its state on one layer's tensors, and the rows it reads exactly at ``query`` among those
+    ``outside`` marks (sink and local excluded), bool ``[Hq, n]``."""
+    pipe = oa.build(spec)
+    state = pipe.prepare(keys, values, prefill, scale=scale)
+    return pipe, state, metrics.exact_reads(pipe, state, query).reshape(-1, outside.shape[0]) & outside
 
 
 def shortlist(pipe, state, query) -> torch.Tensor:

@@ -23,6 +23,7 @@ of them.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -265,16 +266,17 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
             _reset_peak(device)
             start = time.perf_counter()
-            context = retry_after_oom(lambda: oa.prefill_context(model, context_ids.to(device),
-                                                                 context_mask.to(device)), handle, device)
+            context = retry_after_oom(functools.partial(_prefill, model, context_ids, context_mask, device), handle,
+                                      device)
             prefill_s, prefill_peak = time.perf_counter() - start, _peak(device)
             failed = cells if context is None else []  # this batch's cells that ran out of memory twice
             for cell in cells if context is not None else ():
                 key, spec, missing = cell
                 handle.use(spec)
                 _reset_peak(device)
-                answered = retry_after_oom(lambda: _answer(model, tokenizer, handle, context, question_ids, answer_ids,
-                                                           answer_mask, config.max_new_tokens or batch[0].max_new_tokens),
+                answered = retry_after_oom(functools.partial(_answer, model, tokenizer, handle, context, question_ids,
+                                                             answer_ids, answer_mask,
+                                                             config.max_new_tokens or batch[0].max_new_tokens),
                                            handle, device)
                 if answered is None:
                     failed.append(cell)
@@ -396,6 +398,12 @@ def _release(device: torch.device) -> None:
     """The caching allocator's free blocks back to the device."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _prefill(model, context_ids, context_mask, device: torch.device):
+    """One batch's prompts prefilled, copied to the device inside the work (so that a retry after running out of
+    memory copies them again)."""
+    return oa.prefill_context(model, context_ids.to(device), context_mask.to(device))
 
 
 def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_mask, max_new_tokens: int):
