@@ -7,10 +7,12 @@ with the rows and output checked against the reference; then each compiled kerne
                                                                  # (bk) and clusters_per_chunk (cc)
     python benchmarks/flash_launch_sweep.py OUT.json occupancy   # fewer stages or warps: more programs per SM
 """
+import importlib
 import json
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, "benchmarks")
 import oa_core as oa
@@ -40,41 +42,45 @@ for B, N, dens in SHAPES:
         k = pipe.kernel
         out0, sel = run()
         pooled = st.pooled
-        refout, _ = TorchKernel().attend(query, ck, cv, sel, PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, st.assignment), st.scale)
+        refout, _ = TorchKernel().attend(query, ck, cv, sel, PooledClusters(pooled.count, pooled.key_sum,
+                                                                            pooled.value_sum, st.assignment), st.scale)
         for v in VARIANTS:
             k.num_warps, k.num_stages = v.get("fw", DEFAULT["fw"]), v.get("fs", DEFAULT["fs"])
             k.block_k, k.clusters_per_chunk = v.get("bk", DEFAULT["bk"]), v.get("cc", DEFAULT["cc"])
             sw, bw = v.get("sw"), v.get("bw")
-            selmod._warps = lambda block, sw=sw, bw=bw: (sw or base_warps(block)) if block <= 1024 else (bw or base_warps(block))
+            selmod._warps = lambda block, sw=sw, bw=bw: ((sw or base_warps(block)) if block <= 1024
+                                                         else (bw or base_warps(block)))
             out, sel2 = run()
             err = float((out.float() - refout.float()).norm() / refout.float().norm())
             same = bool(torch.equal(sel2.index, sel.index))
             t = bench(graphed(run))
             kb = kernel_breakdown(run)
-            r = {"batch": B, "context": N, "density": density, **v, "step_graph_ms": round(t, 4), "err": err, "same_rows": same,
-                 **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_project", "_group_int8_scores", "_grow", "_plan", "_cluster_stats")}}
-            results.append(r); print(json.dumps(r), flush=True)
+            r = {"batch": B, "context": N, "density": density, **v, "step_graph_ms": round(t, 4), "err": err,
+                 "same_rows": same,
+                 **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_project", "_group_int8_scores",
+                                           "_grow", "_plan", "_cluster_stats")}}
+            results.append(r)
+            print(json.dumps(r), flush=True)
         k.num_warps, k.num_stages, k.block_k, k.clusters_per_chunk = (DEFAULT[x] for x in ("fw", "fs", "bk", "cc"))
         selmod._warps = base_warps
         del st, ck, cv, run
     del keys, values
     torch.cuda.empty_cache()
-json.dump(results, open(sys.argv[1], "w"), indent=1)
+with open(sys.argv[1], "w") as f:
+    json.dump(results, f, indent=1)
 # registers and spills of every compiled kernel
-import importlib
-
-import triton
-
-mods = ["oa_plugins.kernels.flash", "oa_plugins.kernels.flash_step", "oa_core.selection", "oa_plugins.selectors.qgs", "oa_core.cluster_stats"]
+mods = ["oa_plugins.kernels.flash", "oa_plugins.kernels.flash_step", "oa_core.selection", "oa_plugins.selectors.qgs",
+        "oa_core.cluster_stats"]
 for m in mods:
     mod = importlib.import_module(m)
     for name in dir(mod):
         fn = getattr(mod, name)
         if isinstance(fn, triton.runtime.jit.JITFunction):
-            for dev_key, caches in getattr(fn, "device_caches", {}).items():
-                for key, kern in caches[0].items():
+            for caches in getattr(fn, "device_caches", {}).values():
+                for kern in caches[0].values():
                     try:
                         kern._init_handles()
-                        print("REGS", m.split(".")[-1], name, "warps", kern.metadata.num_warps, "stages", kern.metadata.num_stages, "regs", kern.n_regs, "spills", kern.n_spills)
+                        print("REGS", m.split(".")[-1], name, "warps", kern.metadata.num_warps, "stages",
+                              kern.metadata.num_stages, "regs", kern.n_regs, "spills", kern.n_spills)
                     except Exception as e:
                         print("REGS", name, "?", e)

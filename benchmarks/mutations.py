@@ -308,7 +308,7 @@ MUTATIONS = [
     # -- spec ---------------------------------------------------------------------------------------------------------
     mutation("spec-budget-rounds-up", "oa_core/spec.py",
              [("torch.floor(num_tokens.double() * self.density)", "torch.ceil(num_tokens.double() * self.density)")],
-             SPEC_TESTS + ("tests/test_pipeline.py", "tests/test_conformance.py"),
+             (*SPEC_TESTS, "tests/test_pipeline.py", "tests/test_conformance.py"),
              "a density budget rounds up, reading more than the density"),
     mutation("spec-tail-samples-unbounded", "oa_core/spec.py",
              [("tail_samples: float = Field(default=0.5, gt=0, le=1,",
@@ -334,7 +334,7 @@ MUTATIONS = [
     mutation("pipeline-causal-hides-own-position", "oa_core/pipeline.py",
              [("selection.index.masked_fill(selection.index > own, -1)",
                "selection.index.masked_fill(selection.index >= own, -1)")],
-             PIPELINE_TESTS + ("tests/test_integration.py",), "a causal query does not see its own key"),
+             (*PIPELINE_TESTS, "tests/test_integration.py"), "a causal query does not see its own key"),
     mutation("pipeline-tail-samples-weigh-pool-size", "oa_core/pipeline.py",
              [("log_eta = torch.log(size / taken).expand(drawn.shape)",
                "log_eta = torch.log(size).expand(drawn.shape)")],

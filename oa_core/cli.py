@@ -18,7 +18,7 @@ def plugins_command(args: argparse.Namespace) -> int:
     registry = default_registry()
     rows = [(info.kind, info.name, info.package, info.doc)
             for kind in KINDS for info in sorted(registry.components[kind].values(), key=lambda i: i.name)]
-    widths = [max(len(row[i]) for row in rows + [("kind", "name", "package", "")]) for i in range(3)]
+    widths = [max(len(row[i]) for row in [*rows, ("kind", "name", "package", "")]) for i in range(3)]
     print(f"{'kind':<{widths[0]}}  {'name':<{widths[1]}}  {'package':<{widths[2]}}  description")
     for row in rows:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")

@@ -49,10 +49,7 @@ def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
     draws = torch.rand(num_clusters, 1, *lead[1:], generator=generator, dtype=torch.float64)
     draws = draws.expand(num_clusters, *lead).reshape(num_clusters, -1).to(points.device)
 
-    if on_gpu(flat):
-        centroids = kmeans_plus_plus_triton(flat, weight, draws)
-    else:
-        centroids = kmeans_plus_plus(flat, weight, draws)
+    centroids = kmeans_plus_plus_triton(flat, weight, draws) if on_gpu(flat) else kmeans_plus_plus(flat, weight, draws)
     assignment, centroids = lloyd_iterations(flat, weight, centroids, iterations)
     return assignment.reshape(*lead, n), centroids.reshape(*lead, num_clusters, r)
 

@@ -144,7 +144,7 @@ def prompt_text(tokenizer, content: str, history: Iterable[tuple[str, str]] = ()
     history = list(history)
     if getattr(tokenizer, "chat_template", None):
         turns = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
-        return tokenizer.apply_chat_template(turns + [{"role": "user", "content": content}], tokenize=False,
+        return tokenizer.apply_chat_template([*turns, {"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
     plain, special = (tokenizer("a", add_special_tokens=flag).input_ids for flag in (False, True))
     lead = special[:special.index(plain[0])] if plain and plain[0] in special else []

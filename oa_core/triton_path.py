@@ -7,6 +7,7 @@ without Triton) and define their kernels under ``if triton is not None``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -22,10 +23,8 @@ if triton is not None:
     try:
         from triton.language.extra import libdevice
     except ImportError:  # pragma: no cover - older triton
-        try:
-            from triton.language.extra.cuda import libdevice
-        except ImportError:
-            pass
+        with contextlib.suppress(ImportError):
+            from triton.language.extra.cuda import libdevice  # noqa: F401 (used by the kernels' modules, from here)
 
 
 def interpreting() -> bool:

@@ -152,7 +152,7 @@ def test_a_component_breaking_its_contract_at_run_time_is_named():
             return query.double(), None
 
     pipe = _pipeline_with(kernel=HalfKernel())
-    with pytest.raises(ContractViolation, match="kernel 'half-test'.*the query's shape .* and dtype torch.float32"):
+    with pytest.raises(ContractViolation, match=r"kernel 'half-test'.*the query's shape .* and dtype torch.float32"):
         pipe.attend(decode, pipe.prepare(keys, values, prefill), validate=False)  # shape/dtype: checked always
 
     pipe = _pipeline_with(selector=FlatSelector())

@@ -68,9 +68,9 @@ def test_cache_shapes(pipe, inputs):
         pipe.prepare(keys[:, 0], values[:, 0])
     with pytest.raises(ValueError, match="keys and values differ in shape"):
         pipe.prepare(keys, values[:, :, :100])
-    with pytest.raises(TypeError, match="keys: expected a floating dtype, got torch.int64"):
+    with pytest.raises(TypeError, match=r"keys: expected a floating dtype, got torch.int64"):
         pipe.prepare(keys.long(), values)
-    with pytest.raises(TypeError, match="values: expected a torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match=r"values: expected a torch.Tensor, got ndarray"):
         pipe.prepare(keys, values.numpy())
 
 
@@ -93,10 +93,10 @@ def test_query_mismatches(pipe, inputs):
         pipe.attend(decode[..., :16], state)
     with pytest.raises(ValueError, match="query: batch and head dim"):
         pipe.attend(decode[:1], state)
-    with pytest.raises(ValueError, match="query: dtype/device torch.bfloat16/cpu differ from the cache's "
+    with pytest.raises(ValueError, match=r"query: dtype/device torch.bfloat16/cpu differ from the cache's "
                                          "torch.float32/cpu"):
         pipe.attend(decode.bfloat16(), state)
-    with pytest.raises(ValueError, match="query: dtype/device .*meta"):
+    with pytest.raises(ValueError, match=r"query: dtype/device .*meta"):
         pipe.attend(decode.to("meta"), state)
 
 
@@ -119,7 +119,7 @@ def test_decode_queries_keep_the_prefill_queries_head_count(pipe, inputs):
     keys, values, prefill, decode = inputs
     state = pipe.prepare(keys, values, prefill)
     more = torch.cat([decode, decode[:, :2]], dim=1)  # 8 heads: still a multiple of the 2 KV heads
-    with pytest.raises(ValueError, match="query: 8 query heads, but the prefill queries prepare.. was given had 6"):
+    with pytest.raises(ValueError, match=r"query: 8 query heads, but the prefill queries prepare.. was given had 6"):
         pipe.attend(more, state)
 
 
@@ -151,7 +151,7 @@ def test_more_clusters_than_keys_to_cluster_reads_densely_and_says_why(inputs):
 def test_appended_rows_must_match_the_cache(pipe, inputs):
     keys, values, prefill, _ = inputs
     state = pipe.prepare(keys, values, prefill)
-    with pytest.raises(ValueError, match="appended keys .* do not match the cache"):
+    with pytest.raises(ValueError, match=r"appended keys .* do not match the cache"):
         state.append(keys[:, :1, :2], values[:, :1, :2])
 
 

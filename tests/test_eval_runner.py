@@ -218,7 +218,7 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
 def test_bad_arguments_are_named(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="unknown 'qa_1'"):
         runner.run(_config(tmp_path, tasks=["qa_1"]), model, tokenizer)
-    with pytest.raises(ValueError, match="densities: 1.5"):
+    with pytest.raises(ValueError, match=r"densities: 1.5"):
         runner.run(_config(tmp_path, densities=[1.5]), model, tokenizer)
     with pytest.raises(ValueError, match="setup"):
         runner.run(_config(tmp_path, setup="C"), model, tokenizer)
@@ -463,7 +463,7 @@ def test_a_method_keeps_its_colour_with_or_without_ablations():
 
     methods = ["dense", "magicpig", "openattention", "oracle-topk", "quest"]
     alone = _colors(methods)
-    beside = _colors(methods + ["ablate-tail-discard", "ablate-clusterer-kmeans"])
+    beside = _colors([*methods, "ablate-tail-discard", "ablate-clusterer-kmeans"])
     assert "dense" not in alone and {m: beside[m] for m in alone} == alone
     assert len(set(beside.values())) == len(beside)  # every spec told apart, ablations from their own palette
 

@@ -240,7 +240,7 @@ def test_a_shared_question_keeps_to_its_spec_and_whole_blocks_of_every_layer():
         shared, rest = oa.share_question(model, ctx, question)
         assert rest.shape[1] == 6 and set(shared.states) == {0, 1, 2}
         handle.use({**SPARSE, "budget": {"density": 0.1}})
-        with pytest.raises(ValueError, match="extended .* under another spec"):
+        with pytest.raises(ValueError, match=r"extended .* under another spec"):
             oa.generate_from_context(model, shared, rest, max_new_tokens=2, pad_token_id=0)
         with pytest.raises(ValueError, match=r"extend_context: expected tokens \[B=1, T >= 1\], got \(1, 0\)"):
             oa.extend_context(model, ctx, question[:, :0])
@@ -354,7 +354,7 @@ def test_patching_a_model_without_attention_layers_is_refused():
 
 def test_an_invalid_spec_leaves_the_model_unpatched():
     model = tiny_llama()
-    with pytest.raises(oa.SpecError, match="budget.density"):
+    with pytest.raises(oa.SpecError, match=r"budget.density"):
         oa.patch(model, {"budget": {"density": 2}})
     assert model.config._attn_implementation == "sdpa"
     assert oa.integration.runtimes(model) == {}

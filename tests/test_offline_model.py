@@ -70,7 +70,7 @@ def test_missing_model_package_says_how_to_install(monkeypatch):
 
 def test_a_missing_gguf_file_is_named_before_transformers_is_asked(tmp_path):
     missing = tmp_path / "model.gguf"
-    with pytest.raises(FileNotFoundError, match="no GGUF file at .*model.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"no GGUF file at .*model.gguf"):
         load_offline_model(missing)
 
 

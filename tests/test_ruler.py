@@ -72,7 +72,7 @@ def test_generated_sets_are_cached_by_task_length_tokenizer_and_seed(tokenizer, 
 
 
 def test_bad_arguments_are_named(tokenizer):
-    with pytest.raises(ValueError, match="unknown 'niah'.*niah_single_1"):
+    with pytest.raises(ValueError, match=r"unknown 'niah'.*niah_single_1"):
         ruler.generate("niah", tokenizer, LENGTH, 1)
     with pytest.raises(ValueError, match="length"):
         ruler.generate("vt", tokenizer, 100, 1)
@@ -95,7 +95,7 @@ def test_string_match_part_needs_any_reference():
     assert ruler.string_match_part("It is Paris.", ["paris", "Lyon"]) == 100.0
     assert ruler.string_match_part("It is Rome.", ["paris", "Lyon"]) == 0.0
     assert ruler.score("string_match_part", "LYON", ["paris", "lyon"]) == 100.0
-    with pytest.raises(ValueError, match="unknown 'exact'.*string_match_all"):
+    with pytest.raises(ValueError, match=r"unknown 'exact'.*string_match_all"):
         ruler.score("exact", "x", ["x"])
 
 
@@ -122,5 +122,5 @@ def test_one_value_asked_is_asked_in_the_singular(samples):
 
 def test_a_word_list_too_short_for_the_length_is_a_clear_error(tokenizer, monkeypatch):
     monkeypatch.setattr(ruler_tasks, "wonderwords_list", lambda kind: tuple(f"{kind[:4]}{i}" for i in range(20)))
-    with pytest.raises(ValueError, match="cwe: its word list fills at most .* english_words.json"):
+    with pytest.raises(ValueError, match=r"cwe: its word list fills at most .* english_words.json"):
         ruler.generate("cwe", tokenizer, 8192, 1, use_cache=False)

@@ -4,6 +4,7 @@ NVIDIA/RULER's files at that commit — the task's settings, its template and an
 and its answer set. The fixture is read from RULER's code, not from ``oa_core.eval.ruler``."""
 
 import copy
+import itertools
 import json
 import re
 from collections import Counter
@@ -100,7 +101,7 @@ def test_niah_prompts_are_rulers(task, samples, plain):
     args, niah = OFFICIAL["tasks"][task]["args"], OFFICIAL["niah"]
     singular = args["num_needle_q"] * args["num_needle_v"] == 1
     kind = args["type_needle_v"][:-1] if singular else args["type_needle_v"]
-    value = r"\d{%d}" % niah["numbers_digits"] if args["type_needle_v"] == "numbers" else _UUID
+    value = rf"\d{{{niah['numbers_digits']:d}}}" if args["type_needle_v"] == "numbers" else _UUID
     needle = _regex(niah["needle"]).replace("(?P<type_needle_v>.+?)", args["type_needle_v"]).replace(
         "(?P<key>.+?)", "(?P<key>.+?)").replace("(?P<value>.+?)", f"(?P<value>{value})")
     for length in LENGTHS:
@@ -109,7 +110,7 @@ def test_niah_prompts_are_rulers(task, samples, plain):
             fields = _fields(sample.prompt, "niah", singular)
             assert fields["type_needle_v"] == kind
             joins = niah["query_join"]
-            queries = (fields["query"].split(joins[1])[0].split(joins[0]) + [fields["query"].split(joins[1])[1]]
+            queries = ([*fields["query"].split(joins[1])[0].split(joins[0]), fields["query"].split(joins[1])[1]]
                        if args["num_needle_q"] > 1 else [fields["query"]])
             assert len(queries) == args["num_needle_q"]
             context = fields["context"]
@@ -189,7 +190,7 @@ def _check_chain(context: str, names: list[str], letters: int, hops: int, value:
     first = OFFICIAL["vt"]["first"].format(name=names[0], value=value or r"\d{5}")
     assert re.fullmatch(first, statements[0]) if value is None else statements[0] == first
     hop = OFFICIAL["vt"]["hop"]
-    assert statements[1:] == [hop.format(name=b, previous=a) for a, b in zip(names, names[1:])]
+    assert statements[1:] == [hop.format(name=b, previous=a) for a, b in itertools.pairwise(names)]
 
 
 def _numbered(text: str) -> list[str]:

@@ -9,6 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
+import itertools
+
 from oa_core import selection
 from oa_core.selection import (
     cluster_members,
@@ -79,7 +81,7 @@ def test_size_classes_cover_every_cluster_size_once():
     for largest in (1, 511, 512, 513, 4096, 4097, 10000):
         classes = size_classes(largest)
         assert classes[0][0] == 0 and classes[-1][1] >= largest
-        assert all(a[1] == b[0] for a, b in zip(classes, classes[1:]))  # contiguous, not overlapping
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(classes))  # contiguous, not overlapping
     assert size_classes(3000, small=256) == [(0, 512, 512), (512, 2048, 2048), (2048, 4096, 4096)]
 
 

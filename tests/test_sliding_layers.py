@@ -73,5 +73,5 @@ def test_mistral_slides_every_layer_and_none_goes_sparse_without_a_window():
 def test_another_local_layer_type_is_named_as_it_is(kind):
     model = tiny_gemma3()
     module = model.model.layers[0].self_attn
-    module.config.layer_types = [kind] + module.config.layer_types[1:]
+    module.config.layer_types = [kind, *module.config.layer_types[1:]]
     assert oa.integration.runtime.window_reason(module) == f"dense: {kind} (the model's own attention)"

@@ -67,7 +67,7 @@ def test_capacity_is_checked_before_a_step_overflows():
     model, (ids, mask) = tiny_llama(), padded_batch()
     with oa.patch(model, SPARSE) as handle:
         cache = handle.static_cache(max_new_tokens=3)
-        with pytest.raises(ValueError, match="static cache: full at 303 slots .* max_new_tokens it was made for, 3"):
+        with pytest.raises(ValueError, match=r"static cache: full at 303 slots .* max_new_tokens it was made for, 3"):
             generate(model, ids, mask, 6, past_key_values=cache)
         with pytest.raises(ValueError, match=r"static cache: \d+ new tokens after its prompt; .* cache.reset\(\)"):
             generate(model, torch.cat([ids, ids[:, :50]], 1), torch.cat([mask, mask[:, :50]], 1), 1,
@@ -82,16 +82,15 @@ def test_capacity_is_checked_before_a_step_overflows():
 
 def test_specs_the_fast_path_cannot_run_are_refused_up_front():
     model = tiny_llama()
-    with oa.patch(model, {**SPARSE, "selector": "quest"}) as handle:
-        with pytest.raises(ValueError, match="layer 0's spec cannot run on the fast path: selector 'quest' has no "
-                                             "per-token codes"):
-            handle.static_cache(max_new_tokens=4)
-    with oa.patch(model, {**SPARSE, "tail": "sample"}) as handle:
-        with pytest.raises(ValueError, match="tail: sample draws a new sample at every step"):
-            handle.static_cache(max_new_tokens=4)
-    with oa.patch(model, SPARSE) as handle:
-        with pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
-            handle.static_cache(max_new_tokens=0)
+    with (oa.patch(model, {**SPARSE, "selector": "quest"}) as handle,
+          pytest.raises(ValueError, match="layer 0's spec cannot run on the fast path: selector 'quest' has no "
+                                          "per-token codes")):
+        handle.static_cache(max_new_tokens=4)
+    with (oa.patch(model, {**SPARSE, "tail": "sample"}) as handle,
+          pytest.raises(ValueError, match="tail: sample draws a new sample at every step")):
+        handle.static_cache(max_new_tokens=4)
+    with oa.patch(model, SPARSE) as handle, pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
+        handle.static_cache(max_new_tokens=0)
 
 
 def test_a_one_token_prompt_and_what_the_stats_say():

@@ -136,7 +136,7 @@ def _bytes_section(records: list[dict]) -> list[str]:
         read = build(r["resolved_spec"]).scoring_bytes(head_dim)
         lines.append(f"| {spec} | {density:.0%} | {head_dim} | {fmt(read['codes'], '.4g')} | "
                      f"{read['rerank']:.4g} | {read['dense_row']} |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _means(rows: list[dict]) -> list[dict]:

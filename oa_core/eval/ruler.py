@@ -196,5 +196,5 @@ def _sample(task: str, tokenizer, length: int, seed: int, index: int) -> Sample:
                              "draws past wonderwords' words from its english_words.json, which is not on the package "
                              "index (docs/evaluation.md)") from None
     return Sample(task=task, index=index, context=context, question=question, answers=prompt.answers, tokens=count,
-                  max_new_tokens=NEW_TOKENS[config.family], info=prompt.info)
+                  max_new_tokens=NEW_TOKENS[config.family], info=dict(prompt.info))
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import random
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from oa_core.offline_model import haystack_text
 
@@ -93,7 +95,7 @@ class Prompt(NamedTuple):
     prefix: str
     answers: list[str]
     history: tuple[tuple[str, str], ...] = ()
-    info: dict = {}
+    info: Mapping[str, Any] = MappingProxyType({})  # read-only: a default shared by every prompt without info
 
 
 def count_tokens(tokenizer, text: str) -> int:
@@ -245,9 +247,9 @@ def _niah(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: i
             words = essay_words()
             text = " ".join(words[:size] if size <= len(words) else (words * -(-size // len(words)))[:size])
             sentences = sentence_splitter().tokenize(text.strip())
-            cuts = [0] + sorted(int(len(sentences) * depth / 100) for depth in depths) + [len(sentences)]
+            cuts = [0, *sorted(int(len(sentences) * depth / 100) for depth in depths), len(sentences)]
             parts = []
-            for i, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+            for i, (start, stop) in enumerate(itertools.pairwise(cuts)):
                 parts.append(" ".join(sentences[start:stop]))
                 if i < len(needles):
                     parts.append(needles[i])
@@ -269,7 +271,7 @@ def _vt(config: TaskConfig, rng: random.Random, task_rng: random.Random, tokeniz
         return _distinct(lambda: "".join(r.choices(string.ascii_uppercase, k=letters)), hops + 1)
 
     def chain(variables: list[str], value: str) -> list[str]:
-        return [f"VAR {variables[0]} = {value}"] + [f"VAR {b} = VAR {a} " for a, b in zip(variables, variables[1:])]
+        return [f"VAR {variables[0]} = {value}"] + [f"VAR {b} = VAR {a} " for a, b in itertools.pairwise(variables)]
 
     def text(variables: list[str], value: str, size: int, placement: int) -> tuple[str, str, str]:
         """The task's template around ``size`` noise lines with the chain among them, in order."""

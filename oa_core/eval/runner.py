@@ -348,7 +348,7 @@ def split_in_halves(task: str, length: int, indices: tuple[int, ...], cells: lis
     middle = (len(indices) + 1) // 2
     units = []
     for half in (indices[:middle], indices[middle:]):
-        part = [(key[:4] + (half[0],), spec, tuple(i for i in missing if i in half)) for key, spec, missing in cells]
+        part = [((*key[:4], half[0]), spec, tuple(i for i in missing if i in half)) for key, spec, missing in cells]
         part = [cell for cell in part if cell[2]]
         if part:
             units.append(((task, length, half), part))

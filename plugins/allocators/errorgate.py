@@ -143,7 +143,7 @@ if triton is not None:
         top = tl.max(x, axis=axis)
         top = tl.where((top == float("inf")) | (top == float("-inf")), 0.0, top)
         shifted = x - tl.expand_dims(top, axis)
-        if LIBDEVICE:
+        if LIBDEVICE:  # noqa: SIM108 (Triton: a constexpr branch is compiled only when taken; libdevice may be None)
             terms = libdevice.exp(shifted)
         else:
             terms = tl.exp(shifted)
@@ -162,7 +162,7 @@ if triton is not None:
         total = _logsumexp(log_mass, 1, LIBDEVICE)
         total = tl.where((total > float("-inf")) & (total < float("inf")), total, 0.0)
         log_priority = log_error - total[:, None]
-        if G == 1:
+        if G == 1:  # noqa: SIM108 (Triton: a constexpr branch, compiled only when taken)
             row = tl.max(log_priority, axis=0)  # the row's only head
         else:
             row = _logsumexp(log_priority, 0, LIBDEVICE)  # combine_heads

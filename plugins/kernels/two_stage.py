@@ -106,7 +106,7 @@ if triton is not None:
         the local window F, at least 0 (int64)."""
         length = tl.load(LENGTH).to(tl.int64)
         valid = length - tl.load(START + b)
-        if TOKENS >= 0:
+        if TOKENS >= 0:  # noqa: SIM108 (Triton compiles a ternary otherwise than an if: both sides made tensors)
             budget = valid * 0 + TOKENS
         else:
             budget = tl.floor(valid.to(tl.float64) * tl.load(DENSITY)).to(tl.int64)

@@ -77,7 +77,7 @@ def test_position_blocks_are_contiguous_runs_of_the_region():
 
 
 def test_position_rejects_both_size_and_count():
-    with pytest.raises(oa.SpecError, match="clusterer: .*give block_size or num_blocks, not both"):
+    with pytest.raises(oa.SpecError, match=r"clusterer: .*give block_size or num_blocks, not both"):
         oa.build({"clusterer": {"name": "position", "block_size": 8, "num_blocks": 4}})
 
 

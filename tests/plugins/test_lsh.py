@@ -80,7 +80,7 @@ def test_extend_matches_building_on_all_keys():
 
 
 def test_shared_selection_cannot_sample_per_head_pools():
-    with pytest.raises(oa.SpecError, match="gqa: .*lsh.*per_head"):
+    with pytest.raises(oa.SpecError, match=r"gqa: .*lsh.*per_head"):
         oa.build({"selector": "lsh", "tail": "sample", "gqa": "shared"})
 
 

@@ -101,7 +101,7 @@ def test_the_fused_scores_write_into_a_given_buffer_or_refuse_it():
     out = torch.full((2 * 2, 40), float("nan"))  # the fused step's [rows, capacity] view of the same elements
     assert group_int8_scores(projected, codes, scales, 0.5, 1, 2, out=out) is out
     assert torch.equal(out.view_as(expected), expected)
-    with pytest.raises(ValueError, match="out: a contiguous float32 tensor of 160 elements, got torch.float16"):
+    with pytest.raises(ValueError, match=r"out: a contiguous float32 tensor of 160 elements, got torch.float16"):
         group_int8_scores(projected, codes, scales, 0.5, 1, 2, out=out.half())
     with pytest.raises(ValueError, match="of 160 elements"):
         group_int8_scores(projected, codes, scales, 0.5, 1, 2, out=out[:, :20])
