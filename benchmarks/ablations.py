@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                      layers=args.layers, seed=args.seed, diagnostics=True)
     result.update(benchmark="ablations", sink=SINK, local=LOCAL, note=(
         f"Every spec of specs/ with sink={SINK}, local={LOCAL} and the budget set per density (dense keeps its "
-        "whole-context budget). E: weight discrepancy (docs/design.md §1). top32_recall: share of the true top-32 logits "
-        "of the clusterable region within the selector's E_sel best scores. errorgate_spearman: ErrorGate's ε̂_b "
+        "whole-context budget). E: weight discrepancy (docs/design.md §1). top32_recall: share of the true top-32 "
+        "logits of the clusterable region within the selector's E_sel best scores. errorgate_spearman: ErrorGate's ε̂_b "
         "(diagonal variance, no reads) against the true per-cluster proxy discrepancy; _full_variance: against "
         "the same estimate with the logits' exact within-cluster variance."))
     args.out.parent.mkdir(parents=True, exist_ok=True)

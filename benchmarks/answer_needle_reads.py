@@ -30,7 +30,8 @@ from oa_core.offline_model import capture_attention, load_offline_model
 from qgc_geometry import attend_and_read, needle_positions  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = {"qgc-errorgate": "specs/ablate-selector-oracle.yaml", "qgc-global": "benchmarks/diagnosis/qgc-oracle-global.yaml",
+SPECS = {"qgc-errorgate": "specs/ablate-selector-oracle.yaml",
+         "qgc-global": "benchmarks/diagnosis/qgc-oracle-global.yaml",
          "kmeans-errorgate": "benchmarks/diagnosis/kmeans-oracle-errorgate.yaml"}
 WINDOW = 256  # the integration's prefill query window under setup B: the context's last queries
 MOSTLY, MISSED = 0.5, 0.1

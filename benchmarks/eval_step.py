@@ -8,8 +8,9 @@ as ``oa eval`` does (``oa.patch``, ``oa.prefill_context``): its time, its peak m
 (CUDA), and the attention kernels it ran (the torch profiler's event names). Then per spec, with its own budget at
 the density given, ``oa.generate_from_context`` as in ``oa eval``: milliseconds per decode step (two generations
 ``--steps`` apart, their difference), and per decode step, from the torch profiler (the same difference): CUDA
-kernels, host-device synchronisations and CPU-side torch operators. The JSON (``benchmarks/results/eval_step_<device>.json``)
-is rewritten after every measurement, so a run cut short keeps what it measured.
+kernels, host-device synchronisations and CPU-side torch operators. The JSON
+(``benchmarks/results/eval_step_<device>.json``) is rewritten after every measurement, so a run cut short keeps what
+it measured.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The flash pass's launch parameters on the H200, timed in the fused static step (CUDA graph) at the benchmark's shapes,
-with the rows and output checked against the reference; then each compiled kernel's registers and spills.
+"""The flash pass's launch parameters on the H200, timed in the fused static step (CUDA graph) at the benchmark's
+shapes, with the rows and output checked against the reference; then each compiled kernel's registers and spills.
 
     python benchmarks/flash_launch_sweep.py OUT.json             # warps and pipelining stages of _sparse_pass, and
                                                                  # the selection's warps

@@ -1,7 +1,8 @@
 """Decode speed where users decode: tokens per second inside ``model.generate``, OpenAttention against the fastest
 dense decode in the same run.
 
-    python benchmarks/generate_speed.py                               # on a GPU: the Llama-3.1-8B shape, the issue's four
+    python benchmarks/generate_speed.py                               # on a GPU: the Llama-3.1-8B shape, the
+                                                                      # issue's four
     python benchmarks/generate_speed.py --configs 16x16384 8x32768    # the two the targets are set at
     python benchmarks/generate_speed.py --configs 1x32768 --densities 0.01
     python benchmarks/generate_speed.py --tiny --device cpu --configs 2x512 --densities 0.2 --tokens 4  # a smoke test

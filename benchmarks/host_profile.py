@@ -28,7 +28,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 sys.path.insert(0, str(Path(__file__).parent))
 import generate_speed  # the benchmark's model and methods
 
-WRAPPERS = (("_compile.py", "inner"), ("eval_frame.py", "_fn"))  # torch._disable_dynamo's wrappers (one calls the other)
+# torch._disable_dynamo's wrappers (one calls the other)
+WRAPPERS = (("_compile.py", "inner"), ("eval_frame.py", "_fn"))
 
 
 class ProfiledSteps(StoppingCriteria):

@@ -4,8 +4,8 @@
 
 Runs a tiny random Llama (one layer, 9 query / 3 KV heads) through the transformers integration on the CPU, and
 counts, during ``steps`` greedy decode steps after the question, every ``Tensor.__bool__ / item / __int__ /
-__float__ / tolist / cpu``, ``torch.equal`` and ``torch.unique`` (its output's size is the data's) call by the frame that
-made it. On the CPU every such call is counted
+__float__ / tolist / cpu``, ``torch.equal`` and ``torch.unique`` (its output's size is the data's) call by the frame
+that made it. On the CPU every such call is counted
 (host-side tensors too), so the total bounds the waits a GPU would see. Writes benchmarks/results/host_waits.json.
 """
 

@@ -352,18 +352,18 @@ def main(argv=None) -> int:
                                     first.kernel_note)
 
                 for density in args.density:
-                    row = run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, bandwidth, batch, context,
-                                     gqa)
+                    row = run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, bandwidth, batch,
+                                     context, gqa)
                     row.update(dense_bandwidth_TBps=round(bandwidth / 1e12, 3))
                     results.append(row)
                     graph = {k[:-9]: v for k, v in row.items() if k.endswith("_graph_ms")}
-                    print(f"B={batch:>2} N={context:>6} {gqa:8s} {density:>5.0%}: dense {dense_ms:.3f} ms; eager attend "
-                          f"{row['attend_ms']:.3f} ms; in CUDA graphs " + ", ".join(f"{k} {v:.3f}" for k, v in
+                    print(f"B={batch:>2} N={context:>6} {gqa:8s} {density:>5.0%}: dense {dense_ms:.3f} ms; eager "
+                          f"attend {row['attend_ms']:.3f} ms; in CUDA graphs " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                                               graph.items())
                           + f"; floor {row['floor_ms']:.3f} ms; err {row['flash_vs_reference_rel_error']:.1e}"
                           + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
-                          f"reference: {row['allocation_matches_reference']} ({row['allocation_rows_differing_from_cpu']}"
-                          " rows differ from the CPU's)"
+                          f"reference: {row['allocation_matches_reference']} "
+                          f"({row['allocation_rows_differing_from_cpu']} rows differ from the CPU's)"
                           + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else "")
                           + f"; static step (grow + attend{', fused' if row['static_step_fused'] else ''}) "
                           f"{row['static_step_graph_ms']:.3f} ms in a graph "
@@ -378,7 +378,8 @@ def main(argv=None) -> int:
                 if batch == 1 and gqa == args.gqa[0]:
                     causal_ms, again_ms = prepare_times(first, keys, values, prefill)
                     prepare.append({"context": context, "prepare_ms_first_call": round(prepare_ms, 3),
-                                    "prepare_ms": round(again_ms, 3), "dense_prefill_attention_ms": round(causal_ms, 3)})
+                                    "prepare_ms": round(again_ms, 3),
+                                    "dense_prefill_attention_ms": round(causal_ms, 3)})
                     print(f"prepare at N={context}: {prepare[-1]}", flush=True)
                 del state
             del keys, values
@@ -389,7 +390,8 @@ def main(argv=None) -> int:
 
 
 def sm_clock() -> str:
-    """The SM clock now and its maximum, from nvidia-smi (latency-bound kernels scale with it, dense decode does not)."""
+    """The SM clock now and its maximum, from nvidia-smi (latency-bound kernels scale with it, dense decode does
+    not)."""
     import subprocess
 
     try:

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernel_resources: unset TRITON_INTERPRET (the interpreter's kernels cannot be compiled)", file=sys.stderr)
+        print("kernel_resources: unset TRITON_INTERPRET (the interpreter's kernels cannot be compiled)",
+              file=sys.stderr)
         return 2
     rows = measure(args.dims)
     import triton

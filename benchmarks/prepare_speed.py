@@ -1,4 +1,4 @@
-"""Prepare on the GPU: where one layer's prepare goes, against the layer's dense prefill attention.
+r"""Prepare on the GPU: where one layer's prepare goes, against the layer's dense prefill attention.
 
 Shapes of Llama-3.1-8B (32 query / 8 KV heads, head dim 128, bf16), the default pipeline (QGC 64 clusters at rank
 16, QGS rank 16, 1%), batch × context. Per configuration, each stage timed on its own (device synchronised around
@@ -25,7 +25,8 @@ Writes ``benchmarks/results/prepare_h200.json``.
 
     python benchmarks/prepare_speed.py                      # 16x16K, 8x32K, 1x32K, 32x32K
     python benchmarks/prepare_speed.py --configs 16x16384
-    python benchmarks/prepare_speed.py --data model --configs 16x16384 8x32768 --out benchmarks/results/prepare_h200_model.json
+    python benchmarks/prepare_speed.py --data model --configs 16x16384 8x32768 \
+        --out benchmarks/results/prepare_h200_model.json
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
               "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(head_dim) for name, spec in sparse.items()},
               "lengths": {}}
     out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
-    log = out.with_suffix(".jsonl")  # one line per (length, sample, spec), appended as each sample ends: a rerun resumes
+    # one line per (length, sample, spec), appended as each sample ends: a rerun resumes
+    log = out.with_suffix(".jsonl")
     run = hashlib.sha256(json.dumps({k: result[k] for k in RUN_FIELDS}, sort_keys=True).encode()).hexdigest()[:12]
     kept = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
     kept = [r for r in kept if r.get("run") == run]  # another configuration's lines stay in the file, unread
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             with log.open("a") as stream:
                 for record in records:
                     record.update({"run": run, "tokens": tokens, "sample": index})
-                    record.update({field: round(share, 4) for field, share in zip(fields, shares.get(record["spec"], ()))})
+                    record.update({field: round(share, 4)
+                                   for field, share in zip(fields, shares.get(record["spec"], ()))})
                     stream.write(json.dumps(record) + "\n")
             kept.extend(records)
         records = [r for r in kept if r["tokens"] == tokens and r["sample"] < args.samples]

@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     width = max(map(len, METHODS))
     print(f"{'method':{width}s} " + " ".join(f"{f'{d:.0%} error / ratio':>20s}" for d in args.densities))
     for name in METHODS:
-        cells = [f"{result['results'][str(d)][name]['mean_error']:.3f} / {result['ratios_to_oracle_topk'][str(d)][name]:.2f}"
-                 for d in args.densities]
+        cells = [f"{result['results'][str(d)][name]['mean_error']:.3f} / "
+                 f"{result['ratios_to_oracle_topk'][str(d)][name]:.2f}" for d in args.densities]
         print(f"{name:{width}s} " + " ".join(f"{c:>20s}" for c in cells))
     print(f"wrote {out}")
     return 0

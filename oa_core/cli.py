@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="read densities; below sink + local rows a cell is refused before the model loads "
                                "(1%% of 4096 tokens is 40 rows, fewer than the specs' 4 + 64: pass --local-window "
                                "16 or a longer --length)")
-    evaluate.add_argument("--tasks", nargs="+", default=list(HARD_TASKS), help="RULER tasks (default: the HARD-like set)")
+    evaluate.add_argument("--tasks", nargs="+", default=list(HARD_TASKS),
+                          help="RULER tasks (default: the HARD-like set)")
     evaluate.add_argument("--length", nargs="+", type=int, default=[4096], help="prompt lengths in tokens")
     evaluate.add_argument("--samples", type=int, default=20, help="samples per task and length")
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the RULER samples")

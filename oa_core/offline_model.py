@@ -216,8 +216,8 @@ class LayerAttention(NamedTuple):
 
 
 # The recorder of the capture in progress; the registered function is a no-op recorder outside a capture.
-_active_capture: contextvars.ContextVar[tuple[dict[int, LayerAttention], frozenset[int]] | None] = contextvars.ContextVar(
-    "oa_active_capture", default=None)
+_active_capture: contextvars.ContextVar[tuple[dict[int, LayerAttention], frozenset[int]] | None] = (
+    contextvars.ContextVar("oa_active_capture", default=None))
 
 
 def _capturing_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

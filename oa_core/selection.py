@@ -54,9 +54,10 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
     ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run in
     position order, clusters in order, then -1 padding; the same on every path. Ties go to the earlier position.
     K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the device; the pipeline's never
-    passes N, and the CPU paths cut a wider one at N), or the largest Σ_b q_b when None. ``members`` (``cluster_members``) and a width: the Triton kernel on CUDA tensors, the
-    compiled C++ one on CPU tensors (``oa_core.native``; tests run the Triton kernel on the CPU under
-    ``TRITON_INTERPRET=1``); ``select_by_sorting`` otherwise."""
+    passes N, and the CPU paths cut a wider one at N), or the largest Σ_b q_b when None. ``members``
+    (``cluster_members``) and a width: the Triton kernel on CUDA tensors, the compiled C++ one on CPU tensors
+    (``oa_core.native``; tests run the Triton kernel on the CPU under ``TRITON_INTERPRET=1``); ``select_by_sorting``
+    otherwise."""
     if members is not None and width is not None:
         if scores.is_cuda and triton_path.unavailable_reason(scores.device) is None:
             return select_per_cluster(scores, *members, quotas, width)

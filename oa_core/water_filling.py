@@ -16,8 +16,9 @@ from oa_core.triton_path import tl, triton
 def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:
     """Integer q_b = min(n_b, λ p_b) with Σ q_b = min(budget, Σ n_b), p_b = e^{log_priority_b − max}.
 
-    log_priority ``[..., C]``, capacity ``[..., C]`` and budget ``[...]`` (broadcastable) → quotas ``[..., C]`` (long). Clusters of zero
-    priority take budget only once every other cluster is full. Rounding: floor, then the largest remainders.
+    log_priority ``[..., C]``, capacity ``[..., C]`` and budget ``[...]`` (broadcastable) → quotas ``[..., C]``
+    (long). Clusters of zero priority take budget only once every other cluster is full. Rounding: floor, then the
+    largest remainders.
     """
     if triton_applies(log_priority):
         return water_fill_triton(log_priority, capacity, budget)

@@ -67,7 +67,8 @@ class FlatSelector(Selector):
 
 def test_a_broken_allocator_is_caught_by_rule():
     with pytest.raises(ContractViolation, match=r"allocator 'greedy-test' \(GreedyAllocator, package "
-                                                r"'.*test_conformance'\) broke its contract: quotas must lie in \[0, n_b\]"):
+                                                r"'.*test_conformance'\) broke its contract: quotas must lie in "
+                                                r"\[0, n_b\]"):
         check_allocator(GreedyAllocator)
 
 
@@ -142,7 +143,8 @@ def test_a_component_breaking_its_contract_at_run_time_is_named():
     pipe = _pipeline_with(allocator=GreedyAllocator())
     state = pipe.prepare(keys, values, prefill)
     with pytest.raises(ContractViolation, match=r"allocator 'greedy-test' \(GreedyAllocator, package "
-                                                r"'.*test_conformance'\) broke its contract: quotas must lie in \[0, n_b\]"):
+                                                r"'.*test_conformance'\) broke its contract: quotas must lie in "
+                                                r"\[0, n_b\]"):
         pipe.attend(decode, state)
 
     class HalfKernel(Kernel):

@@ -102,7 +102,8 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
         f.write('{"spec": "openattention", "dens')  # a line cut short by the crash: ignored, its cell runs again
 
     ran = []
-    monkeypatch.setattr(eval_records.RecordWriter, "write", lambda self, record: (ran.append(record), original(self, record)))
+    monkeypatch.setattr(eval_records.RecordWriter, "write",
+                        lambda self, record: (ran.append(record), original(self, record)))
     rows = runner.run(_config(tmp_path), model, tokenizer)
     assert len(ran) == 12 - 5  # only the cells not yet done
     assert _comparable(rows) == _comparable(full)

@@ -9,8 +9,8 @@ def test_query_geometry_finds_the_query_subspace():
     gen = torch.Generator().manual_seed(2)
     queries = torch.zeros(1, 2, 100, 8)
     queries[..., :2] = torch.randn(1, 2, 100, 2, generator=gen) * torch.tensor([3.0, 1.0])
-    basis, eigenvalues = query_geometry(torch.randn(1, 1, 50, 8, generator=gen), queries, torch.ones(1, 50, dtype=torch.bool),
-                                        rank=2, window=100)
+    basis, eigenvalues = query_geometry(torch.randn(1, 1, 50, 8, generator=gen), queries,
+                                        torch.ones(1, 50, dtype=torch.bool), rank=2, window=100)
     # Both query heads share the KV head: the basis spans the first two axes, largest variance first.
     assert basis[0, 0, 2:].abs().max() < 1e-6  # nothing outside the span of the queries
     assert torch.allclose(basis[0, 0].T @ basis[0, 0], torch.eye(2), atol=1e-5)

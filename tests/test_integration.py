@@ -81,7 +81,8 @@ def test_sparse_generation_reads_the_budget_and_reports_it(dtype):
 def test_logits_at_the_first_sparse_step_match_a_direct_attend():
     model, ids = tiny_llama(), prompt(201)
     context, step = ids[:, :200], ids[:, 200:]
-    prefill_queries = {layer: q[:, :, -256:] for layer, (q, _, _, _) in capture_attention(model, context, [0, 1]).items()}
+    prefill_queries = {layer: q[:, :, -256:]
+                       for layer, (q, _, _, _) in capture_attention(model, context, [0, 1]).items()}
     pipe = oa.build(SPARSE)
 
     def direct(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -370,7 +371,8 @@ def test_spelled_out_causal_mask_is_sdpas_own_causal_prefill():
     expected, _ = sdpa(layer, query, key, value, None, scaling=0.25)
     got, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu"), scaling=0.25)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    shifted, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25)
+    shifted, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu").transpose(-1, -2),
+                      scaling=0.25)
     assert not torch.allclose(shifted, expected, atol=1e-3)  # the mask's orientation matters: the check could fail
 
 

@@ -208,7 +208,8 @@ def left_pad(rows):
 
 
 # (tail: sample is left out: its random draws are laid out over positions, which padding shifts.)
-@pytest.mark.parametrize("spec", [{}, {"gqa": "shared"}, {"selector": "oracle", "allocator": "global", "tail": "discard"}])
+@pytest.mark.parametrize("spec", [{}, {"gqa": "shared"},
+                                  {"selector": "oracle", "allocator": "global", "tail": "discard"}])
 def test_a_left_padded_row_matches_the_row_alone(spec):
     short = make_inputs(batch=1, tokens=220, seed=8)
     long = make_inputs(batch=1, tokens=300, seed=9)

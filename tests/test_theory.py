@@ -1,4 +1,5 @@
-"""Theory checks run through the real pipeline (oa.build → prepare → attend), docs/design.md §1 "Identities that must hold".
+"""Theory checks run through the real pipeline (oa.build → prepare → attend), docs/design.md §1 "Identities that must
+hold".
 
 1. Eq. 2 of the paper on Gaussian logits: E_d = τ, E_p = τ·erf(σ/√2), E[E_s] = 2τ(1 − m/N).
 2. The output-error bound ‖ô − o‖ ≤ (Z/Ẑ)·E·max_i ‖v_i − o‖ on heavy-tailed random inputs.

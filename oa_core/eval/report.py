@@ -231,7 +231,8 @@ def plot_accuracy_vs_density(means: list[dict], path: Path,
                 ax.axhline(ms[0][key], color="black", linestyle="--", linewidth=1, label="dense")
                 continue
             fewest = min(m["tasks"] for m in ms)
-            label = spec if dense_tasks is None or fewest >= dense_tasks else f"{spec} ({fewest} of {dense_tasks} tasks)"
+            label = (spec if dense_tasks is None or fewest >= dense_tasks
+                     else f"{spec} ({fewest} of {dense_tasks} tasks)")
             ax.plot([100 * m["density"] for m in ms], [m[key] for m in ms], marker=markers[spec], label=label,
                     color=colors[spec], markerfacecolor="none", markersize=8 if spec == "openattention" else 6,
                     linewidth=2.5 if spec == "openattention" else 1.5, zorder=3 if spec == "openattention" else 2)

@@ -258,7 +258,8 @@ class OpenAttentionHandle:
         if not 0 <= layer < self.num_layers:
             raise SpecError(f"layers: layer {layer} does not exist (the model has {self.num_layers})")
 
-    def use(self, spec: PipelineSpec | Mapping | str | None = None, layer_specs: Mapping[int, Any] | None = None) -> None:
+    def use(self, spec: PipelineSpec | Mapping | str | None = None,
+            layer_specs: Mapping[int, Any] | None = None) -> None:
         """Switch to another spec (and per-layer overrides), keeping the recorded contexts: a context prefilled once
         serves every spec."""
         layer_specs = dict(layer_specs or {})

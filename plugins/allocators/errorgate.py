@@ -121,7 +121,8 @@ def allocate_triton(inputs: AllocationInput) -> Tensor:
         with quiet_interpreter():
             _errorgate[(rows,)](mean, var, counts, budget, out, *mean.stride(), *var.stride(), *counts.stride(),
                                 *budget.stride(), Hkv, Gs, T, C, G=G, BLOCK_G=triton.next_power_of_2(G),
-                                BLOCK_C=block, LIBDEVICE=libdevice is not None and not triton_path.interpreting(), num_warps=warps)
+                                BLOCK_C=block, LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
+                                num_warps=warps)
     return out
 
 

@@ -15,7 +15,8 @@ def allocation(mean_logit, logit_var, counts, budget, shared=False):
     shape = (1, 1, 1, 1, -1)
     scores = torch.zeros(1, 1, 1, 1, int(counts.sum()))
     return AllocationInput(mean_logit.view(shape), logit_var.view(shape), counts.view(1, 1, -1), scores,
-                           torch.zeros(1, 1, int(counts.sum()), dtype=torch.long), torch.tensor(budget).view(1, 1, 1, 1))
+                           torch.zeros(1, 1, int(counts.sum()), dtype=torch.long),
+                           torch.tensor(budget).view(1, 1, 1, 1))
 
 
 def test_quotas_are_monotone_in_the_estimated_error():

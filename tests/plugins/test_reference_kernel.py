@@ -10,8 +10,8 @@ from oa_plugins.kernels.reference import TorchKernel
 
 def pooled(keys, values, assignment, clusters):
     one_hot = torch.nn.functional.one_hot(assignment, clusters + 1)[..., :clusters].float()
-    return PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys.float(), one_hot.transpose(-1, -2) @ values.float(),
-                          assignment)
+    return PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys.float(),
+                          one_hot.transpose(-1, -2) @ values.float(), assignment)
 
 
 def test_matches_the_formula_with_ragged_clusters_full_reads_and_empty_selections():
