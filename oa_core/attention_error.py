@@ -93,11 +93,16 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     timings["capture_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
-    errors = {d: {m: {} for m in methods} for d in densities}  # density → method → layer → [Hq, P]
-    extra = {d: {m: {} for m in methods} for d in densities}  # density → method → metric → [per layer [Hq, P]]
-    read = {d: {m: [] for m in methods} for d in densities}
-    scoring = {d: {} for d in densities}  # density → method → bytes per key its selection reads
-    specs, kernels, head_dim = {}, set(), None
+    # density → method → layer → [Hq, P]
+    errors: dict[float, dict[str, dict[int, torch.Tensor]]] = {d: {m: {} for m in methods} for d in densities}
+    # density → method → metric → [per layer [Hq, P]]
+    extra: dict[float, dict[str, dict[str, list[torch.Tensor]]]] = {d: {m: {} for m in methods} for d in densities}
+    read: dict[float, dict[str, list[float]]] = {d: {m: [] for m in methods} for d in densities}
+    # density → method → bytes per key its selection reads
+    scoring: dict[float, dict[str, dict]] = {d: {} for d in densities}
+    specs: dict[str, dict] = {}
+    kernels: set[str] = set()
+    head_dim = None
     bar = tqdm(total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline",
                disable=not progress)
     for layer in layers:
@@ -120,7 +125,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     timings["pipelines_s"] = time.perf_counter() - mark
     timings["total_s"] = time.perf_counter() - start
 
-    results = {}
+    results: dict[str, dict[str, dict]] = {}
     for density in densities:
         results[str(density)] = {}
         for method in methods:
@@ -210,8 +215,8 @@ def layer_diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
     registry = default_registry()
     for kind in KINDS:
         for name in registry.names(kind):
-            out.update({key: value[0] for key, value in registry.get(kind, name).cls.diagnose(pipe, state,
-                                                                                               queries).items()})
+            component = registry.components[kind][name].cls
+            out.update({key: value[0] for key, value in component.diagnose(pipe, state, queries).items()})
     return out
 
 

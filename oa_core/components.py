@@ -106,7 +106,9 @@ class Allocator(Component):
     per-cluster priority does not, and the fast decode path then skips setting the positions outside the clusters to
     -inf)."""
 
-    reads_scores: ClassVar[bool] = True
+    @property
+    def reads_scores(self) -> bool:  # a property: whether it does may depend on the config (ErrorGate's floor)
+        return True
 
     def allocate(self, inputs: AllocationInput) -> Tensor:
         """→ quotas q_b, integer ``[B, Hkv, Gs, T, C]`` with q_b ≤ n_b and Σ_b q_b = min(E_sel, Σ_b n_b)."""

@@ -43,12 +43,13 @@ def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int
     """
     B, Hkv, _, D = keys.shape
     if queries is not None:
-        owner, version, decomposed = _DECOMPOSED.get(id(queries), (None, None, None))
-        if owner is not None and owner() is queries and version == (queries._version, window, Hkv) \
-                and decomposed[0].shape[-1] >= rank:
-            return _top(*decomposed, rank)
+        remembered = _DECOMPOSED.get(id(queries))
+        if remembered is not None:
+            owner, version, decomposed = remembered
+            if owner() is queries and version == (queries._version, window, Hkv) and decomposed[0].shape[-1] >= rank:
+                return _top(*decomposed, rank)
         samples = queries[:, :, -window:].double().reshape(B, Hkv, -1, D)  # the group's heads share one geometry
-        count = samples.shape[2]
+        count: int | Tensor = samples.shape[2]
     else:
         samples = keys.double() * mask[:, None, :, None]
         count = mask.sum(-1).clamp_min(1).view(B, 1, 1, 1)
@@ -61,7 +62,8 @@ def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int
 
 # id(queries) → (a weak reference to them, (their version, window, KV heads), their eigendecomposition): one per
 # request, shared by its components; an entry goes with its queries.
-_DECOMPOSED: dict[int, tuple] = {}
+# id(queries) → (a weak reference to them, their version, window and Hkv, their eigenvalues and eigenvectors)
+_DECOMPOSED: dict[int, tuple[weakref.ref[Tensor], tuple, tuple[Tensor, Tensor]]] = {}
 
 
 def _remember(queries: Tensor, version: tuple, decomposed: tuple[Tensor, Tensor]) -> None:

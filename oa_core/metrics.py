@@ -58,20 +58,20 @@ def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tu
         return w_hat, w
 
     # Proxies: the pooled sums minus the rows read, the reference kernel's way.
-    C = state.num_clusters
-    assignment = state.pooled.assignment  # [B, Hkv, N]
+    C, pooled = state.num_clusters, state.cluster_sums
+    assignment = pooled.assignment  # [B, Hkv, N]
     cluster = assignment.gather(-1, index.reshape(B, Hkv, -1)).view_as(index).masked_fill(~valid, C)
     read_count = count_by_slot(cluster, C, torch.float64)
     rows = index.reshape(B, Hkv, -1, 1).expand(-1, -1, -1, state.keys.shape[-1])
     keys_read = state.keys.double().gather(2, rows).view(*index.shape, -1) * valid.unsqueeze(-1)
     read_key = sum_by_slot(cluster, keys_read, C)
-    tail_count = state.pooled.count.double()[:, :, None, None] - read_count
-    tail_key = (state.pooled.key_sum.double()[:, :, None, None] - read_key) / tail_count.clamp_min(
+    tail_count = pooled.count.double()[:, :, None, None] - read_count
+    tail_key = (pooled.key_sum.double()[:, :, None, None] - read_key) / tail_count.clamp_min(
         1).unsqueeze(-1)
     q = query.double().reshape(B, Hkv, g, T, -1)
     tail_logit = state.scale * torch.einsum("bhgtd,bhgtcd->bhgtc", q, tail_key)
     if pipe.spec.proxy == "second-order":  # each tail token's share of the proxy: e^{s·q·k̄_T}·(1 + σ̂_T²/2)
-        pooled = state.pooled
+        assert pooled.key_square_sum is not None  # a prepared state pools the squares too
         read_logits = logits.gather(-1, index).masked_fill(~valid, 0.0)
         tail_var = tail_logit_variance(q, read_logits, cluster, pooled.count.double(), pooled.key_sum.double(),
                                        pooled.key_square_sum.double(), tail_count, state.scale)
@@ -109,8 +109,9 @@ def topk_recall(pipe: Pipeline, state: PipelineState, query: Tensor, k: int = 32
     if state.clusters is None:
         return None
     scores = pipe.explain(query, state).scores  # [B, Hkv, Gs, T, N], -inf outside the clusters
+    assert scores is not None  # a state with clusters is scored
     logits = attention_logits(query, state)
-    clustered = (state.pooled.assignment < state.num_clusters)[:, :, None, None, :]
+    clustered = (state.cluster_sums.assignment < state.num_clusters)[:, :, None, None, :]
     truth = logits.masked_fill(~clustered, -math.inf).topk(min(k, logits.shape[-1]), dim=-1).indices
     exact = state.exact_rows().sum(-1)  # [B, Hkv]
     budget = (pipe.spec.budget.rows(state.valid.sum(-1))[:, None] - exact).clamp_min(0)

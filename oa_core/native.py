@@ -165,6 +165,8 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     quotas = quotas.to(torch.int64).reshape(rows, C).contiguous()
     out = torch.empty(rows, wide, dtype=torch.int64)
     if rows and wide:
-        library().oa_select_per_cluster(scores.data_ptr(), rows, N, members.data_ptr(), members.stride(1), C, S,
-                                        counts.data_ptr(), quotas.data_ptr(), Gs * T, out.data_ptr(), wide)
+        lib = library()
+        assert lib is not None  # the caller checked (above)
+        lib.oa_select_per_cluster(scores.data_ptr(), rows, N, members.data_ptr(), members.stride(1), C, S,
+                                  counts.data_ptr(), quotas.data_ptr(), Gs * T, out.data_ptr(), wide)
     return out.view(B, Hkv, Gs, T, wide)

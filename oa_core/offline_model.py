@@ -96,6 +96,7 @@ def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype
         config, tokenizer = _gguf_config_and_tokenizer(gguf)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config, dtype=dtype)
     else:
+        assert path is not None  # the offline models are GGUF files
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     return model.eval(), tokenizer

@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from pydantic import ValidationError
@@ -34,7 +35,7 @@ from oa_core.components import (
     Selector,
     group_queries,
 )
-from oa_core.registry import default_registry
+from oa_core.registry import ComponentInfo, default_registry
 from oa_core.selection import select
 from oa_core.spec import BUDGET_COVERS, ComponentSpec, PipelineSpec, SpecError, describe, load_spec
 from oa_core.state import PipelineState
@@ -53,9 +54,10 @@ def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
 
     clusterer, selector, allocator = (attempt(_instantiate, kind, getattr(spec, kind))
                                       for kind in ("clusterer", "selector", "allocator"))
-    kernel, kernel_note = attempt(_kernel, spec.kernel) or (None, None)
+    chosen_kernel = attempt(_kernel, spec.kernel)
     if errors:
         raise SpecError("; ".join(errors))
+    kernel, kernel_note = chosen_kernel
     if spec.tail == "proxy" and spec.proxy not in type(kernel).proxies:
         raise SpecError(f"proxy: kernel {kernel.name!r} computes {' and '.join(type(kernel).proxies)} proxies, not "
                         f"{spec.proxy!r}; set proxy: {type(kernel).proxies[0]} or use another kernel")
@@ -73,16 +75,20 @@ def _kernel(kernel: ComponentSpec) -> tuple[Kernel, str]:
         return _instantiate("kernel", kernel), f"kernel {kernel.name!r} requested"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     registry = default_registry()
-    skipped = []
-    for info in sorted((registry.get("kernel", name) for name in registry.names("kernel")),
-                       key=lambda info: -info.cls.priority):
-        why = info.cls.unavailable(device)
+    skipped: list[str] = []
+    for info in sorted((registry.components["kernel"][name] for name in registry.names("kernel")),
+                       key=lambda info: -_kernel_class(info).priority):
+        why = _kernel_class(info).unavailable(device)
         if why is None:
             reason = "; ".join(skipped) if skipped else f"runs on {device.type}"
             return _instantiate("kernel", ComponentSpec(name=info.name, params=kernel.params)), \
                 f"auto: {info.name} ({reason})"
         skipped.append(f"{info.name}: {why}")
     raise SpecError(f"kernel: auto found no registered kernel that runs on {device.type} ({'; '.join(skipped)})")
+
+
+def _kernel_class(info: ComponentInfo) -> type[Kernel]:
+    return cast("type[Kernel]", info.cls)  # the registry files under "kernel" subclasses of Kernel only
 
 
 def _instantiate(kind: str, component: ComponentSpec):
@@ -266,13 +272,15 @@ class Pipeline:
             samples = (spec.tail_samples * plan.selectable).round().long() if sampling else None
             scores = self.selector.score(grouped, state.index, state.keys, state.scale)
             contracts.check_scores(self.selector, scores, (B, Hkv, Gs, T, n))
+            assert plan.unclustered is not None  # the plan of a state with clusters marks the rows outside them
             scores = scores.masked_fill(plan.unclustered, -math.inf)
-            budget = plan.selectable - samples if sampling else plan.selectable
+            budget = plan.selectable - samples if samples is not None else plan.selectable
             scores = self.selector.refine(scores, grouped, state.index, state.keys, state.scale, budget,
                                           plan.max_selectable)
             mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
-            allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=state.pooled.count,
-                                         scores=scores, assignment=state.pooled.assignment,
+            pooled = state.cluster_sums
+            allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=pooled.count,
+                                         scores=scores, assignment=pooled.assignment,
                                          budget=budget,
                                          width=plan.max_selectable)
             quotas = self.allocator.allocate(allocation)
@@ -283,6 +291,7 @@ class Pipeline:
             log_weight = torch.zeros(index.shape, device=query.device)  # exact rows weigh 1 (ln 0)
             most = round(spec.tail_samples * plan.max_selectable) if sampling else 0
             if most > 0:  # tail samples come last, weighted η
+                assert samples is not None  # most > 0: sampling
                 drawn, log_eta = self._sample_tail(grouped, scores > -math.inf, index, samples, most, state)
                 index = torch.cat([index, drawn], dim=-1)
                 log_weight = torch.cat([log_weight, log_eta], dim=-1)

@@ -9,6 +9,7 @@ many K rows more (at 4 × the budget: 11% of the keys at 3% read, 3% at 1%): ``r
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -55,10 +56,19 @@ def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, mult
     return out.scatter(-1, top, torch.where(listed, exact, out.gather(-1, top)))
 
 
+class RerankConfig(Protocol):
+    """What ``ExactRerank`` reads of its selector's config."""
+
+    @property
+    def rerank(self) -> float: ...
+
+
 class ExactRerank:
     """For a selector whose ``Config`` has ``rerank`` (a multiple of the selectable budget): with ``rerank`` > 0 the
     best ``rerank`` × budget rows by its codes' scores are re-scored from their keys (``rerank_exact``). QGS and PQS
     take their ``refines`` and ``refine`` from here."""
+
+    config: RerankConfig
 
     @property
     def refines(self) -> bool:

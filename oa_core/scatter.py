@@ -55,7 +55,10 @@ def pooled_sums(ids: Tensor, keys: Tensor, values: Tensor, slots: int,
                                      key_sum, value_sum, key_square_sum, n, H, slots, *keys.stride()[:3],
                                      *values.stride()[:3], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=32)
     sums = (counts.float(), key_sum, value_sum, key_square_sum)
-    return sums if totals is None else tuple(total + new for total, new in zip(totals, sums))
+    if totals is None:
+        return sums
+    count_total, key_total, value_total, square_total = (total + new for total, new in zip(totals, sums))
+    return count_total, key_total, value_total, square_total
 
 
 def min_by_slot(ids: Tensor, values: Tensor, slots: int) -> Tensor:

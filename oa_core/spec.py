@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 import yaml
@@ -64,14 +64,24 @@ class Budget(BaseModel):
             raise ValueError("give exactly one of density or tokens")
         return self
 
+    @overload
+    def rows(self, num_tokens: int) -> int: ...
+
+    @overload
+    def rows(self, num_tokens: torch.Tensor) -> torch.Tensor: ...
+
     def rows(self, num_tokens: int | torch.Tensor) -> int | torch.Tensor:
         """The budget E in rows for a context of ``num_tokens`` (an int, or a long tensor of per-row lengths);
         rounded down, so the measured density stays within."""
         if isinstance(num_tokens, torch.Tensor):
             if self.tokens is not None:
                 return torch.full_like(num_tokens, self.tokens)
+            assert self.density is not None  # exactly one of the two (_exactly_one)
             return torch.floor(num_tokens.double() * self.density).long()
-        return self.tokens if self.tokens is not None else math.floor(self.density * num_tokens)
+        if self.tokens is not None:
+            return self.tokens
+        assert self.density is not None
+        return math.floor(self.density * num_tokens)
 
 
 class PipelineSpec(BaseModel):

@@ -96,10 +96,16 @@ class PipelineState:
     def num_clusters(self) -> int:
         return self.clusters.num_clusters if self.clusters is not None else 0
 
+    @property
+    def cluster_sums(self) -> PooledClusters:
+        """``pooled``, of a state with clusters (``start_clusters`` sets both; a state read densely has neither)."""
+        assert self.pooled is not None, "a state without clusters has no pooled sums"
+        return self.pooled
+
     def exact_rows(self) -> Tensor:
         """``[B, Hkv, N]``: the valid positions read exactly at every step (sink, local window, dense rows)."""
         fixed = self.valid[:, None, :].expand(*self.keys.shape[:3])
-        return fixed if self.clusters is None else fixed & (self.pooled.assignment == self.num_clusters)
+        return fixed if self.clusters is None else fixed & (self.cluster_sums.assignment == self.num_clusters)
 
     def plan(self) -> ReadPlan:
         """What every attend on this cache reads regardless of the query; built once per prepare (and updated by
@@ -109,11 +115,11 @@ class PipelineState:
             fixed_counts = fixed.sum(-1).cpu()
             members, largest = None, 0
             if self.clusters is not None:  # select reads each cluster's scores through its members
-                members = cluster_members(self.pooled.assignment, self.num_clusters, room=MEMBER_ROOM)
+                members = cluster_members(self.cluster_sums.assignment, self.num_clusters, room=MEMBER_ROOM)
                 largest = int(members[1].max()) if members[1].numel() else 0
             self._plan = self._read_plan(positions(fixed), self.valid.sum(-1).cpu(), fixed_counts, members, largest,
                                          None if self.clusters is None else
-                                         (self.pooled.assignment == self.num_clusters)[:, :, None, None, :],
+                                         (self.cluster_sums.assignment == self.num_clusters)[:, :, None, None, :],
                                          self.dense_rows.cpu(), not bool(self.valid.all()))
         return self._plan
 
@@ -150,13 +156,15 @@ class PipelineState:
         if unclustered is not None:
             unclustered = torch.cat([unclustered, unclustered.new_ones(B, H, 1, 1, added)], dim=-1)
             if leaving is not None:
+                assert ids is not None  # the rows that left come with their clusters (_cluster_new_rows)
                 unclustered[..., leaving] = (ids == C)[:, :, None, None, :]
         if members is not None and leaving is not None:
+            assert ids is not None
             largest += left
             if largest > members[0].shape[-1]:  # maybe full: the true largest decides (a device sync)
                 largest = int(members[1].max()) + left
             if largest > members[0].shape[-1]:
-                members = cluster_members(self.pooled.assignment, C, room=MEMBER_ROOM)
+                members = cluster_members(self.cluster_sums.assignment, C, room=MEMBER_ROOM)
                 largest = int(members[1].max())
             else:
                 members = add_members(*members, ids, torch.arange(leaving.start, leaving.stop, device=device))
@@ -166,7 +174,9 @@ class PipelineState:
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
         if self._moments is None:
-            self._moments = moments_from_sums(self.pooled.count, self.pooled.key_sum, self.pooled.key_square_sum)
+            sums = self.cluster_sums
+            assert sums.key_square_sum is not None  # start_clusters pools the squares too
+            self._moments = moments_from_sums(sums.count, sums.key_sum, sums.key_square_sum)
         return self._moments
 
     def fork(self) -> PipelineState:
@@ -218,26 +228,28 @@ class PipelineState:
     def _cluster_new_rows(self, new_keys: Tensor) -> tuple[slice | None, Tensor | None]:
         """Index the new rows; rows leaving the local window join their nearest cluster and the pooled sums. →
         (the positions that left, their cluster ids), or (None, None)."""
-        pipe = self.pipeline
+        pipe, clusters, sums = self.pipeline, self.clusters, self.cluster_sums
+        assert clusters is not None
         self.index = pipe.selector.extend(self.index, new_keys)
         C = self.num_clusters
-        assignment = torch.cat([self.pooled.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long,
-                                                                   device=new_keys.device)], dim=2)
+        assignment = torch.cat([sums.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long,
+                                                            device=new_keys.device)], dim=2)
         leaving_end = self.clustered_end
         leaving, ids = None, None
         if new_keys.shape[2]:
             leaving = slice(leaving_end - new_keys.shape[2], leaving_end)
-            ids = pipe.clusterer.assign(self.clusters, self.keys[:, :, leaving])
+            ids = pipe.clusterer.assign(clusters, self.keys[:, :, leaving])
             ids = ids.masked_fill(self.dense_rows[:, None, None], C)
             assignment[:, :, leaving] = ids
             self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])
-        self.pooled.assignment = assignment
+        sums.assignment = assignment
         self._moments = None
         return leaving, ids
 
     def _pool(self, ids: Tensor, keys: Tensor, values: Tensor) -> None:
         """Add rows ``[B, Hkv, n, D]`` with cluster ids ``[B, Hkv, n]`` (C: not clustered) to the pooled sums."""
-        pooled = self.pooled
+        pooled = self.cluster_sums
+        assert pooled.key_square_sum is not None  # start_clusters pools the squares too
         sums = pooled_sums(ids, keys, values, self.num_clusters,
                            (pooled.count, pooled.key_sum, pooled.value_sum, pooled.key_square_sum))
         # Contiguous: the kernels read the sums as they are, at every step.

@@ -101,8 +101,9 @@ class StaticState:
             out[:, :, :n] = tensor
             return out
 
-        members, counts = cluster_members(state.pooled.assignment, C, room=grow)
-        pooled = state.pooled
+        pooled = state.cluster_sums
+        assert pooled.key_square_sum is not None  # a prepared state pools the squares too
+        members, counts = cluster_members(pooled.assignment, C, room=grow)
         start = (~state.valid).sum(-1)  # left padding: the first valid slot
         arena, layout = pack({"start": start, "assignment": at_capacity(pooled.assignment, C),
                               "count": pooled.count, "key_sum": pooled.key_sum, "value_sum": pooled.value_sum,
@@ -173,6 +174,7 @@ class StaticState:
         slots = ids[..., None].expand(B, H, 1, D)
         self.pooled.key_sum.scatter_add_(2, slots, k)
         self.pooled.value_sum.scatter_add_(2, slots, values.index_select(2, leaving).float())
+        assert self.pooled.key_square_sum is not None  # from_state's pooled sums include the squares
         self.pooled.key_square_sum.scatter_add_(2, slots, k * k)
         S = self.members.shape[-1]
         slot = ids * S + self.member_counts.gather(2, ids)
@@ -203,6 +205,7 @@ class StaticState:
             scores = scores.masked_fill((self.assignment == C)[:, :, None, None, :], -math.inf)
         if refines:
             scores = pipe.selector.refine(scores, grouped, self.index, keys, self.scale, budget, width)
+        assert self.pooled.key_square_sum is not None
         mean_logit, logit_var = cluster_logit_stats_from_sums(query, self.pooled.count, self.pooled.key_sum,
                                                               self.pooled.key_square_sum, self.scale)
         allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=self.pooled.count,
@@ -248,7 +251,7 @@ def unpack(arena: Tensor, layout: dict) -> dict[str, Tensor]:
 def _fields(index, token_fields: tuple[str, ...], views: dict[str, Tensor]) -> dict[str, Any]:
     """``StaticState``'s fields over the arena's ``views``."""
     return dict(start=views["start"], assignment=views["assignment"],
-                pooled=PooledClusters(views["count"], views["key_sum"], views["value_sum"], None,
+                pooled=PooledClusters(views["count"], views["key_sum"], views["value_sum"], views["assignment"],
                                       views["key_square_sum"]),
                 members=views["members"], member_counts=views["member_counts"],
                 index=dataclasses.replace(index, **{name: views[name] for name in token_fields}) if token_fields

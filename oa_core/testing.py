@@ -18,12 +18,25 @@ against the float64 references of the paper's equations (``oa_core.references``)
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 from torch import Tensor
 
 from oa_core import references
-from oa_core.components import KINDS, AllocationInput, Clusters, Component, PooledClusters, Selection, group_queries
+from oa_core.components import (
+    KINDS,
+    AllocationInput,
+    Allocator,
+    Clusterer,
+    Clusters,
+    Component,
+    Kernel,
+    PooledClusters,
+    Selection,
+    Selector,
+    group_queries,
+)
 from oa_core.contracts import ContractViolation, check_clusters, check_output, check_quotas, check_scores, expect
 from oa_core.registry import default_registry
 
@@ -47,7 +60,8 @@ def make_inputs(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int =
     picks = torch.randint(tokens, (queries,), generator=gen)
     decode = keys[:, (torch.arange(heads) // group)[:, None], picks[None, :]] * 1.2
     decode = decode + 0.3 * torch.randn(decode.shape, generator=gen)
-    return tuple(t.to(dtype) for t in (keys, values, prefill, decode))
+    keys, values, prefill, decode = (t.to(dtype) for t in (keys, values, prefill, decode))
+    return keys, values, prefill, decode
 
 
 def _inputs(dtype: torch.dtype = torch.float32):
@@ -55,7 +69,22 @@ def _inputs(dtype: torch.dtype = torch.float32):
     return make_inputs(tokens=160, dtype=dtype)
 
 
-def _instance(kind: str, component: Component | type[Component] | str, params: dict | None = None) -> Component:
+_ComponentRef = Component | type[Component] | str  # an instance, a class, or a registered name
+
+
+@overload
+def _instance(kind: Literal["clusterer"], component: _ComponentRef, params: dict | None = None) -> Clusterer: ...
+@overload
+def _instance(kind: Literal["selector"], component: _ComponentRef, params: dict | None = None) -> Selector: ...
+@overload
+def _instance(kind: Literal["allocator"], component: _ComponentRef, params: dict | None = None) -> Allocator: ...
+@overload
+def _instance(kind: Literal["kernel"], component: _ComponentRef, params: dict | None = None) -> Kernel: ...
+@overload
+def _instance(kind: str, component: _ComponentRef, params: dict | None = None) -> Component: ...
+
+
+def _instance(kind: str, component: _ComponentRef, params: dict | None = None) -> Component:
     if isinstance(component, str):
         info = default_registry().get(kind, component)
         if info is None:
@@ -248,7 +277,7 @@ def check_component(kind: str, component: Component | type[Component] | str, par
     CHECKS[kind](component, params)
     if pipeline:
         registered = component if isinstance(component, str) else getattr(component, "name", None)
-        if default_registry().get(kind, registered) is None:
+        if registered is None or default_registry().get(kind, registered) is None:
             raise ContractViolation(f"{kind} {registered!r} is not registered through the 'openattention' entry "
                                     "points, so a spec cannot name it (install the package, or pass pipeline=False)")
         check_pipeline(kind, registered, params)

@@ -7,8 +7,8 @@ without Triton) and define their kernels under ``if triton is not None``."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+from typing import Any
 
 import torch
 
@@ -18,13 +18,20 @@ try:
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = tl = None
 
-libdevice = None  # CUDA's libdevice math (e.g. the exp torch uses on CUDA), where this Triton has it
-if triton is not None:
+
+def _find_libdevice() -> Any:
     try:
         from triton.language.extra import libdevice
     except ImportError:  # pragma: no cover - older triton
-        with contextlib.suppress(ImportError):
-            from triton.language.extra.cuda import libdevice  # noqa: F401 (used by the kernels' modules, from here)
+        try:
+            from triton.language.extra.cuda import libdevice
+        except ImportError:
+            return None
+    return libdevice
+
+
+# CUDA's libdevice math (e.g. the exp torch uses on CUDA), where this Triton has it
+libdevice: Any = _find_libdevice() if triton is not None else None
 
 
 def interpreting() -> bool:

@@ -141,7 +141,9 @@ def log_total(log_values: Tensor) -> Tensor:
 class WaterFillAllocator(Allocator):
     """Base of the allocators that water-fill by a priority; subclasses give ``log_priority``."""
 
-    reads_scores = False
+    @property
+    def reads_scores(self) -> bool:  # water-filling reads the clusters' priorities, not the scores
+        return False
 
     def log_priority(self, inputs: AllocationInput, counts: Tensor) -> Tensor:
         """Per query head ``[B, Hkv, g, T, C]`` log priorities (counts ``[B, Hkv, 1, 1, C]``); -inf: never read."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -21,7 +22,7 @@ class EvalConfig:
     lengths: list[int] = field(default_factory=lambda: [4096])
     samples: int = 20
     seed: int = 0
-    setup: str = "B"
+    setup: Literal["A", "B"] = "B"  # checked by check_config (a caller may pass any string)
     out: Path = Path("runs/eval")
     model: str | None = None  # a transformers path or id; None: the offline SmolLM2
     sink: int | None = None  # None: each spec's own; a number overrides every sparse spec's (recorded in each

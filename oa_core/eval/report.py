@@ -185,7 +185,7 @@ def _colors(specs) -> dict[str, tuple]:
     """One colour per spec, the same in every panel and plot. Methods and ablations draw from separate palettes
     (tab10, tab20b), so a method keeps its colour in reports with and without ablations (the 4K and 8K sweeps)."""
     plt = _pyplot()
-    colors = {}
+    colors: dict[str, tuple] = {}
     for palette, ablations in (("tab10", False), ("tab20b", True)):
         group = sorted(s for s in set(specs) - {"dense"} if s.startswith(ABLATION_PREFIX) == ablations)
         colors.update(zip(group, itertools.cycle(plt.get_cmap(palette).colors)))
@@ -195,7 +195,7 @@ def _colors(specs) -> dict[str, tuple]:
 def _markers(specs) -> dict[str, str]:
     """One marker shape per spec, methods and ablations each in their own order (as ``_colors``): a line that lies
     on another is still told apart."""
-    markers = {}
+    markers: dict[str, str] = {}
     for ablations in (False, True):
         group = sorted(s for s in set(specs) - {"dense"} if s.startswith(ABLATION_PREFIX) == ablations)
         markers.update(zip(group, itertools.cycle("osD^vP*Xh<>p")))

@@ -180,7 +180,8 @@ class _Stream:
     """An endless list drawn item by item from its own generator: the same prefix however far it was read."""
 
     def __init__(self, seed: int, draw: Callable[[random.Random], str]) -> None:
-        self.rng, self.draw, self.items = random.Random(seed), draw, []
+        self.rng, self.draw = random.Random(seed), draw
+        self.items: list[str] = []
 
     def __getitem__(self, window: slice) -> list[str]:
         while len(self.items) < window.stop:

@@ -29,6 +29,7 @@ import platform
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import torch
@@ -62,7 +63,7 @@ def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...
 
 
 def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float], task: str, length: int,
-                  samples: tuple[int, ...], done: set[tuple] = frozenset()) -> list[tuple[tuple, dict, tuple]]:
+                  samples: tuple[int, ...], done: AbstractSet[tuple] = frozenset()) -> list[tuple[tuple, dict, tuple]]:
     """The unit's cells not yet ``done``, in order — the dense reference first — each (key of its first sample, spec
     mapping with its budget, the samples still missing it)."""
     cells = []
@@ -194,14 +195,14 @@ def _rank_device(device: str, world: int) -> torch.device:
     """``device``; under torchrun a bare ``cuda`` is the rank's local GPU (LOCAL_RANK modulo the GPUs: more ranks
     than GPUs share them)."""
     try:
-        device = torch.device(device)
+        chosen = torch.device(device)
     except RuntimeError:
         raise ValueError(f"device: {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device} asked for, but torch sees no CUDA device here")
-    if device.type == "cuda" and device.index is None and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return device
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {chosen} asked for, but torch sees no CUDA device here")
+    if chosen.type == "cuda" and chosen.index is None and world > 1:
+        chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return chosen
 
 
 def head_dim(model_config) -> int:

@@ -35,7 +35,8 @@ from oa_core.state import CacheMismatch, PipelineState, probe_rows
 
 IMPLEMENTATION = "openattention"
 Question = Literal["sparse", "dense"]
-SETUPS = {"A": "dense", "B": "sparse"}  # the paper's names for the two ways of attending the question
+# The paper's names for the two ways of attending the question
+SETUPS: dict[str, Question] = {"A": "dense", "B": "sparse"}
 
 # Attention module → its runtime. Weak keys: a model that goes away takes its runtimes with it.
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -113,12 +114,14 @@ class LayerRuntime:
                       else f"dense: {state.dense_reason}")
             self.log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
             return out, weights
+        pipe = self.pipeline
+        assert pipe is not None  # a dense layer attends in __call__
         outputs, stats = [], []
-        block = max(self.pipeline.spec.local, 1)
+        block = max(pipe.spec.local, 1)
         for first in range(0, T, block):  # a question attends in causal blocks that fit the local window
             last = min(first + block, T)
             state.grow_to(key[:, :, :past + last], value[:, :, :past + last])  # the cache's rows, not a copy
-            out, step = self.pipeline.attend(query[:, :, first:last], state, return_stats=True, causal=True)
+            out, step = pipe.attend(query[:, :, first:last], state, return_stats=True, causal=True)
             outputs.append(out)
             stats.append(step)
         self.live = state
@@ -137,20 +140,22 @@ class LayerRuntime:
         """The state this call continues: the live one, a fork of the recorded context's, or a new one. The live
         state is taken by its length alone (no wait on the device at every step): its growth then checks the rows
         and raises CacheMismatch if they are another cache's."""
+        pipe = self.pipeline
+        assert pipe is not None  # a dense layer attends in __call__
         if self.live is not None and self.live.pipeline is self.pipeline and _same_length(self.live.keys, key, past):
             return self.live
         context = self.context
         if context is not None and _same_prefix(context.keys, key, past):
             state = context.prepared.get(id(self.pipeline))
             if state is None or state.pipeline is not self.pipeline:
-                state = self.pipeline.prepare(context.keys, context.values, context.queries, context.scale,
-                                              mask=context.mask)
+                state = pipe.prepare(context.keys, context.values, context.queries, context.scale,
+                                     mask=context.mask)
                 context.prepared[id(self.pipeline)] = state
             return state.fork()
         # A cache this runtime never saw prefilled (e.g. built before patching): no prefill queries to use; the
         # padding comes from this call's mask.
-        return self.pipeline.prepare(key[:, :, :past], value[:, :, :past], None, scale,
-                                     mask=key_mask(attention_mask, key)[:, :past])
+        return pipe.prepare(key[:, :, :past], value[:, :, :past], None, scale,
+                            mask=key_mask(attention_mask, key)[:, :past])
 
     def log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare: Span | float = 0.0,
              attend: Span | float = 0.0, density: Tensor | float = 1.0, proxies: Tensor | float = 0.0,
@@ -329,7 +334,7 @@ def unpatch(model) -> None:
         _RUNTIMES.pop(module, None)
 
 
-def _question(question: str | None, setup: str | None) -> str:
+def _question(question: str | None, setup: str | None) -> Question:
     """``question`` or its paper name ``setup``, checked before anything changes."""
     if setup is not None:
         if setup not in SETUPS:
@@ -337,9 +342,11 @@ def _question(question: str | None, setup: str | None) -> str:
         if question is not None and question != SETUPS[setup]:
             raise SpecError(f"setup {setup!r} means question={SETUPS[setup]!r}, not {question!r}: give one of them")
         return SETUPS[setup]
-    if question not in (None, "sparse", "dense"):
-        raise SpecError(f"question: expected 'sparse' or 'dense', got {question!r}")
-    return question or "sparse"
+    if question is None or question == "sparse":
+        return "sparse"
+    if question == "dense":
+        return "dense"
+    raise SpecError(f"question: expected 'sparse' or 'dense', got {question!r}")
 
 
 def runtimes(model) -> dict[int, LayerRuntime]:

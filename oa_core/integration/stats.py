@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -17,7 +18,7 @@ class Span:
     def __init__(self, like: Tensor) -> None:
         self._device = like.device if like.is_cuda else None
         self._start = self._mark()
-        self._end = None
+        self._end: Any = None  # as _start: a perf_counter reading on the CPU, a CUDA event on a GPU
 
     def stop(self) -> Span:
         self._end = self._mark()

@@ -57,6 +57,7 @@ class ErrorGate(WaterFillAllocator):
 
     name = "errorgate"
     Config = ErrorGateConfig
+    config: ErrorGateConfig
 
     @property
     def reads_scores(self) -> bool:
@@ -215,11 +216,11 @@ def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Ten
     logits = attention_logits(query, state)
     top = logits.amax(-1, keepdim=True)
     mean, var = (m.double() for m in state.cluster_moments())
-    counts = state.pooled.count.double()[:, :, None, None]
+    counts = state.cluster_sums.count.double()[:, :, None, None]
     mean_logit, logit_var = cluster_logit_stats(query, mean, var, state.scale)  # float64: torch
     estimate, _ = log_error_estimate(mean_logit, logit_var, counts)
 
-    assignment = state.pooled.assignment[:, :, None, None, :].expand(*logits.shape)
+    assignment = state.cluster_sums.assignment[:, :, None, None, :].expand(*logits.shape)
     proxy = torch.cat([torch.exp(mean_logit - top), torch.zeros_like(top)], -1).gather(-1, assignment)
     gap = (torch.exp(logits - top) - proxy).abs().masked_fill(assignment == C, 0).nan_to_num()
     truth = sum_by_slot(assignment, gap, C)

@@ -24,6 +24,7 @@ class KeyKMeans(Clusterer):
 
     name = "kmeans"
     Config = KMeansConfig
+    config: KMeansConfig
 
     def fit(self, keys: Tensor, queries: Tensor | None, mask: Tensor, generator: torch.Generator) -> Clusters:
         points = keys.float()

@@ -29,6 +29,7 @@ class PositionBlocks(Clusterer):
 
     name = "position"
     Config = PositionConfig
+    config: PositionConfig
 
     def fit(self, keys: Tensor, queries: Tensor | None, mask: Tensor, generator: torch.Generator) -> Clusters:
         B, H, N, _ = keys.shape

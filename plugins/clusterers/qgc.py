@@ -36,6 +36,7 @@ class QueryGeometryClusterer(Clusterer):
 
     name = "qgc"
     Config = QGCConfig
+    config: QGCConfig
 
     def fit(self, keys: Tensor, queries: Tensor | None, mask: Tensor, generator: torch.Generator) -> Clusters:
         cfg = self.config

@@ -60,6 +60,7 @@ class TorchKernel(Kernel):
         tail_sum = scale * torch.einsum("bhgtd,bhcd->bhgtc", q, proxies.key_sum) - read_sum
         proxy_logits = tail_sum / n + torch.log(n)
         if proxies.second_order:
+            assert proxies.key_square_sum is not None  # second-order proxies come with it (PooledClusters)
             proxy_logits = proxy_logits + torch.log1p(0.5 * tail_logit_variance(
                 q, read_logits, heads, proxies.count, proxies.key_sum, proxies.key_square_sum, tail_count, scale))
         proxy_logits = proxy_logits.masked_fill(~has_tail, float("-inf"))

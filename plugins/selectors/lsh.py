@@ -51,6 +51,7 @@ class SimHashSelector(Selector):
 
     name = "lsh"
     Config = LSHConfig
+    config: LSHConfig
 
     def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
               generator: torch.Generator | None = None) -> LSHIndex:
@@ -100,12 +101,14 @@ class SimHashSelector(Selector):
         for tables in _chunks(self.config.L, B * Hkv * max(R * N, N * parts, R * parts * 256)):
             collisions += (q_buckets[..., None, tables] == index.buckets[:, :, None, :, tables]).sum(-1)
             if agreement and K:
+                assert agree is not None
                 agree += _bits_agreeing(q_buckets[..., tables], index.buckets[..., tables], K)
         return collisions, agree
 
     def score(self, query: Tensor, index: LSHIndex, keys: Tensor, scale: float) -> Tensor:
         B, Hkv, Gs, G, T, _ = query.shape
         collisions, agree = self._collisions(query, index)
+        assert agree is not None  # counted by default
         bits = max(self.config.K * self.config.L, 1)
         candidate = collisions >= self.config.min_collisions
         # Lexicographic: candidate, then tables shared (0..L), then bits agreeing (a fraction below 1).

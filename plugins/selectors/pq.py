@@ -90,6 +90,7 @@ class ProductQuantisedSelector(ExactRerank, Selector):
 
     name = "pq"
     Config = PQSConfig
+    config: PQSConfig
 
     def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
               generator: torch.Generator | None = None) -> PQSIndex:

@@ -66,11 +66,13 @@ class QuerySubspaceSelector(ExactRerank, Selector):
 
     name = "qgs"
     Config = QGSConfig
+    config: QGSConfig
 
     def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
               generator: torch.Generator | None = None) -> QGSIndex:
         region = clusters.assignment[:, 0] < clusters.num_clusters
         cfg = self.config
+        assert cfg.key_rank is not None  # QGSConfig resolves None to half the rank
         check_rank("selector 'qgs'", cfg.rank, keys.shape[-1])
         basis, _ = query_geometry(keys, queries, region, cfg.rank - cfg.key_rank, cfg.query_window)
         if cfg.key_rank:

@@ -42,6 +42,7 @@ class QuestSelector(Selector):
 
     name = "quest"
     Config = QuestConfig
+    config: QuestConfig
 
     def scoring_bytes(self, head_dim: int) -> float:
         return 2 * 2 * head_dim / self.config.page_size  # a page's min and max keys in bf16, over its tokens
