@@ -13,8 +13,9 @@ from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_sp
 from oa_core.registry import available
 from oa_core.pipeline import AttendStats, Explanation, Pipeline, build
 from oa_core.state import PipelineState
-from oa_core.integration import (Context, GenerationStats, OpenAttentionHandle, answer_logprob, extend_context,
-                                 generate_from_context, patch, prefill_context, share_question, unpatch)
+from oa_core.integration import (Context, GenerationStats, OpenAttentionHandle, answer_logprob, cache_kwargs,
+                                 extend_context, generate_from_context, patch, prefill_context, share_question,
+                                 unpatch)
 from oa_core.integration import register as register_attention
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "Explanation", "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector",
     "SpecError", "ContractViolation", "group_queries",
     "available", "build", "hookimpl", "load_spec",
-    "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "extend_context", "generate_from_context",
+    "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "cache_kwargs", "extend_context",
+    "generate_from_context",
     "patch", "prefill_context", "register_attention", "share_question", "unpatch",
 ]
