@@ -80,9 +80,8 @@ MUTATIONS = [
              QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
     # -- PQS (product-quantised selection) ---------------------------------------------------------------------------
     mutation("pq-torch-score-skips-a-sub-space", "plugins/selectors/pq.py",
-             [("offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)",
-               "offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)"
-               "[..., 1:]")], PQ_TESTS,
+             [("offsets = (index.codes.long().view(B * Hkv, N, M) + place).view(-1, M)",
+               "offsets = (index.codes.long().view(B * Hkv, N, M) + place)[..., 1:].reshape(-1, M - 1)")], PQ_TESTS,
              "the torch scores add the tables of every sub-space but the first"),
     mutation("pq-triton-score-skips-a-sub-space", "plugins/selectors/pq.py",
              [("both = in_n[:, None] & (offs_m[None, :] < M)", "both = in_n[:, None] & (offs_m[None, :] < M - 1)")],

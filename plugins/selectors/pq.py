@@ -119,12 +119,13 @@ class ProductQuantisedSelector(ExactRerank, Selector):
         tables = torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids)  # q_m·c_{m,j}: [B, Hkv, rows, M, C]
         if triton_path.unavailable_reason(query.device) is None and scale > 0:
             return group_lut_scores(tables, index.codes, scale, T, G).view(B, Hkv, Gs, T, -1)
-        # Each key a bag of its M table entries (sub-space m's code j at m·C + j), summed by embedding_bag: one pass
-        # over the codes per (batch row, KV head) for all its query rows, not a gather of rows × N × M entries.
+        # Each key a bag of its M table entries (head h's sub-space m's code j at (h·M + m)·C + j), summed by one
+        # embedding_bag over the codes of every (batch row, KV head), not a gather of rows × N × M entries.
         N, rows = index.codes.shape[2], tables.shape[2]
-        offsets = (index.codes.long() + C * torch.arange(M, device=query.device)).view(B * Hkv, N, M)
-        entries = tables.reshape(B * Hkv, rows, M * C).transpose(1, 2).contiguous()  # [B·Hkv, M·C, rows]
-        sums = torch.stack([F.embedding_bag(offsets[i], entries[i], mode="sum") for i in range(B * Hkv)])
+        place = C * torch.arange(B * Hkv * M, device=query.device).view(B * Hkv, 1, M)
+        offsets = (index.codes.long().view(B * Hkv, N, M) + place).view(-1, M)  # [B·Hkv·N, M]
+        entries = tables.reshape(B * Hkv, rows, M * C).transpose(1, 2).reshape(-1, rows)  # [B·Hkv·M·C, rows]
+        sums = F.embedding_bag(offsets, entries, mode="sum").view(B * Hkv, N, rows)
         scores = scale * sums.transpose(1, 2).reshape(B, Hkv, Gs, G, T, N)
         return scores.amax(3)
 
