@@ -116,16 +116,6 @@ def shortlist(pipe, state, query) -> torch.Tensor:
     return chosen.expand(-1, -1, heads // kv_heads, -1, -1).reshape(heads, -1)  # a shared selection: every head's
 
 
-def scoring_bytes(spec: dict, head_dim: int) -> dict:
-    """What the spec's selector reads per key to choose (codes or bounds, ``Selector.scoring_bytes``), and what its
-    re-rank reads per key of the context on average (the shortlist's keys, multiple × density × 2·D bf16 bytes)."""
-    pipe = oa.build(spec)
-    codes = pipe.selector.scoring_bytes(head_dim)
-    rerank = getattr(pipe.selector.config, "rerank", 0.0) if pipe.selector.refines else 0.0
-    shortlist = rerank * spec["budget"]["density"] * 2 * head_dim * 2
-    return {"codes": codes, "rerank": round(shortlist, 2), "dense_row": 2 * head_dim * 2}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help=MODEL_HELP)
@@ -159,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
               "kinds": args.kinds, "texts": args.texts, "samples": args.samples, "seed": args.seed,
               "setup": "B", "sink": SPARSE["sink"], "local": SPARSE["local"], "recall_layers": layers,
               "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
-              "scoring_bytes_per_key": {name: scoring_bytes(spec, head_dim) for name, spec in sparse.items()},
+              "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(head_dim) for name, spec in sparse.items()},
               "lengths": {}}
     out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
     log = out.with_suffix(".jsonl")  # one line per (length, sample, spec), appended as each sample ends: a rerun resumes

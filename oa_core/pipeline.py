@@ -141,6 +141,16 @@ class Pipeline:
                 f"tail={tail}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
                 f"gqa={s.gqa})")
 
+    def scoring_bytes(self, head_dim: int) -> dict:
+        """What choosing the rows reads per key of the context, in bytes, where keys and values are bf16 (a dense
+        row: 2·D·2 bytes): ``codes``, the selector's codes or bounds (``Selector.scoring_bytes``; None: not stated),
+        and ``rerank``, its shortlist's exact keys on average (the re-rank multiple × the density × D·2 bytes; 0 for a
+        selector that does not re-rank, or a budget in tokens, whose share depends on the context)."""
+        rerank = getattr(self.selector.config, "rerank", 0.0) if self.selector.refines else 0.0
+        density = self.spec.budget.density or 0.0
+        return {"codes": self.selector.scoring_bytes(head_dim), "rerank": round(rerank * density * head_dim * 2, 2),
+                "dense_row": 2 * head_dim * 2}
+
     # -- once per request -------------------------------------------------------------------------------------
 
     def prepare(self, keys: Tensor, values: Tensor, queries: Tensor | None = None, scale: float | None = None,

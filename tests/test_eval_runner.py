@@ -4,6 +4,7 @@ the dense reference, resuming after a crash to the same summary, and clear error
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -474,6 +475,10 @@ def test_report_of_a_real_run(uninterrupted):
     text = build_report(out).read_text()
     # A random model scores 0 dense: every task is one it cannot do, and no retention is claimed.
     assert "niah_single_1 (1024), vt (1024)" in text and "retention cannot be measured" in text
+    # What each selection reads per key, at the model's head size D = 16 (a dense row: 2·D·2 = 64 bytes): exact
+    # top-k scores from the whole key (2·D bytes), the default re-ranks 4 × 10% of the keys (4 · 0.1 · 2·D bytes).
+    assert "| oracle-topk | 10% | 16 | 32 | 0 | 64 |" in text
+    assert re.search(r"\| openattention \| 10% \| 16 \| [0-9.]+ \| 12.8 \| 64 \|", text)
     assert _colored_fraction(out / "per_task.png") > 0 and _colored_fraction(out / "accuracy_vs_density.png") > 0
 
 

@@ -26,7 +26,7 @@ Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
 class Record:
     """The fields every record has. ``density``: the spec's target (None for the dense reference); ``sample``: the
     sample's index (attention-error: the layer); ``resolved_spec``: the spec as it ran (budget, sink, local, ...);
-    ``model``, ``setup``, ``seed``, ``metric``, ``versions``: the run's."""
+    ``model``, ``head_dim`` (its attention head's size D), ``setup``, ``seed``, ``metric``, ``versions``: the run's."""
 
     spec: str
     density: float | None
@@ -38,6 +38,7 @@ class Record:
     measured_density: float
     resolved_spec: dict
     model: str
+    head_dim: int
     setup: str
     seed: int
     metric: str

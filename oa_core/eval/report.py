@@ -4,7 +4,8 @@
 - ``report.md``: the RULER generator that made the samples (records of two generators are refused unless
   ``--generator`` picks one); per spec and density, averaged over the tasks dense can do (score with its 95% Wilson
   interval, retention vs dense, answer log-likelihood gap, measured density); the same per task; and the tasks the
-  model cannot do even dense.
+  model cannot do even dense; what each spec's selection reads per key (its codes, its re-rank's keys) beside a
+  dense row, from the records' resolved specs and the model's head size.
 - ``accuracy_vs_density.png``: mean retention against read density, a line per method, dense as a level (the paper's
   figure); ``per_task.png``: a bar per method and task with its 95% interval, a panel per density.
 - For ``--metric attention-error`` records: the mean relative output error per spec and density, and
@@ -57,6 +58,7 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR, generator: s
         lines += [_means_table(means), ""]
     else:
         lines += ["No task reached that dense score: retention cannot be measured.", ""]
+    lines += _bytes_section(records)
     lines += ["## Tasks the model cannot do even dense", "",
               ", ".join(unable) if unable else f"None (every task's dense score ≥ {dense_floor:g}).", "",
               "## Per task", "", summary_table(rows), "",
@@ -105,6 +107,26 @@ def _error_section(rows: list[dict], out: Path) -> list[str]:
                              title="Attention error against read density", key="score")
     return ["## Attention error on the model's own caches", "", "\n".join(table), "",
             "![error vs density](error_vs_density.png)", ""]
+
+
+def _bytes_section(records: list[dict]) -> list[str]:
+    """Per sparse spec and density: the bytes per key of the context its selection reads (``Pipeline.scoring_bytes``),
+    from a record's resolved spec and the model's head size (a folder holds one model's records; those written
+    before records had ``head_dim`` take it from the others). Empty when no record has it."""
+    from oa_core.pipeline import build
+
+    head_dim = next((r["head_dim"] for r in records if r.get("head_dim")), None)
+    specs = {(r["spec"], r["density"]): r for r in records if r.get("density") is not None}
+    if head_dim is None or not specs:
+        return []
+    lines = ["## What the selection reads per key", "",
+             "Bytes per key of the context, keys and values in bf16; a dense row is 2·D·2 bytes.", "",
+             "| spec | density | head dim | codes or bounds | re-rank's keys | dense row |", "|" + "---|" * 6]
+    for (spec, density), r in sorted(specs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        read = build(r["resolved_spec"]).scoring_bytes(head_dim)
+        lines.append(f"| {spec} | {density:.0%} | {head_dim} | {fmt(read['codes'], '.4g')} | "
+                     f"{read['rerank']:.4g} | {read['dense_row']} |")
+    return lines + [""]
 
 
 def _means(rows: list[dict]) -> list[dict]:

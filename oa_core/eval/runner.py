@@ -113,7 +113,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     pairs = [(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)]
     todo = deal_to_ranks(pairs, rank, world)
     total = sum(len(missing) for _, cells in todo for *_, missing in cells)
-    meta = {"model": model_label(config.model), "setup": config.setup,
+    meta = {"model": model_label(config.model), "head_dim": head_dim(model.config), "setup": config.setup,
             "seed": config.seed, "metric": config.metric,
             "versions": {"openattention": oa.__version__, "torch": torch.__version__,
                          "transformers": _transformers_version(), "python": platform.python_version()}}
@@ -191,6 +191,12 @@ def _rank_device(device: str, world: int) -> torch.device:
     if device.type == "cuda" and device.index is None and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return device
+
+
+def head_dim(model_config) -> int:
+    """The attention head's size D (a model's ``head_dim``, else hidden size / heads)."""
+    size = getattr(model_config, "head_dim", None)
+    return int(size) if size else model_config.hidden_size // model_config.num_attention_heads
 
 
 def _transformers_version() -> str:
