@@ -53,7 +53,8 @@ def full_attention_layers(model, most: int = 6) -> list[int]:
     spread evenly."""
     kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
     full = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
-    return [full[round(j * (len(full) - 1) / max(most - 1, 1))] for j in range(min(most, len(full)))]
+    count = min(most, len(full))
+    return [full[round(j * (len(full) - 1) / max(count - 1, 1))] for j in range(count)]
 
 
 def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict], layers: list[int]) -> dict:
