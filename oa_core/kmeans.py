@@ -172,6 +172,8 @@ NEAREST_CHUNK = 1 << 19  # distances computed at a time on the CPU (2 MiB of flo
 def nearest(points: Tensor, centroids: Tensor) -> Tensor:
     """points ``[..., n, r]``, centroids ``[..., C, r]`` → index of the nearest centroid ``[..., n]`` (the first of
     equals): argmin over b of ‖μ_b‖² − 2·x·μ_b. On CUDA tensors one Triton pass over the points."""
+    if points.shape[-2] == 0:  # no points (a decode step that appends none)
+        return torch.empty(points.shape[:-1], dtype=torch.long, device=points.device)
     if on_gpu(points):
         return nearest_triton(points, centroids)
     *lead, n, r = points.shape

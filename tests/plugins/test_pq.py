@@ -98,6 +98,7 @@ def test_new_keys_are_coded_by_the_centroids_prepare_learnt():
     points = sub_spaces(keys[:, :, 500:], 4)
     expected = (points[..., :, None, :] - first.centroids[..., None, :, :]).norm(dim=-1).argmin(-1).permute(0, 1, 3, 2)
     assert torch.equal(grown.codes[:, :, 500:].long(), expected)
+    assert torch.equal(selector.extend(grown, keys[:, :, :0]).codes, grown.codes)  # no new keys: no growth
 
 
 def test_the_centroids_learn_from_at_most_train_keys_spread_over_the_region():
