@@ -90,11 +90,13 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     errors = {d: {m: {} for m in methods} for d in densities}  # density → method → layer → [Hq, P]
     extra = {d: {m: {} for m in methods} for d in densities}  # density → method → metric → [per layer [Hq, P]]
     read = {d: {m: [] for m in methods} for d in densities}
-    specs, kernels = {}, set()
+    scoring = {d: {} for d in densities}  # density → method → bytes per key its selection reads
+    specs, kernels, head_dim = {}, set(), None
     bar = tqdm(total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline",
                disable=not progress)
     for layer in layers:
         case = layer_case(captured.pop(layer), tokens, decode)
+        head_dim = case.keys.shape[-1]
         for density in densities:
             for method, spec in methods.items():
                 error, stats, pipe, extra_values = attend_case({"budget": {"density": density}, **spec}, case, seed,
@@ -105,6 +107,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
                 for name, value in extra_values.items():
                     extra[density][method].setdefault(name, []).append(value)
                 read[density][method].append(stats.density)
+                scoring[density][method] = pipe.scoring_bytes(head_dim)
                 kernels.add(stats.kernel)
                 bar.update()
     bar.close()
@@ -123,6 +126,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
                 "measured_density": sum(read[density][method]) / len(layers),
                 "budget_rows": oa.Budget(density=density).rows(tokens),
                 "per_layer_mean_error": {str(layer): e.mean().item() for layer, e in per_layer.items()},
+                "scoring_bytes_per_key": scoring[density][method],
             }
             for name, values in extra[density][method].items():
                 results[str(density)][method][name] = torch.cat([v.flatten() for v in values]).mean().item()
@@ -139,6 +143,7 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
         "prefill_queries": [tokens - PREFILL_QUERIES, tokens],
         "layers": layers,
         "num_layers": num_layers,
+        "head_dim": head_dim,
         "densities": densities,
         "seed": seed,
         "specs": specs,

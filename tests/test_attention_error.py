@@ -26,3 +26,6 @@ def test_measure_on_the_offline_model():
     assert 0 < row["oracle-topk"]["mean_error"] < 1 and 0 < row["oracle-topk"]["weight_discrepancy"] < 1
     assert 0 < row["oracle-topk"]["top32_recall"] <= 1
     assert "oracle-topk" in format_table(result)
+    # SmolLM2's heads are 64 wide: exact top-k scores from the whole key, 2·D bytes of bf16, against a row's 4·D.
+    assert result["head_dim"] == 64
+    assert row["oracle-topk"]["scoring_bytes_per_key"] == {"codes": 128, "rerank": 0.0, "dense_row": 256}
