@@ -1,4 +1,5 @@
-"""The fast decode path's whole step in seven launches, for the default components: QGC's clusters, QGS's codes,
+"""The fast decode path's whole step in seven launches, for QGC's clusters, QGS's codes (the default selector until
+PQS; the one-program step for PQS is issue 56's),
 ErrorGate's allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
