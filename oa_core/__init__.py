@@ -2,7 +2,7 @@
 with one count-aware proxy per cluster of keys.
 
     import oa_core as oa
-    pipe = oa.build({"clusterer": "qgc", "selector": "qgs", "budget": {"density": 0.03}})
+    pipe = oa.build({"clusterer": "qgc", "selector": "pq", "budget": {"density": 0.03}})
 """
 
 from oa_core.hookspecs import hookimpl
