@@ -1,0 +1,228 @@
+"""The headline results tables of README.md and docs/results.md, rendered from the JSON in benchmarks/results.
+
+    python benchmarks/results_tables.py            # print the tables
+    python benchmarks/results_tables.py --write    # rewrite the marked blocks in README.md and docs/results.md
+    python benchmarks/results_tables.py --check    # exit 1 when a committed block differs (tests/test_results_tables.py)
+
+A block sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``. Its figures come from the files below,
+never typed by hand. A method is found in a result by what it ran, not by its name: the records' and the results'
+resolved specs are compared with ``specs/openattention.yaml`` (the default), ``specs/ablate-selector-qgs.yaml`` (QGS,
+the default's selector until issue 54) and ``specs/oracle-topk.yaml`` (exact top-k), budget, sink and local window
+aside (each benchmark sets its own). A result measured before a spec got its present name still counts as that spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+COLUMNS = {"default": "specs/openattention.yaml", "QGS": "specs/ablate-selector-qgs.yaml",
+           "exact top-k": "specs/oracle-topk.yaml"}
+DENSITIES = (0.03, 0.01)
+# (model, folder of `oa eval` records): RULER, mean retention over the tasks dense can do.
+RULER = [("SmolLM2-135M", "ruler_c3f5e3b_smollm2_4k"), ("SmolLM2-135M", "ruler_c3f5e3b_smollm2_8k"),
+         ("Gemma-3-270M", "ruler_c3f5e3b_gemma3_270m_8k")]
+NEEDLES = [("SmolLM2-135M", "retrieval_smollm2-135m.json"), ("Gemma-3-270M", "retrieval_gemma3-270m.json")]
+ATTENTION_ERROR = [("SmolLM2-135M", f"attention_error{suffix}.json", text)
+                   for suffix, text in (("", "essays"), ("_python_docs", "Python's docs"),
+                                        ("_python_source", "Python's source"))]
+SPEED = "generate_speed.json"
+# generate_speed.json records the spec it ran as overrides of the code's defaults; when it ran, the default selector
+# was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
+SPEED_SELECTOR = "QGS's selection, the default before PQS"
+TARGETS = {"README.md": ["accuracy", "speed"], "docs/results.md": ["accuracy", "speed"]}
+
+
+@cache
+def _identity(spec_json: str) -> str:
+    """What a spec runs, budget, sink, local window and seed aside: its components with their full configs, its
+    tail and GQA mode (a canonical JSON string)."""
+    import oa_core as oa
+
+    spec = json.loads(spec_json)
+    for field in ("budget", "sink", "local", "seed", "kernel"):
+        spec.pop(field, None)
+    pipe = oa.build(spec)
+    parts = {kind: [getattr(pipe, kind).name, getattr(pipe, kind).config.model_dump(mode="json")]
+             for kind in ("clusterer", "selector", "allocator")}
+    s = pipe.spec
+    parts.update(tail=s.tail, proxy=s.proxy if s.tail == "proxy" else None,
+                 tail_samples=s.tail_samples if s.tail == "sample" else None, gqa=s.gqa)
+    return json.dumps(parts, sort_keys=True)
+
+
+def identity(spec: dict) -> str:
+    return _identity(json.dumps(spec, sort_keys=True))
+
+
+@cache
+def column_identities() -> dict[str, str]:
+    import yaml
+
+    return {column: identity(yaml.safe_load((ROOT / path).read_text())) for column, path in COLUMNS.items()}
+
+
+def column_of(spec: dict) -> str | None:
+    """Which table column a resolved spec is: the default, QGS, exact top-k, or None."""
+    found = identity(spec)
+    return next((column for column, known in column_identities().items() if known == found), None)
+
+
+def fmt(value: float | str | None, spec: str) -> str:
+    """A figure, "—" where there is none; a string (a figure with its caveat) as it is."""
+    if isinstance(value, str):
+        return value
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def pair(values: dict, column: str, spec: str) -> str:
+    """'a / b': the column's figure at 3% and at 1%."""
+    figures = [values.get((column, density)) for density in DENSITIES]
+    if all(v is None for v in figures):
+        return "—"
+    return " / ".join(fmt(v, spec) for v in figures)
+
+
+def ruler_rows() -> list[list[str]]:
+    from oa_core.eval.records import read_records, summarize
+    from oa_core.eval.report import DENSE_FLOOR, means_over_tasks
+
+    rows = []
+    for model, folder in RULER:
+        records = read_records(RESULTS / folder)
+        columns = {}
+        for r in records:
+            if r["density"] is not None and r["spec"] not in columns:
+                columns[r["spec"]] = column_of(r["resolved_spec"])
+        summary = [r for r in summarize(records) if r["metric"] == "ruler"]
+        dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
+        usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
+        values: dict = {}
+        wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")  # a complete cell has dense's samples
+        for m in means_over_tasks(usable):
+            if m["spec"] == "dense":
+                continue
+            have = sum(r["samples"] for r in usable if (r["spec"], r["density"]) == (m["spec"], m["density"]))
+            values[columns.get(m["spec"]), m["density"]] = (
+                m["retention"] if have == wanted else f"{m['retention']:.2f} ({have} of {wanted} samples so far)")
+        tasks = len({key for key, score in dense.items() if score >= DENSE_FLOOR})
+        length = f"{summary[0]['length'] // 1024}K"
+        rows.append([model, f"RULER {length}, {tasks} tasks: retention", "1",
+                     *(pair(values, column, ".2f") for column in COLUMNS), f"`{folder}/`"])
+    return rows
+
+
+def needle_rows() -> list[list[str]]:
+    rows = []
+    for model, name in NEEDLES:
+        result = json.loads((RESULTS / name).read_text())
+        for length, entry in result["lengths"].items():
+            summary = entry["summary"]
+            values = {}
+            for key, spec in result["specs"].items():
+                if key != "dense" and key in summary:
+                    values[column_of(spec), spec["budget"]["density"]] = summary[key]["correct"]
+            rows.append([model, f"needles {int(length) // 1024}K, {summary['dense']['samples']}: correct",
+                         str(summary["dense"]["correct"]), *(pair(values, column, "d") for column in COLUMNS),
+                         f"`{name}`"])
+    return rows
+
+
+def attention_error_rows() -> list[list[str]]:
+    rows = []
+    for model, name, text in ATTENTION_ERROR:
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        methods = {method: column_of(spec) for method, spec in result["specs"].items()}
+        values = {("exact top-k", density): 1.0 for density in DENSITIES}  # the reference of the ratio
+        for density in DENSITIES:
+            per = result["results"].get(str(density), {})
+            reference = per.get("oracle-topk", {}).get("mean_error")
+            for method, column in methods.items():
+                if column is not None and method in per and reference and (column, density) not in values:
+                    values[column, density] = per[method]["mean_error"] / reference
+        rows.append([model, f"attention error, {text}: × exact top-k's", "0",
+                     *(pair(values, column, ".2f") for column in COLUMNS), f"`{name}`"])
+    return rows
+
+
+def accuracy_table() -> str:
+    header = ["model", "benchmark (3% / 1% read)", "dense", *COLUMNS, "result"]
+    rows = ruler_rows() + needle_rows() + attention_error_rows()
+    return _table(header, rows)
+
+
+def speed_table() -> str:
+    result = json.loads((RESULTS / SPEED).read_text())
+    machine = result["machine"]
+    rows = []
+    for target in result["targets"]:
+        if "speedup_over_dense_fastest" in target:
+            rows.append([f"{target['batch']} × {target['context'] // 1024}K", f"{target['density']:.0%}",
+                         f"{target['speedup_over_dense_fastest']:.2f}×", f"{target['target']:g}×",
+                         "met" if target["met"] else "missed"])
+    caption = (f"Decode tokens/s of OpenAttention (spec {json.dumps(machine['spec'])} over the defaults of its "
+               f"commit: {SPEED_SELECTOR}) over the fastest dense decode, inside `generate`, {machine['device']}, "
+               f"{machine['model']}, {machine['layers']} layers (`{SPEED}`).")
+    return caption + "\n\n" + _table(["batch × context", "density", "speed-up", "target", ""], rows)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+BLOCKS = {"accuracy": accuracy_table, "speed": speed_table}
+
+
+def render(text: str, tables: dict[str, str]) -> str:
+    """``text`` with each marked block's body replaced by its table."""
+    for name, table in tables.items():
+        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
+        text = pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the marked blocks")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a committed block differs")
+    args = parser.parse_args(argv)
+    tables = {name: make() for name, make in BLOCKS.items()}
+    if not (args.write or args.check):
+        print("\n\n".join(tables.values()))
+        return 0
+    stale = []
+    for file, names in TARGETS.items():
+        path = ROOT / file
+        text = path.read_text(encoding="utf-8")
+        missing = [name for name in names if f"<!-- results:{name} -->" not in text]
+        if missing:
+            raise SystemExit(f"{file}: no block for {', '.join(missing)} (<!-- results:NAME --> ... "
+                             f"<!-- /results:NAME -->)")
+        fresh = render(text, {name: tables[name] for name in names})
+        if fresh != text:
+            stale.append(file)
+            if args.write:
+                path.write_text(fresh, encoding="utf-8")
+    if args.check and stale:
+        print(f"results tables out of date in {', '.join(stale)}: python benchmarks/results_tables.py --write",
+              file=sys.stderr)
+        return 1
+    print(f"{'rewrote' if args.write else 'up to date:'} {', '.join(stale) or 'nothing to change'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
