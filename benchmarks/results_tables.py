@@ -38,7 +38,7 @@ SPEED = "generate_speed.json"
 # was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
 SPEED_SELECTOR = "QGS's selection, the default before PQS"
 DEMO = "demo.json"
-TARGETS = {"README.md": ["demo", "accuracy", "speed"], "docs/results.md": ["accuracy", "speed"]}
+TARGETS = {"README.md": ["demo", "accuracy", "speed"]}
 
 
 @cache
@@ -195,8 +195,11 @@ BLOCKS = {"demo": demo_output, "accuracy": accuracy_table, "speed": speed_table}
 def render(text: str, tables: dict[str, str]) -> str:
     """``text`` with each marked block's body replaced by its table."""
     for name, table in tables.items():
-        pattern = re.compile(rf"(<!-- results:{name} -->\n).*?(\n<!-- /results:{name} -->)", re.S)
-        text = pattern.sub(lambda m: m.group(1) + table + m.group(2), text)
+        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
+        text, found = pattern.subn(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        if found != 1:
+            raise SystemExit(f"the block {name!r} must appear once, as <!-- results:{name} -->, a new line, "
+                             f"<!-- /results:{name} --> (found {found})")
     return text
 
 
