@@ -1,7 +1,8 @@
 """The headline results tables of README.md and docs/results.md, rendered from the JSON in benchmarks/results.
 
     python benchmarks/results_tables.py            # print the tables
-    python benchmarks/results_tables.py --write    # rewrite the marked blocks in README.md and docs/results.md
+    python benchmarks/results_tables.py --write    # rewrite the marked blocks in README.md and docs/results.md,
+                                                   # and draw benchmarks/results/headline_accuracy.png
     python benchmarks/results_tables.py --check    # exit 1 when a committed block differs (tests/test_results_tables.py)
 
 A block sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``. Its figures come from the files below,
@@ -18,6 +19,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -38,6 +40,7 @@ SPEED = "generate_speed.json"
 # was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
 SPEED_SELECTOR = "QGS's selection, the default before PQS"
 DEMO = "demo.json"
+PLOT = "headline_accuracy.png"  # written by --write beside the tables (not checked: a PNG's bytes vary)
 TARGETS = {"README.md": ["demo", "accuracy", "speed"], "docs/results.md": ["accuracy", "speed"]}
 
 
@@ -76,22 +79,32 @@ def column_of(spec: dict) -> str | None:
     return next((column for column, known in column_identities().items() if known == found), None)
 
 
-def fmt(value: float | str | None, spec: str) -> str:
-    """A figure, "—" where there is none; a string (a figure with its caveat) as it is."""
-    if isinstance(value, str):
-        return value
-    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+@dataclass
+class Row:
+    """One line of the accuracy table: a benchmark on a model, each column's figure at each density."""
+
+    model: str
+    benchmark: str
+    dense: str
+    values: dict  # (column, density) → the figure
+    source: str
+    spec: str  # the figures' format
+    notes: dict = field(default_factory=dict)  # (column, density) → a caveat beside the figure
+    scale: float | None = None  # the figure over this is the share of dense's (the plot's y); None: not plotted
+
+    def cells(self) -> list[str]:
+        return [self.model, self.benchmark, self.dense, *(self.pair(column) for column in COLUMNS), self.source]
+
+    def pair(self, column: str) -> str:
+        """'a / b': the column's figure at 3% and at 1%, each with its caveat."""
+        keys = [(column, density) for density in DENSITIES]
+        if all(key not in self.values for key in keys):
+            return "—"
+        return " / ".join("—" if key not in self.values else format(self.values[key], self.spec)
+                          + (f" ({self.notes[key]})" if key in self.notes else "") for key in keys)
 
 
-def pair(values: dict, column: str, spec: str) -> str:
-    """'a / b': the column's figure at 3% and at 1%."""
-    figures = [values.get((column, density)) for density in DENSITIES]
-    if all(v is None for v in figures):
-        return "—"
-    return " / ".join(fmt(v, spec) for v in figures)
-
-
-def ruler_rows() -> list[list[str]]:
+def ruler_rows() -> list[Row]:
     from oa_core.eval.records import read_records, summarize
     from oa_core.eval.report import DENSE_FLOOR, means_over_tasks
 
@@ -105,38 +118,45 @@ def ruler_rows() -> list[list[str]]:
         summary = [r for r in summarize(records) if r["metric"] == "ruler"]
         dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
         usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
-        values: dict = {}
         wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")  # a complete cell has dense's samples
+        row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", scale=1.0)
+        counted: dict = {}  # (column, density) → the samples its figure rests on
         for m in means_over_tasks(usable):
-            if m["spec"] == "dense":
+            key = (columns.get(m["spec"]), m["density"])
+            if m["spec"] == "dense" or key[0] is None:
                 continue
             have = sum(r["samples"] for r in usable if (r["spec"], r["density"]) == (m["spec"], m["density"]))
-            values[columns.get(m["spec"]), m["density"]] = (
-                m["retention"] if have == wanted else f"{m['retention']:.2f} ({have} of {wanted} samples so far)")
+            if counted.get(key, -1) >= have:
+                continue  # the same method under two names (records from before a rename): the fuller one
+            counted[key] = have
+            row.values[key] = m["retention"]
+            row.notes.pop(key, None)
+            if have < wanted:
+                row.notes[key] = f"{have} of {wanted} samples so far"
         tasks = len({key for key, score in dense.items() if score >= DENSE_FLOOR})
-        length = f"{summary[0]['length'] // 1024}K"
-        rows.append([model, f"RULER {length}, {tasks} tasks: retention", "1",
-                     *(pair(values, column, ".2f") for column in COLUMNS), f"`{folder}/`"])
+        row.benchmark = f"RULER {summary[0]['length'] // 1024}K, {tasks} tasks: retention"
+        rows.append(row)
     return rows
 
 
-def needle_rows() -> list[list[str]]:
+def needle_rows() -> list[Row]:
     rows = []
     for model, name in NEEDLES:
         result = json.loads((RESULTS / name).read_text())
         for length, entry in result["lengths"].items():
             summary = entry["summary"]
-            values = {}
+            row = Row(model, f"needles {int(length) // 1024}K, {summary['dense']['samples']}: correct",
+                      str(summary["dense"]["correct"]), {}, f"`{name}`", "d",
+                      scale=summary["dense"]["correct"] or None)
             for key, spec in result["specs"].items():
-                if key != "dense" and key in summary:
-                    values[column_of(spec), spec["budget"]["density"]] = summary[key]["correct"]
-            rows.append([model, f"needles {int(length) // 1024}K, {summary['dense']['samples']}: correct",
-                         str(summary["dense"]["correct"]), *(pair(values, column, "d") for column in COLUMNS),
-                         f"`{name}`"])
+                column = column_of(spec)
+                if key != "dense" and key in summary and column is not None:
+                    row.values[column, spec["budget"]["density"]] = summary[key]["correct"]
+            rows.append(row)
     return rows
 
 
-def attention_error_rows() -> list[list[str]]:
+def attention_error_rows() -> list[Row]:
     rows = []
     for model, name, text in ATTENTION_ERROR:
         path = RESULTS / name
@@ -144,22 +164,58 @@ def attention_error_rows() -> list[list[str]]:
             continue
         result = json.loads(path.read_text())
         methods = {method: column_of(spec) for method, spec in result["specs"].items()}
-        values = {("exact top-k", density): 1.0 for density in DENSITIES}  # the reference of the ratio
+        row = Row(model, f"attention error, {text}: × exact top-k's", "0", {}, f"`{name}`", ".2f")
         for density in DENSITIES:
             per = result["results"].get(str(density), {})
             reference = per.get("oracle-topk", {}).get("mean_error")
+            row.values["exact top-k", density] = 1.0  # the reference of the ratio
             for method, column in methods.items():
-                if column is not None and method in per and reference and (column, density) not in values:
-                    values[column, density] = per[method]["mean_error"] / reference
-        rows.append([model, f"attention error, {text}: × exact top-k's", "0",
-                     *(pair(values, column, ".2f") for column in COLUMNS), f"`{name}`"])
+                if column is not None and method in per and reference and (column, density) not in row.values:
+                    row.values[column, density] = per[method]["mean_error"] / reference
+        rows.append(row)
     return rows
+
+
+@cache
+def accuracy_rows() -> list[Row]:
+    return ruler_rows() + needle_rows() + attention_error_rows()
 
 
 def accuracy_table() -> str:
     header = ["model", "benchmark (3% / 1% read)", "dense", *COLUMNS, "result"]
-    rows = ruler_rows() + needle_rows() + attention_error_rows()
-    return _table(header, rows)
+    return _table(header, [row.cells() for row in accuracy_rows()])
+
+
+def plot_accuracy(path: Path) -> None:
+    """The retention rows and the needle rows as a share of dense's, a group of bars per benchmark, a panel per
+    density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in accuracy_rows() if row.scale]
+    fig, axes = plt.subplots(1, len(DENSITIES), figsize=(12, 4.2), sharey=True)
+    width = 0.8 / len(COLUMNS)
+    for ax, density in zip(axes, DENSITIES):
+        for i, column in enumerate(COLUMNS):
+            heights = [row.values.get((column, density), math.nan) / row.scale for row in rows]
+            bars = ax.bar([x + (i - (len(COLUMNS) - 1) / 2) * width for x in range(len(rows))], heights, width,
+                          label=column if ax is axes[0] else None, color=f"C{i}")
+            for bar, row in zip(bars, rows):
+                if (column, density) in row.notes:  # a cell still running: hatched and pale
+                    bar.set_hatch("//")
+                    bar.set_alpha(0.45)
+        ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")
+        ax.set_xticks(range(len(rows)), [f"{row.model}\n{row.benchmark.split(':')[0]}" for row in rows],
+                      rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{density:.0%} read")
+    axes[0].set_ylabel("share of dense's score")
+    fig.legend(loc="upper center", ncol=len(COLUMNS) + 1, fontsize=8, frameon=False,
+               title="hatched: a run not yet complete", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def speed_table() -> str:
@@ -210,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="exit 1 when a committed block differs")
     args = parser.parse_args(argv)
     tables = {name: make() for name, make in BLOCKS.items()}
+    if args.write:
+        plot_accuracy(RESULTS / PLOT)
     if not (args.write or args.check):
         print("\n\n".join(tables.values()))
         return 0
