@@ -221,7 +221,7 @@ def test_generate_through_the_fused_step_gives_the_default_caches_logits():
     model, (ids, mask) = tiny_llama(), padded_batch()
     config = CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True
-    with oa.patch(model, {**SPARSE, "kernel": "flash"}) as handle:
+    with oa.patch(model, {**SPARSE, "selector": "qgs", "kernel": "flash"}) as handle:  # the components it fuses
         tokens, scores = generate(model, ids, mask, 3)
         cache = handle.static_cache(max_new_tokens=3)
         fast_tokens, fast_scores = generate(model, ids, mask, 3, cache=cache)
