@@ -114,9 +114,9 @@ def static_cache_checks() -> list[dict]:
     with oa.patch(model, spec) as handle:
         tokens, logits = greedy()
         cache = handle.static_cache(max_new_tokens=16)
-        eager_tokens, eager = greedy(past_key_values=cache, disable_compile=True)
+        eager_tokens, eager = greedy(**oa.cache_kwargs(model, cache), disable_compile=True)
         fused = all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
-        graph_tokens, graph = greedy(past_key_values=handle.static_cache(max_new_tokens=16))
+        graph_tokens, graph = greedy(**oa.cache_kwargs(model, handle.static_cache(max_new_tokens=16)))
     record = {"check": "static cache", "dtype": "torch.float32", "every_layer_fused": fused,
               "eager_static_vs_default_max_logit_difference": float((eager - logits).abs().max()),
               "graphed_static_vs_eager_max_logit_difference": float((graph - eager).abs().max()),

@@ -19,7 +19,7 @@ so that ``prepare_s`` is what a prompt costs, not the compiler.
 - ``dense-static``: transformers' static cache (``cache_implementation="static"``), compiled by generate.
 - ``dense-engine``: this project's static cache with every row read (``oa_core.dense_decode``), compiled by generate:
   the same engine as OpenAttention, so that the ratio measures sparsity and not a better cache.
-- ``openattention``: ``oa.patch(model, spec)`` and ``past_key_values=handle.static_cache(...)``, compiled by generate,
+- ``openattention``: ``oa.patch(model, spec)`` and ``**oa.cache_kwargs(model, handle.static_cache(...))``, compiled by generate,
   at each ``--densities``.
 - ``no-attention`` (a bound, not a method): transformers' static cache, compiled, with an attention that reads no
   key or value (it returns its queries): everything in the step but attention. dense-fastest over it is the most
@@ -115,7 +115,7 @@ def method_setup(model, method: str, density: float | None, spec: dict, max_new_
         model.set_attn_implementation("no_attention")
     elif method in ("dense-engine", "openattention"):
         handle = oa.patch(model, {**spec, "budget": {"density": 1.0 if density is None else density}})
-        kwargs["past_key_values"] = handle.static_cache(max_new_tokens=max_new_tokens)
+        kwargs.update(oa.cache_kwargs(model, handle.static_cache(max_new_tokens=max_new_tokens)))
     try:
         yield kwargs, handle
     finally:
@@ -146,7 +146,8 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
             result = timed_generate(model, ids, args.warmup, args.tokens, **kwargs)
             result["prepare_s"] = handle.stats.prepare_seconds if method == "openattention" else None
             if handle is not None:
-                dense = [layer.dense_reason for layer in kwargs["past_key_values"].layers if layer.state is None]
+                (name,) = oa.cache_kwargs(model, None)  # the cache's keyword on the installed transformers
+                dense = [layer.dense_reason for layer in kwargs[name].layers if layer.state is None]
                 result["dense_layers"] = len(dense)
                 result["dense_reason"] = sorted(set(dense))
     except torch.OutOfMemoryError as exc:

@@ -42,7 +42,7 @@ def one_call(model, ids: torch.Tensor, method: str) -> dict:
     handle = oa.patch(model, {"gqa": "shared", "budget": {"density": density}})
     try:
         run = generate_speed.timed_generate(model, ids, 1, 2, disable_compile=True,
-                                            past_key_values=handle.static_cache(max_new_tokens=3))
+                                            **oa.cache_kwargs(model, handle.static_cache(max_new_tokens=3)))
         run = {"method": method, "prefill_s": run["prefill_s"]}
         if method != "dense-engine":
             run["prepare_s"] = handle.stats.prepare_seconds

@@ -133,7 +133,7 @@ def model_inputs(batch: int, context: int, device: torch.device, repeats: int) -
     try:
         Pipeline.prepare = capture
         with torch.no_grad():
-            model(ids, past_key_values=handle.static_cache(max_new_tokens=8), logits_to_keep=1)
+            model(ids, **oa.cache_kwargs(model, handle.static_cache(max_new_tokens=8)), logits_to_keep=1)
     finally:
         Pipeline.prepare = prepare
         handle.unpatch()

@@ -2,7 +2,7 @@
 with one count-aware proxy per cluster of keys.
 
     import oa_core as oa
-    pipe = oa.build({"clusterer": "qgc", "selector": "qgs", "budget": {"density": 0.03}})
+    pipe = oa.build({"clusterer": "qgc", "selector": "pq", "budget": {"density": 0.03}})
 """
 
 from oa_core.components import (
@@ -24,6 +24,7 @@ from oa_core.integration import (
     GenerationStats,
     OpenAttentionHandle,
     answer_logprob,
+    cache_kwargs,
     extend_context,
     generate_from_context,
     patch,
@@ -44,6 +45,7 @@ __all__ = [
     "Explanation", "Kernel", "Pipeline", "PipelineSpec", "PipelineState", "PooledClusters", "Selection", "Selector",
     "SpecError", "ContractViolation", "group_queries",
     "available", "build", "hookimpl", "load_spec",
-    "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "extend_context", "generate_from_context",
+    "Context", "GenerationStats", "OpenAttentionHandle", "answer_logprob", "cache_kwargs", "extend_context",
+    "generate_from_context",
     "patch", "prefill_context", "register_attention", "share_question", "unpatch",
 ]

@@ -6,6 +6,7 @@ import argparse
 import functools
 import os
 import sys
+from pathlib import Path
 
 from oa_core.components import KINDS
 from oa_core.offline_model import MODEL_HELP
@@ -44,7 +45,7 @@ def demo_command(args: argparse.Namespace) -> int:
     from oa_core.demo import run_demo
 
     try:
-        return run_demo(model=args.model, tokens=args.tokens, density=args.density)
+        return run_demo(model=args.model, tokens=args.tokens, density=args.density, out=args.out)
     except ValueError as exc:  # SpecError included: checked before the model loads
         print(f"oa demo: {exc}", file=sys.stderr)
         return 2
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--tokens", type=int, default=3000, help="context length in tokens")
     demo.add_argument("--density", type=float, default=0.03, help="read density")
+    demo.add_argument("--out", type=Path, default=None, help="also write the output and the records there as JSON")
     demo.set_defaults(run=demo_command)
     from oa_core.eval.records import METRICS
     from oa_core.eval.ruler import HARD_TASKS

@@ -6,7 +6,10 @@ densely; then each method decodes the question and the answer from its own copy 
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -32,8 +35,16 @@ def check_demo(tokens: int, density: float) -> None:
                          "more, or a larger --density")
 
 
-def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03) -> int:
+def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03, out: Path | None = None) -> int:
+    """Prints the demo; with ``out``, also writes what it printed and the run's records there as JSON (the README's
+    demo block is rendered from ``benchmarks/results/demo.json``: ``oa demo --out benchmarks/results/demo.json``)."""
     check_demo(tokens, density)
+    lines: list[str] = []
+
+    def say(text: str = "") -> None:
+        print(text)
+        lines.extend(text.split("\n"))
+
     paper = load_spec(PAPER).model_dump(mode="json", exclude={"budget"}) if PAPER.is_file() else None
     lm, tokenizer = load_offline_model(model)
     sample = needle.make_samples(tokenizer, 1, tokens, seed=0)[0]
@@ -41,15 +52,22 @@ def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03
     specs = {"dense": {"budget": {"density": 1.0}}, name: {"budget": {"density": density}}}
     if paper is not None:  # a checkout has specs/; an installed package alone does not
         specs[f"paper's {density:.0%}"] = {**paper, "budget": {"density": density}}
-    print(f"Needle: 'The special magic number for ... is: {sample.answer}.' at {sample.depth:.0%} of a "
+    say(f"Needle: 'The special magic number for ... is: {sample.answer}.' at {sample.depth:.0%} of a "
           f"{sample.context_ids.shape[1]}-token context; the question is decoded by each method from one prefill.")
     records = needle.run(lm, tokenizer, [sample], specs)
-    print(f"\n{'method':18s} {'read density':>12s} {'answer log-lik':>15s} {'correct':>8s}  answer")
+    say(f"\n{'method':18s} {'read density':>12s} {'answer log-lik':>15s} {'correct':>8s}  answer")
     for r in records:
-        print(f"{r['spec']:18s} {r['density']:>12.4f} {r['answer_logprob']:>15.2f} {r['correct']!s:>8s}  "
+        say(f"{r['spec']:18s} {r['density']:>12.4f} {r['answer_logprob']:>15.2f} {r['correct']!s:>8s}  "
               f"{r['output'].strip()!r}")
     times = "; ".join(f"{r['spec']}: clustering {r['prepare_s']} s, sparse attention {r['sparse_attend_s']} s"
                       for r in records[1:])
-    print(f"\nprefill {records[0]['prefill_s']} s (once); {times} (over {lm.config.num_hidden_layers} layers, torch "
-          "reference kernel on this machine)")
+    say(f"\nprefill {records[0]['prefill_s']} s (once); {times} (over {lm.config.num_hidden_layers} layers, torch "
+        "reference kernel on this machine)")
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": f"oa demo --tokens {tokens} --density {density}", "output": lines,
+                                   "records": records,
+                                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                               "torch": torch.__version__}}, indent=1) + "\n", encoding="utf-8")
     return 0

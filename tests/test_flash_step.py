@@ -222,13 +222,13 @@ def test_generate_through_the_fused_step_gives_the_default_caches_logits():
     model, (ids, mask) = tiny_llama(), padded_batch()
     config = CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True
-    with oa.patch(model, {**SPARSE, "kernel": "flash"}) as handle:
+    with oa.patch(model, {**SPARSE, "selector": "qgs", "kernel": "flash"}) as handle:  # the components it fuses
         tokens, scores = generate(model, ids, mask, 3)
         cache = handle.static_cache(max_new_tokens=3)
-        fast_tokens, fast_scores = generate(model, ids, mask, 3, past_key_values=cache)
+        fast_tokens, fast_scores = generate(model, ids, mask, 3, cache=cache)
         assert all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
         assert "the kernel's fused step" in handle.stats.summary()
-        _, compiled = generate(model, ids, mask, 3, past_key_values=handle.static_cache(max_new_tokens=3),
+        _, compiled = generate(model, ids, mask, 3, cache=handle.static_cache(max_new_tokens=3),
                                compile_config=config)
     torch.testing.assert_close(fast_scores, scores, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled, scores, rtol=1e-4, atol=1e-4)

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 import yaml
@@ -17,9 +19,15 @@ def test_dict_yaml_and_model_are_equivalent(tmp_path):
     assert from_dict.selector.name == "oracle"
 
 
-def test_defaults_are_the_paper_pipeline():
+def test_defaults_are_the_default_spec():
     pipe = oa.build({})
-    assert (pipe.clusterer.name, pipe.selector.name, pipe.allocator.name) == ("qgc", "qgs", "errorgate")
+    assert (pipe.clusterer.name, pipe.selector.name, pipe.allocator.name) == ("qgc", "pq", "errorgate")
+    # The code's defaults and the default spec file are one pipeline.
+    from_file = oa.build(str(Path(__file__).parents[1] / "specs/openattention.yaml"))
+    for part in ("clusterer", "selector", "allocator"):
+        assert getattr(pipe, part).config == getattr(from_file, part).config, part
+    assert pipe.spec.model_dump(exclude={"clusterer", "selector", "allocator"}) == \
+        from_file.spec.model_dump(exclude={"clusterer", "selector", "allocator"})
     # auto: flash on CUDA, the torch reference elsewhere, with the reason.
     expected = "flash" if torch.cuda.is_available() else "torch"
     assert pipe.spec.kernel.name == "auto" and pipe.kernel.name == expected

@@ -77,7 +77,8 @@ def test_pqs_codes_grown_in_place_read_the_reference_rows(gqa):
 
 
 def test_the_triton_path_matches_too():
-    """Under the interpreter: the QGS kernel, ErrorGate's fused allocation, the member-list selection and flash."""
+    """Under the interpreter: the default selector's kernel (PQS), ErrorGate's fused allocation, the member-list
+    selection and flash (QGS's kernel on this path: tests/test_flash_step.py)."""
     if not oa.available()["kernel"] or "flash" not in oa.available()["kernel"]:
         pytest.skip("no flash kernel")
     from oa_plugins.allocators import errorgate

@@ -1,6 +1,8 @@
 """The fast decode path in transformers (oa_core.integration.static_cache): generate() through the static cache
 against the default cache, eagerly and compiled (fullgraph, on the CPU), with a left-padded batch."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import CompileConfig
@@ -9,7 +11,9 @@ import oa_core as oa
 from test_integration import DENSE_BUDGET, SPARSE, prompt, tiny_llama
 
 
-def generate(model, ids, mask, tokens, **kwargs):
+def generate(model, ids, mask, tokens, cache=None, **kwargs):
+    if cache is not None:  # under the name the installed transformers gives it
+        kwargs.update(oa.cache_kwargs(model, cache))
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
                              pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
@@ -30,7 +34,7 @@ def test_the_static_cache_decodes_like_the_default_cache():
     with oa.patch(model, SPARSE) as handle:
         tokens, scores = generate(model, ids, mask, 6)
         cache = handle.static_cache(max_new_tokens=6)
-        fast_tokens, fast_scores = generate(model, ids, mask, 6, past_key_values=cache)
+        fast_tokens, fast_scores = generate(model, ids, mask, 6, cache=cache)
     torch.testing.assert_close(fast_scores, scores, rtol=1e-5, atol=1e-5)
     assert torch.equal(fast_tokens, tokens)
     assert all(layer.state is not None for layer in cache.layers)  # every layer took the fast path
@@ -44,8 +48,8 @@ def test_the_compiled_step_has_no_graph_break_and_the_same_logits():
     config = CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True  # generate compiles on accelerators only, unless asked
     with oa.patch(model, SPARSE) as handle:
-        _, eager = generate(model, ids, mask, 5, past_key_values=handle.static_cache(max_new_tokens=5))
-        _, compiled = generate(model, ids, mask, 5, past_key_values=handle.static_cache(max_new_tokens=5),
+        _, eager = generate(model, ids, mask, 5, cache=handle.static_cache(max_new_tokens=5))
+        _, compiled = generate(model, ids, mask, 5, cache=handle.static_cache(max_new_tokens=5),
                                compile_config=config)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
@@ -55,7 +59,7 @@ def test_a_covering_budget_decodes_the_dense_tokens():
     dense_tokens, dense_scores = generate(model, ids, mask, 8)
     with oa.patch(model, DENSE_BUDGET) as handle:
         cache = handle.static_cache(max_new_tokens=8)
-        tokens, scores = generate(model, ids, mask, 8, past_key_values=cache)
+        tokens, scores = generate(model, ids, mask, 8, cache=cache)
         records = handle.stats.records
     assert torch.equal(tokens, dense_tokens)
     torch.testing.assert_close(scores, dense_scores, rtol=1e-5, atol=1e-5)
@@ -68,16 +72,16 @@ def test_capacity_is_checked_before_a_step_overflows():
     with oa.patch(model, SPARSE) as handle:
         cache = handle.static_cache(max_new_tokens=3)
         with pytest.raises(ValueError, match=r"static cache: full at 303 slots .* max_new_tokens it was made for, 3"):
-            generate(model, ids, mask, 6, past_key_values=cache)
+            generate(model, ids, mask, 6, cache=cache)
         with pytest.raises(ValueError, match=r"static cache: \d+ new tokens after its prompt; .* cache.reset\(\)"):
             generate(model, torch.cat([ids, ids[:, :50]], 1), torch.cat([mask, mask[:, :50]], 1), 1,
-                     past_key_values=cache)  # generate continues a cache that holds tokens
+                     cache=cache)  # generate continues a cache that holds tokens
         cache.reset()
-        first, _ = generate(model, ids[:, 50:], mask[:, 50:], 3, past_key_values=cache)  # a shorter prompt fits
+        first, _ = generate(model, ids[:, 50:], mask[:, 50:], 3, cache=cache)  # a shorter prompt fits
         assert first.shape == (2, 3)
         cache.reset()
         with pytest.raises(ValueError, match="a prompt of 301 tokens and 3 new ones do not fit its capacity of 303"):
-            generate(model, prompt(301, batch=2), torch.ones(2, 301, dtype=torch.long), 3, past_key_values=cache)
+            generate(model, prompt(301, batch=2), torch.ones(2, 301, dtype=torch.long), 3, cache=cache)
 
 
 def test_specs_the_fast_path_cannot_run_are_refused_up_front():
@@ -100,13 +104,23 @@ def test_a_one_token_prompt_and_what_the_stats_say():
     one = prompt(1)
     with oa.patch(model, SPARSE) as handle:
         expected, _ = generate(model, one, torch.ones_like(one), 4)
-        tokens, _ = generate(model, one, torch.ones_like(one), 4, past_key_values=handle.static_cache(max_new_tokens=4))
+        tokens, _ = generate(model, one, torch.ones_like(one), 4, cache=handle.static_cache(max_new_tokens=4))
     assert torch.equal(tokens, expected)
     ids, mask = padded_batch()
     with oa.patch(model, SPARSE) as handle:
-        generate(model, ids, mask, 3, past_key_values=handle.static_cache(max_new_tokens=3))
+        generate(model, ids, mask, 3, cache=handle.static_cache(max_new_tokens=3))
         stats = handle.stats
     sparse = stats.sparse()
     assert len(sparse) == 2 and all(0.19 < r.density < 0.3 for r in sparse)  # density 0.2 of each row's context
     assert "static cache: each decode step reads this budget" in stats.summary()
     assert "each component in turn" in stats.summary()  # the torch kernel has no fused step
+
+
+def test_the_fast_path_warns_of_no_deprecated_name():
+    """The static cache goes to ``generate`` under the name the installed transformers gives it
+    (``oa.cache_kwargs``): no FutureWarning (transformers 5.24+ deprecates ``past_key_values``)."""
+    model, (ids, mask) = tiny_llama(), padded_batch()
+    with oa.patch(model, SPARSE) as handle, warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        tokens, _ = generate(model, ids, mask, 2, cache=handle.static_cache(max_new_tokens=2))
+    assert tokens.shape == (2, 2)

@@ -51,7 +51,7 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR, generator: s
     dense = {(r["task"], r["length"]): r["score"] for r in rows if r["spec"] == "dense"}
     unable = sorted({f"{task} ({length})" for (task, length), score in dense.items() if score < dense_floor})
     usable = [r for r in rows if dense.get((r["task"], r["length"]), 0.0) >= dense_floor]
-    means = _means(usable)
+    means = means_over_tasks(usable)
     lines = [f"# Evaluation report: `{out}`", "",
              f"{len(records)} cells; model: {records[0].get('model', '?')}; setup {records[0].get('setup', '?')}; "
              f"seed {records[0].get('seed', '?')}.", ""]
@@ -76,7 +76,7 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR, generator: s
     if means:
         plot_accuracy_vs_density(means, out / "accuracy_vs_density.png")
     else:  # no task dense can do: no retention to plot, the raw scores instead
-        plot_accuracy_vs_density(_means(rows), out / "accuracy_vs_density.png", ylabel="mean score",
+        plot_accuracy_vs_density(means_over_tasks(rows), out / "accuracy_vs_density.png", ylabel="mean score",
                                  title="Score against read density", key="score")
     plot_per_task(rows, out / "per_task.png")
     path = out / "report.md"
@@ -113,7 +113,7 @@ def _error_section(rows: list[dict], out: Path) -> list[str]:
     for r in rows:
         table.append(f"| {r['spec']} | {r['density']:.0%} | {r['length']} | {r['samples']} | {r['score']:.4f} | "
                      f"{r['measured_density']:.4f} |")
-    plot_accuracy_vs_density(_means(rows), out / "error_vs_density.png", ylabel="mean relative error ‖ô − o‖/‖o‖",
+    plot_accuracy_vs_density(means_over_tasks(rows), out / "error_vs_density.png", ylabel="mean relative error ‖ô − o‖/‖o‖",
                              title="Attention error against read density", key="score")
     return ["## Attention error on the model's own caches", "", "\n".join(table), "",
             "![error vs density](error_vs_density.png)", ""]
@@ -139,7 +139,7 @@ def _bytes_section(records: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
-def _means(rows: list[dict]) -> list[dict]:
+def means_over_tasks(rows: list[dict]) -> list[dict]:
     """Per (spec, density): the mean over tasks and lengths of score, retention, log-likelihood gap and density."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:

@@ -36,7 +36,9 @@ class Context:
 
 
 def cache_kwargs(model, cache) -> dict[str, Any]:
-    """The cache as the model's forward names it: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+    """The cache as the model's forward and ``generate`` name it: ``cache`` since transformers 5.24 (which deprecates
+    ``past_key_values``, to be removed in 6.0), ``past_key_values`` before. ``model.generate(**inputs,
+    **oa.cache_kwargs(model, handle.static_cache(max_new_tokens=32)))`` works on either."""
     import inspect
 
     return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}

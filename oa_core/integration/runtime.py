@@ -281,7 +281,8 @@ class OpenAttentionHandle:
 
     def static_cache(self, max_new_tokens: int):
         """A static cache for the fast decode path: ``model.generate(..., max_new_tokens=n,
-        past_key_values=handle.static_cache(max_new_tokens=n))``. Its capacity is set at the prefill: the prompt plus
+        cache=handle.static_cache(max_new_tokens=n))`` (``past_key_values=`` before transformers 5.24;
+        ``oa.cache_kwargs`` names it for either). Its capacity is set at the prefill: the prompt plus
         ``max_new_tokens``; generating past it raises."""
         from oa_core.integration.static_cache import OACache
 

@@ -3,7 +3,8 @@
 
     handle = oa.patch(model, spec)
     cache = handle.static_cache(max_new_tokens=32)
-    model.generate(**inputs, max_new_tokens=32, past_key_values=cache)
+    model.generate(**inputs, max_new_tokens=32, cache=cache)   # past_key_values=cache before transformers 5.24
+                                                               # (oa.cache_kwargs(model, cache): either)
 
 The cache's capacity is fixed at the prefill: the prompt plus ``max_new_tokens``. The prefill runs eagerly — the
 model's own dense attention, then each layer's ``prepare`` and the state moved into preallocated buffers. Each decode

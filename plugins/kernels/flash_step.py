@@ -1,5 +1,5 @@
-"""The fast decode path's whole step in seven launches, for the default components: QGC's clusters, QGS's codes,
-ErrorGate's allocation and flash's kernels (docs/design.md §2).
+"""The fast decode path's whole step in seven launches, for QGC's clusters, QGS's codes, ErrorGate's allocation and
+flash's kernels (docs/design.md §2). QGS was the default selector until PQS; the one-program step for PQS is issue 56's.
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
