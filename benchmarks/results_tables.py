@@ -3,7 +3,7 @@
     python benchmarks/results_tables.py            # print the tables
     python benchmarks/results_tables.py --write    # rewrite the marked blocks in README.md and docs/results.md,
                                                    # and draw benchmarks/results/headline_accuracy.png
-    python benchmarks/results_tables.py --check    # exit 1 when a committed block differs (tests/test_results_tables.py)
+    python benchmarks/results_tables.py --check    # exit 1 when a committed block differs (tests/test_readme.py)
 
 A block sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``. Its figures come from the files below,
 never typed by hand. A method is found in a result by what it ran, not by its name: the records' and the results'
@@ -51,8 +51,8 @@ def _identity(spec_json: str) -> str:
     import oa_core as oa
 
     spec = json.loads(spec_json)
-    for field in ("budget", "sink", "local", "seed", "kernel"):
-        spec.pop(field, None)
+    for name in ("budget", "sink", "local", "seed", "kernel"):
+        spec.pop(name, None)
     pipe = oa.build(spec)
     parts = {kind: [getattr(pipe, kind).name, getattr(pipe, kind).config.model_dump(mode="json")]
              for kind in ("clusterer", "selector", "allocator")}
@@ -252,7 +252,7 @@ def render(text: str, tables: dict[str, str]) -> str:
     """``text`` with each marked block's body replaced by its table."""
     for name, table in tables.items():
         pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
-        text, found = pattern.subn(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        text, found = pattern.subn(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
         if found != 1:
             raise SystemExit(f"the block {name!r} must appear once, as <!-- results:{name} -->, a new line, "
                              f"<!-- /results:{name} --> (found {found})")

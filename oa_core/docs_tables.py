@@ -18,7 +18,7 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import annotated_types
 from pydantic import BaseModel
@@ -90,8 +90,8 @@ def field_type(field: FieldInfo) -> str:
 def field_default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    if field.default_factory is not None:
-        return _code(_flow(field.default_factory()))
+    if field.default_factory is not None:  # the components' factories take no arguments
+        return _code(_flow(cast(Callable[[], Any], field.default_factory)()))
     return _code(_flow(field.default))
 
 

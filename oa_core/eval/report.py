@@ -113,8 +113,9 @@ def _error_section(rows: list[dict], out: Path) -> list[str]:
     for r in rows:
         table.append(f"| {r['spec']} | {r['density']:.0%} | {r['length']} | {r['samples']} | {r['score']:.4f} | "
                      f"{r['measured_density']:.4f} |")
-    plot_accuracy_vs_density(means_over_tasks(rows), out / "error_vs_density.png", ylabel="mean relative error ‖ô − o‖/‖o‖",
-                             title="Attention error against read density", key="score")
+    plot_accuracy_vs_density(means_over_tasks(rows), out / "error_vs_density.png",
+                             ylabel="mean relative error ‖ô − o‖/‖o‖", title="Attention error against read density",
+                             key="score")
     return ["## Attention error on the model's own caches", "", "\n".join(table), "",
             "![error vs density](error_vs_density.png)", ""]
 
