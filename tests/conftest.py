@@ -23,6 +23,7 @@ def load_benchmark(name: str):
         sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
