@@ -39,7 +39,7 @@ from tqdm import tqdm
 import oa_core as oa
 from oa_core import metrics, needle
 from oa_core.components import group_queries
-from oa_core.offline_model import MODEL_HELP, capture_attention, load_offline_model, model_label
+from oa_core.offline_model import MODEL_HELP, capture_attention, head_dim, load_offline_model, model_label
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARSE = {"sink": 4, "local": 16}  # 1% of 4K tokens is 40 rows: below the specs' own 4 + 64
@@ -144,16 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     model, tokenizer = load_offline_model(args.model)
     model.to(args.device)
-    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    size = head_dim(model.config)
     layers = args.layers if args.layers is not None else full_attention_layers(model)
     sparse = {f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
               for name, spec in named.items() for d in args.densities}
     specs = {"dense": {"budget": {"density": 1.0}}, **sparse}
-    result = {"benchmark": "retrieval", "model": model_label(args.model), "head_dim": head_dim,
+    result = {"benchmark": "retrieval", "model": model_label(args.model), "head_dim": size,
               "kinds": args.kinds, "texts": args.texts, "samples": args.samples, "seed": args.seed,
               "setup": "B", "sink": SPARSE["sink"], "local": SPARSE["local"], "recall_layers": layers,
               "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
-              "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(head_dim) for name, spec in sparse.items()},
+              "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(size) for name, spec in sparse.items()},
               "lengths": {}}
     out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
     # one line per (length, sample, spec), appended as each sample ends: a rerun resumes

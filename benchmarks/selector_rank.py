@@ -23,7 +23,7 @@ import torch
 
 import oa_core as oa
 from oa_core.eval import ruler, runner
-from oa_core.offline_model import DEFAULT_MODEL, MODEL_HELP, load_offline_model, model_label
+from oa_core.offline_model import DEFAULT_MODEL, MODEL_HELP, head_dim, load_offline_model, model_label
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/selector_rank_<model>.json")
     args = parser.parse_args(argv)
     model, tokenizer = load_offline_model(args.model)
-    dim = model.config.head_dim if getattr(model.config, "head_dim", None) else (
-        model.config.hidden_size // model.config.num_attention_heads)
+    dim = head_dim(model.config)
     budget = {"density": args.density}
     specs = {"dense": {"budget": {"density": 1.0}}, "oracle": {"budget": budget, "selector": {"name": "oracle"}}}
     for rank in sorted({16, 64, dim}):

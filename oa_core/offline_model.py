@@ -74,6 +74,12 @@ def model_label(model: str | os.PathLike | None) -> str:
     return OFFLINE_MODELS[name].label if name in OFFLINE_MODELS else name
 
 
+def head_dim(model_config) -> int:
+    """The attention head's size D (a model's ``head_dim``, else hidden size / heads)."""
+    size = getattr(model_config, "head_dim", None)
+    return int(size) if size else model_config.hidden_size // model_config.num_attention_heads
+
+
 def load_offline_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode.
 

@@ -49,7 +49,7 @@ from oa_core.eval.records import (
     summarize,
     write_summary,
 )
-from oa_core.offline_model import model_label
+from oa_core.offline_model import head_dim, model_label
 
 
 def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...]]:
@@ -203,12 +203,6 @@ def _rank_device(device: str, world: int) -> torch.device:
     if chosen.type == "cuda" and chosen.index is None and world > 1:
         chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return chosen
-
-
-def head_dim(model_config) -> int:
-    """The attention head's size D (a model's ``head_dim``, else hidden size / heads)."""
-    size = getattr(model_config, "head_dim", None)
-    return int(size) if size else model_config.hidden_size // model_config.num_attention_heads
 
 
 def _transformers_version() -> str:
