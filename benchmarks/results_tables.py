@@ -251,11 +251,13 @@ BLOCKS = {"demo": demo_output, "accuracy": accuracy_table, "speed": speed_table}
 def render(text: str, tables: dict[str, str]) -> str:
     """``text`` with each marked block's body replaced by its table."""
     for name, table in tables.items():
-        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
-        text, found = pattern.subn(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
-        if found != 1:
+        begin, end = f"<!-- results:{name} -->\n", f"<!-- /results:{name} -->"
+        found = min(text.count(begin), text.count(end))
+        pattern = re.compile(rf"({re.escape(begin)})(?:.*?\n)?({re.escape(end)})", re.S)
+        if max(text.count(begin), text.count(end)) != 1 or not pattern.search(text):
             raise SystemExit(f"the block {name!r} must appear once, as <!-- results:{name} -->, a new line, "
                              f"<!-- /results:{name} --> (found {found})")
+        text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
 

@@ -6,6 +6,8 @@ import io
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,3 +31,14 @@ def test_the_pipeline_snippet_prints_what_the_readme_shows():
 def test_the_results_tables_are_rendered_from_the_results():
     tables = load_benchmark("results_tables")
     assert tables.main(["--check"]) == 0, "python benchmarks/results_tables.py --write"
+
+
+def test_a_block_whose_markers_are_missing_or_twice_is_named():
+    tables = load_benchmark("results_tables")
+    assert tables.render("a\n<!-- results:speed -->\nold\n<!-- /results:speed -->\nb", {"speed": "new"}) == \
+        "a\n<!-- results:speed -->\nnew\n<!-- /results:speed -->\nb"
+    with pytest.raises(SystemExit, match=r"the block 'speed' must appear once.*found 0"):
+        tables.render("no markers here", {"speed": "new"})
+    twice = "<!-- results:speed -->\n<!-- /results:speed -->\n" * 2
+    with pytest.raises(SystemExit, match=r"found 2"):
+        tables.render(twice, {"speed": "new"})
