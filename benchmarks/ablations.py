@@ -1,8 +1,8 @@
 """Every spec in specs/ on a real model's caches: baselines and ablations (paper Tables 1–4).
 
-The protocol is the attention-error benchmark's (``oa_core.attention_error``): N context tokens of the essay haystack,
-the model's own queries at the P positions after them as decode queries, scored against dense float32 attention.
-Per spec and density: relative output error (mean, p90), measured read density, weight discrepancy E, the
+The protocol is the attention-error benchmark's (``oa_core.analysis.attention_error``): N context tokens of the essay
+haystack, the model's own queries at the P positions after them as decode queries, scored against dense float32
+attention. Per spec and density: relative output error (mean, p90), measured read density, weight discrepancy E, the
 selector's top-32 logit recall within its E_sel best scores, and the Spearman of ErrorGate's ε̂_b against the true
 per-cluster discrepancy (and against the full-covariance estimate). Writes benchmarks/results/ablations.json and
 prints Markdown tables grouped like the paper's.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from oa_core.attention_error import measure
-from oa_core.offline_model import MODEL_HELP
+from oa_core.analysis.attention_error import measure
+from oa_core.eval.offline_model import MODEL_HELP
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 # The same sink and local window for every spec: 1% of 4096 tokens is 40 rows, below the specs' 4 + 64.

@@ -23,10 +23,10 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.attention_error import dense_attention
+from oa_core.analysis.attention_error import dense_attention
 from oa_core.eval import ruler
+from oa_core.eval.offline_model import capture_attention, load_offline_model
 from oa_core.eval.runner import reference_answer
-from oa_core.offline_model import capture_attention, load_offline_model
 from qgc_geometry import attend_and_read, needle_positions  # benchmarks/, the script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent

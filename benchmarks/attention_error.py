@@ -1,7 +1,7 @@
 """Attention error on a real model's caches: OpenAttention against oracle top-k.
 
-The protocol is ``oa_core.attention_error``'s: N context tokens of the essay haystack, the model's own queries at the
-P positions after them as decode queries over the N-token prefix, relative output error against dense per
+The protocol is ``oa_core.analysis.attention_error``'s: N context tokens of the essay haystack, the model's own queries
+at the P positions after them as decode queries over the N-token prefix, relative output error against dense per
 (layer, query head, query). Writes benchmarks/results/attention_error.json and prints the table.
 
     python benchmarks/attention_error.py                        # SmolLM2-135M (offline), 4096 tokens, 64 queries
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import oa_core as oa
-from oa_core.attention_error import PREFILL_QUERIES, format_table, measure
-from oa_core.offline_model import MODEL_HELP, TEXTS
+from oa_core.analysis.attention_error import PREFILL_QUERIES, format_table, measure
+from oa_core.eval.offline_model import MODEL_HELP, TEXTS
 
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.

@@ -1,4 +1,4 @@
-"""How many products the GPU's eigensolver (``oa_core.geometry.subspace_eigenpairs``) takes, stopped by the residual
+"""How many products the GPU's eigensolver (``oa_core.ops.geometry.subspace_eigenpairs``) takes, stopped by the residual
 alone (``energy_tol=0``) and by default (the residual, or the captured query energy settling), on the benchmark's
 eigensolver case: 128 × 128 moments of 1024 samples with a flat spectrum (random weights' queries, the worst case)
 and a decaying one (0.9^i). Counted on the CPU (the iteration's orthonormalisation is QR there, the Triton
@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from oa_core import geometry
+from oa_core.ops import geometry
 
 ROOT = Path(__file__).resolve().parents[1]
 D, RANK, SAMPLES, MATRICES = 128, 16, 1024, 32

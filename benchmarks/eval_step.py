@@ -27,8 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import oa_core as oa
 from oa_core.eval import ruler
+from oa_core.eval.offline_model import load_offline_model
 from oa_core.eval.runner import EvalConfig, batch_prompts, resolved_specs
-from oa_core.offline_model import load_offline_model
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")

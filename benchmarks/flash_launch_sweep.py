@@ -17,8 +17,8 @@ import triton
 sys.path.insert(0, "benchmarks")
 import oa_core as oa
 from kernel_h200 import bench, decode_inputs, graphed, kernel_breakdown, repeated_fused_step
-from oa_core import selection as selmod
 from oa_core.components import PooledClusters
+from oa_core.ops import selection as selmod
 from oa_plugins.kernels.flash import FlashKernel
 from oa_plugins.kernels.reference import TorchKernel
 
@@ -69,8 +69,8 @@ for B, N, dens in SHAPES:
 with open(sys.argv[1], "w") as f:
     json.dump(results, f, indent=1)
 # registers and spills of every compiled kernel
-mods = ["oa_plugins.kernels.flash", "oa_plugins.kernels.flash_step", "oa_core.selection", "oa_plugins.selectors.qgs",
-        "oa_core.cluster_stats"]
+mods = ["oa_plugins.kernels.flash", "oa_plugins.kernels.flash_step", "oa_core.ops.selection",
+        "oa_plugins.selectors.qgs", "oa_core.ops.cluster_stats"]
 for m in mods:
     mod = importlib.import_module(m)
     for name in dir(mod):

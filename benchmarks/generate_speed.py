@@ -17,8 +17,8 @@ so that ``prepare_s`` is what a prompt costs, not the compiler.
 
 - ``dense-default``: the model's own sdpa with transformers' default (dynamic) cache, eager.
 - ``dense-static``: transformers' static cache (``cache_implementation="static"``), compiled by generate.
-- ``dense-engine``: this project's static cache with every row read (``oa_core.dense_decode``), compiled by generate:
-  the same engine as OpenAttention, so that the ratio measures sparsity and not a better cache.
+- ``dense-engine``: this project's static cache with every row read (``oa_core.ops.dense_decode``), compiled by
+  generate: the same engine as OpenAttention, so that the ratio measures sparsity and not a better cache.
 - ``openattention``: ``oa.patch(model, spec)`` and ``**oa.cache_kwargs(model, handle.static_cache(...))``, compiled
   by generate, at each ``--densities``.
 - ``no-attention`` (a bound, not a method): transformers' static cache, compiled, with an attention that reads no

@@ -1,5 +1,5 @@
-"""The GPU's eigensolver on real queries: does the subspace iteration (``oa_core.geometry.subspace_eigenpairs``, what
-CUDA runs) give LAPACK's top-16 eigenpairs on the query moments of a real model, and the same QGC clusters?
+"""The GPU's eigensolver on real queries: does the subspace iteration (``oa_core.ops.geometry.subspace_eigenpairs``,
+what CUDA runs) give LAPACK's top-16 eigenpairs on the query moments of a real model, and the same QGC clusters?
 
 The offline model (SmolLM2) reads two texts — the essay haystack, and the text of a module of Python's standard
 library (not tuned on: any text will do) — and every layer's last 256 prefill queries give one moment per KV head.
@@ -22,9 +22,9 @@ from unittest import mock
 
 import torch
 
-from oa_core import geometry, kmeans
-from oa_core.attention_error import haystack_ids
-from oa_core.offline_model import capture_attention, load_offline_model
+from oa_core.analysis.attention_error import haystack_ids
+from oa_core.eval.offline_model import capture_attention, load_offline_model
+from oa_core.ops import geometry, kmeans
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK, WINDOW, CLUSTERS = 16, 256, 64

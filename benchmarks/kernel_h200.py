@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
-from oa_core.cluster_stats import cluster_logit_stats
+from oa_core.ops.cluster_stats import cluster_logit_stats
+from oa_core.ops.selection import select, select_by_sorting
+from oa_core.ops.water_filling import WaterFillAllocator
 from oa_core.pipeline import Pipeline
-from oa_core.selection import select, select_by_sorting
 from oa_core.static import StaticState
-from oa_core.water_filling import WaterFillAllocator
 from oa_plugins.kernels.reference import TorchKernel
 
 HQ, HKV, D = 32, 8, 128

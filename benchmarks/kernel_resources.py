@@ -59,7 +59,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
     """One row per (kernel, head dim[, dtype]): its launch parameters and what it needs."""
     import triton
 
-    from oa_core import kmeans
+    from oa_core.ops import kmeans
     from oa_plugins.kernels import flash
 
     kernel = flash.FlashKernel

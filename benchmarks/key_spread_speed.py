@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
-from oa_core import geometry
+from oa_core.ops import geometry
 
 SHAPES = (("llama-3.1-8b", 32, 8, 128, 16, 16384), ("llama-3.1-8b", 32, 8, 128, 8, 32768),
           ("llama-3.1-8b", 32, 8, 128, 1, 32768), ("gemma-3-270m", 4, 1, 256, 4, 16384),
@@ -83,8 +83,8 @@ def prepare_ms(pipe: oa.Pipeline, keys, values, prefill, scale, mask) -> float:
 def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
     """Per full-attention layer of ``model_name`` at ``length`` tokens: ``prepare`` with key_rank 0 and 8 and
     ``with_key_spread`` alone on its captured tensors; and the whole model's prefill."""
-    from oa_core.attention_error import haystack_ids
-    from oa_core.offline_model import capture_attention, load_offline_model
+    from oa_core.analysis.attention_error import haystack_ids
+    from oa_core.eval.offline_model import capture_attention, load_offline_model
 
     model, tokenizer = load_offline_model(model_name)
     model = model.to(device)

@@ -1,8 +1,8 @@
 """Needle in a haystack on the offline model: dense against OpenAttention at 10/5/3/1% read (setup B).
 
-20 seeded samples at ~4K tokens of essay haystack (``oa_core.needle``): the context is prefilled once per sample and
-its cache reused by every spec; each answers greedily (accuracy: the number appears in the answer) and scores the
-true answer teacher-forced (log-likelihood gap to dense). Writes benchmarks/results/needle_smollm2.json.
+20 seeded samples at ~4K tokens of essay haystack (``oa_core.analysis.needle``): the context is prefilled once per
+sample and its cache reused by every spec; each answers greedily (accuracy: the number appears in the answer) and scores
+the true answer teacher-forced (log-likelihood gap to dense). Writes benchmarks/results/needle_smollm2.json.
 
     python benchmarks/needle.py
     python benchmarks/needle.py --model meta-llama/Llama-3.1-8B --tokens 32000
@@ -21,8 +21,8 @@ import torch
 import transformers
 
 import oa_core as oa
-from oa_core import needle
-from oa_core.offline_model import MODEL_HELP, load_offline_model, model_label
+from oa_core.analysis import needle
+from oa_core.eval.offline_model import MODEL_HELP, load_offline_model, model_label
 
 # sink 4 + local 16 for every density: 1% of 4K tokens is 40 rows, below the default sink + local of 68.
 SPARSE = {"sink": 4, "local": 16}

@@ -4,7 +4,7 @@ Shapes of Llama-3.1-8B (32 query / 8 KV heads, head dim 128, bf16), the default 
 16, QGS rank 16, 1%), batch × context. Per configuration, each stage timed on its own (device synchronised around
 it, median of ``--repeats``), in the order prepare runs them:
 
-- ``geometry``: the query second moment and its top-16 eigenpairs (``oa_core.geometry.query_geometry``);
+- ``geometry``: the query second moment and its top-16 eigenpairs (``oa_core.ops.geometry.query_geometry``);
 - ``cluster``: QGC without the geometry: the projection, k-means++ and Lloyd (``lloyd``);
 - ``index``: QGS's int8 codes; ``pool``: the clusters' pooled sums (``PipelineState.start_clusters``);
 - ``static``: the state moved into the fast path's buffers (``StaticState.from_state``), as the static cache does;
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
-from oa_core import geometry
+from oa_core.ops import geometry
 from oa_core.state import PipelineState
 from oa_core.static import StaticState
 

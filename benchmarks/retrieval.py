@@ -6,10 +6,10 @@
 
 Each sample's lines go to retrieval_<model>.jsonl as it ends; the same command run again resumes from them.
 
-Per length, ``--samples`` seeded needle prompts (``oa_core.needle``): sample i hides a 7-digit number, a hyphenated
-word pair or a UUID (in turn) in the essays, Python's reference prose or Python source (in turn), at a random depth.
-Each context is prefilled once; dense, exact top-k (``specs/oracle-topk.yaml``) and every ``--specs`` file at every
-density answer it (setup B, sink 4 and local 16 for every sparse spec). Per spec and density:
+Per length, ``--samples`` seeded needle prompts (``oa_core.analysis.needle``): sample i hides a 7-digit number, a
+hyphenated word pair or a UUID (in turn) in the essays, Python's reference prose or Python source (in turn), at a
+random depth. Each context is prefilled once; dense, exact top-k (``specs/oracle-topk.yaml``) and every ``--specs``
+file at every density answer it (setup B, sink 4 and local 16 for every sparse spec). Per spec and density:
 
 - accuracy (the value in the greedy answer) and the answer's teacher-forced log-likelihood gap to dense;
 - **the recall of the answer's rows**, a diagnostic: at the query that predicts the answer's first token, the rows
@@ -37,9 +37,9 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core import metrics, needle
+from oa_core.analysis import metrics, needle
 from oa_core.components import group_queries
-from oa_core.offline_model import MODEL_HELP, capture_attention, head_dim, load_offline_model, model_label
+from oa_core.eval.offline_model import MODEL_HELP, capture_attention, head_dim, load_offline_model, model_label
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARSE = {"sink": 4, "local": 16}  # 1% of 4K tokens is 40 rows: below the specs' own 4 + 64

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, "benchmarks")
 import oa_core as oa
 from kernel_h200 import bench, decode_inputs, graphed, kernel_breakdown, repeated_fused_step
-from oa_core import selection as selmod
+from oa_core.ops import selection as selmod
 
 SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01,))]
 VARIANTS = [{"small": 512, "few": 16}, {"small": 256, "few": 16}, {"small": 512, "few": 8}, {"small": 512, "few": 4},

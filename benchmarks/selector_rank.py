@@ -23,7 +23,7 @@ import torch
 
 import oa_core as oa
 from oa_core.eval import ruler, runner
-from oa_core.offline_model import DEFAULT_MODEL, MODEL_HELP, head_dim, load_offline_model, model_label
+from oa_core.eval.offline_model import DEFAULT_MODEL, MODEL_HELP, head_dim, load_offline_model, model_label
 
 
 def main(argv: list[str] | None = None) -> int:

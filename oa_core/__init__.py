@@ -33,12 +33,15 @@ from oa_core.integration import (
     unpatch,
 )
 from oa_core.integration import register as register_attention
+from oa_core.moved import install as _install_moved
 from oa_core.pipeline import AttendStats, Explanation, Pipeline, build
 from oa_core.registry import available
 from oa_core.spec import Budget, ComponentSpec, PipelineSpec, SpecError, load_spec
 from oa_core.state import PipelineState
 
 __version__ = "0.1.0"
+
+_install_moved()  # 0.1's flat module paths, deprecated (oa_core/moved.py)
 
 __all__ = [
     "AllocationInput", "Allocator", "AttendStats", "Budget", "Clusterer", "Clusters", "Component", "ComponentSpec",

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from oa_core.components import KINDS
-from oa_core.offline_model import MODEL_HELP
+from oa_core.eval.offline_model import MODEL_HELP
 from oa_core.pipeline import build
 from oa_core.registry import default_registry
 from oa_core.spec import SpecError
@@ -42,7 +42,7 @@ def validate_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from oa_core.demo import run_demo
+    from oa_core.analysis.demo import run_demo
 
     try:
         return run_demo(model=args.model, tokens=args.tokens, density=args.density, out=args.out)

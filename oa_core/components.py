@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from oa_core.spec import PipelineSpec
 
 
 class NoParams(BaseModel):
@@ -162,7 +165,7 @@ class Selector(Component):
                width: int) -> Tensor:
         """The scores the allocator and the selection use, from ``score``'s (-inf where not selectable) once each
         row's selectable budget ``[B, Hkv, 1, 1]`` is known (at most ``width``, on the host): by default unchanged;
-        a two-stage selector re-ranks a shortlist by exact logits here (``oa_core.rerank``)."""
+        a two-stage selector re-ranks a shortlist by exact logits here (``oa_core.ops.rerank``)."""
         return scores
 
     def sample_pool(self, query: Tensor, index: Any, keys: Tensor, scale: float) -> Tensor | None:
@@ -260,3 +263,14 @@ KINDS: dict[str, type[Component]] = {
     "allocator": Allocator,
     "kernel": Kernel,
 }
+
+
+class Composition(Protocol):
+    """What a pipeline state reads of the pipeline that made it: the spec and the four components. ``Pipeline`` is
+    one; the state names this instead so that it need not import the pipeline that imports it."""
+
+    spec: PipelineSpec
+    clusterer: Clusterer
+    selector: Selector
+    allocator: Allocator
+    kernel: Kernel

@@ -24,7 +24,6 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from oa_core import contracts
-from oa_core.cluster_stats import cluster_logit_stats
 from oa_core.components import (
     AllocationInput,
     Allocator,
@@ -35,8 +34,9 @@ from oa_core.components import (
     Selector,
     group_queries,
 )
+from oa_core.ops.cluster_stats import cluster_logit_stats
+from oa_core.ops.selection import select
 from oa_core.registry import ComponentInfo, default_registry
-from oa_core.selection import select
 from oa_core.spec import BUDGET_COVERS, ComponentSpec, PipelineSpec, SpecError, describe, load_spec
 from oa_core.state import PipelineState
 

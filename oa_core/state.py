@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from oa_core.cluster_stats import moments_from_sums
-from oa_core.components import Clusters, PooledClusters
+from oa_core.components import Clusters, Composition, PooledClusters
 from oa_core.contracts import all_finite, check_cache
-from oa_core.scatter import compact, pooled_sums, positions
-from oa_core.selection import add_members, cluster_members
-
-if TYPE_CHECKING:
-    from oa_core.pipeline import Pipeline
+from oa_core.ops.cluster_stats import moments_from_sums
+from oa_core.ops.scatter import compact, pooled_sums, positions
+from oa_core.ops.selection import add_members, cluster_members
 
 
 @dataclass
@@ -69,7 +66,7 @@ class PipelineState:
     padding. Pooled sums are float32. ``clusters`` is None when every row is dense.
     """
 
-    pipeline: Pipeline
+    pipeline: Composition
     keys: Tensor
     values: Tensor
     valid: Tensor

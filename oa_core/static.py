@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from oa_core import triton_path
-from oa_core.cluster_stats import cluster_logit_stats_from_sums
 from oa_core.components import AllocationInput, Clusters, PooledClusters, Selection, Selector, group_queries
-from oa_core.selection import cluster_members, select
+from oa_core.ops import triton_path
+from oa_core.ops.cluster_stats import cluster_logit_stats_from_sums
+from oa_core.ops.selection import cluster_members, select
+from oa_core.ops.triton_path import tl, triton
 from oa_core.spec import BUDGET_COVERS
 from oa_core.state import PipelineState
-from oa_core.triton_path import tl, triton
 
 
 class StaticUnsupported(ValueError):

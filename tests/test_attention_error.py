@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from oa_core.attention_error import default_layers, format_table, measure
+from oa_core.analysis.attention_error import default_layers, format_table, measure
 
 
 def test_default_layers_span_the_depth():

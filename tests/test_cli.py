@@ -57,7 +57,8 @@ def test_the_eval_defaults_pass_their_own_budget_check(monkeypatch):
     (["--tokens", "100"], "tokens: expected 200 to "),
 ])
 def test_demo_refuses_bad_arguments_before_the_model_loads(monkeypatch, capsys, args, message):
-    from oa_core import cli, demo
+    from oa_core import cli
+    from oa_core.analysis import demo
 
     monkeypatch.setattr(demo, "load_offline_model", lambda *_, **__: pytest.fail("the model loaded"))
     assert cli.main(["demo", *args]) == 2

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from oa_core.cluster_stats import cluster_logit_stats
+from oa_core.ops.cluster_stats import cluster_logit_stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,7 +31,7 @@ def test_the_kernel_matches_torch(C, D, dtype):
 def test_statistics_from_the_pooled_sums_match_the_moments():
     """The fast path's kernel turns Σk, Σk⊙k and n_b into k̄_b, Var_b(k) itself: the same statistics as from the
     moments the state derives (empty clusters included: n_b taken as 1)."""
-    from oa_core.cluster_stats import cluster_logit_stats_from_sums
+    from oa_core.ops.cluster_stats import cluster_logit_stats_from_sums
 
     gen = torch.Generator().manual_seed(1)
     B, Hq, Hkv, T, C, D = 2, 6, 2, 1, 20, 32

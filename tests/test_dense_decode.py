@@ -1,11 +1,11 @@
-"""Dense decode attention over a static cache (oa_core.dense_decode): the Triton flash decoding, under the
+"""Dense decode attention over a static cache (oa_core.ops.dense_decode): the Triton flash decoding, under the
 interpreter, against softmax attention over each row's valid slots."""
 
 import pytest
 import torch
 
 from conftest import dense_attention, relative_error
-from oa_core.dense_decode import dense_decode, dense_decode_reference
+from oa_core.ops.dense_decode import dense_decode, dense_decode_reference
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 1e-2), (torch.bfloat16, 2e-2)])

@@ -78,3 +78,17 @@ def test_a_parameter_row_says_type_default_constraint_and_description():
     rows = docs_tables.parameter_table(Example).splitlines()[2:]
     assert rows == ["| `bits` | `int` | `4` | one of `4`, `8` | bits per code \\| a pipe |",
                     "| `rank` | `int` or `null` | `null` | ≥ 1, ≤ 62 |  |"]
+
+
+def test_every_field_of_the_spec_and_the_components_configs_is_described():
+    """The parameters tables have no empty description cell: each field says what it does."""
+    from oa_core.registry import default_registry
+    from oa_core.spec import Budget, ComponentSpec, PipelineSpec
+
+    registry = default_registry()
+    configs = [registry.components[kind][name].cls.Config for kind in registry.components
+               for name in registry.names(kind)]
+    silent = sorted(f"{model.__module__}.{model.__qualname__}.{field}"
+                    for model in (PipelineSpec, Budget, ComponentSpec, *configs)
+                    for field, info in model.model_fields.items() if not info.description)
+    assert silent == []

@@ -1,8 +1,8 @@
-"""The query geometry the clusterers and selectors share (oa_core.geometry)."""
+"""The query geometry the clusterers and selectors share (oa_core.ops.geometry)."""
 
 import torch
 
-from oa_core.geometry import query_geometry
+from oa_core.ops.geometry import query_geometry
 
 
 def test_query_geometry_finds_the_query_subspace():
@@ -28,7 +28,7 @@ def test_subspace_iteration_gives_lapacks_top_pairs():
     """The GPU's eigensolver (run here on the CPU) against LAPACK, stopped by the residual alone (``energy_tol=0``):
     the same top eigenvalues and the same subspace, on a decaying spectrum and a nearly flat one (the latter converges
     only through the block's extra columns)."""
-    from oa_core.geometry import subspace_eigenpairs
+    from oa_core.ops.geometry import subspace_eigenpairs
 
     r = 6
     for spectrum in (0.8 ** torch.arange(40), 1 + 0.01 * torch.rand(40, generator=torch.Generator().manual_seed(1))):
@@ -51,7 +51,7 @@ def test_subspace_iteration_stops_once_the_captured_energy_settles():
     spectrum the residual still stops it first (the pairs of the test above)."""
     from unittest import mock
 
-    from oa_core import geometry
+    from oa_core.ops import geometry
 
     r = 6
     moment = _moments(1 + 0.01 * torch.rand(40, generator=torch.Generator().manual_seed(1)), 400)
@@ -75,7 +75,7 @@ def test_subspace_iteration_stops_once_the_captured_energy_settles():
 def test_subspace_iteration_of_a_rank_deficient_moment():
     """Fewer samples than the rank asked for (a short prompt): the nonzero pairs are found, the rest are zero and the
     basis stays orthonormal."""
-    from oa_core.geometry import subspace_eigenpairs
+    from oa_core.ops.geometry import subspace_eigenpairs
 
     moment = _moments(torch.ones(32), samples=3)
     values, vectors = subspace_eigenpairs(moment, 8)
@@ -92,7 +92,7 @@ def test_the_triton_gram_schmidt_matches_qr():
     on ill-conditioned columns (a geometric spread of scales)."""
     import pytest
 
-    from oa_core import geometry, triton_path
+    from oa_core.ops import geometry, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
@@ -121,7 +121,7 @@ def test_the_subspace_iteration_on_the_triton_gram_schmidt(monkeypatch):
     LAPACK's top pairs on a decaying spectrum, an orthonormal basis."""
     import pytest
 
-    from oa_core import geometry, triton_path
+    from oa_core.ops import geometry, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
@@ -141,7 +141,7 @@ def test_the_triton_projection_equals_torchs(monkeypatch):
     place from a view of a larger cache) equals ``keys.float() @ basis``, over row blocks that do not divide N."""
     import pytest
 
-    from oa_core import geometry, triton_path
+    from oa_core.ops import geometry, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))

@@ -1,8 +1,9 @@
-"""The k-means the clusterers share (oa_core.kmeans): the torch code, and its Triton kernels under the interpreter."""
+"""The k-means the clusterers share (oa_core.ops.kmeans): the torch code, and its Triton kernels under the
+interpreter."""
 
 import torch
 
-from oa_core.kmeans import lloyd, nearest
+from oa_core.ops.kmeans import lloyd, nearest
 
 
 def test_lloyd_converges_to_a_fixed_point():
@@ -34,7 +35,7 @@ def test_the_triton_kmeans_plus_plus_picks_the_torch_centres():
     that do not divide the row, and a row with fewer points than centres (the fallback to its weights)."""
     import pytest
 
-    from oa_core import kmeans, triton_path
+    from oa_core.ops import kmeans, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
@@ -54,7 +55,7 @@ def test_the_triton_nearest_centroid_matches_torch():
     across the kernel's tiles of 32."""
     import pytest
 
-    from oa_core import kmeans, triton_path
+    from oa_core.ops import kmeans, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
@@ -73,7 +74,7 @@ def test_the_triton_lloyd_iterations_equal_torchs(monkeypatch):
     a block count that does not divide the row, an emptied cluster that keeps its centre."""
     import pytest
 
-    from oa_core import kmeans, triton_path
+    from oa_core.ops import kmeans, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))
@@ -100,7 +101,7 @@ def test_lloyd_on_the_triton_kernels_ends_where_torch_ends(monkeypatch):
     3 iterations, before its first look."""
     import pytest
 
-    from oa_core import kmeans, triton_path
+    from oa_core.ops import kmeans, triton_path
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))

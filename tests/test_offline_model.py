@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from oa_core import offline_model
-from oa_core.offline_model import capture_attention, haystack_candidates, haystack_text, load_offline_model
+from oa_core.eval import offline_model
+from oa_core.eval.offline_model import capture_attention, haystack_candidates, haystack_text, load_offline_model
 
 
 def test_haystack_text_is_the_essays():

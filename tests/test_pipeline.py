@@ -298,7 +298,7 @@ def test_output_is_eq1_over_the_top_exact_logits_and_the_states_clusters_after_g
     """The whole attend against the float64 reference of Eq. 1: with the oracle selector and global allocation the
     exact set is sink ∪ local ∪ the best E − sink − local logits among the clustered rows (found here directly), and
     every cluster's unread tail gets one count-aware proxy — including rows that joined by growth."""
-    from oa_core import references
+    from oa_core.testing import references
 
     budget, sink, local = 60, 4, 16
     spec = {**SMALL, "selector": "oracle", "allocator": "global", "budget": {"tokens": budget}, "gqa": gqa}
@@ -321,9 +321,9 @@ def test_output_is_eq1_over_the_top_exact_logits_and_the_states_clusters_after_g
 
 def test_allocators_see_each_clusters_own_statistics_after_growth():
     """z̄_b and σ̂_b² from the state's pooled sums (what every allocator gets) equal those of each cluster's members,
-    computed from the keys themselves (oa_core.references.cluster_logit_stats), after rows joined by growth."""
-    from oa_core import references
-    from oa_core.cluster_stats import cluster_logit_stats
+    computed from the keys themselves (oa_core.testing.references.cluster_logit_stats), after rows joined by growth."""
+    from oa_core.ops.cluster_stats import cluster_logit_stats
+    from oa_core.testing import references
 
     pipe, state, keys, values, decode = _grown_state({**SMALL, "budget": {"tokens": 60}})
     got = cluster_logit_stats(decode, *state.cluster_moments(), state.scale)

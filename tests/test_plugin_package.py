@@ -1,49 +1,20 @@
 """A third-party plugin package, installed for real: examples/oa-plugin-example in a temporary virtual environment
 (with this environment's packages visible), then uninstalled."""
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from venvs import listed, make_venv, pip, run
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "oa-plugin-example"
 COMPONENTS = {("clusterer", "random"), ("selector", "key-norm"), ("allocator", "proportional"), ("kernel", "float64")}
 
 
-def run(python: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    return subprocess.run([str(python), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
-
-
-def listed(python: Path) -> set[tuple[str, str, str]]:
-    result = run(python, "-m", "oa_core.cli", "plugins")
-    assert result.returncode == 0, result.stderr
-    return {tuple(line.split()[:3]) for line in result.stdout.splitlines()[1:] if line.strip()}
-
-
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """A virtual environment that sees this one's packages (torch, openattention) and has no pip of its own: pip
-    runs from here with --python, so the build uses this environment's setuptools (offline, no build isolation).
-    ``--system-site-packages`` alone shows the base interpreter's packages, not a virtual environment's this one may
-    be: a ``.pth`` line adds this environment's site folders (their own ``.pth`` files, editable installs', run)."""
-    import site
-
-    path = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True,
-                   timeout=300)
-    python = path / "bin" / "python"
-    inner = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
-    folders = [folder for folder in site.getsitepackages() if Path(folder).is_dir()]
-    (Path(inner) / "outer-environment.pth").write_text(f"import site; list(map(site.addsitedir, {folders!r}))\n")
-    return python
-
-
-def pip(venv: Path, *args: str) -> subprocess.CompletedProcess:
-    return run(Path(sys.executable), "-m", "pip", "--python", str(venv), *args)
+    return make_venv(tmp_path_factory.mktemp("venv"))
 
 
 def test_pip_install_adds_the_components_and_uninstall_removes_them(venv, tmp_path):

@@ -1,13 +1,13 @@
-"""The float64 references (oa_core.references) on cases worked out by hand: the tests that rely on them are only as
-right as they are."""
+"""The float64 references (oa_core.testing.references) on cases worked out by hand: the tests that rely on them are only
+as right as they are."""
 
 import math
 
 import torch
 
-from oa_core import references
 from oa_core.components import PooledClusters, Selection
-from oa_core.scatter import pooled_sums
+from oa_core.ops.scatter import pooled_sums
+from oa_core.testing import references
 from oa_plugins.kernels.reference import TorchKernel
 
 

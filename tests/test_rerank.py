@@ -1,4 +1,4 @@
-"""The two-stage selection (oa_core.rerank, QGS's ``rerank``): a shortlist by the cheap scores, re-ranked by exact
+"""The two-stage selection (oa_core.ops.rerank, QGS's ``rerank``): a shortlist by the cheap scores, re-ranked by exact
 logits."""
 
 import math
@@ -8,8 +8,8 @@ import torch
 
 import oa_core as oa
 from oa_core.components import group_queries
-from oa_core.rerank import rerank_exact
-from oa_core.selection import select, top_counts
+from oa_core.ops.rerank import rerank_exact
+from oa_core.ops.selection import select, top_counts
 
 
 def _case(seed=0, B=2, H=2, g=2, N=300, D=16, T=1):

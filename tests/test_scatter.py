@@ -1,9 +1,9 @@
-"""Index tensors with a spare slot (oa_core.scatter)."""
+"""Index tensors with a spare slot (oa_core.ops.scatter)."""
 
 import pytest
 import torch
 
-from oa_core.scatter import count_by_slot, min_by_slot, positions, sum_by_slot
+from oa_core.ops.scatter import count_by_slot, min_by_slot, positions, sum_by_slot
 
 
 def test_sums_and_counts_by_slot_drop_the_spare_and_add_to_a_total():
@@ -32,8 +32,8 @@ def test_pooled_sums_in_one_triton_pass_equal_the_scatter_adds(dtype):
     """Under the interpreter: the sorted-gather kernel gives the four scatter-adds' count, Σk, Σv and Σk⊙k per
     slot — rows of no slot left out, an empty slot zero, rows read in place from a view of a larger cache (its
     unread slots NaN), in the cache's dtype, and added to totals."""
-    from oa_core import triton_path
-    from oa_core.scatter import pooled_sums
+    from oa_core.ops import triton_path
+    from oa_core.ops.scatter import pooled_sums
 
     if triton_path.unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(triton_path.unavailable_reason(torch.device("cpu")))

@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 
 import itertools
 
-from oa_core import selection
-from oa_core.selection import (
+from oa_core.ops import selection
+from oa_core.ops.selection import (
     cluster_members,
     select_by_sorting,
     select_per_cluster,
@@ -54,7 +54,7 @@ def test_selection_reads_a_grown_member_table(monkeypatch):
     """After decode growth the member table is a view with a spare slot per (batch row, head) — not contiguous —
     and the kernel must read every head's clusters where they are (a head read at a contiguous offset misses its
     clusters' last members)."""
-    from oa_core.selection import add_members
+    from oa_core.ops.selection import add_members
 
     gen = torch.Generator().manual_seed(1)
     B, H, Gs, T, N, C = 2, 3, 2, 1, 120, 5
@@ -168,7 +168,7 @@ def test_best_of_is_a_stable_descending_sort_cut_at_k(n, k, fewer):
     """Ties (rounded scores, equal pages), -inf, and -0.0 beside 0.0: the set of the first k columns of a stable
     descending sort, with the same scores, and each row's first ``counts`` marked (every row k, the unsorted path;
     or some rows fewer, the sorted one)."""
-    from oa_core.selection import best_of
+    from oa_core.ops.selection import best_of
 
     gen = torch.Generator().manual_seed(n)
     scores = (torch.randn(2, 3, 2, 1, n, generator=gen) * 4).round() / 2  # many ties
@@ -194,12 +194,12 @@ def test_best_of_is_a_stable_descending_sort_cut_at_k(n, k, fewer):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_compiled_cpu_selection_lists_what_select_by_sorting_lists(seed):
-    """The CPU's path (``oa_core.native``, compiled at first use) against the sorting reference, position for
+    """The CPU's path (``oa_core.ops.native``, compiled at first use) against the sorting reference, position for
     position: ties, -inf, ragged clusters and positions outside every cluster; quotas a row's best rows fill and
     quotas of low-scored clusters, whole clusters, none; widths that cut a row, and wider than the context and than
     the member table; the member table as growth leaves it (a view with a spare slot per head)."""
-    from oa_core import native
-    from oa_core.selection import add_members, select, top_counts
+    from oa_core.ops import native
+    from oa_core.ops.selection import add_members, select, top_counts
 
     if native._compiler() is None and native.library() is None:
         pytest.skip("no C++ compiler here: select runs its torch reference (test_select_without_the_compiled_path)")
@@ -230,8 +230,8 @@ def test_the_compiled_cpu_selection_lists_what_select_by_sorting_lists(seed):
 
 
 def test_select_without_the_compiled_path_runs_the_reference_and_says_so(monkeypatch):
-    from oa_core import native
-    from oa_core.selection import select
+    from oa_core.ops import native
+    from oa_core.ops.selection import select
 
     _, scores, assignment, members, counts = _ragged_case(0)
     quotas = (counts[:, :, None, None] // 2).expand(*scores.shape[:-1], -1).contiguous()

@@ -359,7 +359,7 @@ def test_tail_sampling_unbiased():
 def test_the_estimators_per_token_weights_give_the_kernels_output(proxy):
     """metrics.estimator_weights (E, the paper's Eq. 2) measures the estimator the kernel computes: Σŵ_i v_i / Σŵ_i
     over every token is the attend output, for either proxy."""
-    from oa_core.metrics import estimator_weights
+    from oa_core.analysis.metrics import estimator_weights
 
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 300, 16, generator=gen), torch.randn(1, 2, 300, 16, generator=gen)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from oa_core.water_filling import water_fill
+from oa_core.ops.water_filling import water_fill
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -37,7 +37,7 @@ def test_quotas_are_proportional_to_the_estimate_until_a_cluster_is_full():
 def test_the_triton_water_fill_matches_the_torch_one():
     """The GPU path of water-filling (one Triton program per row, no sort), run by Triton's interpreter here."""
     pytest.importorskip("triton")
-    from oa_core.water_filling import water_fill_triton
+    from oa_core.ops.water_filling import water_fill_triton
 
     gen = torch.Generator().manual_seed(0)
     rows, C = 40, 24
@@ -56,7 +56,7 @@ def test_the_triton_water_fill_matches_the_torch_one():
 @pytest.mark.parametrize("C", [5, 64])
 def test_the_triton_water_fill_matches_the_torch_one_at_other_sizes(C):
     pytest.importorskip("triton")
-    from oa_core.water_filling import water_fill_triton
+    from oa_core.ops.water_filling import water_fill_triton
 
     gen = torch.Generator().manual_seed(C)
     rows = 12

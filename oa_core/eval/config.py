@@ -100,7 +100,7 @@ def check_config(config: EvalConfig) -> None:
         empty = "specs" if not config.specs else "densities" if not config.densities else "tasks"
         raise ValueError(f"{empty}: none given")
     if config.metric == ATTENTION_ERROR:
-        from oa_core.attention_error import PREFILL_QUERIES
+        from oa_core.analysis.attention_error import PREFILL_QUERIES
 
         for length in config.lengths:
             if length < PREFILL_QUERIES:

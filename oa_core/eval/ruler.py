@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from oa_core.eval.offline_model import cache_root, prompt_text
 from oa_core.eval.ruler_tasks import (  # noqa: F401 (the API)
     BUILDERS,
     HARD_TASKS,
@@ -52,7 +53,6 @@ from oa_core.eval.ruler_tasks import (  # noqa: F401 (the API)
     count_tokens,
     words_digest,
 )
-from oa_core.offline_model import cache_root, prompt_text
 
 RULER_COMMIT = "c3f5e3b"  # NVIDIA/RULER, the generator followed here
 GENERATOR = f"ruler-{RULER_COMMIT}"  # written in every record: a report never mixes generators unawares

@@ -37,6 +37,7 @@ import torch
 import oa_core as oa
 from oa_core.eval import ruler
 from oa_core.eval.config import EvalConfig, check_budgets, check_config, resolved_specs, spec_name  # noqa: F401
+from oa_core.eval.offline_model import head_dim, model_label
 from oa_core.eval.records import (
     ATTENTION_ERROR,
     ErrorRecord,
@@ -49,7 +50,6 @@ from oa_core.eval.records import (
     summarize,
     write_summary,
 )
-from oa_core.offline_model import head_dim, model_label
 
 
 def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...]]:
@@ -100,7 +100,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     if config.metric == "ruler" and not _ruler_missing(specs, config, done):
         return _summarize(out, rank, world)  # every cell is done: no model to load (a resumed sweep's phase)
     if model is None:
-        from oa_core.offline_model import load_offline_model
+        from oa_core.eval.offline_model import load_offline_model
 
         model, tokenizer = load_offline_model(config.model)
         device = device or _rank_device("cuda" if torch.cuda.is_available() else "cpu", world)
@@ -116,7 +116,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
                 questions = [len(encode(tokenizer, s.question)) for s in samples[task, length]]
                 units += [(task, length, batch) for batch in sample_batches(questions, config.batch)]
     else:
-        from oa_core.attention_error import default_layers
+        from oa_core.analysis.attention_error import default_layers
 
         layers = config.layers or default_layers(model.config.num_hidden_layers)
         units = [(ATTENTION_ERROR, length, (layer,)) for length in config.lengths for layer in layers]
@@ -417,14 +417,14 @@ def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_
 
 def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: RecordWriter,
                      rank: int) -> None:
-    """attention-error (``oa_core.attention_error``'s protocol): per length, one forward pass over the essay
+    """attention-error (``oa_core.analysis.attention_error``'s protocol): per length, one forward pass over the essay
     haystack captures each layer's attention inputs; a unit is one layer — its first ``length`` keys are the cache,
     the queries of the 256 positions before are QGC's prefill queries, the ``decode`` after are decode queries over
     the cache; a cell's score is their mean relative output error against dense attention."""
     from tqdm import tqdm
 
-    from oa_core.attention_error import attend_case, haystack_ids, layer_case
-    from oa_core.offline_model import capture_attention
+    from oa_core.analysis.attention_error import attend_case, haystack_ids, layer_case
+    from oa_core.eval.offline_model import capture_attention
 
     bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
                disable=not config.progress, position=rank)

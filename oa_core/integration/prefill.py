@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from oa_core.geometry import QUERY_WINDOW
+from oa_core.ops.geometry import QUERY_WINDOW
 
 
 def recorded_queries(query: Tensor, mask: Tensor) -> Tensor:

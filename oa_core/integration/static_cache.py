@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, StaticLayer
 
-from oa_core.dense_decode import dense_decode
 from oa_core.integration.prefill import key_mask, model_sdpa, recorded_queries
 from oa_core.integration.stats import Span
+from oa_core.ops.dense_decode import dense_decode
 from oa_core.static import StaticState, StaticUnsupported, unsupported
 
 # key → state, for the custom op (which takes tensors and numbers only); the cache layer holds the state itself.
@@ -49,7 +49,7 @@ def _(query, keys, values, state, key):
 
 @torch.library.custom_op("oa::dense_step", mutates_args=())
 def dense_step(query: Tensor, keys: Tensor, values: Tensor, length: Tensor, start: Tensor, scale: float) -> Tensor:
-    """One decode step of a layer that reads every valid slot (``oa_core.dense_decode``)."""
+    """One decode step of a layer that reads every valid slot (``oa_core.ops.dense_decode``)."""
     return dense_decode(query, keys, values, length, start, scale)
 
 

@@ -22,18 +22,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from oa_core import hookimpl, triton_path
-from oa_core.cluster_stats import cluster_logit_stats
+from oa_core import hookimpl
+from oa_core.analysis.metrics import attention_logits
 from oa_core.components import AllocationInput
-from oa_core.metrics import attention_logits
-from oa_core.scatter import sum_by_slot
-from oa_core.selection import top_counts
+from oa_core.ops import triton_path
+from oa_core.ops.cluster_stats import cluster_logit_stats
+from oa_core.ops.scatter import sum_by_slot
+from oa_core.ops.selection import top_counts
+from oa_core.ops.triton_path import libdevice, tl, triton
+from oa_core.ops.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies, water_fill
 from oa_core.state import PipelineState
-from oa_core.triton_path import libdevice, tl, triton
-from oa_core.water_filling import WaterFillAllocator, launch_config, log_total, triton_applies, water_fill
 
 if triton is not None:
-    from oa_core.water_filling import water_fill_row  # a Triton function, defined where Triton is
+    from oa_core.ops.water_filling import water_fill_row  # a Triton function, defined where Triton is
 
 
 def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:

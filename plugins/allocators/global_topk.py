@@ -10,7 +10,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import AllocationInput, Allocator
-from oa_core.selection import top_counts
+from oa_core.ops.selection import top_counts
 
 
 class GlobalTopK(Allocator):

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import AllocationInput
-from oa_core.water_filling import WaterFillAllocator
+from oa_core.ops.water_filling import WaterFillAllocator
 
 
 class VarianceAllocator(WaterFillAllocator):

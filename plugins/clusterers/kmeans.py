@@ -9,7 +9,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Clusterer, Clusters
-from oa_core.kmeans import lloyd, nearest
+from oa_core.ops.kmeans import lloyd, nearest
 
 
 class KMeansConfig(BaseModel):

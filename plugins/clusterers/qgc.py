@@ -18,8 +18,8 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Clusterer, Clusters
-from oa_core.geometry import QUERY_WINDOW, check_rank, project, query_geometry
-from oa_core.kmeans import lloyd, nearest
+from oa_core.ops.geometry import QUERY_WINDOW, check_rank, project, query_geometry
+from oa_core.ops.kmeans import lloyd, nearest
 
 
 class QGCConfig(BaseModel):

@@ -32,13 +32,14 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core import hookimpl, triton_path
+from oa_core import hookimpl
 from oa_core.components import Kernel, PooledClusters, Selection
-from oa_core.triton_path import tl, triton
+from oa_core.ops import triton_path
+from oa_core.ops.triton_path import tl, triton
 from oa_plugins.kernels.reference import TorchKernel
 
 if triton is not None:
-    from oa_core.cluster_stats import moments_tile
+    from oa_core.ops.cluster_stats import moments_tile
 
 
 if triton is not None:

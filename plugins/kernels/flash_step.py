@@ -43,20 +43,20 @@ import functools
 import torch
 from torch import Tensor
 
-from oa_core import triton_path
-from oa_core.cluster_stats import BLOCK_C as STATS_CLUSTERS
 from oa_core.components import Selection
-from oa_core.selection import launch_select, smallest_block
-from oa_core.triton_path import libdevice, tl, triton
-from oa_core.water_filling import MAX_TRITON_CLUSTERS, launch_config
+from oa_core.ops import triton_path
+from oa_core.ops.cluster_stats import BLOCK_C as STATS_CLUSTERS
+from oa_core.ops.selection import launch_select, smallest_block
+from oa_core.ops.triton_path import libdevice, tl, triton
+from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
 from oa_plugins.kernels.two_stage import TwoStage
 from oa_plugins.selectors.qgs import group_int8_scores
 
 if triton is not None:
-    from oa_core.cluster_stats import moments_tile, store_logit_stats
+    from oa_core.ops.cluster_stats import moments_tile, store_logit_stats
+    from oa_core.ops.water_filling import water_fill_row
     from oa_core.static import join_rest
-    from oa_core.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
     from oa_plugins.kernels.two_stage import row_budget
 

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from oa_core import hookimpl
-from oa_core.cluster_stats import tail_logit_variance
 from oa_core.components import Kernel, PooledClusters, Selection
-from oa_core.scatter import count_by_slot, gather_rows, gathers_more_than_it_holds, sum_by_slot
+from oa_core.ops.cluster_stats import tail_logit_variance
+from oa_core.ops.scatter import count_by_slot, gather_rows, gathers_more_than_it_holds, sum_by_slot
 
 
 class TorchKernel(Kernel):

@@ -1,4 +1,4 @@
-"""The fused step's two-stage selection: QGS's ``rerank`` and ErrorGate's ``floor`` (``oa_core.rerank``,
+"""The fused step's two-stage selection: QGS's ``rerank`` and ErrorGate's ``floor`` (``oa_core.ops.rerank``,
 ``ErrorGate.allocate``) in eight launches between QGS's scores and the plan, the same rows as the composed step.
 
 A row's shortlist is its ⌈m·E_sel⌉ best positions by QGS's score, ties to the earlier position (the reference's
@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core.triton_path import tl, triton
+from oa_core.ops.triton_path import tl, triton
 
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
@@ -98,7 +98,7 @@ class TwoStage:
 
 
 if triton is not None:
-    from oa_core.selection import order_key
+    from oa_core.ops.selection import order_key
 
     @triton.jit
     def row_budget(LENGTH, START, DENSITY, b, F, TOKENS):

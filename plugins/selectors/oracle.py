@@ -7,7 +7,7 @@ from torch import Tensor
 
 from oa_core import hookimpl
 from oa_core.components import Selector
-from oa_core.rerank import exact_logits
+from oa_core.ops.rerank import exact_logits
 
 
 class OracleSelector(Selector):

@@ -5,13 +5,13 @@ looks elsewhere — an answer's query on Gemma-3's 256-dimensional heads — sco
 directions kept of it, and the needle misses the shortlist. Product quantisation (Jégou, Douze and Schmid, "Product
 quantization for nearest neighbor search", TPAMI 2011) covers every dimension instead: a head's D dimensions are split
 into M = D / ``dims`` sub-spaces; in each, 2^``bits`` centroids are learnt from the context's keys (k-means,
-``oa_core.kmeans``) and a key is coded by its nearest centroid's number. A query scores a key by table lookup,
+``oa_core.ops.kmeans``) and a key is coded by its nearest centroid's number. A query scores a key by table lookup,
 z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
 s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query.
 
 The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte): 1/16 of a
 key and value in bf16 on every head size, the scoring bytes following the head rather than a constant. The
-shortlist's best ``rerank`` × budget rows are re-scored from their keys, as QGS's (``oa_core.rerank``).
+shortlist's best ``rerank`` × budget rows are re-scored from their keys, as QGS's (``oa_core.ops.rerank``).
 
 On CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``) ``score`` is one Triton kernel after the tables
 (``group_lut_scores``); elsewhere the torch reference.
@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from oa_core import hookimpl, triton_path
+from oa_core import hookimpl
 from oa_core.components import Clusters, Selector
-from oa_core.kmeans import lloyd_iterations, nearest
-from oa_core.rerank import ExactRerank
-from oa_core.triton_path import tl, triton
+from oa_core.ops import triton_path
+from oa_core.ops.kmeans import lloyd_iterations, nearest
+from oa_core.ops.rerank import ExactRerank
+from oa_core.ops.triton_path import tl, triton
 
 
 class PQSConfig(BaseModel):

@@ -2,8 +2,8 @@
 
 Scores every key from int8 codes of its projection on the query subspace: c_i = Q8(U_rᵀk_i) with a per-key scale,
 z̃_i = s·(U_rᵀq)·c_i. It reads r bytes per key instead of 2D. In the paper U_r is the top-r eigenbasis of the
-prefill queries' second moment (``oa_core.geometry.query_geometry``), the basis QGC clusters in. Here ``key_rank`` of
-its r columns (by default half) follow the clustered keys' spread outside the query subspace instead
+prefill queries' second moment (``oa_core.ops.geometry.query_geometry``), the basis QGC clusters in. Here
+``key_rank`` of its r columns (by default half) follow the clustered keys' spread outside the query subspace instead
 (``geometry.with_key_spread``): keys that stand out where the context's queries do not look (README, "Gemma-3-270M,
 and QGS's key spread").
 
@@ -20,11 +20,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from oa_core import hookimpl, triton_path
+from oa_core import hookimpl
 from oa_core.components import Clusters, Selector
-from oa_core.geometry import QUERY_WINDOW, check_rank, project, query_geometry, with_key_spread
-from oa_core.rerank import ExactRerank
-from oa_core.triton_path import tl, triton
+from oa_core.ops import triton_path
+from oa_core.ops.geometry import QUERY_WINDOW, check_rank, project, query_geometry, with_key_spread
+from oa_core.ops.rerank import ExactRerank
+from oa_core.ops.triton_path import tl, triton
 
 
 class QGSConfig(BaseModel):

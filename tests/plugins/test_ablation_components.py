@@ -8,7 +8,7 @@ import torch
 import oa_core as oa
 from conftest import make_inputs
 from oa_core.components import AllocationInput
-from oa_core.kmeans import nearest
+from oa_core.ops.kmeans import nearest
 from oa_plugins.allocators.mass import MassAllocator
 from oa_plugins.allocators.uniform import UniformAllocator
 from oa_plugins.allocators.variance import VarianceAllocator
@@ -48,7 +48,7 @@ def test_mass_follows_the_mean_logit_and_variance_the_spread():
 ], ids=["mass", "variance"])
 def test_mass_and_variance_water_fill_their_priorities(allocator, priority):
     """Eq. 7 with the ablations' priorities against the float64 reference, clusters of different sizes."""
-    from oa_core import references
+    from oa_core.testing import references
 
     gen = torch.Generator().manual_seed(3)
     for budget in (9, 120, 700):

@@ -91,7 +91,7 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
     """The GPU path of ErrorGate (priority, sum over the group and water-filling in one Triton kernel), run by Triton's
     interpreter here, gives the torch ops' quotas exactly."""
     pytest.importorskip("triton")
-    from oa_core.water_filling import WaterFillAllocator
+    from oa_core.ops.water_filling import WaterFillAllocator
     from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
 
     for seed in range(2):
@@ -108,7 +108,7 @@ def test_the_fused_triton_errorgate_matches_the_torch_one(g, shared):
 
 def test_the_fused_triton_errorgate_handles_extreme_logits_like_the_torch_one():
     pytest.importorskip("triton")
-    from oa_core.water_filling import WaterFillAllocator
+    from oa_core.ops.water_filling import WaterFillAllocator
     from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
 
     counts = torch.full((8,), 20.0)
@@ -165,10 +165,10 @@ def heads_that_differ(seed, shared):
 @pytest.mark.parametrize("path", ["torch", "triton"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "per head"])
 def test_quotas_are_eq7_water_filling_of_eq6_estimates(path, shared):
-    """Against the float64 references written from the paper (oa_core.references): ε̂_b of Eq. 6 over each head's Ẑ,
-    summed over a shared group, water-filled by Eq. 7 and rounded by largest remainders."""
-    from oa_core import references
-    from oa_core.water_filling import WaterFillAllocator
+    """Against the float64 references written from the paper (oa_core.testing.references): ε̂_b of Eq. 6 over each head's
+    Ẑ, summed over a shared group, water-filled by Eq. 7 and rounded by largest remainders."""
+    from oa_core.ops.water_filling import WaterFillAllocator
+    from oa_core.testing import references
     from oa_plugins.allocators.errorgate import allocate_triton, fused_applies
 
     for seed in range(3):
@@ -200,7 +200,7 @@ def _floor_case(seed=0, C=6, N=240, budget=30):
 
 @pytest.mark.parametrize("floor", [0.25, 0.5, 1.0])
 def test_a_floor_reads_the_best_scored_rows_first_and_keeps_the_quota_contract(floor):
-    from oa_core.selection import select
+    from oa_core.ops.selection import select
 
     for seed in range(5):
         inputs = _floor_case(seed)
@@ -213,7 +213,7 @@ def test_a_floor_reads_the_best_scored_rows_first_and_keeps_the_quota_contract(f
 
 
 def test_floor_zero_is_the_papers_errorgate_and_one_is_global_top_k():
-    from oa_core import references
+    from oa_core.testing import references
     from oa_plugins.allocators.global_topk import GlobalTopK
 
     inputs = _floor_case(3)

@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 import oa_core as oa
 from conftest import make_inputs  # conftest sets TRITON_INTERPRET=1 before any kernel is defined
-from oa_core import triton_path
 from oa_core.components import Selection
+from oa_core.ops import triton_path
 from oa_plugins.kernels.flash import FlashKernel, block_columns
 from oa_plugins.kernels.reference import TorchKernel
 

@@ -1,7 +1,7 @@
 import torch
 
 from oa_core.components import AllocationInput
-from oa_core.selection import select_by_sorting
+from oa_core.ops.selection import select_by_sorting
 from oa_plugins.allocators.global_topk import GlobalTopK
 
 

@@ -8,8 +8,8 @@ from scipy import stats
 
 import oa_core as oa
 from conftest import make_inputs
+from oa_core.analysis.metrics import estimator_weights
 from oa_core.components import Clusters, group_queries
-from oa_core.metrics import estimator_weights
 from oa_plugins.selectors.lsh import LSHConfig, SimHashSelector, log_candidate_probability
 
 

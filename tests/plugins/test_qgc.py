@@ -59,10 +59,10 @@ def _anisotropic_queries(gen, batch, heads, dim, window):
 
 
 def test_clusters_are_a_kmeans_fixed_point_in_the_query_metric():
-    """Eq. 4 against the float64 reference (oa_core.references): the assignment is a Lloyd fixed point of
+    """Eq. 4 against the float64 reference (oa_core.testing.references): the assignment is a Lloyd fixed point of
     Φ = K U_r Λ_r^½, with U_r, Λ_r the top eigenpairs of the window's query second moment. The inputs are chosen so
     that the same check fails in the metric without Λ_r^½ and in the whole prefill's metric."""
-    from oa_core import references
+    from oa_core.testing import references
 
     gen = torch.Generator().manual_seed(8)
     B, Hkv, g, N, D, r, C, window = 2, 2, 2, 400, 12, 4, 6, 64

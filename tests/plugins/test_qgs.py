@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from oa_core import references
 from oa_core.components import Clusters, group_queries
+from oa_core.testing import references
 from oa_plugins.selectors.oracle import OracleSelector
 from oa_plugins.selectors.qgs import QGSConfig, QuerySubspaceSelector, quantize
 
@@ -119,7 +119,7 @@ def test_group_scores_reject_query_rows_that_do_not_form_the_groups():
 @pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
 @pytest.mark.parametrize("shared", [False, True], ids=["per head", "shared"])
 def test_scores_are_the_projected_logits_within_the_int8_bound(interpret, shared, monkeypatch):
-    """Eq. 5 against exact arithmetic (oa_core.references.qgs_error_bound): z̃_i is s·(U_rᵀq)·(U_rᵀk_i) up to the
+    """Eq. 5 against exact arithmetic (oa_core.testing.references.qgs_error_bound): z̃_i is s·(U_rᵀq)·(U_rᵀk_i) up to the
     int8 rounding of U_rᵀk_i, on the torch path (what a CPU run takes) and on the fused Triton path; a shared
     selection takes the group's maximum. Keys are not confined to the subspace and their norms vary 100-fold."""
     if interpret == "1":
@@ -159,7 +159,7 @@ def _outlier_case():
 
 
 def test_the_key_rank_spans_the_keys_spread_outside_the_query_subspace():
-    from oa_core.geometry import query_geometry, with_key_spread
+    from oa_core.ops.geometry import query_geometry, with_key_spread
 
     keys, prefill, _ = _outlier_case()
     region = torch.ones(1, 256, dtype=torch.bool)

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from oa_core import references
 from oa_core.components import PooledClusters, Selection
+from oa_core.testing import references
 from oa_plugins.kernels.reference import TorchKernel
 
 

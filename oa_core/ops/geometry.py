@@ -3,7 +3,7 @@
 - ``query_geometry``: the top-r eigenpairs (U_r, Λ_r) of the queries' second moment M per KV head (paper §3.2):
   ``top_eigenpairs``, by LAPACK on the CPU or by subspace iteration on the GPU (``subspace_eigenpairs``).
 - ``project``: keys on a basis (QGC's points, QGS's codes), on CUDA tensors one Triton pass.
-- the k-means on those points is ``oa_core.kmeans``.
+- the k-means on those points is ``oa_core.ops.kmeans``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from oa_core.triton_path import tl, triton
+from oa_core.ops.triton_path import tl, triton
 
 QUERY_WINDOW = 256  # the last prefill queries that estimate the query geometry (and that a layer records for it)
 

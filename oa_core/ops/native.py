@@ -34,8 +34,8 @@ SOURCE = r"""
 #include <vector>
 
 // float32 -> an integer of the same order: the bits, negated magnitude for negative floats (-0.0 and 0.0 tie), as
-// oa_core.selection.order_keys; times 2^32 plus (N - 1 - position): unique, and at equal scores the earlier position
-// ranks first, as the reference's stable descending sort.
+// oa_core.ops.selection.order_keys; times 2^32 plus (N - 1 - position): unique, and at equal scores the earlier
+// position ranks first, as the reference's stable descending sort.
 static inline int64_t unique_key(const float* scores, int64_t n, int64_t position) {
     int32_t bits;
     std::memcpy(&bits, scores + position, sizeof bits);
@@ -151,7 +151,7 @@ def unavailable_reason() -> str | None:
 
 
 def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tensor, width: int) -> Tensor:
-    """``oa_core.selection.select`` on CPU tensors, compiled: scores ``[B, Hkv, Gs, T, N]``, members/counts from
+    """``oa_core.ops.selection.select`` on CPU tensors, compiled: scores ``[B, Hkv, Gs, T, N]``, members/counts from
     ``cluster_members`` (``[B, Hkv, C, S]`` int32, -1 padded; ``[B, Hkv, C]``), quotas ``[B, Hkv, Gs, T, C]`` →
     positions ``[B, Hkv, Gs, T, min(width, N)]``: each cluster's q_b best in position order, clusters in order, -1
     padded. The library must be there (``library()``)."""

@@ -21,9 +21,9 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core.cluster_stats import tail_logit_variance
+from oa_core.ops.cluster_stats import tail_logit_variance
+from oa_core.ops.scatter import count_by_slot, sum_by_slot
 from oa_core.pipeline import Pipeline
-from oa_core.scatter import count_by_slot, sum_by_slot
 from oa_core.state import PipelineState
 
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.offline_model import (
+from oa_core.eval.offline_model import (
     OFFLINE_MODELS,
     TEXTS,
     capture_attention,
@@ -75,8 +75,8 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
 
     ``methods``: name → spec mapping; a spec without ``budget`` is run at ``{"density": d}``, one with a budget keeps
     it (the dense reference). ``diagnostics``: also the weight discrepancy E, the selector's top-32 recall and
-    ErrorGate's Spearman (``oa_core.metrics``). Returns a JSON-ready record: the setting, ``results[density][method]``
-    and timings.
+    ErrorGate's Spearman (``oa_core.analysis.metrics``). Returns a JSON-ready record: the setting,
+    ``results[density][method]`` and timings.
     """
     if tokens < PREFILL_QUERIES or decode < 1:
         raise ValueError(f"tokens must be at least {PREFILL_QUERIES} and decode at least 1")
@@ -204,7 +204,7 @@ def layer_diagnostics(pipe, state, queries) -> dict[str, torch.Tensor]:
     """E, top-32 recall and what every registered component measures (``Component.diagnose``: ErrorGate's Spearman)
     per (query head, query) for one attend, batch row 0; recall and the components' measures only where they apply
     (they need clusters)."""
-    from oa_core import metrics
+    from oa_core.analysis import metrics
     from oa_core.components import KINDS
     from oa_core.registry import default_registry
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from oa_core import triton_path
-from oa_core.scatter import min_by_slot, sum_by_slot
-from oa_core.triton_path import tl, triton
+from oa_core.ops import triton_path
+from oa_core.ops.scatter import min_by_slot, sum_by_slot
+from oa_core.ops.triton_path import tl, triton
 
 
 def cluster_logit_stats(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float,

@@ -1,6 +1,6 @@
 """``oa demo``: a needle in a few thousand tokens of essays, answered by dense attention and by OpenAttention.
 
-The offline SmolLM2-135M-Instruct reads one seeded sample (``oa_core.needle``): the context is prefilled once,
+The offline SmolLM2-135M-Instruct reads one seeded sample (``oa_core.analysis.needle``): the context is prefilled once,
 densely; then each method decodes the question and the answer from its own copy of that cache (setup B).
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from oa_core import needle
-from oa_core.offline_model import load_offline_model
+from oa_core.analysis import needle
+from oa_core.eval.offline_model import load_offline_model
 from oa_core.spec import load_spec
 
 # The paper's pipeline (no re-rank, no floor, mean proxies), shown beside the default.

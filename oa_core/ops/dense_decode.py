@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core import triton_path
-from oa_core.triton_path import tl, triton
+from oa_core.ops import triton_path
+from oa_core.ops.triton_path import tl, triton
 
 SPLIT = 512  # slots per program of the first pass
 BLOCK_N = 64  # slots per iteration inside a program

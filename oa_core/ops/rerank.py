@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from oa_core.scatter import gather_rows, gathers_more_than_it_holds
-from oa_core.selection import best_of
+from oa_core.ops.scatter import gather_rows, gathers_more_than_it_holds
+from oa_core.ops.selection import best_of
 
 
 def exact_logits(query: Tensor, keys: Tensor, scale: float) -> Tensor:

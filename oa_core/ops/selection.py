@@ -1,7 +1,7 @@
 """Per-cluster top-q_b selection (docs/design.md, step 6): inside each cluster b, the q_b positions of highest score.
 
 ``select`` is the entry: on CUDA tensors the Triton kernel below (``select_per_cluster``), on CPU tensors its C++
-counterpart (``oa_core.native``: each cluster's threshold by ``std::nth_element``, compiled at first use);
+counterpart (``oa_core.ops.native``: each cluster's threshold by ``std::nth_element``, compiled at first use);
 ``select_by_sorting`` is the torch reference they are tested against, and what runs where neither can. All of them
 list the same positions in the same order.
 
@@ -36,9 +36,9 @@ import math
 import torch
 from torch import Tensor
 
-from oa_core import native, triton_path
-from oa_core.scatter import count_by_slot, positions
-from oa_core.triton_path import tl, triton
+from oa_core.ops import native, triton_path
+from oa_core.ops.scatter import count_by_slot, positions
+from oa_core.ops.triton_path import tl, triton
 
 # The smallest block's upper bound (a power of two): a typical cluster at 64 clusters of 32K tokens. Smaller typical
 # clusters get a smaller block (``smallest_block``): at 64 clusters of 16K tokens (about 255 rows each) 256 lanes
@@ -56,7 +56,7 @@ def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None
     K = ``width`` (a bound on Σ_b q_b known on the host, so that nothing waits on the device; the pipeline's never
     passes N, and the CPU paths cut a wider one at N), or the largest Σ_b q_b when None. ``members``
     (``cluster_members``) and a width: the Triton kernel on CUDA tensors, the compiled C++ one on CPU tensors
-    (``oa_core.native``; tests run the Triton kernel on the CPU under ``TRITON_INTERPRET=1``); ``select_by_sorting``
+    (``oa_core.ops.native``; tests run the Triton kernel on the CPU under ``TRITON_INTERPRET=1``); ``select_by_sorting``
     otherwise."""
     if members is not None and width is not None:
         if scores.is_cuda and triton_path.unavailable_reason(scores.device) is None:

@@ -10,7 +10,7 @@ A plugin author runs them against a component class (or a registered name) from 
 Each check builds seeded random inputs with GQA (3 query heads per KV head), a batch of 2 with one left-padded row,
 and float32/bfloat16 caches, calls the component directly, then runs it inside a pipeline. The rules are the ones the
 pipeline enforces at run time (``oa_core.contracts``), plus what only seeded inputs can show: determinism, values
-against the float64 references of the paper's equations (``oa_core.references``), growth. A broken rule raises
+against the float64 references of the paper's equations (``oa_core.testing.references``), growth. A broken rule raises
 ``ContractViolation`` naming the component and the rule. The built-in components pass the same checks
 (``tests/test_conformance.py``).
 """
@@ -23,7 +23,6 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from oa_core import references
 from oa_core.components import (
     KINDS,
     AllocationInput,
@@ -39,6 +38,7 @@ from oa_core.components import (
 )
 from oa_core.contracts import ContractViolation, check_clusters, check_output, check_quotas, check_scores, expect
 from oa_core.registry import default_registry
+from oa_core.testing import references
 
 # Pipelines of the built-in defaults that each check swaps one component into.
 BASE_SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": "qgs", "allocator": "errorgate",
@@ -194,9 +194,9 @@ def check_allocator(component, params: dict | None = None) -> None:
 
 def check_kernel(component, params: dict | None = None) -> None:
     """attend: the query's shape and dtype; without a selection, dense softmax attention; with one, the estimator of
-    Eq. 1 (``oa_core.references.proxy_attention``, float64): exact rows plus one count-aware proxy per cluster's unread
-    tail (each proxy order the kernel declares in ``proxies``), or the tail discarded, with weighted (sampled) rows, per
-    query head and shared over the group."""
+    Eq. 1 (``oa_core.testing.references.proxy_attention``, float64): exact rows plus one count-aware proxy per
+    cluster's unread tail (each proxy order the kernel declares in ``proxies``), or the tail discarded, with weighted
+    (sampled) rows, per query head and shared over the group."""
     kernel = _instance("kernel", component, params)
     keys, values, _, decode = _inputs()
     B, H, N, D = keys.shape
@@ -230,8 +230,8 @@ def check_kernel(component, params: dict | None = None) -> None:
                                                   0.2, log_weight, second_order=second)
             error = _relative_error(out, expected)
             kind = "none" if proxies is None else "second-order" if second else "mean"
-            expect(error < 1e-5, kernel, f"differs from Eq. 1 (oa_core.references.proxy_attention): relative error "
-                                         f"{error:.2e}, Gs={Gs}, proxies: {kind}")
+            expect(error < 1e-5, kernel, "differs from Eq. 1 (oa_core.testing.references.proxy_attention): "
+                                         f"relative error {error:.2e}, Gs={Gs}, proxies: {kind}")
 
 
 def _relative_error(got: Tensor, expected: Tensor) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from oa_core.triton_path import tl, triton
+from oa_core.ops.triton_path import tl, triton
 
 
 def sum_by_slot(ids: Tensor, values: Tensor, slots: int, total: Tensor | None = None) -> Tensor:

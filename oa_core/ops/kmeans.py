@@ -3,7 +3,7 @@
 - ``lloyd``: seeded k-means++ then Lloyd iterations, batched over (batch row, KV head) problems;
   ``lloyd_iterations``: Lloyd from given centroids; ``nearest``: each point's nearest centroid.
 - On CUDA tensors k-means++ (one launch), each Lloyd iteration (one launch) and the nearest centroid are Triton
-  kernels; elsewhere torch (``oa_core.geometry.on_gpu`` decides).
+  kernels; elsewhere torch (``oa_core.ops.geometry.on_gpu`` decides).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from oa_core.geometry import on_gpu
-from oa_core.scatter import sum_by_slot
-from oa_core.triton_path import tl, triton
+from oa_core.ops.geometry import on_gpu
+from oa_core.ops.scatter import sum_by_slot
+from oa_core.ops.triton_path import tl, triton
 
 
 def lloyd_block(block_r: int) -> int:

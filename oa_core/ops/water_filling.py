@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from oa_core import triton_path
 from oa_core.components import AllocationInput, Allocator
-from oa_core.triton_path import tl, triton
+from oa_core.ops import triton_path
+from oa_core.ops.triton_path import tl, triton
 
 
 def water_fill(log_priority: Tensor, capacity: Tensor, budget: Tensor | int) -> Tensor:

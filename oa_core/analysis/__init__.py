@@ -1,0 +1,1 @@
+"""Measurements on a real model: attention error against dense, per-layer metrics, the needle and the demo."""
