@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from oa_core.analysis.attention_error import measure
-from oa_core.eval.offline_model import MODEL_HELP
+from oa_core.analysis.offline_model import MODEL_HELP
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 # The same sink and local window for every spec: 1% of 4096 tokens is 40 rows, below the specs' 4 + 64.

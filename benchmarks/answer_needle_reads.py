@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 import oa_core as oa
 from oa_core.analysis.attention_error import dense_attention
+from oa_core.analysis.offline_model import capture_attention, load_offline_model
 from oa_core.eval import ruler
-from oa_core.eval.offline_model import capture_attention, load_offline_model
 from oa_core.eval.runner import reference_answer
 from qgc_geometry import attend_and_read, needle_positions  # benchmarks/, the script's own folder
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import oa_core as oa
 from oa_core.analysis.attention_error import PREFILL_QUERIES, format_table, measure
-from oa_core.eval.offline_model import MODEL_HELP, TEXTS
+from oa_core.analysis.offline_model import MODEL_HELP, TEXTS
 
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.

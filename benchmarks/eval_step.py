@@ -26,8 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import oa_core as oa
+from oa_core.analysis.offline_model import load_offline_model
 from oa_core.eval import ruler
-from oa_core.eval.offline_model import load_offline_model
 from oa_core.eval.runner import EvalConfig, batch_prompts, resolved_specs
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")

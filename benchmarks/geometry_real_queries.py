@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 
 from oa_core.analysis.attention_error import haystack_ids
-from oa_core.eval.offline_model import capture_attention, load_offline_model
+from oa_core.analysis.offline_model import capture_attention, load_offline_model
 from oa_core.ops import geometry, kmeans
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -84,7 +84,7 @@ def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
     """Per full-attention layer of ``model_name`` at ``length`` tokens: ``prepare`` with key_rank 0 and 8 and
     ``with_key_spread`` alone on its captured tensors; and the whole model's prefill."""
     from oa_core.analysis.attention_error import haystack_ids
-    from oa_core.eval.offline_model import capture_attention, load_offline_model
+    from oa_core.analysis.offline_model import capture_attention, load_offline_model
 
     model, tokenizer = load_offline_model(model_name)
     model = model.to(device)

@@ -464,7 +464,7 @@ MUTATIONS = [
     mutation("lloyd-blocks-ignore-the-dims", "oa_core/ops/kmeans.py",
              [("return 128 if block_r <= 128 else 16", "return 128")], ("tests/plugins/test_kernel_resources.py",),
              "the Lloyd step and nearest centroid take 128 points at every dim: 384 KB of shared memory at 256"),
-    mutation("plain-prompt-without-bos", "oa_core/eval/offline_model.py",
+    mutation("plain-prompt-without-bos", "oa_core/analysis/offline_model.py",
              [('    return tokenizer.decode(lead) + "".join(', '    return "".join(')],
              ("tests/test_offline_model.py",),
              "a base model's prompt loses the <bos> its tokenizer starts a text with"),
@@ -516,7 +516,7 @@ def _environment(site: Path) -> dict[str, str]:
     """The copy first on the path (``site`` links ``oa_core`` and ``oa_plugins`` to it), no bytecode cache (a module
     rewritten twice within a second must not load stale), the Triton kernels in their interpreter, and the essays
     where this checkout finds them (the copy has no ``../shared`` beside it: the tests that need them would skip)."""
-    from oa_core.eval.offline_model import haystack_candidates
+    from oa_core.analysis.offline_model import haystack_candidates
 
     found = next((path.parent for path in haystack_candidates() if path.is_file()), None)
     data = {"OA_DATA_DIR": str(found)} if found and "OA_DATA_DIR" not in os.environ else {}

@@ -22,7 +22,7 @@ import transformers
 
 import oa_core as oa
 from oa_core.analysis import needle
-from oa_core.eval.offline_model import MODEL_HELP, load_offline_model, model_label
+from oa_core.analysis.offline_model import MODEL_HELP, load_offline_model, model_label
 
 # sink 4 + local 16 for every density: 1% of 4K tokens is 40 rows, below the default sink + local of 68.
 SPARSE = {"sink": 4, "local": 16}

@@ -21,8 +21,8 @@ import torch
 import oa_core as oa
 from answer_needle_reads import SPECS, WINDOW, teacher_forced  # benchmarks/, the script's own folder
 from oa_core.analysis import metrics
+from oa_core.analysis.offline_model import capture_attention, load_offline_model
 from oa_core.eval import ruler
-from oa_core.eval.offline_model import capture_attention, load_offline_model
 from oa_plugins.allocators.errorgate import log_error_estimate
 from qgc_geometry import needle_positions
 

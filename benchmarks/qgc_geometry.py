@@ -31,8 +31,8 @@ from tqdm import tqdm
 import oa_core as oa
 from oa_core.analysis import metrics
 from oa_core.analysis.attention_error import dense_attention, relative_error
+from oa_core.analysis.offline_model import capture_attention, load_offline_model
 from oa_core.eval import ruler
-from oa_core.eval.offline_model import capture_attention, load_offline_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = {"openattention": "specs/openattention.yaml", "ablate-clusterer-kmeans": "specs/ablate-clusterer-kmeans.yaml"}

@@ -38,8 +38,8 @@ from tqdm import tqdm
 
 import oa_core as oa
 from oa_core.analysis import metrics, needle
+from oa_core.analysis.offline_model import MODEL_HELP, capture_attention, head_dim, load_offline_model, model_label
 from oa_core.components import group_queries
-from oa_core.eval.offline_model import MODEL_HELP, capture_attention, head_dim, load_offline_model, model_label
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARSE = {"sink": 4, "local": 16}  # 1% of 4K tokens is 40 rows: below the specs' own 4 + 64

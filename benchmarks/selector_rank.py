@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
+from oa_core.analysis.offline_model import DEFAULT_MODEL, MODEL_HELP, head_dim, load_offline_model, model_label
 from oa_core.eval import ruler, runner
-from oa_core.eval.offline_model import DEFAULT_MODEL, MODEL_HELP, head_dim, load_offline_model, model_label
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from oa_core.analysis.attention_error import measure
-from oa_core.eval.offline_model import TEXTS
+from oa_core.analysis.offline_model import TEXTS
 
 BASE = {"clusterer": "qgc", "tail": "proxy", "gqa": "per_head", "sink": 4, "local": 16}
 RERANKS = (0, 2, 4, 8)

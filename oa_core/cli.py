@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from oa_core.analysis.offline_model import MODEL_HELP
 from oa_core.components import KINDS
-from oa_core.eval.offline_model import MODEL_HELP
 from oa_core.pipeline import build
 from oa_core.registry import default_registry
 from oa_core.spec import SpecError

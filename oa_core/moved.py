@@ -16,7 +16,7 @@ MOVED = {
         "cluster_stats", "dense_decode", "geometry", "kmeans", "native", "rerank", "scatter", "selection",
         "triton_path", "water_filling")},
     **{f"oa_core.{name}": f"oa_core.analysis.{name}" for name in ("attention_error", "demo", "metrics", "needle")},
-    "oa_core.offline_model": "oa_core.eval.offline_model",
+    "oa_core.offline_model": "oa_core.analysis.offline_model",
     "oa_core.references": "oa_core.testing.references",
 }
 

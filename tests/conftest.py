@@ -52,7 +52,7 @@ def tokenizer():
     missing: the RULER generators and the evaluation runner fit prompts with it."""
     import importlib.util
 
-    from oa_core.eval.offline_model import haystack_candidates
+    from oa_core.analysis.offline_model import haystack_candidates
 
     if not any(path.is_file() for path in haystack_candidates()):
         pytest.skip("essay haystack absent; set OA_DATA_DIR")
@@ -61,6 +61,6 @@ def tokenizer():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from oa_core.eval.offline_model import SMOLLM2_GGUF, smollm2_folder
+    from oa_core.analysis.offline_model import SMOLLM2_GGUF, smollm2_folder
 
     return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)

@@ -28,7 +28,8 @@ LAYERS = [  # bottom first; a module belongs to the longest prefix that names it
               "oa_core.docs_tables", "oa_core.moved"]),
     ("integration", ["oa_core.integration"]),
     ("face", ["oa_core"]),  # the package's own names: oa.build, oa.patch, ...
-    ("tools", ["oa_core.eval", "oa_core.analysis", "oa_core.testing"]),
+    ("tools", ["oa_core.analysis", "oa_core.testing"]),
+    ("eval", ["oa_core.eval"]),
     ("cli", ["oa_core.cli"]),
 ]
 

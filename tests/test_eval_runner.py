@@ -114,7 +114,7 @@ def test_a_finished_run_again_loads_no_model(uninterrupted, tmp_path, monkeypatc
     and it is."""
     import shutil
 
-    from oa_core.eval import offline_model
+    from oa_core.analysis import offline_model
 
     full_out, full = uninterrupted
     out = tmp_path / "copy"
@@ -250,8 +250,8 @@ def test_oa_eval_names_bad_input(tmp_path, capsys):
 
 
 def test_oa_eval_refuses_bad_numbers_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    from oa_core.analysis import offline_model
     from oa_core.cli import main
-    from oa_core.eval import offline_model
 
     monkeypatch.setattr(offline_model, "load_offline_model", lambda *_, **__: pytest.fail("a model loaded"))
     for args, message in ((["--samples", "0"], "samples: expected at least 1, got 0"),
@@ -265,8 +265,8 @@ def test_oa_eval_refuses_bad_numbers_before_any_model_loads(tmp_path, capsys, mo
 
 
 def test_oa_eval_says_when_it_overrides_the_specs_sink_or_local(tmp_path, capsys, monkeypatch):
+    from oa_core.analysis import offline_model
     from oa_core.cli import main
-    from oa_core.eval import offline_model
 
     monkeypatch.setattr(offline_model, "load_offline_model", lambda *_, **__: pytest.fail("a model loaded"))
     assert main(["eval", "--specs", "specs/openattention.yaml", "--local-window", "16", "--samples", "0",
@@ -402,7 +402,7 @@ def test_records_of_two_generators_never_meet_in_a_table(tmp_path, capsys):
 
 def test_oa_eval_will_not_add_cells_to_another_generators_folder(tmp_path, monkeypatch):
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _generator_records(None)))
-    monkeypatch.setattr("oa_core.eval.offline_model.load_offline_model", _no_model)
+    monkeypatch.setattr("oa_core.analysis.offline_model.load_offline_model", _no_model)
     with pytest.raises(ValueError, match=f"holds RULER records of the generator {eval_records.LEGACY_GENERATOR}"):
         runner.run(_config(tmp_path, tasks=["vt"]))
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 import oa_core as oa
-from oa_core.eval.offline_model import capture_attention
+from oa_core.analysis.offline_model import capture_attention
 from oa_core.ops.geometry import QUERY_WINDOW
 
 SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 2, "local": 8, "budget": {"density": 0.2}}
@@ -302,7 +302,7 @@ def test_attn_implementation_route_uses_the_config_spec():
 @pytest.mark.slow
 def test_offline_model_with_a_covering_budget_generates_like_sdpa():
     from oa_core.analysis.needle import make_samples
-    from oa_core.eval.offline_model import load_offline_model
+    from oa_core.analysis.offline_model import load_offline_model
 
     model, tokenizer = load_offline_model()
     sample = make_samples(tokenizer, 1, 600, seed=3)[0]

@@ -1,12 +1,13 @@
 """The offline model harness: the haystack, and attention capture through AttentionInterface (slow: loads SmolLM2)."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
-from oa_core.eval import offline_model
-from oa_core.eval.offline_model import capture_attention, haystack_candidates, haystack_text, load_offline_model
+from oa_core.analysis import offline_model
+from oa_core.analysis.offline_model import capture_attention, haystack_candidates, haystack_text, load_offline_model
 
 
 def test_haystack_text_is_the_essays():
@@ -220,3 +221,13 @@ def test_a_gguf_files_config_and_tokenizer_are_parsed_once_then_read_back_the_sa
     ignore = {"_name_or_path", "transformers_version"}
     assert ({k: v for k, v in kept_config.to_dict().items() if k not in ignore}
             == {k: v for k, v in config.to_dict().items() if k not in ignore})
+
+
+def test_the_checkout_paths_point_at_the_checkout(monkeypatch):
+    """The haystack's default folder and the demo's paper spec are found from the module's place in the checkout."""
+    from oa_core.analysis import demo
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv("OA_DATA_DIR", raising=False)
+    assert offline_model.haystack_candidates() == [root.parent / "shared" / "data" / offline_model.HAYSTACK_FILE]
+    assert root / "specs" / "openattention-paper.yaml" == demo.PAPER and demo.PAPER.is_file()

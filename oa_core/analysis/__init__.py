@@ -1,1 +1,2 @@
-"""Measurements on a real model: attention error against dense, per-layer metrics, the needle and the demo."""
+"""A real model offline and what is measured on it: attention error against dense, per-layer metrics, the needle and
+the demo."""

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.eval.offline_model import (
+from oa_core.analysis.offline_model import (
     OFFLINE_MODELS,
     TEXTS,
     capture_attention,

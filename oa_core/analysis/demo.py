@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from oa_core.analysis import needle
-from oa_core.eval.offline_model import load_offline_model
+from oa_core.analysis.offline_model import load_offline_model
 from oa_core.spec import load_spec
 
 # The paper's pipeline (no re-rank, no floor, mean proxies), shown beside the default.
-PAPER = Path(__file__).resolve().parent.parent / "specs" / "openattention-paper.yaml"
+PAPER = Path(__file__).resolve().parents[2] / "specs" / "openattention-paper.yaml"  # in a checkout
 
 
 def check_demo(tokens: int, density: float) -> None:

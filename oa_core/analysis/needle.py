@@ -21,7 +21,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 import oa_core as oa
-from oa_core.eval.offline_model import haystack_text, prompt_text
+from oa_core.analysis.offline_model import haystack_text, prompt_text
 
 WORDS = ("amber", "breeze", "candle", "dune", "ember", "falcon", "glacier", "harbor", "ivory", "juniper", "kettle",
          "lantern", "meadow", "nectar", "orchid", "pebble", "quartz", "river", "saffron", "timber", "umbra",

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from oa_core.eval.offline_model import cache_root, prompt_text
+from oa_core.analysis.offline_model import cache_root, prompt_text
 from oa_core.eval.ruler_tasks import (  # noqa: F401 (the API)
     BUILDERS,
     HARD_TASKS,

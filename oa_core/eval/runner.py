@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
+from oa_core.analysis.offline_model import head_dim, model_label
 from oa_core.eval import ruler
 from oa_core.eval.config import EvalConfig, check_budgets, check_config, resolved_specs, spec_name  # noqa: F401
-from oa_core.eval.offline_model import head_dim, model_label
 from oa_core.eval.records import (
     ATTENTION_ERROR,
     ErrorRecord,
@@ -100,7 +100,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     if config.metric == "ruler" and not _ruler_missing(specs, config, done):
         return _summarize(out, rank, world)  # every cell is done: no model to load (a resumed sweep's phase)
     if model is None:
-        from oa_core.eval.offline_model import load_offline_model
+        from oa_core.analysis.offline_model import load_offline_model
 
         model, tokenizer = load_offline_model(config.model)
         device = device or _rank_device("cuda" if torch.cuda.is_available() else "cpu", world)
@@ -424,7 +424,7 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
     from tqdm import tqdm
 
     from oa_core.analysis.attention_error import attend_case, haystack_ids, layer_case
-    from oa_core.eval.offline_model import capture_attention
+    from oa_core.analysis.offline_model import capture_attention
 
     bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
                disable=not config.progress, position=rank)

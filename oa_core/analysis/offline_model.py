@@ -176,7 +176,7 @@ def haystack_candidates() -> list[Path]:
     """Where ``haystack_text`` looks: ``$OA_DATA_DIR`` when set, else ``<repo root>/../shared/data/``."""
     if os.environ.get("OA_DATA_DIR"):
         return [Path(os.environ["OA_DATA_DIR"]) / HAYSTACK_FILE]
-    repo_root = Path(__file__).resolve().parent.parent
+    repo_root = Path(__file__).resolve().parents[2]
     return [repo_root.parent / "shared" / "data" / HAYSTACK_FILE]
 
 
