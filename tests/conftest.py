@@ -13,15 +13,21 @@ from oa_core.testing import make_inputs  # the tests' inputs are the conformance
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (its folder on the path: the benchmarks import each other)."""
+    """The script ``benchmarks/<name>.py``, a headline benchmark, or ``benchmarks/studies/<name>.py``, a study, as a
+    module (both folders on the path: the scripts import each other, a study the headline scripts)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    folder = Path(__file__).parents[1] / "benchmarks"
-    if str(folder) not in sys.path:
-        sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    folders = [benchmarks, benchmarks / "studies"]
+    for folder in folders:
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    path = next((folder / f"{name}.py" for folder in folders if (folder / f"{name}.py").is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no benchmarks/{name}.py nor benchmarks/studies/{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before it runs: a dataclass looks its module up there
     spec.loader.exec_module(module)

@@ -1,4 +1,4 @@
-"""benchmarks/generate_profile.py's summary of profiler events: the device's busy time per step, the attention
+"""benchmarks/studies/generate_profile.py's summary of profiler events: the device's busy time per step, the attention
 kernels per layer, and the host's phases (the profiler itself runs on the H200; here, events as it reports them)."""
 
 from types import SimpleNamespace

@@ -1,4 +1,5 @@
-"""benchmarks/host_profile.py's summary: calls and times per step, and who calls torch's dynamo-disabled wrapper."""
+"""benchmarks/studies/host_profile.py's summary: calls and times per step, and who calls torch's dynamo-disabled
+wrapper."""
 
 import cProfile
 import pstats

@@ -396,7 +396,7 @@ def test_prefill_memory_benchmark_without_cuda_says_it_needs_a_gpu(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "benchmarks" / "prefill_memory.py"
+    script = Path(__file__).parents[1] / "benchmarks" / "studies" / "prefill_memory.py"
     done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "x.json")], capture_output=True,
                           text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert done.returncode != 0 and "prefill_memory: needs a CUDA GPU" in done.stderr

@@ -48,14 +48,9 @@ def test_the_attention_error_benchmark_writes_each_text_to_its_own_file():
 
 
 def test_the_needle_benchmark_refuses_a_missing_spec_before_loading_the_model(capsys, monkeypatch):
-    import sys
-    from pathlib import Path
+    from conftest import load_benchmark
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import needle
-    finally:
-        sys.path.pop(0)
+    needle = load_benchmark("needle")  # benchmarks/studies/needle.py
     monkeypatch.setattr(needle, "load_offline_model", lambda *a: pytest.fail("the model loaded first"))
     with pytest.raises(SystemExit):
         needle.main(["--specs", "no-such-spec.yaml"])

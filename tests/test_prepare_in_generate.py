@@ -1,5 +1,6 @@
-"""benchmarks/prepare_in_generate.py's summary: the prepare's share of the prefill is the time to the first token it
-adds over the same process's dense-engine (medians over the rounds), and its device span over that prefill."""
+"""benchmarks/studies/prepare_in_generate.py's summary: the prepare's share of the prefill is the time to the first
+token it adds over the same process's dense-engine (medians over the rounds), and its device span over that
+prefill."""
 
 import pytest
 

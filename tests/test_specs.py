@@ -1,5 +1,5 @@
-"""Every ready spec in specs/ (issue: baselines and ablations), and the diagnosis specs of benchmarks/diagnosis/,
-builds, runs and stays within its budget."""
+"""Every ready spec in specs/ (issue: baselines and ablations), and the diagnosis specs of
+benchmarks/studies/diagnosis/, builds, runs and stays within its budget."""
 
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from conftest import make_inputs
 from oa_core.cli import main as oa_main
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = sorted(ROOT.glob("specs/*.yaml")) + sorted(ROOT.glob("benchmarks/diagnosis/*.yaml"))
+SPECS = sorted(ROOT.glob("specs/*.yaml")) + sorted(ROOT.glob("benchmarks/studies/diagnosis/*.yaml"))
 EXPECTED = {"dense", "oracle-topk", "quest", "magicpig", "vattention", "retroinfer", "openattention",
             "ablate-clusterer-kmeans", "ablate-clusterer-position", "ablate-selector-oracle", "ablate-selector-lsh",
             "ablate-allocator-mass", "ablate-allocator-variance", "ablate-allocator-uniform", "ablate-tail-discard",

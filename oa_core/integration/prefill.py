@@ -32,8 +32,8 @@ def model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kw
     """transformers' ``sdpa`` — the model's own dense attention — except that an unpadded float32 prefill of grouped
     heads on CUDA gets its causal mask spelled out. Without a mask transformers hands torch the key/value groups as
     they are (``enable_gqa``), which no fused CUDA kernel takes in float32: torch's math kernel then materialises the
-    [B, Hq, N, N] scores (``benchmarks/prefill_memory.py`` measures it). With a mask it repeats the heads and the
-    memory-efficient kernel runs. Not on the CPU, where the grouped call is the faster one."""
+    [B, Hq, N, N] scores (``benchmarks/studies/prefill_memory.py`` measures it). With a mask it repeats the heads and
+    the memory-efficient kernel runs. Not on the CPU, where the grouped call is the faster one."""
     from transformers import AttentionInterface
 
     if attention_mask is None and _grouped_float32_cuda_prefill(module, query, key, kwargs):

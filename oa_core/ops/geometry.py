@@ -77,9 +77,9 @@ def top_eigenpairs(moment: Tensor, rank: int) -> tuple[Tensor, Tensor]:
 
     On the CPU, and wherever the iteration's block (2·rank columns) would span the whole space, LAPACK's ``eigh`` of
     every matrix. On the GPU, where a batch of 128×128 decompositions takes ~0.2 s whichever library runs it (H200,
-    ``benchmarks/results/prepare_h200.json``), ``subspace_eigenpairs``: the same pairs to a residual of 1e-9·λ_1, or a
-    basis capturing all but 10⁻⁶ of their query energy where the spectrum is flat around λ_r, in a few batched
-    products. Eigenvectors are unique up to sign (and, for equal eigenvalues, up to a rotation inside their
+    ``benchmarks/studies/results/prepare_h200.json``), ``subspace_eigenpairs``: the same pairs to a residual of
+    1e-9·λ_1, or a basis capturing all but 10⁻⁶ of their query energy where the spectrum is flat around λ_r, in a few
+    batched products. Eigenvectors are unique up to sign (and, for equal eigenvalues, up to a rotation inside their
     eigenspace), which no component depends on: QGC's distances and QGS's scores are the same either way."""
     if moment.is_cuda and 2 * rank < moment.shape[-1]:
         return subspace_eigenpairs(moment, rank)

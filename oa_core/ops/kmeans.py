@@ -21,14 +21,14 @@ def lloyd_block(block_r: int) -> int:
     to 8 warps, none was faster on an H200 at 16 dimensions), 16 past 128 dimensions, where a block's tf32x3 dot
     operands outgrow the shared memory (sm_90: 384 KB at 256 dimensions against 227 KB — key k-means on Gemma-3's
     heads; 96 KB with 16 points, and no spills, where 32 points spilled 6 KB a thread in ``_nearest``:
-    ``benchmarks/kernel_resources.py``)."""
+    ``benchmarks/studies/kernel_resources.py``)."""
     return 128 if block_r <= 128 else 16
 
 
 def plus_plus_block(block_r: int) -> int:
     """Points per block of the k-means++ kernel at ``block_r`` dimensions: 4096 up to 64, then as many values as 4096
     points of 64 (sm_90, 32 warps: 4096 points of 256 dimensions spilled 12 KB a thread, 1024 spill 2.6 KB, as 4096 of
-    64 spill 3.1 KB: ``benchmarks/kernel_resources.py``)."""
+    64 spill 3.1 KB: ``benchmarks/studies/kernel_resources.py``)."""
     return min(4096, 2**18 // block_r)
 
 

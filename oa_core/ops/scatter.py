@@ -33,7 +33,7 @@ def pooled_sums(ids: Tensor, keys: Tensor, values: Tensor, slots: int,
     ``use_triton`` None: on CUDA tensors, one Triton pass (``_pooled_sums``) — the rows sorted by slot, a program per
     (batch row, head, slot) reads its rows in their own dtype and sums them in registers, in row order (the same sums
     from run to run; 1.5 against 4.6 ms at 16 × 8 heads × 16K rows of 128 bfloat16, 64 slots, on an H200,
-    ``benchmarks/results/prepare_h200_model.json``); elsewhere, float32 copies and four scatter-adds. True: the
+    ``benchmarks/studies/results/prepare_h200_model.json``); elsewhere, float32 copies and four scatter-adds. True: the
     Triton pass wherever Triton runs (on the CPU under ``TRITON_INTERPRET=1``)."""
     if use_triton is None:
         use_triton = keys.is_cuda

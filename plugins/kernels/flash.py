@@ -241,7 +241,7 @@ def block_columns(block_d: int) -> int:
     float32 (0.9 KB in bf16; 6.7 KB at D = 128), a stack the driver reserves for every resident thread: ten processes
     running Gemma-3-270M's RULER 16K ran the H200 out of memory loading the kernel. 16 columns spill 1.2 KB at
     D = 256 and 0.4 KB at D = 128 in float32 (0.06 and 0 in bf16), as 64 columns do at D = 64
-    (``benchmarks/kernel_resources.py``)."""
+    (``benchmarks/studies/kernel_resources.py``)."""
     return 64 if block_d <= 64 else 16
 
 
@@ -269,7 +269,7 @@ class FlashKernel(Kernel):
     free_splits: int | None = None  # programs per row without proxies; None: from the shape
     num_warps: int | None = None  # warps per program of the pass; None: Triton's default (4)
     # Pipelining stages of the pass's loops (None: Triton's default, 3 on the H200). 2 was 3-5% faster than 3 at every
-    # benchmark shape on the H200, 8 warps 1.7x slower (benchmarks/results/flash_launch_h200.json).
+    # benchmark shape on the H200, 8 warps 1.7x slower (benchmarks/studies/results/flash_launch_h200.json).
     num_stages: int | None = 2
     poison = False  # fill the output buffers with NaN before launching (tests: every element must be written)
 

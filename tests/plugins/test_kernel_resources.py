@@ -1,7 +1,7 @@
 """Every Triton kernel fits an sm_90 GPU (H100/H200) at head dims 64 to 256: compiled here, without a GPU, with the
-block sizes its caller picks (``benchmarks/kernel_resources.py``). At Gemma-3's head dim 256 the Lloyd step asked for
-384 KB of shared memory (the limit is 227 KB) and flash's pass spilled 18 KB a thread, which ran an H200 shared by
-ten processes out of memory; the interpreter the rest of the suite runs on sees neither."""
+block sizes its caller picks (``benchmarks/studies/kernel_resources.py``). At Gemma-3's head dim 256 the Lloyd step
+asked for 384 KB of shared memory (the limit is 227 KB) and flash's pass spilled 18 KB a thread, which ran an H200
+shared by ten processes out of memory; the interpreter the rest of the suite runs on sees neither."""
 
 import importlib.util
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_resources.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "studies" / "kernel_resources.py"
 
 
 def _nvidia_tools() -> bool:
