@@ -22,6 +22,7 @@ import yaml
 
 from oa_core.analysis.attention_error import measure
 from oa_core.analysis.offline_model import MODEL_HELP
+from oa_core.analysis.provenance import provenance
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 # The same sink and local window for every spec: 1% of 4096 tokens is 40 rows, below the specs' 4 + 64.
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = load_methods(args.specs)
     result = measure(methods, args.densities, model=args.model, tokens=args.tokens, decode=args.decode,
                      layers=args.layers, seed=args.seed, diagnostics=True)
-    result.update(benchmark="ablations", sink=SINK, local=LOCAL, note=(
+    result.update(benchmark="ablations", sink=SINK, local=LOCAL, provenance=provenance("cpu"), note=(
         f"Every spec of specs/ with sink={SINK}, local={LOCAL} and the budget set per density (dense keeps its "
         "whole-context budget). E: weight discrepancy (docs/design.md §1). top32_recall: share of the true top-32 "
         "logits of the clusterable region within the selector's E_sel best scores. errorgate_spearman: ErrorGate's ε̂_b "

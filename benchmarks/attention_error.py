@@ -19,6 +19,7 @@ from pathlib import Path
 import oa_core as oa
 from oa_core.analysis.attention_error import PREFILL_QUERIES, format_table, measure
 from oa_core.analysis.offline_model import MODEL_HELP, TEXTS
+from oa_core.analysis.provenance import provenance
 
 # One sink and local window for every method: at 1% of 4096 tokens the budget is 40 rows, fewer than the default
 # sink + local of 4 + 64 = 68, so the default could not run there.
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
     methods = {name: {**METHODS[name], "sink": SINK, "local": LOCAL} for name in wanted}
     result = measure(methods, args.densities, model=args.model, tokens=args.tokens, decode=args.decode,
                      layers=args.layers, seed=args.seed, text=args.text)
-    result.update(sink=SINK, local=LOCAL, note=(
+    result.update(sink=SINK, local=LOCAL, provenance=provenance("cpu"), note=(
         f"sink={SINK}, local={LOCAL} for every method: {min(args.densities):.0%} of {args.tokens} tokens is "
         f"{oa.Budget(density=min(args.densities)).rows(args.tokens)} rows, and the default sink + local is 68. "
         "Decode queries are the model's queries at the positions after the context, each attending the N-token "

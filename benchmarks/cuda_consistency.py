@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
+from oa_core.analysis.provenance import provenance
 
 SHAPE = dict(batch=2, kv_heads=8, group=4, tokens=8192, dim=128, decode=4)
 
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
 
     result = {"benchmark": "cuda_consistency", "shape": SHAPE, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "transformers": transformers.__version__, "records": records,
-              "all_ok": all(r["ok"] for r in records)}
+              "all_ok": all(r["ok"] for r in records), "provenance": provenance("cuda")}
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,7 +27,8 @@ so that ``prepare_s`` is what a prompt costs, not the compiler.
 
 ``dense-fastest`` is the faster of dense-static and dense-engine in the same run. Writes
 ``benchmarks/results/generate_speed.json``: ``{"machine", "runs": [{"batch", "context", "method", "density",
-"per_token_ms", "median_step_ms", "longest_step_ms", "prefill_s", "prepare_s", "tokens"}], "targets": [...]}`` —
+"per_token_ms", "median_step_ms", "longest_step_ms", "prefill_s", "prepare_s", "tokens"}], "targets": [...],
+"provenance"}`` (``oa_core.analysis.provenance``: the commit and the machine) —
 the runs as measured, one
 ``dense-fastest`` record per batch × context (``derived_from`` names the method it is), and each OpenAttention run's
 speed over it against the issue's target (2× at 1%, 1.5× at 3%) — prints a table and draws ``generate_speed.png``
@@ -50,6 +51,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 import oa_core as oa
+from oa_core.analysis.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -202,6 +204,7 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                "layers": model.config.num_hidden_layers, "model": "tiny" if args.tiny else "Llama-3.1-8B shape",
                "spec": spec, "warmup": args.warmup}
+    made = provenance(device)  # the commit and the machine, written beside the figures
     runs = []
     for config in args.configs:
         batch, context = (int(x) for x in config.lower().split("x"))
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
                 runs.append({"batch": batch, "context": context, "method": method, "density": density, **result})
                 print(json.dumps(runs[-1]), flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(summary(machine, runs), indent=1) + "\n")
+                args.out.write_text(json.dumps({**summary(machine, runs), "provenance": made}, indent=1) + "\n")
     print(table(runs))
     print(f"wrote {args.out} and {plot(runs, args.out.with_suffix('.png'))}")
     return 0
@@ -308,9 +311,8 @@ def summary(machine: dict, runs: list[dict]) -> dict:
                                 "prepare_over_prefill": round(share, 3), "target": PREPARE_TARGET,
                                 "met": share <= PREPARE_TARGET, "short_by": round(max(share - PREPARE_TARGET, 0.0), 3)})
     return {"machine": machine, "runs": runs + fastest_runs, "targets": targets,
-            "where_the_time_goes": ("benchmarks/results/kernel_h200_static_step.json (per layer and kernel), "
-                                    "benchmarks/results/generate_profile.json (device and host per token) and the "
-                                    "README's fast decode path section")}
+            "where_the_time_goes": ("benchmarks/kernel_h200.py (the sparse stage per layer and its parts) and "
+                                    "benchmarks/studies/generate_profile.py (device and host per token)")}
 
 
 def table(runs: list[dict]) -> str:

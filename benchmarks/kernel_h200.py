@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import oa_core as oa
+from oa_core.analysis.provenance import provenance
 from oa_core.ops.cluster_stats import cluster_logit_stats
 from oa_core.ops.selection import select, select_by_sorting
 from oa_core.ops.water_filling import WaterFillAllocator
@@ -417,6 +418,7 @@ def write(args, results, prepare, growth) -> None:
         "machine": {"gpu": torch.cuda.get_device_name(), "python": platform.python_version(),
                     "sms": torch.cuda.get_device_properties(0).multi_processor_count, "sm_clock": sm_clock(),
                     "torch": torch.__version__, "triton": triton.__version__, "openattention": oa.__version__},
+        "provenance": provenance("cuda"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -10,6 +10,12 @@ never typed by hand. A method is found in a result by what it ran, not by its na
 resolved specs are compared with ``specs/openattention.yaml`` (the default), ``specs/ablate-selector-qgs.yaml`` (QGS,
 the default's selector until issue 54) and ``specs/oracle-topk.yaml`` (exact top-k), budget, sink and local window
 aside (each benchmark sets its own). A result measured before a spec got its present name still counts as that spec.
+
+Each figure says what made it (``made_by``): the machine the result names (its ``provenance``, or the device fields
+it had before that: a ``machine`` or ``device`` field, the records' ``device``), and the commit — the one it records,
+else the last commit git has of the file ("committed in": the code that made it is that commit or an older one).
+``--check`` leaves the git-derived commits out of the comparison: a result committed together with its re-rendered
+tables cannot name the commit that adds it, so its label says "uncommitted" until the next ``--write``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+from oa_core.analysis.provenance import git
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -40,8 +48,13 @@ SPEED = "generate_speed.json"
 # was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
 SPEED_SELECTOR = "QGS's selection, the default before PQS"
 DEMO = "demo.json"
+# The other headline results (figures the tables do not render), listed with their provenance on docs/results.md.
+OTHERS = ["ruler_c3f5e3b_smollm2_4k_cuda_check.json", "ablations.json", "kernel_h200.json", "cuda_consistency.json",
+          "cuda_consistency_static.json", "mutations.json"]
 PLOT = "headline_accuracy.png"  # written by --write beside the tables (not checked: a PNG's bytes vary)
-TARGETS = {"README.md": ["demo", "accuracy", "speed"], "docs/results.md": ["accuracy", "speed"]}
+TARGETS = {"README.md": ["demo", "accuracy", "speed"], "docs/results.md": ["accuracy", "speed", "provenance"]}
+# What --check does not compare: the commits git gives (see the module's docstring).
+GIT_LABEL = re.compile(r"committed in [0-9a-f]{4,40}|uncommitted \(HEAD [0-9a-f]{4,40}\)|commit unknown")
 
 
 @cache
@@ -79,6 +92,107 @@ def column_of(spec: dict) -> str | None:
     return next((column for column, known in column_identities().items() if known == found), None)
 
 
+@dataclass(frozen=True)
+class MadeBy:
+    """What made a result: ``machine`` and ``commit`` as the tables print them, and how each was found."""
+
+    machine: str
+    commit: str
+    how: str
+
+    def short(self) -> str:
+        return f"{self.machine}; {self.commit}"
+
+
+def git_label(path: Path) -> str:
+    """"committed in <hash>" (the file's last commit), "uncommitted (HEAD <hash>)" while it differs from what git
+    has, or "commit unknown" without git or a repository."""
+    relative = str(path.relative_to(ROOT))
+    head = git("rev-parse", "--short", "HEAD", root=ROOT)
+    if head is None:
+        return "commit unknown"
+    if git("status", "--porcelain", "--", relative, root=ROOT):
+        return f"uncommitted (HEAD {head})"
+    last = git("log", "-1", "--format=%h", "--", relative, root=ROOT)
+    return f"committed in {last}" if last else f"uncommitted (HEAD {head})"
+
+
+def recorded_commit(provenance: dict) -> str:
+    return f"commit {provenance['commit'][:7]}" + (" with uncommitted changes" if provenance.get("dirty") else "")
+
+
+def _json_machine(result: dict) -> tuple[str, str]:
+    """(machine, the field it was read from) for a JSON result without provenance: a GPU's name where the file has
+    one (``machine.gpu``, ``machine.device``, ``device``), else the CPU (with ``machine.cpus``' count)."""
+    machine = result.get("machine") if isinstance(result.get("machine"), dict) else {}
+    for name, value in (("machine.gpu", machine.get("gpu")), ("machine.device", machine.get("device")),
+                        ("device", result.get("device"))):
+        if isinstance(value, str) and value.startswith("cuda"):
+            return "a CUDA GPU", f"`{name}`: {value}"
+        if isinstance(value, str) and value not in ("cpu", "x86_64", "aarch64", "arm64", ""):
+            return value, f"`{name}`"
+    if not machine:
+        return "not recorded", "no machine or device field"
+    cores = machine.get("cpus")
+    return "CPU" + (f" ({cores} cores)" if cores else ""), "`machine`"
+
+
+def _records_made_by(folder: Path, keep=None) -> MadeBy:
+    """An ``oa eval`` folder's records (those ``keep`` takes, default all): each one's machine (its provenance, else
+    its ``device``: a GPU is named by its records file where the file's name does, ``records-h100.jsonl``) and the
+    commits the records name, else git's."""
+    machines: dict[str, int] = {}
+    commits: dict[str, int] = {}
+    unrecorded = 0
+    for path in sorted(folder.glob("records*.jsonl")):
+        named = re.fullmatch(r"records-(?!rank\d+$)(\w+)", path.stem)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if keep is not None and not keep(record):
+                continue
+            provenance = record.get("provenance") or {}
+            if provenance.get("machine"):
+                machine = provenance["machine"]
+            elif str(record.get("device", "cpu")).startswith("cuda"):
+                machine = named[1].upper() if named else "a CUDA GPU"
+            else:
+                machine = "CPU"
+            machines[machine] = machines.get(machine, 0) + 1
+            if provenance.get("commit"):
+                label = recorded_commit(provenance)
+                commits[label] = commits.get(label, 0) + 1
+            else:
+                unrecorded += 1
+    labels = list(commits) + ([git_label(folder)] if unrecorded or not commits else [])
+    how = ("records: " + ", ".join(f"{name} {count:,}" for name, count in machines.items())
+           + " (machine: `provenance`, else `device` and the records file's name); commit: "
+           + ", ".join([f"{count:,} records name {label.removeprefix('commit ')}" for label, count in commits.items()]
+                       + ([f"git ({unrecorded:,} records name none)"] if unrecorded else [])))
+    return MadeBy(" + ".join(machines) or "none", ", ".join(labels), how)
+
+
+def made_by(path: Path, keep=None) -> MadeBy:
+    """The machine and the commit that made a result file or an ``oa eval`` folder (of a folder, the records ``keep``
+    takes; the module's docstring)."""
+    if path.is_dir():
+        return _records_made_by(path, keep)
+    result = json.loads(path.read_text(encoding="utf-8"))
+    provenance = result.get("provenance") or {}
+    if provenance.get("machine"):
+        machine, machine_how = provenance["machine"], "`provenance.machine`"
+    else:
+        machine, machine_how = _json_machine(result)
+    if provenance.get("commit"):
+        commit, commit_how = recorded_commit(provenance), "`provenance.commit`"
+    elif isinstance(result.get("commit"), str):
+        commit, commit_how = f"commit {result['commit'][:7]}", "`commit`"
+    else:
+        commit, commit_how = git_label(path), "git"
+    return MadeBy(machine, commit, f"machine: {machine_how}; commit: {commit_how}")
+
+
 @dataclass
 class Row:
     """One line of the accuracy table: a benchmark on a model, each column's figure at each density."""
@@ -89,11 +203,13 @@ class Row:
     values: dict  # (column, density) → the figure
     source: str
     spec: str  # the figures' format
+    made: MadeBy  # what made the figures
     notes: dict = field(default_factory=dict)  # (column, density) → a caveat beside the figure
     scale: float | None = None  # the figure over this is the share of dense's (the plot's y); None: not plotted
 
     def cells(self) -> list[str]:
-        return [self.model, self.benchmark, self.dense, *(self.pair(column) for column in COLUMNS), self.source]
+        return [self.model, self.benchmark, self.dense, *(self.pair(column) for column in COLUMNS), self.source,
+                self.made.short()]
 
     def pair(self, column: str) -> str:
         """'a / b': the column's figure at 3% and at 1%, each with its caveat."""
@@ -119,7 +235,11 @@ def ruler_rows() -> list[Row]:
         dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
         usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
         wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")  # a complete cell has dense's samples
-        row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", scale=1.0)
+        def used(record: dict, columns: dict = columns) -> bool:  # the records the row's figures rest on
+            return record["spec"] == "dense" or (columns.get(record["spec"]) is not None
+                                                 and record["density"] in DENSITIES)
+
+        row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", made_by(RESULTS / folder, used), scale=1.0)
         counted: dict = {}  # (column, density) → the samples its figure rests on
         for m in means_over_tasks(usable):
             key = (columns.get(m["spec"]), m["density"])
@@ -146,7 +266,7 @@ def needle_rows() -> list[Row]:
         for length, entry in result["lengths"].items():
             summary = entry["summary"]
             row = Row(model, f"needles {int(length) // 1024}K, {summary['dense']['samples']}: correct",
-                      str(summary["dense"]["correct"]), {}, f"`{name}`", "d",
+                      str(summary["dense"]["correct"]), {}, f"`{name}`", "d", made_by(RESULTS / name),
                       scale=summary["dense"]["correct"] or None)
             for key, spec in result["specs"].items():
                 column = column_of(spec)
@@ -164,7 +284,8 @@ def attention_error_rows() -> list[Row]:
             continue
         result = json.loads(path.read_text())
         methods = {method: column_of(spec) for method, spec in result["specs"].items()}
-        row = Row(model, f"attention error, {text}: × exact top-k's", "0", {}, f"`{name}`", ".2f")
+        row = Row(model, f"attention error, {text}: × exact top-k's", "0", {}, f"`{name}`", ".2f",
+                  made_by(path))
         for density in DENSITIES:
             per = result["results"].get(str(density), {})
             reference = per.get("oracle-topk", {}).get("mean_error")
@@ -182,7 +303,7 @@ def accuracy_rows() -> list[Row]:
 
 
 def accuracy_table() -> str:
-    header = ["model", "benchmark (3% / 1% read)", "dense", *COLUMNS, "result"]
+    header = ["model", "benchmark (3% / 1% read)", "dense", *COLUMNS, "result", "made by"]
     return _table(header, [row.cells() for row in accuracy_rows()])
 
 
@@ -229,7 +350,8 @@ def speed_table() -> str:
                          "met" if target["met"] else "missed"])
     caption = (f"Decode tokens/s of OpenAttention (spec {json.dumps(machine['spec'])} over the defaults of its "
                f"commit: {SPEED_SELECTOR}) over the fastest dense decode, inside `generate`, {machine['device']}, "
-               f"{machine['model']}, {machine['layers']} layers (`{SPEED}`).")
+               f"{machine['model']}, {machine['layers']} layers (`{SPEED}`). Made by: "
+               f"{made_by(RESULTS / SPEED).short()}.")
     return caption + "\n\n" + _table(["batch × context", "density", "speed-up", "target", ""], rows)
 
 
@@ -242,10 +364,20 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def demo_output() -> str:
     """What ``oa demo`` printed, as ``oa demo --out benchmarks/results/demo.json`` recorded it."""
     result = json.loads((RESULTS / DEMO).read_text())
-    return "```\n" + "\n".join(result["output"]).strip("\n") + "\n```"
+    return ("```\n" + "\n".join(result["output"]).strip("\n") + "\n```\n\n"
+            + f"Made by: {made_by(RESULTS / DEMO).short()} (`{DEMO}`).")
 
 
-BLOCKS = {"demo": demo_output, "accuracy": accuracy_table, "speed": speed_table}
+def provenance_table() -> str:
+    """Per result the blocks render, then the other headline results: the machine and the commit that made it, and
+    where each was read."""
+    made = {row.source: row.made for row in accuracy_rows()}
+    made.update({f"`{name}`": made_by(RESULTS / name) for name in (SPEED, DEMO, *OTHERS)})
+    return _table(["result", "machine", "commit", "how it is known"],
+                  [[source, m.machine, m.commit, m.how] for source, m in made.items()])
+
+
+BLOCKS = {"demo": demo_output, "accuracy": accuracy_table, "speed": speed_table, "provenance": provenance_table}
 
 
 def render(text: str, tables: dict[str, str]) -> str:
@@ -282,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{file}: no block for {', '.join(missing)} (<!-- results:NAME --> ... "
                              f"<!-- /results:NAME -->)")
         fresh = render(text, {name: tables[name] for name in names})
-        if fresh != text:
+        if fresh != text if args.write else GIT_LABEL.sub("…", fresh) != GIT_LABEL.sub("…", text):
             stale.append(file)
             if args.write:
                 path.write_text(fresh, encoding="utf-8")

@@ -39,6 +39,7 @@ from tqdm import tqdm
 import oa_core as oa
 from oa_core.analysis import metrics, needle
 from oa_core.analysis.offline_model import MODEL_HELP, capture_attention, head_dim, load_offline_model, model_label
+from oa_core.analysis.provenance import provenance
 from oa_core.components import group_queries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
                          "threads": torch.get_num_threads(), "device": str(model.device),
                          "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None}
+    result["provenance"] = provenance(model.device)
     result["command"] = "python benchmarks/retrieval.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

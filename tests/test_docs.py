@@ -92,3 +92,29 @@ def test_every_field_of_the_spec_and_the_components_configs_is_described():
                     for model in (PipelineSpec, Budget, ComponentSpec, *configs)
                     for field, info in model.model_fields.items() if not info.description)
     assert silent == []
+
+
+# A repository path under benchmarks/ as the pages write it: `benchmarks/results/demo.json`, `../benchmarks/studies/`.
+BENCHMARK_PATH = re.compile(r"benchmarks/[\w./-]*")
+
+
+def test_every_benchmarks_path_the_readme_and_the_pages_name_exists():
+    """A result or a script cited for a figure or a claim is there: a result moved to the studies or deleted (git
+    keeps it) leaves no path behind."""
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for path in BENCHMARK_PATH.findall(page.read_text(encoding="utf-8")):
+            path = path.rstrip(".,:;")
+            if "..." not in path and not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "no such path:\n" + "\n".join(missing)
+
+
+def test_the_studies_index_names_every_study_and_only_files_that_exist():
+    studies = ROOT / "benchmarks" / "studies"
+    index = (studies / "README.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([\w.-]+(?:\.py|\.jsonl?|/))`", index))
+    scripts = {path.name for path in studies.glob("*.py")}
+    assert scripts <= named, f"not in benchmarks/studies/README.md: {sorted(scripts - named)}"
+    missing = [name for name in named if not ((studies / name).exists() or (studies / "results" / name).exists())]
+    assert not missing, f"benchmarks/studies/README.md names what is not there: {missing}"

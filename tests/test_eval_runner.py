@@ -70,6 +70,7 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
         assert r["resolved_spec"]["budget"]["density"] == r["density"] and r["resolved_spec"]["local"] == 16
         assert r["model"] and r["versions"]["openattention"] and r["setup"] == "B" and r["seed"] == 0
         assert r["device"] == "cpu" and r["prefill_peak_gib"] is r["peak_gib"] is None  # (a GPU's peaks)
+        assert set(r["provenance"]) == {"commit", "dirty", "machine"} and r["provenance"]["machine"]  # what ran it
     assert {(r["spec"], r["density"], r["task"]) for r in rows} == \
         {("dense", 1.0, t) for t in ("niah_single_1", "vt")} | \
         {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}

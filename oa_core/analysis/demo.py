@@ -16,6 +16,7 @@ import torch
 
 from oa_core.analysis import needle
 from oa_core.analysis.offline_model import load_offline_model
+from oa_core.analysis.provenance import provenance
 from oa_core.spec import load_spec
 
 # The paper's pipeline (no re-rank, no floor, mean proxies), shown beside the default.
@@ -69,5 +70,6 @@ def run_demo(model: str | None = None, tokens: int = 3000, density: float = 0.03
         out.write_text(json.dumps({"command": f"oa demo --tokens {tokens} --density {density}", "output": lines,
                                    "records": records,
                                    "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                               "torch": torch.__version__}}, indent=1) + "\n", encoding="utf-8")
+                                               "torch": torch.__version__},
+                                   "provenance": provenance(lm.device)}, indent=1) + "\n", encoding="utf-8")
     return 0

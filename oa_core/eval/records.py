@@ -26,7 +26,8 @@ Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
 class Record:
     """The fields every record has. ``density``: the spec's target (None for the dense reference); ``sample``: the
     sample's index (attention-error: the layer); ``resolved_spec``: the spec as it ran (budget, sink, local, ...);
-    ``model``, ``head_dim`` (its attention head's size D), ``setup``, ``seed``, ``metric``, ``versions``: the run's."""
+    ``model``, ``head_dim`` (its attention head's size D), ``setup``, ``seed``, ``metric``, ``versions``: the run's;
+    ``provenance``: the run's commit and machine (``oa_core.analysis.provenance``; None in older records)."""
 
     spec: str
     density: float | None
@@ -43,6 +44,7 @@ class Record:
     seed: int
     metric: str
     versions: dict
+    provenance: dict | None = None
 
     def as_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -36,6 +36,7 @@ import torch
 
 import oa_core as oa
 from oa_core.analysis.offline_model import head_dim, model_label
+from oa_core.analysis.provenance import provenance
 from oa_core.eval import ruler
 from oa_core.eval.config import EvalConfig, check_budgets, check_config, resolved_specs, spec_name  # noqa: F401
 from oa_core.eval.records import (
@@ -128,7 +129,8 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     meta = {"model": model_label(config.model), "head_dim": head_dim(model.config), "setup": config.setup,
             "seed": config.seed, "metric": config.metric,
             "versions": {"openattention": oa.__version__, "torch": torch.__version__,
-                         "transformers": _transformers_version(), "python": platform.python_version()}}
+                         "transformers": _transformers_version(), "python": platform.python_version()},
+            "provenance": provenance(model.device)}
     writer = RecordWriter(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
     skipped = []
     try:
