@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import oa_core as oa
+from oa_core.eval import memory, runner
 from oa_core.eval import records as eval_records
-from oa_core.eval import runner
 
 SPECS = ["specs/openattention.yaml", "specs/oracle-topk.yaml"]
 
@@ -570,12 +570,12 @@ def test_a_kernel_the_driver_cannot_load_for_memory_is_retried_and_other_errors_
             raise RuntimeError("Triton Error [CUDA]: out of memory")
         return "answered"
 
-    assert runner.retry_after_oom(loads_the_second_time, stats, cpu) == "answered"
+    assert memory.retry_after_oom(loads_the_second_time, stats, cpu) == "answered"
     assert len(tries) == 2 and stats.resets == 1
 
     def wrong_shape():
         raise RuntimeError("shape '[4, 16]' is invalid for input of size 60")
 
     with pytest.raises(RuntimeError, match="is invalid for input"):
-        runner.retry_after_oom(wrong_shape, stats, cpu)
+        memory.retry_after_oom(wrong_shape, stats, cpu)
     assert stats.resets == 1

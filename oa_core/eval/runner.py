@@ -27,7 +27,7 @@ import functools
 import os
 import platform
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from pathlib import Path
@@ -39,6 +39,14 @@ from oa_core.analysis.offline_model import head_dim, model_label
 from oa_core.analysis.provenance import provenance
 from oa_core.eval import ruler
 from oa_core.eval.config import EvalConfig, check_budgets, check_config, resolved_specs, spec_name  # noqa: F401
+from oa_core.eval.memory import (
+    WorkQueue,
+    claim_solver,
+    peak_gib,
+    release,
+    reset_peak,
+    retry_after_oom,
+)
 from oa_core.eval.records import (
     ATTENTION_ERROR,
     ErrorRecord,
@@ -107,7 +115,7 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         device = device or _rank_device("cuda" if torch.cuda.is_available() else "cpu", world)
     if device is not None:
         model.to(device)
-        _claim_solver(device)
+        claim_solver(device)
     samples: dict[tuple[str, int], list[ruler.Sample]] = {}
     if config.metric == "ruler":
         units = []
@@ -261,16 +269,16 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             answer_ids, answer_mask = _padded([encode(tokenizer, reference_answer(s)) for s in batch], pad,
                                               left=False)
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
-            _reset_peak(device)
+            reset_peak(device)
             start = time.perf_counter()
             context = retry_after_oom(functools.partial(_prefill, model, context_ids, context_mask, device), handle,
                                       device)
-            prefill_s, prefill_peak = time.perf_counter() - start, _peak(device)
+            prefill_s, prefill_peak = time.perf_counter() - start, peak_gib(device)
             failed = cells if context is None else []  # this batch's cells that ran out of memory twice
             for cell in cells if context is not None else ():
                 key, spec, missing = cell
                 handle.use(spec)
-                _reset_peak(device)
+                reset_peak(device)
                 answered = retry_after_oom(functools.partial(_answer, model, tokenizer, handle, context, question_ids,
                                                              answer_ids, answer_mask,
                                                              config.max_new_tokens or batch[0].max_new_tokens),
@@ -280,7 +288,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                     continue
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
-                peak = _peak(device)
+                peak = peak_gib(device)
                 resolved = oa.load_spec(spec).model_dump(mode="json")
                 for row, (index, sample) in enumerate(zip(indices, batch)):
                     if index not in missing:
@@ -295,7 +303,7 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                         batch=len(indices), prefill_s=round(prefill_s, 3), generate_s=round(seconds, 3),
                         device=str(device), prefill_peak_gib=prefill_peak, peak_gib=peak))
                 bar.update(len(missing))
-                _release(device)  # ranks sharing a GPU: this cell's peak back to the others
+                release(device)  # ranks sharing a GPU: this cell's peak back to the others
             where = " in the prefill" if context is None else ""
             del context  # before the halves run
             if failed:
@@ -307,94 +315,6 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
         bar.close()
         handle.unpatch()
     return queue.skipped
-
-
-class WorkQueue:
-    """This rank's units of work — (task, length, sample indices) and the cells each still misses — in order, and
-    what becomes of cells that run out of memory twice (ranks sharing a GPU run out at one another's peaks): a batch
-    of several samples runs again at once as two halves (down to one sample); a one-sample unit's failed cells go to
-    the end of the queue once, for when the rank's other work is done, and if they fail again are left for a rerun
-    (``skipped``)."""
-
-    def __init__(self, todo: list[tuple]) -> None:
-        self.units = deque(todo)
-        self.deferred: set[tuple] = set()  # cells already sent to the end once
-        self.skipped: list[tuple] = []  # cells left for a rerun
-
-    def __bool__(self) -> bool:
-        return bool(self.units)
-
-    def next(self) -> tuple:
-        return self.units.popleft()
-
-    def out_of_memory(self, task: str, length: int, indices: tuple[int, ...], failed: list[tuple]) -> str:
-        """Queues a unit's ``failed`` cells again as the rule says → what was done, for the log."""
-        if len(indices) > 1:
-            self.units.extendleft(reversed(split_in_halves(task, length, indices, failed)))
-            return "running them again in two halves"
-        if failed[0][0] in self.deferred:
-            self.skipped += [key for key, *_ in failed]
-            return "alone: left for a rerun"
-        self.deferred.update(key for key, *_ in failed)
-        self.units.append(((task, length, indices), failed))
-        return "alone: tried again at the end"
-
-
-def split_in_halves(task: str, length: int, indices: tuple[int, ...], cells: list[tuple]) -> list[tuple]:
-    """A batch's units of work as two of half its samples each, every cell with the samples of its half it misses."""
-    middle = (len(indices) + 1) // 2
-    units = []
-    for half in (indices[:middle], indices[middle:]):
-        part = [((*key[:4], half[0]), spec, tuple(i for i in missing if i in half)) for key, spec, missing in cells]
-        part = [cell for cell in part if cell[2]]
-        if part:
-            units.append(((task, length, half), part))
-    return units
-
-
-def retry_after_oom(work, handle, device: torch.device):
-    """``work()``; if it runs out of memory (ranks sharing a GPU), once more after the caching allocator gave its free
-    blocks back; None if the second try runs out too."""
-    for _ in range(2):
-        try:
-            return work()
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not out_of_memory(exc):
-                raise
-            handle.reset_stats()
-            _release(device)
-    return None
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says the GPU ran out of memory: torch's error, or the CUDA driver's as Triton reports it when
-    it cannot load a kernel ("Triton Error [CUDA]: out of memory": ranks sharing a GPU, whose caching allocators hold
-    its memory)."""
-    return isinstance(exc, torch.OutOfMemoryError) or "[CUDA]: out of memory" in str(exc)
-
-
-def _claim_solver(device: torch.device) -> None:
-    """cuSOLVER's handle made now, while the GPU has room: QGC's first eigh would make it outside the caching
-    allocator, and on a GPU that ranks sharing it have filled that fails as CUSOLVER_STATUS_INTERNAL_ERROR — not an
-    out-of-memory error a retry handles."""
-    if device.type == "cuda":
-        torch.linalg.eigh(torch.eye(2, device=device))
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak(device: torch.device) -> float | None:
-    """The GPU memory allocated at most since ``_reset_peak``, GiB (None on the CPU)."""
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
-
-
-def _release(device: torch.device) -> None:
-    """The caching allocator's free blocks back to the device."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _prefill(model, context_ids, context_mask, device: torch.device):

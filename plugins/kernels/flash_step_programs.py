@@ -1,0 +1,154 @@
+"""The Triton programs of the fused decode step (``flash_step.py`` launches them): the new row's codes, the state's
+growth, and the read plan of each step."""
+
+from __future__ import annotations
+
+from oa_core.ops.triton_path import tl, triton
+
+if triton is not None:
+    from oa_core.ops.cluster_stats import moments_tile, store_logit_stats
+    from oa_core.ops.water_filling import water_fill_row
+    from oa_core.static import join_rest
+    from oa_plugins.allocators.errorgate import row_log_priority
+    from oa_plugins.kernels.two_stage_programs import row_budget
+
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_half_even(x):
+        """``torch.round``: to the nearest integer, halves to the even one. From floor(x) and x − floor(x), both
+        exact (x + 0.5 is not: 0.5 − 2⁻²⁵ + 0.5 rounds to 1)."""
+        r = tl.floor(x)
+        f = x - r
+        odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+        return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+
+    @triton.jit
+    def project(K, Q, LENGTH, BASIS, CODES, SCALES, QP, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, CAP, G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Program (batch row, KV head): the new row's QGS codes (quantize of kᵀU_r: symmetric int8, a scale per
+        row) and the G query heads projected on the same basis (U_rᵀq: what QGS scores with)."""
+        head = tl.program_id(0).to(tl.int64)
+        b = head // Hkv
+        h = head % Hkv
+        newest = tl.load(LENGTH).to(tl.int64) - 1
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
+                        mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+        k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        projected = tl.sum(k[:, None] * basis, axis=0)
+        row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
+        codes = _round_half_even(tl.div_rn(projected, row_scale))
+        tl.store(CODES + (head * CAP + newest) * R + offs_r, codes.to(tl.int8), mask=r_ok)
+        tl.store(SCALES + head * CAP + newest, row_scale)
+        for j in tl.static_range(G):
+            q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
+
+    @triton.jit
+    def grow(K, V, Q, LENGTH, PROJ, CENT, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, MEAN_LOGIT,
+              LOGIT_VAR, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S, LOCAL, scale,
+              G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr, BLOCK_RC: tl.constexpr,
+              BLOCK_C: tl.constexpr, STATS_C: tl.constexpr):
+        """Program (batch row, KV head, chunk of STATS_C clusters): the chunk's clusters after the leaving row's join
+        and their logit statistics. It reads no codes, so it runs beside QGS's scores."""
+        head = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        b = head // Hkv
+        h = head % Hkv
+        newest = tl.load(LENGTH).to(tl.int64) - 1
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        # The row leaving the local window: its nearest centroid in QGC's space (‖μ‖² − 2·x·μ, first of equals).
+        leaving = newest - LOCAL
+        k = tl.load(K + b * sk_b + h * sk_h + leaving * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        offs_rc = tl.arange(0, BLOCK_RC)
+        rc_ok = offs_rc < RC
+        projection = tl.load(PROJ + (head * D + offs_d[:, None]) * RC + offs_rc[None, :],
+                             mask=d_ok[:, None] & rc_ok[None, :], other=0.0)
+        point = tl.sum(k[:, None] * projection, axis=0)
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        centre = tl.load(CENT + (head * C + offs_c[:, None]) * RC + offs_rc[None, :],
+                         mask=c_ok[:, None] & rc_ok[None, :], other=0.0)
+        distance = tl.sum(centre * centre, axis=1) - 2 * tl.sum(centre * point[None, :], axis=1)
+        distance = tl.where(c_ok, distance, float("inf"))
+        c = tl.min(tl.where(distance == tl.min(distance, axis=0), offs_c, C), axis=0).to(tl.int64)
+        c = tl.minimum(c, C - 1)  # a NaN key matches no centroid: it must not write past the clusters
+        # ... and joins it: the chunk holding c adds the row to its count, Σk and Σk⊙k in registers and stores them
+        # from there (no other program reads or writes that cluster's sums), and writes the rest of the join
+        # (``join_row``'s arithmetic).
+        offs_s = chunk * STATS_C + tl.arange(0, STATS_C)
+        s_ok = offs_s < C
+        joins = offs_s == c
+        tile = (head * C + offs_s[:, None]) * D + offs_d[None, :]
+        t_ok = s_ok[:, None] & d_ok[None, :]
+        count = tl.load(COUNT + head * C + offs_s, mask=s_ok, other=1.0)
+        key_sum = tl.load(KSUM + tile, mask=t_ok, other=0.0)
+        key_square_sum = tl.load(KSQ + tile, mask=t_ok, other=0.0)
+        count = tl.where(joins, count + 1.0, count)
+        key_sum = tl.where(joins[:, None], key_sum + k[None, :], key_sum)
+        key_square_sum = tl.where(joins[:, None], key_square_sum + (k * k)[None, :], key_square_sum)
+        tl.store(COUNT + head * C + offs_s, count, mask=s_ok & joins)
+        tl.store(KSUM + tile, key_sum, mask=t_ok & joins[:, None])
+        tl.store(KSQ + tile, key_square_sum, mask=t_ok & joins[:, None])
+        if (c >= chunk * STATS_C) & (c < chunk * STATS_C + STATS_C):
+            v = tl.load(V + b * sv_b + h * sv_h + leaving * sv_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            join_rest(head, leaving, c, v, ASSIGNMENT, VSUM, MEMBERS, MEMBER_COUNT, CAP, C, S, D, offs_d, d_ok)
+        # The chunk's z̄_b and σ̂_b² for each of the head's G query heads (``_cluster_stats``' arithmetic).
+        mean, var = moments_tile(key_sum, key_square_sum, count)
+        for i in tl.static_range(G):
+            q = tl.load(Q + b * sq_b + (h * G + i) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+            store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * G + i) * C + offs_s, s_ok)
+
+    @triton.jit
+    def plan(MEAN_LOGIT, LOGIT_VAR, COUNT, LENGTH, START, DENSITY, FIXED_BASE, FIXED_MOVES, FIRST, QUOTAS, OFFSETS,
+              RUNS, INDEX, LW, Hkv, Gs, C, F, WIDTH, TOKENS, G: tl.constexpr, BLOCK_G: tl.constexpr,
+              BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, HAS_FIRST: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out."""
+        p = tl.program_id(0).to(tl.int64)
+        b = p // (Gs * Hkv)
+        h = (p // Gs) % Hkv
+        s = p % Gs
+        head = b * Hkv + h
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        count = tl.load(COUNT + head * C + offs_c, mask=c_ok, other=0.0)
+        # The row's heads' z̄_b and σ̂_b² (``grow``'s, one launch before, over every head's chunks).
+        offs_g = tl.arange(0, BLOCK_G)
+        inside = (offs_g[:, None] < G) & c_ok[None, :]
+        stats = ((head * (G * Gs) + s * G + offs_g[:, None]) * C + offs_c[None, :])
+        mean_logit = tl.load(MEAN_LOGIT + stats, mask=inside, other=0.0)
+        logit_var = tl.load(LOGIT_VAR + stats, mask=inside, other=0.0)
+        row = row_log_priority(mean_logit, logit_var, count, G, LIBDEVICE)
+        length = tl.load(LENGTH).to(tl.int64)
+        budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
+        if HAS_FIRST:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
+            first = tl.load(FIRST + p * C + offs_c, mask=c_ok, other=0).to(tl.int64)
+            rest = water_fill_row(row.to(tl.float64), (count - first.to(tl.float32)).to(tl.float64),
+                                  (budget - tl.sum(first, axis=0)).to(tl.float64), offs_c, c_ok)
+            quotas = first + rest
+        else:
+            quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget.to(tl.float64), offs_c, c_ok)
+        ends = F + tl.cumsum(quotas, axis=0)
+        tl.store(QUOTAS + p * C + offs_c, quotas, mask=c_ok)
+        tl.store(OFFSETS + p * C + offs_c, ends - quotas, mask=c_ok)
+        tl.store(RUNS + p * (C + 1) + 1 + offs_c, ends.to(tl.int32), mask=c_ok)
+        tl.store(RUNS + p * (C + 1), (p * 0 + F).to(tl.int32))
+        # The index: the sink and the local window first (the window's slots move with the length), then the runs
+        # (written by the selection), then -1 up to the width; every column's log weight 0 (all are exact rows).
+        offs_f = tl.arange(0, BLOCK_F)
+        f_ok = offs_f < F
+        fixed = tl.load(FIXED_BASE + b * F + offs_f, mask=f_ok, other=0) + length * tl.load(FIXED_MOVES + offs_f,
+                                                                                              mask=f_ok, other=0)
+        tl.store(INDEX + p * WIDTH + offs_f, fixed, mask=f_ok)
+        end = F + tl.sum(quotas, axis=0)
+        for start in range(0, WIDTH, BLOCK_F):
+            cols = start + offs_f
+            tl.store(INDEX + p * WIDTH + cols, tl.full([BLOCK_F], -1, tl.int64), mask=(cols >= end) & (cols < WIDTH))
+            tl.store(LW + p * WIDTH + cols, tl.zeros([BLOCK_F], tl.float32), mask=cols < WIDTH)
