@@ -190,7 +190,7 @@ def test_other_components_compose_their_own_steps():
 
 
 def test_the_new_rows_codes_are_qgs_quantize_with_halves_to_even():
-    """A key whose projection lands on exact halves of the code step: ``_grow`` rounds them as ``torch.round`` (to
+    """A key whose projection lands on exact halves of the code step: ``grow`` rounds them as ``torch.round`` (to
     even), as QGS's own ``quantize`` does; the rest of its codes too."""
     from oa_plugins.selectors.qgs import quantize
 
@@ -245,7 +245,7 @@ def test_the_fused_step_takes_one_decode_query_per_row():
 
 
 def test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_join():
-    """In a CUDA graph the join (``_grow``) runs beside the shortlist's passes: whether the leaving row's cluster is
+    """In a CUDA graph the join (``grow``) runs beside the shortlist's passes: whether the leaving row's cluster is
     written yet or not, the shortlist is the same, and holds that row when it scores best."""
     keys, values, prefill, _ = make_inputs(tokens=120)
     pipe = oa.build({**SPEC, "gqa": "per_head", **TWO_STAGE})

@@ -1,7 +1,7 @@
 """The flash pass's launch parameters on the H200, timed in the fused static step (CUDA graph) at the benchmark's
 shapes, with the rows and output checked against the reference; then each compiled kernel's registers and spills.
 
-    python benchmarks/studies/flash_launch_sweep.py OUT.json            # warps and pipelining stages of _sparse_pass,
+    python benchmarks/studies/flash_launch_sweep.py OUT.json            # warps and pipelining stages of sparse_pass,
                                                                         # and the selection's warps
     python benchmarks/studies/flash_launch_sweep.py OUT.json partition  # how the pass splits a row into programs:
                                                                         # block_k (bk) and clusters_per_chunk (cc)
@@ -57,8 +57,8 @@ for B, N, dens in SHAPES:
             kb = kernel_breakdown(run)
             r = {"batch": B, "context": N, "density": density, **v, "step_graph_ms": round(t, 4), "err": err,
                  "same_rows": same,
-                 **{n: kb.get(n) for n in ("_sparse_pass", "_merge", "_select_kernel", "_project", "_group_int8_scores",
-                                           "_grow", "_plan", "_cluster_stats")}}
+                 **{n: kb.get(n) for n in ("sparse_pass", "merge", "_select_kernel", "project", "_group_int8_scores",
+                                           "grow", "plan", "_cluster_stats")}}
             results.append(r)
             print(json.dumps(r), flush=True)
         k.num_warps, k.num_stages, k.block_k, k.clusters_per_chunk = (DEFAULT[x] for x in ("fw", "fs", "bk", "cc"))

@@ -39,8 +39,8 @@ import generate_speed as gs  # the model, the methods and the timing of generate
 HOST_PHASES = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch", "cudaStreamSynchronize")
 # The fast path's kernels (``_split_pass``: the dense engine's; ``_cluster_stats``: the fused step's in earlier
 # commits).
-ATTENTION_KERNELS = ("_project", "_grow", "_cluster_stats", "_plan", "_group_int8_scores", "_select_kernel",
-                     "_sparse_pass", "_merge", "_split_pass")
+ATTENTION_KERNELS = ("project", "grow", "_cluster_stats", "plan", "_group_int8_scores", "_select_kernel",
+                     "sparse_pass", "merge", "_split_pass")
 
 
 class ProfiledSteps(StoppingCriteria):

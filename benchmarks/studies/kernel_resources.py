@@ -60,7 +60,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
     import triton
 
     from oa_core.ops import kmeans
-    from oa_plugins.kernels import flash
+    from oa_plugins.kernels import flash, flash_programs
 
     kernel = flash.FlashKernel
     rows = []
@@ -73,8 +73,9 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
             types = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", IDX="*i64", LW="*fp32", RUNS="*i32",
                          KSUM="*fp32", VSUM="*fp32", COUNT="*fp32", KSQ="*fp32", M_OUT="*fp32", L_OUT="*fp32",
                          ACC_OUT="*fp32", USED_OUT="*i32", scale="fp32")
-            rows.append({"kernel": "flash._sparse_pass", "dim": dim, "dtype": dtype, "block_k": constants["BLOCK_K"],
-                         **_compile(flash._sparse_pass, types, constants, num_warps=kernel.num_warps or 4,
+            rows.append({"kernel": "flash_programs.sparse_pass", "dim": dim, "dtype": dtype,
+                         "block_k": constants["BLOCK_K"],
+                         **_compile(flash_programs.sparse_pass, types, constants, num_warps=kernel.num_warps or 4,
                                     num_stages=kernel.num_stages or 3)})
         points = dict(X="*fp32", W="*fp32", CENT="*fp32", CENT_NEXT="*fp32", ASSIGNMENT="*i64", SUMS="*fp64",
                       DELTAS="*fp64", ARRIVED="*i32", MOVED="*i32", OUT="*i64")

@@ -121,7 +121,7 @@ if triton is not None:
     @triton.jit
     def moments_tile(key_sum, key_square_sum, count):
         """A tile of clusters' Σk and Σk⊙k ``[BLOCK_C, BLOCK_D]`` and counts ``[BLOCK_C]`` → (k̄_b, Var_b(k)), as
-        ``moments_from_sums`` has them (an empty cluster counts as one); shared with the fused step's ``_grow``."""
+        ``moments_from_sums`` has them (an empty cluster counts as one); shared with the fused step's ``grow``."""
         n = tl.maximum(count, 1.0)[:, None]
         mean = tl.div_rn(key_sum, n)
         return mean, tl.maximum(tl.div_rn(key_square_sum, n) - mean * mean, 0.0)
