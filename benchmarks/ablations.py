@@ -28,13 +28,29 @@ SPECS = Path(__file__).resolve().parent.parent / "specs"
 # The same sink and local window for every spec: 1% of 4096 tokens is 40 rows, below the specs' 4 + 64.
 SINK, LOCAL = 4, 16
 GROUPS = {
-    "Methods (paper §4.1)": ["dense", "oracle-topk", "quest", "magicpig", "vattention", "retroinfer", "openattention",
-                             "openattention-paper"],
+    "Methods (paper §4.1)": [
+        "dense",
+        "oracle-topk",
+        "quest",
+        "magicpig",
+        "vattention",
+        "retroinfer",
+        "openattention",
+        "openattention-paper",
+    ],
     "Table 1: clusterer": ["openattention", "ablate-clusterer-kmeans", "ablate-clusterer-position"],
-    "Table 2: selector": ["openattention", "ablate-selector-query-basis", "ablate-selector-oracle",
-                          "ablate-selector-lsh"],
-    "Table 3: ErrorGate ranking (and uniform, Table 4)": ["openattention", "ablate-allocator-mass",
-                                                          "ablate-allocator-variance", "ablate-allocator-uniform"],
+    "Table 2: selector": [
+        "openattention",
+        "ablate-selector-query-basis",
+        "ablate-selector-oracle",
+        "ablate-selector-lsh",
+    ],
+    "Table 3: ErrorGate ranking (and uniform, Table 4)": [
+        "openattention",
+        "ablate-allocator-mass",
+        "ablate-allocator-variance",
+        "ablate-allocator-uniform",
+    ],
     "Tail (Eq. 2, Table 4)": ["openattention", "ablate-tail-mean-proxy", "ablate-tail-discard", "ablate-tail-sample"],
 }
 
@@ -81,17 +97,25 @@ def markdown(result: dict) -> str:
         members = [m for m in members if m in table[low]]
         if not members:
             continue
-        lines += [f"**{title}**", "",
-                  "| spec | " + " | ".join(f"error {float(d):.0%}" for d in densities)
-                  + f" | p90 {float(low):.0%} | E {float(low):.0%} | ρ {float(low):.0%} | top-32 recall "
-                  + " / ".join(f"{float(d):.0%}" for d in densities[-3::2]) + " | ErrorGate Spearman |",
-                  "|---" * (len(densities) + 6) + "|"]
+        lines += [
+            f"**{title}**",
+            "",
+            "| spec | "
+            + " | ".join(f"error {float(d):.0%}" for d in densities)
+            + f" | p90 {float(low):.0%} | E {float(low):.0%} | ρ {float(low):.0%} | top-32 recall "
+            + " / ".join(f"{float(d):.0%}" for d in densities[-3::2])
+            + " | ErrorGate Spearman |",
+            "|---" * (len(densities) + 6) + "|",
+        ]
         for m in members:
             recall = " / ".join(cell(m, d, "top32_recall", "{:.2f}") for d in densities[-3::2])
-            lines.append(f"| {m} | " + " | ".join(cell(m, d, "mean_error") for d in densities)
-                         + f" | {cell(m, low, 'p90_error')} | {cell(m, low, 'weight_discrepancy')}"
-                         + f" | {cell(m, low, 'measured_density', '{:.4f}')} | {recall}"
-                         + f" | {cell(m, low, 'errorgate_spearman', '{:.2f}')} |")
+            lines.append(
+                f"| {m} | "
+                + " | ".join(cell(m, d, "mean_error") for d in densities)
+                + f" | {cell(m, low, 'p90_error')} | {cell(m, low, 'weight_discrepancy')}"
+                + f" | {cell(m, low, 'measured_density', '{:.4f}')} | {recall}"
+                + f" | {cell(m, low, 'errorgate_spearman', '{:.2f}')} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -99,14 +123,29 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     methods = load_methods(args.specs)
-    result = measure(methods, args.densities, model=args.model, tokens=args.tokens, decode=args.decode,
-                     layers=args.layers, seed=args.seed, diagnostics=True)
-    result.update(benchmark="ablations", sink=SINK, local=LOCAL, provenance=provenance("cpu"), note=(
-        f"Every spec of specs/ with sink={SINK}, local={LOCAL} and the budget set per density (dense keeps its "
-        "whole-context budget). E: weight discrepancy (docs/design.md §1). top32_recall: share of the true top-32 "
-        "logits of the clusterable region within the selector's E_sel best scores. errorgate_spearman: ErrorGate's ε̂_b "
-        "(diagonal variance, no reads) against the true per-cluster proxy discrepancy; _full_variance: against "
-        "the same estimate with the logits' exact within-cluster variance."))
+    result = measure(
+        methods,
+        args.densities,
+        model=args.model,
+        tokens=args.tokens,
+        decode=args.decode,
+        layers=args.layers,
+        seed=args.seed,
+        diagnostics=True,
+    )
+    result.update(
+        benchmark="ablations",
+        sink=SINK,
+        local=LOCAL,
+        provenance=provenance("cpu"),
+        note=(
+            f"Every spec of specs/ with sink={SINK}, local={LOCAL} and the budget set per density (dense keeps its "
+            "whole-context budget). E: weight discrepancy (docs/design.md §1). top32_recall: share of the true top-32 "
+            "logits of the clusterable region within the selector's E_sel best scores. errorgate_spearman: ErrorGate's "
+            "ε̂_b (diagonal variance, no reads) against the true per-cluster proxy discrepancy; _full_variance: against "
+            "the same estimate with the logits' exact within-cluster variance."
+        ),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(markdown(result))

@@ -51,9 +51,16 @@ def small_llama(dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval().to("cuda", dtype)
 
 
@@ -69,9 +76,10 @@ def integration_checks() -> list[dict]:
         def greedy(ids, mask=None, model=model):
             mask = torch.ones_like(ids) if mask is None else mask
             with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                                     pad_token_id=0)
-            return out[:, ids.shape[1]:]
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0
+                )
+            return out[:, ids.shape[1] :]
 
         expected = greedy(prompts[1])
         with oa.patch(model, {**SPARSE, "budget": {"tokens": 100_000}}):
@@ -82,14 +90,19 @@ def integration_checks() -> list[dict]:
             ids = torch.zeros(2, 1000, dtype=torch.long, device="cuda")
             mask = torch.zeros_like(ids)
             for row, p in enumerate(prompts):
-                ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
+                ids[row, -p.shape[1] :], mask[row, -p.shape[1] :] = p[0], 1
             batched = greedy(ids, mask)
         padded_same = all(torch.equal(batched[row], alone[row][0]) for row in range(2))
         within = all(not r.dense and r.density <= 0.1 for r in decode)
-        record = {"check": "integration", "dtype": str(dtype), "covering_budget_equals_sdpa": same,
-                  "sparse_density_within_budget": within, "left_padded_equals_alone": padded_same,
-                  "mean_sparse_density": sum(r.density for r in decode) / len(decode),
-                  "ok": same and within and (padded_same or dtype != torch.float32)}
+        record = {
+            "check": "integration",
+            "dtype": str(dtype),
+            "covering_budget_equals_sdpa": same,
+            "sparse_density_within_budget": within,
+            "left_padded_equals_alone": padded_same,
+            "mean_sparse_density": sum(r.density for r in decode) / len(decode),
+            "ok": same and within and (padded_same or dtype != torch.float32),
+        }
         records.append(record)
         print(json.dumps(record))
     return records
@@ -108,9 +121,17 @@ def static_cache_checks() -> list[dict]:
 
     def greedy(**kwargs):
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
-        return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+                **kwargs,
+            )
+        return out.sequences[:, ids.shape[1] :], torch.stack(out.scores)
 
     with oa.patch(model, spec) as handle:
         tokens, logits = greedy()
@@ -118,12 +139,20 @@ def static_cache_checks() -> list[dict]:
         eager_tokens, eager = greedy(**oa.cache_kwargs(model, cache), disable_compile=True)
         fused = all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
         graph_tokens, graph = greedy(**oa.cache_kwargs(model, handle.static_cache(max_new_tokens=16)))
-    record = {"check": "static cache", "dtype": "torch.float32", "every_layer_fused": fused,
-              "eager_static_vs_default_max_logit_difference": float((eager - logits).abs().max()),
-              "graphed_static_vs_eager_max_logit_difference": float((graph - eager).abs().max()),
-              "same_tokens": bool(torch.equal(eager_tokens, tokens) and torch.equal(graph_tokens, tokens))}
-    record["ok"] = (fused and record["same_tokens"] and record["eager_static_vs_default_max_logit_difference"] < 1e-4
-                    and record["graphed_static_vs_eager_max_logit_difference"] < 1e-4)
+    record = {
+        "check": "static cache",
+        "dtype": "torch.float32",
+        "every_layer_fused": fused,
+        "eager_static_vs_default_max_logit_difference": float((eager - logits).abs().max()),
+        "graphed_static_vs_eager_max_logit_difference": float((graph - eager).abs().max()),
+        "same_tokens": bool(torch.equal(eager_tokens, tokens) and torch.equal(graph_tokens, tokens)),
+    }
+    record["ok"] = (
+        fused
+        and record["same_tokens"]
+        and record["eager_static_vs_default_max_logit_difference"] < 1e-4
+        and record["graphed_static_vs_eager_max_logit_difference"] < 1e-4
+    )
     print(json.dumps(record))
     return [record]
 
@@ -134,8 +163,12 @@ def pipeline_checks() -> list[dict]:
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
         cpu_inputs = inputs(dtype)
         gpu_inputs = [t.cuda() for t in cpu_inputs]
-        for spec in ({}, {"gqa": "shared"}, {"tail": "discard", "selector": "oracle", "allocator": "global"},
-                     {"tail": "sample"}):
+        for spec in (
+            {},
+            {"gqa": "shared"},
+            {"tail": "discard", "selector": "oracle", "allocator": "global"},
+            {"tail": "sample"},
+        ):
             pipe = oa.build({**spec, "budget": {"density": 0.03}})
             out_cpu, stats_cpu = pipe.attend(cpu_inputs[3], pipe.prepare(*cpu_inputs[:3]), return_stats=True)
             torch.cuda.synchronize()
@@ -144,16 +177,22 @@ def pipeline_checks() -> list[dict]:
             out_gpu, stats_gpu = pipe.attend(gpu_inputs[3], state, return_stats=True)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
-            same_clusters = torch.equal(state.pooled.assignment.cpu(),
-                                        pipe.prepare(*cpu_inputs[:3]).pooled.assignment)
+            same_clusters = torch.equal(state.pooled.assignment.cpu(), pipe.prepare(*cpu_inputs[:3]).pooled.assignment)
             error = float((out_gpu.cpu().float() - out_cpu.float()).norm() / out_cpu.float().norm())
             # Tail samples come from the device's own generator, so only the sample tail may differ by device.
             comparable = spec.get("tail") != "sample"
-            record = {"dtype": str(dtype), "spec": spec, "relative_difference": error, "tolerance": tolerance,
-                      "same_clusters": same_clusters, "finite": bool(torch.isfinite(out_gpu).all()),
-                      "density_cpu": stats_cpu.density, "density_gpu": stats_gpu.density,
-                      "gpu_prepare_plus_attend_s": round(seconds, 3),
-                      "ok": bool(torch.isfinite(out_gpu).all()) and (error < tolerance or not comparable)}
+            record = {
+                "dtype": str(dtype),
+                "spec": spec,
+                "relative_difference": error,
+                "tolerance": tolerance,
+                "same_clusters": same_clusters,
+                "finite": bool(torch.isfinite(out_gpu).all()),
+                "density_cpu": stats_cpu.density,
+                "density_gpu": stats_gpu.density,
+                "gpu_prepare_plus_attend_s": round(seconds, 3),
+                "ok": bool(torch.isfinite(out_gpu).all()) and (error < tolerance or not comparable),
+            }
             records.append(record)
             print(json.dumps(record))
     return records
@@ -171,9 +210,16 @@ def main(argv=None) -> int:
     records += static_cache_checks()
     import transformers
 
-    result = {"benchmark": "cuda_consistency", "shape": SHAPE, "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "transformers": transformers.__version__, "records": records,
-              "all_ok": all(r["ok"] for r in records), "provenance": provenance("cuda")}
+    result = {
+        "benchmark": "cuda_consistency",
+        "shape": SHAPE,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "records": records,
+        "all_ok": all(r["ok"] for r in records),
+        "provenance": provenance("cuda"),
+    }
     out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -54,10 +54,25 @@ import oa_core as oa
 from oa_core.analysis.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0)
-TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-            intermediate_size=512, vocab_size=1024, max_position_embeddings=8192)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
+TINY = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    vocab_size=1024,
+    max_position_embeddings=8192,
+)
 
 
 class StepClock(StoppingCriteria):
@@ -97,14 +112,26 @@ def timed_generate(model, ids: torch.Tensor, warmup: int, tokens: int, **kwargs)
     clock = StepClock(ids.device)
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=warmup + tokens,
-                       min_new_tokens=warmup + tokens, do_sample=False, pad_token_id=0,
-                       stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-    gaps = [b - a for a, b in zip(clock.times[warmup:-1], clock.times[warmup + 1:])]
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=warmup + tokens,
+            min_new_tokens=warmup + tokens,
+            do_sample=False,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **kwargs,
+        )
+    gaps = [b - a for a, b in zip(clock.times[warmup:-1], clock.times[warmup + 1 :])]
     # The mean is the issue's measure; the median and the longest gap say whether a few slow steps (the host's
     # pauses) make it, or every step.
-    return {"per_token_ms": 1000 * sum(gaps) / len(gaps), "median_step_ms": 1000 * statistics.median(gaps),
-            "longest_step_ms": 1000 * max(gaps), "prefill_s": clock.times[0] - start, "tokens": len(gaps)}
+    return {
+        "per_token_ms": 1000 * sum(gaps) / len(gaps),
+        "median_step_ms": 1000 * statistics.median(gaps),
+        "longest_step_ms": 1000 * max(gaps),
+        "prefill_s": clock.times[0] - start,
+        "tokens": len(gaps),
+    }
 
 
 @contextlib.contextmanager
@@ -136,8 +163,14 @@ def warm_prepare(model, ids: torch.Tensor, spec: dict, density: float) -> None:
     prepare's Triton kernels for it (seconds), which is no part of the prepare a user pays per prompt."""
     try:
         with method_setup(model, "openattention", density, spec, 1) as (kwargs, _), torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                           pad_token_id=0, **kwargs)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=1,
+                do_sample=False,
+                pad_token_id=0,
+                **kwargs,
+            )
     except torch.OutOfMemoryError:
         pass  # the timed run records the error
 
@@ -153,31 +186,54 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
                 result["dense_layers"] = len(dense)
                 result["dense_reason"] = sorted(set(dense))
     except torch.OutOfMemoryError as exc:
-        result = {"per_token_ms": None, "median_step_ms": None, "longest_step_ms": None, "prefill_s": None,
-                  "prepare_s": None, "tokens": 0, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+        result = {
+            "per_token_ms": None,
+            "median_step_ms": None,
+            "longest_step_ms": None,
+            "prefill_s": None,
+            "prepare_s": None,
+            "tokens": 0,
+            "error": f"out of memory: {str(exc).splitlines()[0]}",
+        }
     return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=["1x32768", "8x32768", "16x16384", "32x32768"],
-                        help="BATCHxCONTEXT (a configuration that runs out of memory is recorded with its error)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["1x32768", "8x32768", "16x16384", "32x32768"],
+        help="BATCHxCONTEXT (a configuration that runs out of memory is recorded with its error)",
+    )
     parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
-    parser.add_argument("--methods", nargs="+", default=["dense-default", "dense-static", "dense-engine",
-                                                         "openattention"],
-                        choices=["dense-default", "dense-static", "dense-engine", "openattention", "no-attention"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["dense-default", "dense-static", "dense-engine", "openattention"],
+        choices=["dense-default", "dense-static", "dense-engine", "openattention", "no-attention"],
+    )
     parser.add_argument("--tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
     parser.add_argument("--gqa", default="shared", choices=["shared", "per_head"])
-    parser.add_argument("--spec", type=Path, default=None,
-                        help="a spec file for the OpenAttention runs (default: the default pipeline); --gqa and each "
-                             "density replace its own")
+    parser.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        help="a spec file for the OpenAttention runs (default: the default pipeline); --gqa and each "
+        "density replace its own",
+    )
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (a quick look)")
     parser.add_argument("--tiny", action="store_true", help="a toy model instead of the 8B shape")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "generate_speed.json")
-    parser.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                        help="redraw the figure (and table) of a saved run, measuring nothing")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="redraw the figure (and table) of a saved run, measuring nothing",
+    )
     args = parser.parse_args(argv)
     if args.replot is not None:
         saved = json.loads(args.replot.read_text())
@@ -200,10 +256,15 @@ def main(argv=None) -> int:
         except oa.SpecError as error:
             parser.error(f"--spec {args.spec}: {error}")
     model = build_model(args.tiny, args.layers, device)
-    machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-               "layers": model.config.num_hidden_layers, "model": "tiny" if args.tiny else "Llama-3.1-8B shape",
-               "spec": spec, "warmup": args.warmup}
+    machine = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "layers": model.config.num_hidden_layers,
+        "model": "tiny" if args.tiny else "Llama-3.1-8B shape",
+        "spec": spec,
+        "warmup": args.warmup,
+    }
     made = provenance(device)  # the commit and the machine, written beside the figures
     runs = []
     for config in args.configs:
@@ -239,10 +300,21 @@ def plot(runs: list[dict], path: Path) -> Path:
         best = fastest_dense(rows)
         ax.set_title(f"batch {config[0]} × context {config[1]}", fontsize=10)
         if best is None:  # nothing to compare with: say why (an out-of-memory configuration, most often)
-            errors = {r.get("error", "no dense run").split(".")[0] for r in runs
-                      if (r["batch"], r["context"]) == config and not r["per_token_ms"]}
-            ax.text(0.5, 0.5, "not measured:\n" + "\n".join(sorted(errors)) if errors else "no dense run",
-                    ha="center", va="center", wrap=True, fontsize=8, transform=ax.transAxes)
+            errors = {
+                r.get("error", "no dense run").split(".")[0]
+                for r in runs
+                if (r["batch"], r["context"]) == config and not r["per_token_ms"]
+            }
+            ax.text(
+                0.5,
+                0.5,
+                "not measured:\n" + "\n".join(sorted(errors)) if errors else "no dense run",
+                ha="center",
+                va="center",
+                wrap=True,
+                fontsize=8,
+                transform=ax.transAxes,
+            )
             ax.set_axis_off()
             continue
         fastest = best["per_token_ms"]
@@ -301,35 +373,64 @@ def summary(machine: dict, runs: list[dict]) -> dict:
         for r in rows:
             if r["method"] == "openattention" and r["per_token_ms"] and r["density"] in TARGETS:
                 speedup = fastest["per_token_ms"] / r["per_token_ms"]
-                targets.append({"batch": config[0], "context": config[1], "density": r["density"],
-                                "speedup_over_dense_fastest": round(speedup, 3), "target": TARGETS[r["density"]],
-                                "met": speedup >= TARGETS[r["density"]],
-                                "short_by": round(max(TARGETS[r["density"]] - speedup, 0.0), 3)})
+                targets.append(
+                    {
+                        "batch": config[0],
+                        "context": config[1],
+                        "density": r["density"],
+                        "speedup_over_dense_fastest": round(speedup, 3),
+                        "target": TARGETS[r["density"]],
+                        "met": speedup >= TARGETS[r["density"]],
+                        "short_by": round(max(TARGETS[r["density"]] - speedup, 0.0), 3),
+                    }
+                )
             share = prepare_share(r)
             if share is not None:
-                targets.append({"batch": config[0], "context": config[1], "density": r["density"],
-                                "prepare_over_prefill": round(share, 3), "target": PREPARE_TARGET,
-                                "met": share <= PREPARE_TARGET, "short_by": round(max(share - PREPARE_TARGET, 0.0), 3)})
-    return {"machine": machine, "runs": runs + fastest_runs, "targets": targets,
-            "where_the_time_goes": ("benchmarks/kernel_h200.py (the sparse stage per layer and its parts) and "
-                                    "benchmarks/studies/generate_profile.py (device and host per token)")}
+                targets.append(
+                    {
+                        "batch": config[0],
+                        "context": config[1],
+                        "density": r["density"],
+                        "prepare_over_prefill": round(share, 3),
+                        "target": PREPARE_TARGET,
+                        "met": share <= PREPARE_TARGET,
+                        "short_by": round(max(share - PREPARE_TARGET, 0.0), 3),
+                    }
+                )
+    return {
+        "machine": machine,
+        "runs": runs + fastest_runs,
+        "targets": targets,
+        "where_the_time_goes": (
+            "benchmarks/kernel_h200.py (the sparse stage per layer and its parts) and "
+            "benchmarks/studies/generate_profile.py (device and host per token)"
+        ),
+    }
 
 
 def table(runs: list[dict]) -> str:
     """Per batch × context: each method's ms per token and its speed over dense-fastest."""
-    lines = ["| batch × context | method | density | ms / token | tokens/s vs dense-fastest | prefill s | prepare s "
-             "| prepare / dense prefill |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| batch × context | method | density | ms / token | tokens/s vs dense-fastest | prefill s | prepare s "
+        "| prepare / dense prefill |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for config in dict.fromkeys((r["batch"], r["context"]) for r in runs):
         rows = [r for r in runs if (r["batch"], r["context"]) == config]
         best = fastest_dense(rows)
         fastest = best["per_token_ms"] if best else None
         for r in rows:
             ms, density = r["per_token_ms"], r["density"]
-            cells = [f"{config[0]} × {config[1]}", r["method"], "" if density is None else f"{density:.0%}",
-                     "n/a" if ms is None else f"{ms:.2f}", f"{fastest / ms:.2f}×" if ms and fastest else "n/a",
-                     "n/a" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
-                     "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}",
-                     "" if prepare_share(r) is None else f"{prepare_share(r):.1%}"]
+            cells = [
+                f"{config[0]} × {config[1]}",
+                r["method"],
+                "" if density is None else f"{density:.0%}",
+                "n/a" if ms is None else f"{ms:.2f}",
+                f"{fastest / ms:.2f}×" if ms and fastest else "n/a",
+                "n/a" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
+                "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}",
+                "" if prepare_share(r) is None else f"{prepare_share(r):.1%}",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

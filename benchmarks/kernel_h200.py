@@ -49,9 +49,13 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, nargs="+", default=[0.1, 0.05, 0.03, 0.01])
     parser.add_argument("--gqa", nargs="+", default=["shared"], choices=["shared", "per_head"])
     parser.add_argument("--clusters", type=int, default=64)
-    parser.add_argument("--spec", type=Path, default=None,
-                        help="a spec file whose selector, allocator, tail, proxy, sink and local replace the defaults' "
-                             "(the clusters, kernel, GQA and budget still come from the options above)")
+    parser.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        help="a spec file whose selector, allocator, tail, proxy, sink and local replace the defaults' "
+        "(the clusters, kernel, GQA and budget still come from the options above)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kernel_h200.json"))
     return parser.parse_args(argv)
 
@@ -119,8 +123,13 @@ def one_token_past(state):
     cache_v = torch.cat([values, new_v, values.new_zeros(B, H, 63, D_)], dim=2)
     static = StaticState.from_state(state, n + 64)
     static.length += 1
-    grown = (static.member_counts, static.pooled.count, static.pooled.key_sum, static.pooled.value_sum,
-             static.pooled.key_square_sum)
+    grown = (
+        static.member_counts,
+        static.pooled.count,
+        static.pooled.key_sum,
+        static.pooled.value_sum,
+        static.pooled.key_square_sum,
+    )
     saved = [t.clone() for t in grown]
 
     def restore():
@@ -157,8 +166,9 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     # Correctness on this shape: flash against the reference, output poisoned first.
     explained = pipe.explain(query, state)
     selection, scores, inputs, quotas = explained.selection, explained.scores, explained.allocation, explained.quotas
-    reference, _ = TorchKernel().attend(query.float(), state.keys.float(), state.values.float(), selection,
-                                        state.pooled, state.scale)
+    reference, _ = TorchKernel().attend(
+        query.float(), state.keys.float(), state.values.float(), selection, state.pooled, state.scale
+    )
     pipe.kernel.poison = True  # every buffer NaN first: the output must be fully written
     out, _ = pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled, state.scale)
     pipe.kernel.poison = False
@@ -170,8 +180,9 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     grouped = oa.group_queries(query, HKV, pipe.spec.gqa == "shared")
 
     def score():  # the selector's scores as attend takes them: -inf outside the clusters
-        return pipe.selector.score(grouped, state.index, state.keys, state.scale).masked_fill(plan.unclustered,
-                                                                                              -math.inf)
+        return pipe.selector.score(grouped, state.index, state.keys, state.scale).masked_fill(
+            plan.unclustered, -math.inf
+        )
 
     def allocate():  # the cluster statistics, then the allocator
         mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
@@ -179,11 +190,19 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
 
     # The allocator's GPU path (ErrorGate: one Triton kernel) against its torch ops on the same device, and against
     # the CPU (float32 transcendentals may differ in the last bit between devices: rows whose quotas then differ).
-    on_cpu = dataclasses.replace(inputs, **{f.name: getattr(inputs, f.name).cpu() for f in dataclasses.fields(inputs)
-                                            if isinstance(getattr(inputs, f.name), torch.Tensor)})
-    same_allocation = bool(torch.equal(WaterFillAllocator.allocate(pipe.allocator, inputs), quotas)) \
-        if isinstance(pipe.allocator, WaterFillAllocator) and not pipe.allocator.reads_scores \
-        else None  # None: no separate GPU path to compare (ErrorGate's floor runs its torch ops on every device)
+    on_cpu = dataclasses.replace(
+        inputs,
+        **{
+            f.name: getattr(inputs, f.name).cpu()
+            for f in dataclasses.fields(inputs)
+            if isinstance(getattr(inputs, f.name), torch.Tensor)
+        },
+    )
+    same_allocation = (
+        bool(torch.equal(WaterFillAllocator.allocate(pipe.allocator, inputs), quotas))
+        if isinstance(pipe.allocator, WaterFillAllocator) and not pipe.allocator.reads_scores
+        else None
+    )  # None: no separate GPU path to compare (ErrorGate's floor runs its torch ops on every device)
     rows_off_cpu = int((pipe.allocator.allocate(on_cpu) != quotas.cpu()).any(-1).sum())
     # The GPU selection against the reference's sort-based one: the same rows.
     width = plan.max_selectable
@@ -195,8 +214,9 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         "allocation_ms": bench(allocate),
         "selection_ms": bench(lambda: select(scores, inputs.assignment, quotas, width=width, members=plan.members)),
         "selection_sort_ms": bench(lambda: select_by_sorting(scores, inputs.assignment, quotas, width=width)),
-        "kernel_ms": bench(lambda: pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled,
-                                                      state.scale)),
+        "kernel_ms": bench(
+            lambda: pipe.kernel.attend(query, state.keys, state.values, selection, state.pooled, state.scale)
+        ),
         "attend_ms": bench(lambda: pipe.attend(query, state)),
     }
     # The same stages replayed from CUDA graphs: the GPU's own time, without Python's launch overhead.
@@ -220,8 +240,14 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
     floor_bytes = sparse_bytes(batch, context, rows, state.num_clusters, 16)
     floor_ms = floor_bytes / dense_bandwidth * 1e3
     return {
-        "batch": batch, "context": context, "density": density, "gqa": gqa, "rows": rows,
-        "flash_vs_reference_rel_error": error, "finite": finite, "selection_matches_reference": same_selection,
+        "batch": batch,
+        "context": context,
+        "density": density,
+        "gqa": gqa,
+        "rows": rows,
+        "flash_vs_reference_rel_error": error,
+        "finite": finite,
+        "selection_matches_reference": same_selection,
         "allocation_matches_reference": same_allocation,
         "allocation_rows_differing_from_cpu": rows_off_cpu,
         **{k: round(v, 4) for k, v in times.items()},
@@ -232,7 +258,8 @@ def run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, dense_
         "speedup_kernel_graph": dense_graph_ms / times["kernel_graph_ms"] if "kernel_graph_ms" in times else None,
         "speedup_attend_graph": dense_graph_ms / times["attend_graph_ms"] if "attend_graph_ms" in times else None,
         "graph_errors": graph_errors,
-        "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 4),
+        "floor_bytes": floor_bytes,
+        "floor_ms": round(floor_ms, 4),
         "attend_over_floor": times["attend_ms"] / floor_ms,
         "kernel_note": pipe.kernel.note,
         "attend_kernels_ms": breakdown,
@@ -276,10 +303,13 @@ def static_step(pipe: Pipeline, state, query) -> dict:
         static.fused = None
         times["static_step_composed_graph_ms"] = bench(graphed(step))
         static.fused = fused
-    return {"static_step_fused": fused is not None,
-            "static_vs_reference_rel_error": float((out - expected).norm() / expected.norm()),
-            "static_rows_match_reference": same_rows, **{k: round(v, 4) for k, v in times.items()},
-            "static_step_kernels_ms": breakdown}
+    return {
+        "static_step_fused": fused is not None,
+        "static_vs_reference_rel_error": float((out - expected).norm() / expected.norm()),
+        "static_rows_match_reference": same_rows,
+        **{k: round(v, 4) for k, v in times.items()},
+        "static_step_kernels_ms": breakdown,
+    }
 
 
 def dense_times(query, keys, values) -> tuple[float, float]:
@@ -307,16 +337,22 @@ def decode_growth(state, keys, values) -> tuple[float, float, float]:
             grown.grow_to(grown_keys, grown_values)
         grown.plan()
 
-    return (bench(lambda: grow("append")), bench(lambda: grow("grow_to")),
-            bench(lambda: torch.cat([keys, new_key], dim=2)) * 2)
+    return (
+        bench(lambda: grow("append")),
+        bench(lambda: grow("grow_to")),
+        bench(lambda: torch.cat([keys, new_key], dim=2)) * 2,
+    )
 
 
 def prepare_times(first: Pipeline, keys, values, prefill) -> tuple[float, float]:
     """The layer's dense causal prefill attention (batch 1) and ``first.prepare`` once more (warm): median
     milliseconds."""
     q_prefill = torch.randn(1, HQ, keys.shape[2], D, device=keys.device, dtype=torch.bfloat16)
-    causal_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
-        q_prefill, keys, values, is_causal=True, enable_gqa=True))
+    causal_ms = bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            q_prefill, keys, values, is_causal=True, enable_gqa=True
+        )
+    )
     return causal_ms, bench(lambda: first.prepare(keys, values, prefill))
 
 
@@ -334,12 +370,17 @@ def main(argv=None) -> int:
             dense_bytes = 2 * keys.numel() * keys.element_size()
             bandwidth = dense_bytes / (dense_ms * 1e-3)
             for gqa in args.gqa:
-                base = {"clusterer": {"name": "qgc", "num_clusters": args.clusters}, "kernel": "flash", "gqa": gqa,
-                        "budget": {"density": args.density[0]}}
+                base = {
+                    "clusterer": {"name": "qgc", "num_clusters": args.clusters},
+                    "kernel": "flash",
+                    "gqa": gqa,
+                    "budget": {"density": args.density[0]},
+                }
                 if args.spec is not None:
                     loaded = oa.load_spec(args.spec).model_dump(mode="json")
-                    base.update({key: loaded[key] for key in ("selector", "allocator", "tail", "proxy", "sink",
-                                                              "local")})
+                    base.update(
+                        {key: loaded[key] for key in ("selector", "allocator", "tail", "proxy", "sink", "local")}
+                    )
                 first = oa.build(base)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -349,38 +390,55 @@ def main(argv=None) -> int:
 
                 def pipe_for(density, first=first, base=base):
                     spec = first.spec.model_copy(update={"budget": oa.Budget(density=density)})
-                    return Pipeline(spec, first.clusterer, first.selector, first.allocator, first.kernel,
-                                    first.kernel_note)
+                    return Pipeline(
+                        spec, first.clusterer, first.selector, first.allocator, first.kernel, first.kernel_note
+                    )
 
                 for density in args.density:
-                    row = run_config(pipe_for, state, query, density, dense_ms, dense_graph_ms, bandwidth, batch,
-                                     context, gqa)
+                    row = run_config(
+                        pipe_for, state, query, density, dense_ms, dense_graph_ms, bandwidth, batch, context, gqa
+                    )
                     row.update(dense_bandwidth_TBps=round(bandwidth / 1e12, 3))
                     results.append(row)
                     graph = {k[:-9]: v for k, v in row.items() if k.endswith("_graph_ms")}
-                    print(f"B={batch:>2} N={context:>6} {gqa:8s} {density:>5.0%}: dense {dense_ms:.3f} ms; eager "
-                          f"attend {row['attend_ms']:.3f} ms; in CUDA graphs " + ", ".join(f"{k} {v:.3f}" for k, v in
-                                                                              graph.items())
-                          + f"; floor {row['floor_ms']:.3f} ms; err {row['flash_vs_reference_rel_error']:.1e}"
-                          + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
-                          f"reference: {row['allocation_matches_reference']} "
-                          f"({row['allocation_rows_differing_from_cpu']} rows differ from the CPU's)"
-                          + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else "")
-                          + f"; static step (grow + attend{', fused' if row['static_step_fused'] else ''}) "
-                          f"{row['static_step_graph_ms']:.3f} ms in a graph "
-                          f"({row['speedup_static_step_graph']:.2f}× dense), = reference rows: "
-                          f"{row['static_rows_match_reference']}, err {row['static_vs_reference_rel_error']:.1e}",
-                          flush=True)
+                    print(
+                        f"B={batch:>2} N={context:>6} {gqa:8s} {density:>5.0%}: dense {dense_ms:.3f} ms; eager "
+                        f"attend {row['attend_ms']:.3f} ms; in CUDA graphs "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in graph.items())
+                        + f"; floor {row['floor_ms']:.3f} ms; err {row['flash_vs_reference_rel_error']:.1e}"
+                        + f"; selection = reference: {row['selection_matches_reference']}, allocation = "
+                        f"reference: {row['allocation_matches_reference']} "
+                        f"({row['allocation_rows_differing_from_cpu']} rows differ from the CPU's)"
+                        + (f"; not captured: {row['graph_errors']}" if row["graph_errors"] else "")
+                        + f"; static step (grow + attend{', fused' if row['static_step_fused'] else ''}) "
+                        f"{row['static_step_graph_ms']:.3f} ms in a graph "
+                        f"({row['speedup_static_step_graph']:.2f}× dense), = reference rows: "
+                        f"{row['static_rows_match_reference']}, err {row['static_vs_reference_rel_error']:.1e}",
+                        flush=True,
+                    )
                 append_ms, grow_to_ms, concat_ms = decode_growth(state, keys, values)
-                growth.append({"batch": batch, "context": context, "gqa": gqa,
-                               "append_and_plan_ms": round(append_ms, 4), "grow_to_and_plan_ms": round(grow_to_ms, 4),
-                               "dense_ms": round(dense_ms, 4), "cache_concat_ms": round(concat_ms, 4)})
+                growth.append(
+                    {
+                        "batch": batch,
+                        "context": context,
+                        "gqa": gqa,
+                        "append_and_plan_ms": round(append_ms, 4),
+                        "grow_to_and_plan_ms": round(grow_to_ms, 4),
+                        "dense_ms": round(dense_ms, 4),
+                        "cache_concat_ms": round(concat_ms, 4),
+                    }
+                )
                 print(f"decode growth: {growth[-1]}", flush=True)
                 if batch == 1 and gqa == args.gqa[0]:
                     causal_ms, again_ms = prepare_times(first, keys, values, prefill)
-                    prepare.append({"context": context, "prepare_ms_first_call": round(prepare_ms, 3),
-                                    "prepare_ms": round(again_ms, 3),
-                                    "dense_prefill_attention_ms": round(causal_ms, 3)})
+                    prepare.append(
+                        {
+                            "context": context,
+                            "prepare_ms_first_call": round(prepare_ms, 3),
+                            "prepare_ms": round(again_ms, 3),
+                            "dense_prefill_attention_ms": round(causal_ms, 3),
+                        }
+                    )
                     print(f"prepare at N={context}: {prepare[-1]}", flush=True)
                 del state
             del keys, values
@@ -396,8 +454,12 @@ def sm_clock() -> str:
     import subprocess
 
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -415,9 +477,15 @@ def write(args, results, prepare, growth) -> None:
         "results": results,
         "prepare": prepare,
         "decode_growth": growth,
-        "machine": {"gpu": torch.cuda.get_device_name(), "python": platform.python_version(),
-                    "sms": torch.cuda.get_device_properties(0).multi_processor_count, "sm_clock": sm_clock(),
-                    "torch": torch.__version__, "triton": triton.__version__, "openattention": oa.__version__},
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "python": platform.python_version(),
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            "sm_clock": sm_clock(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "openattention": oa.__version__,
+        },
         "provenance": provenance("cuda"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,446 +51,1059 @@ QGS_TESTS = ("tests/plugins/test_qgs.py", "tests/test_selection.py", "tests/test
 PQ_TESTS = ("tests/plugins/test_pq.py", "tests/test_conformance.py")
 RULER_TESTS = ("tests/test_ruler_fidelity.py",)
 ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py")
-KERNEL_TESTS = ("tests/plugins/test_reference_kernel.py", "tests/plugins/test_flash_kernel.py",
-                "tests/test_conformance.py")
+KERNEL_TESTS = (
+    "tests/plugins/test_reference_kernel.py",
+    "tests/plugins/test_flash_kernel.py",
+    "tests/test_conformance.py",
+)
 QGC_TESTS = ("tests/plugins/test_qgc.py", "tests/test_geometry.py", "tests/test_conformance.py")
 KMEANS_TESTS = ("tests/plugins/test_qgc.py", "tests/test_kmeans.py", "tests/test_conformance.py")
 SPEC_TESTS = ("tests/test_spec.py", "tests/test_errors.py")
 PIPELINE_TESTS = ("tests/test_pipeline.py", "tests/test_conformance.py", "tests/test_theory.py")
 STATIC_TESTS = ("tests/test_static.py", "tests/test_static_cache.py")
-TWO_STAGE_TESTS = ("tests/test_rerank.py", "tests/plugins/test_errorgate.py",
-                   "tests/test_static.py::test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too")
+TWO_STAGE_TESTS = (
+    "tests/test_rerank.py",
+    "tests/plugins/test_errorgate.py",
+    "tests/test_static.py::test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too",
+)
 FUSED_TESTS = ("tests/test_flash_step.py",)
-FUSED_TWO_STAGE_TESTS = ("tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",
-                         "tests/test_flash_step.py::test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_join")
-WATER_FILL_TESTS = ("tests/test_water_filling.py", "tests/plugins/test_errorgate.py",
-                    "tests/plugins/test_ablation_components.py")
+FUSED_TWO_STAGE_TESTS = (
+    "tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",
+    "tests/test_flash_step.py::test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_join",
+)
+WATER_FILL_TESTS = (
+    "tests/test_water_filling.py",
+    "tests/plugins/test_errorgate.py",
+    "tests/plugins/test_ablation_components.py",
+)
 
 MUTATIONS = [
     # -- QGS (Eq. 5) ------------------------------------------------------------------------------------------------
-    mutation("qgs-torch-score-without-int8-scale", "plugins/selectors/qgs.py",
-             [("* (scale * index.scales[:, :, None, :])", "* scale")], QGS_TESTS,
-             "the torch scoring path multiplies the codes by s but not by each key's int8 scale"),
-    mutation("qgs-triton-score-without-int8-scale", "plugins/selectors/qgs.py",
-             [("best * factor, mask=in_n)", "best * scale, mask=in_n)")], QGS_TESTS,
-             "the fused Triton scores drop each key's int8 scale"),
-    mutation("qgs-extend-codes-unprojected", "plugins/selectors/qgs.py",
-             [("codes, scales = quantize(project(keys, index.basis))\n        return {",
-               "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return {")],
-             QGS_TESTS, "decode-time growth quantizes the raw keys' first r coordinates, not their projection"),
+    mutation(
+        "qgs-torch-score-without-int8-scale",
+        "plugins/selectors/qgs.py",
+        [("* (scale * index.scales[:, :, None, :])", "* scale")],
+        QGS_TESTS,
+        "the torch scoring path multiplies the codes by s but not by each key's int8 scale",
+    ),
+    mutation(
+        "qgs-triton-score-without-int8-scale",
+        "plugins/selectors/qgs.py",
+        [("best * factor, mask=in_n)", "best * scale, mask=in_n)")],
+        QGS_TESTS,
+        "the fused Triton scores drop each key's int8 scale",
+    ),
+    mutation(
+        "qgs-extend-codes-unprojected",
+        "plugins/selectors/qgs.py",
+        [
+            (
+                "codes, scales = quantize(project(keys, index.basis))\n        return {",
+                "codes, scales = quantize(keys.float()[..., :index.basis.shape[-1]])\n        return {",
+            )
+        ],
+        QGS_TESTS,
+        "decode-time growth quantizes the raw keys' first r coordinates, not their projection",
+    ),
     # -- PQS (product-quantised selection) ---------------------------------------------------------------------------
-    mutation("pq-torch-score-skips-a-sub-space", "plugins/selectors/pq.py",
-             [("offsets = (index.codes.long().view(B * Hkv, N, M) + place).view(-1, M)",
-               "offsets = (index.codes.long().view(B * Hkv, N, M) + place)[..., 1:].reshape(-1, M - 1)")], PQ_TESTS,
-             "the torch scores add the tables of every sub-space but the first"),
-    mutation("pq-triton-score-skips-a-sub-space", "plugins/selectors/pq.py",
-             [("both = in_n[:, None] & (offs_m[None, :] < M)", "both = in_n[:, None] & (offs_m[None, :] < M - 1)")],
-             PQ_TESTS, "the fused scores read the codes of every sub-space but the last"),
-    mutation("pq-growth-codes-off-by-one", "plugins/selectors/pq.py",
-             [("return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8)",
-               "return ((nearest(sub_spaces(keys, dims), centroids) + 1) % 256).to(torch.uint8)")], PQ_TESTS,
-             "decode-time growth codes a key by the centroid after its nearest"),
-    mutation("pq-trains-on-unclustered-keys", "plugins/selectors/pq.py",
-             [("chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)",
-               "chosen = (region.cumsum(-1) - 1) % stride.clamp_min(1) == 0")], PQ_TESTS,
-             "the centroids also learn from the keys outside the clustered region (sink, local window, padding)"),
+    mutation(
+        "pq-torch-score-skips-a-sub-space",
+        "plugins/selectors/pq.py",
+        [
+            (
+                "offsets = (index.codes.long().view(B * Hkv, N, M) + place).view(-1, M)",
+                "offsets = (index.codes.long().view(B * Hkv, N, M) + place)[..., 1:].reshape(-1, M - 1)",
+            )
+        ],
+        PQ_TESTS,
+        "the torch scores add the tables of every sub-space but the first",
+    ),
+    mutation(
+        "pq-triton-score-skips-a-sub-space",
+        "plugins/selectors/pq.py",
+        [("both = in_n[:, None] & (offs_m[None, :] < M)", "both = in_n[:, None] & (offs_m[None, :] < M - 1)")],
+        PQ_TESTS,
+        "the fused scores read the codes of every sub-space but the last",
+    ),
+    mutation(
+        "pq-growth-codes-off-by-one",
+        "plugins/selectors/pq.py",
+        [
+            (
+                "return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8)",
+                "return ((nearest(sub_spaces(keys, dims), centroids) + 1) % 256).to(torch.uint8)",
+            )
+        ],
+        PQ_TESTS,
+        "decode-time growth codes a key by the centroid after its nearest",
+    ),
+    mutation(
+        "pq-trains-on-unclustered-keys",
+        "plugins/selectors/pq.py",
+        [
+            (
+                "chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)",
+                "chosen = (region.cumsum(-1) - 1) % stride.clamp_min(1) == 0",
+            )
+        ],
+        PQ_TESTS,
+        "the centroids also learn from the keys outside the clustered region (sink, local window, padding)",
+    ),
     # -- RULER's generator (NVIDIA/RULER at c3f5e3b) -----------------------------------------------------------------
-    mutation("ruler-never-singular", "oa_core/eval/ruler_tasks.py",
-             [("singular = config.num_needle_q * config.num_needle_v == 1", "singular = False")], RULER_TESTS,
-             "a niah task asking for one value keeps the plural template"),
-    mutation("ruler-noise-lines-joined-by-spaces", "oa_core/eval/ruler_tasks.py",
-             [('context, where = "\\n".join(placed)', 'context, where = " ".join(placed)')], RULER_TESTS,
-             "the noise and needle haystacks' lines joined by spaces, not newlines"),
-    mutation("ruler-vt-statements-with-periods", "oa_core/eval/ruler_tasks.py",
-             [('[f"VAR {variables[0]} = {value}"]', '[f"VAR {variables[0]} = {value}."]')], RULER_TESTS,
-             "vt's first assignment ends with a period"),
-    mutation("ruler-vt-without-its-example", "oa_core/eval/ruler_tasks.py",
-             [('return Prompt(example + "\\n" + content, question, prefix, list(variables))',
-               'return Prompt(content, question, prefix, list(variables))')], RULER_TESTS,
-             "vt's worked example left out"),
-    mutation("ruler-cwe-without-its-example", "oa_core/eval/ruler_tasks.py",
-             [("return Prompt(content, question, prefix, order[:config.num_cw], history)",
-               "return Prompt(content, question, prefix, order[:config.num_cw])")], RULER_TESTS,
-             "cwe's worked example left out"),
-    mutation("ruler-cwe-list-by-lines", "oa_core/eval/ruler_tasks.py",
-             [('return " ".join(f"{i + 1}. {word}" for i, word in enumerate(items))',
-               'return "\\n".join(f"{i + 1}. {word}" for i, word in enumerate(items))')], RULER_TESTS,
-             "cwe's numbered list one word a line, not space-separated"),
-    mutation("ruler-fwe-answers-ranks-1-3", "oa_core/eval/ruler_tasks.py",
-             [('vocabulary[0] = "..."  # the top rank is noise', 'pass')], RULER_TESTS,
-             "fwe without its noise word: the answers are then the three most frequent words (an easier task)"),
-    mutation("ruler-query-without-oxford-comma", "oa_core/eval/ruler_tasks.py",
-             [('", ".join(queries[:-1]) + ", and " + queries[-1]', '", ".join(queries[:-1]) + " and " + queries[-1]')],
-             RULER_TESTS, "several keys asked joined 'a, b and c'"),
-    mutation("ruler-no-room-to-generate", "oa_core/eval/ruler.py",
-             [("budget = length - NEW_TOKENS[config.family]", "budget = length")], RULER_TESTS,
-             "the prompt alone fills the length, leaving no room for the tokens RULER lets the model generate"),
-    mutation("ruler-essays-from-a-later-word", "oa_core/eval/ruler_tasks.py",
-             [("text = \" \".join(words[:size] if size <= len(words)",
-               "text = \" \".join(words[100:100 + size] if size <= len(words)")], RULER_TESTS,
-             "the essay haystack starts past the essays' first word"),
-    mutation("ruler-keys-of-two-nouns", "oa_core/eval/ruler_tasks.py",
-             [('return f"{r.choice(adjectives)}-{r.choice(nouns)}"', 'return f"{r.choice(nouns)}-{r.choice(nouns)}"')],
-             RULER_TESTS, "niah keys drawn as noun-noun pairs, not adjective-noun"),
+    mutation(
+        "ruler-never-singular",
+        "oa_core/eval/ruler_tasks.py",
+        [("singular = config.num_needle_q * config.num_needle_v == 1", "singular = False")],
+        RULER_TESTS,
+        "a niah task asking for one value keeps the plural template",
+    ),
+    mutation(
+        "ruler-noise-lines-joined-by-spaces",
+        "oa_core/eval/ruler_tasks.py",
+        [('context, where = "\\n".join(placed)', 'context, where = " ".join(placed)')],
+        RULER_TESTS,
+        "the noise and needle haystacks' lines joined by spaces, not newlines",
+    ),
+    mutation(
+        "ruler-vt-statements-with-periods",
+        "oa_core/eval/ruler_tasks.py",
+        [('[f"VAR {variables[0]} = {value}"]', '[f"VAR {variables[0]} = {value}."]')],
+        RULER_TESTS,
+        "vt's first assignment ends with a period",
+    ),
+    mutation(
+        "ruler-vt-without-its-example",
+        "oa_core/eval/ruler_tasks.py",
+        [
+            (
+                'return Prompt(example + "\\n" + content, question, prefix, list(variables))',
+                "return Prompt(content, question, prefix, list(variables))",
+            )
+        ],
+        RULER_TESTS,
+        "vt's worked example left out",
+    ),
+    mutation(
+        "ruler-cwe-without-its-example",
+        "oa_core/eval/ruler_tasks.py",
+        [
+            (
+                "return Prompt(content, question, prefix, order[: config.num_cw], history)",
+                "return Prompt(content, question, prefix, order[: config.num_cw])",
+            )
+        ],
+        RULER_TESTS,
+        "cwe's worked example left out",
+    ),
+    mutation(
+        "ruler-cwe-list-by-lines",
+        "oa_core/eval/ruler_tasks.py",
+        [
+            (
+                'return " ".join(f"{i + 1}. {word}" for i, word in enumerate(items))',
+                'return "\\n".join(f"{i + 1}. {word}" for i, word in enumerate(items))',
+            )
+        ],
+        RULER_TESTS,
+        "cwe's numbered list one word a line, not space-separated",
+    ),
+    mutation(
+        "ruler-fwe-answers-ranks-1-3",
+        "oa_core/eval/ruler_tasks.py",
+        [('vocabulary[0] = "..."  # the top rank is noise', "pass")],
+        RULER_TESTS,
+        "fwe without its noise word: the answers are then the three most frequent words (an easier task)",
+    ),
+    mutation(
+        "ruler-query-without-oxford-comma",
+        "oa_core/eval/ruler_tasks.py",
+        [('", ".join(queries[:-1]) + ", and " + queries[-1]', '", ".join(queries[:-1]) + " and " + queries[-1]')],
+        RULER_TESTS,
+        "several keys asked joined 'a, b and c'",
+    ),
+    mutation(
+        "ruler-no-room-to-generate",
+        "oa_core/eval/ruler.py",
+        [("budget = length - NEW_TOKENS[config.family]", "budget = length")],
+        RULER_TESTS,
+        "the prompt alone fills the length, leaving no room for the tokens RULER lets the model generate",
+    ),
+    mutation(
+        "ruler-essays-from-a-later-word",
+        "oa_core/eval/ruler_tasks.py",
+        [
+            (
+                'text = " ".join(words[:size] if size <= len(words)',
+                'text = " ".join(words[100:100 + size] if size <= len(words)',
+            )
+        ],
+        RULER_TESTS,
+        "the essay haystack starts past the essays' first word",
+    ),
+    mutation(
+        "ruler-keys-of-two-nouns",
+        "oa_core/eval/ruler_tasks.py",
+        [('return f"{r.choice(adjectives)}-{r.choice(nouns)}"', 'return f"{r.choice(nouns)}-{r.choice(nouns)}"')],
+        RULER_TESTS,
+        "niah keys drawn as noun-noun pairs, not adjective-noun",
+    ),
     # -- QGC (Eq. 4) ------------------------------------------------------------------------------------------------
-    mutation("qgc-projection-without-sqrt-lambda", "plugins/clusterers/qgc.py",
-             [("projection = basis * eigenvalues.sqrt()[..., None, :]", "projection = basis")], QGC_TESTS,
-             "keys projected on U_r without Λ_r^½: k-means in the wrong metric"),
-    mutation("qgc-ignores-the-queries", "plugins/clusterers/qgc.py",
-             [("query_geometry(keys, queries, mask, cfg.rank", "query_geometry(keys, None, mask, cfg.rank")],
-             QGC_TESTS, "the geometry comes from the keys (key PCA), not from the queries"),
-    mutation("qgc-whole-prefill-instead-of-window", "oa_core/ops/geometry.py",
-             [("samples = queries[:, :, -window:].double()", "samples = queries.double()")], QGC_TESTS,
-             "M̄_q from every prefill query instead of the last query_window"),
-    mutation("geometry-subspace-on-m-not-m-squared", "oa_core/ops/geometry.py",
-             [("basis = orthonormalize(square @ basis, ", "basis = orthonormalize(basis, ")], QGC_TESTS,
-             "the GPU's subspace iteration never multiplies by M²: the start's span is returned"),
-    mutation("geometry-energy-stop-reversed", "oa_core/ops/geometry.py",
-             [("done |= captured - energy <= energy_tol * captured",
-               "done |= energy - captured <= energy_tol * captured")], QGC_TESTS,
-             "the subspace iteration stops at its second check whatever the energy its basis still gains"),
-    mutation("geometry-gram-schmidt-without-normalising", "oa_core/ops/geometry.py",
-             [("column = column / tl.sqrt(tl.sum(column * column, axis=0))", "column = column")], QGC_TESTS,
-             "the Triton Gram–Schmidt leaves its columns unnormalised"),
-    mutation("kmeans-plus-plus-kernel-off-by-one", "oa_core/ops/kmeans.py",
-             [("chosen = tl.minimum(below, n - 1)", "chosen = tl.minimum(below + 1, n - 1)")], KMEANS_TESTS,
-             "the one-launch k-means++ picks the point after the one whose weight the draw fell in"),
-    mutation("nearest-kernel-last-of-equals", "oa_core/ops/kmeans.py",
-             [("better = low < best", "better = low <= best")], KMEANS_TESTS,
-             "the Triton nearest centroid takes the last of equal centroids across tiles"),
-    mutation("kmeans-plus-plus-kernel-block-search-one-short", "oa_core/ops/kmeans.py",
-             [("first = tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0)",
-               "first = tl.maximum(tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0) - 1, 0)")],
-             KMEANS_TESTS, "k-means++ inverts the CDF in the block before the one its draw falls in"),
-    mutation("lloyd-torch-stops-while-points-move", "oa_core/ops/kmeans.py",
-             [("if iteration % check_every == 0 and torch.equal(updated, assignment):",
-               "if iteration % check_every == 0 and not torch.equal(updated, assignment):")], KMEANS_TESTS,
-             "Lloyd's torch loop stops at its first look where points still move"),
-    mutation("lloyd-gpu-stops-while-points-move", "oa_core/ops/kmeans.py",
-             [("if i and i % check_every == 0 and not bool(moved[i]):",
-               "if i and i % check_every == 0 and bool(moved[i]):")],
-             KMEANS_TESTS, "Lloyd on the GPU stops at its first look where points still move"),
-    mutation("lloyd-sums-count-every-point", "oa_core/ops/kmeans.py",
-             [("go = changed & (w != 0)", "go = changed")], KMEANS_TESTS,
-             "Lloyd's sums on the GPU move the points of weight 0 (outside the mask) too"),
-    mutation("lloyd-means-empty-cluster-to-zero", "oa_core/ops/kmeans.py",
-             [("tl.where(count[:, None] > 0, mean, centre)", "tl.where(count[:, None] >= 0, mean, centre)")],
-             KMEANS_TESTS,
-             "the Triton cluster means move an emptied cluster's centre to the origin"),
-    mutation("lloyd-gpu-never-flags-a-moved-point", "oa_core/ops/kmeans.py",
-             [("if tl.max(changed.to(tl.int32), axis=0) > 0:", "if tl.max(changed.to(tl.int32), axis=0) > 1:")],
-             KMEANS_TESTS, "Lloyd on the GPU sees no point move, so it stops at its first look"),
-    mutation("lloyd-gpu-deltas-never-zeroed", "oa_core/ops/kmeans.py",
-             [("                tl.store(DELTAS + row + R, tl.zeros([BLOCK_C], tl.float64), mask=in_c)\n", "")],
-             KMEANS_TESTS, "Lloyd on the GPU folds each launch's count deltas into the sums again at every later "
-             "launch"),
-    mutation("lloyd-gpu-moved-point-stays-in-its-old-sums", "oa_core/ops/kmeans.py",
-             [("out_of = (p * C + before) * (R + 1)", "out_of = (p * C + best) * (R + 1)")], KMEANS_TESTS,
-             "a point that changes cluster is taken from its new cluster's sums, not from its old one's"),
-    mutation("lloyd-gpu-arrivals-never-reset", "oa_core/ops/kmeans.py",
-             [("            tl.store(ARRIVED + p, 0)\n", "")], KMEANS_TESTS,
-             "the arrival count is not reset: after the first launch no program is the last, the means never move"),
-    mutation("lloyd-gpu-last-arrival-forgets-the-deltas", "oa_core/ops/kmeans.py",
-             [("other=0.0, cache_modifier=\".cg\") + \\\n                    tl.load(DELTAS + row[:, None]",
-               "other=0.0, cache_modifier=\".cg\") + 0 * \\\n                    tl.load(DELTAS + row[:, None]")],
-             KMEANS_TESTS, "the last program's means fold in the counts' deltas but not the sums'"),
-    mutation("projection-kernel-drops-the-last-dimension", "oa_core/ops/geometry.py",
-             [("in_n, in_d, in_r = offs_n < N, offs_d < D, offs_r < R",
-               "in_n, in_d, in_r = offs_n < N, offs_d < D - 1, offs_r < R")],
-             QGC_TESTS, "the projection kernel reads each key without its last dimension"),
-    mutation("pooled-sums-square-of-values", "oa_core/ops/scatter.py",
-             [("key_square_sum += tl.sum(k * k, axis=0)", "key_square_sum += tl.sum(v * v, axis=0)")],
-             ("tests/test_scatter.py",), "the pooled Σk⊙k sums the values' squares"),
-    mutation("pooled-sums-one-row-short", "oa_core/ops/scatter.py",
-             [("inside = at < count", "inside = at < count - 1")], ("tests/test_scatter.py",),
-             "each cluster's pooled sums leave out its last row"),
-    mutation("finite-check-reads-the-maximum-only", "oa_core/contracts.py",
-             [("ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]",
-               "ends = [t.amax()[None] for t in tensors if t.numel()]")], SPEC_TESTS,
-             "the NaN/Inf check misses -Inf (it reads the largest element only)"),
+    mutation(
+        "qgc-projection-without-sqrt-lambda",
+        "plugins/clusterers/qgc.py",
+        [("projection = basis * eigenvalues.sqrt()[..., None, :]", "projection = basis")],
+        QGC_TESTS,
+        "keys projected on U_r without Λ_r^½: k-means in the wrong metric",
+    ),
+    mutation(
+        "qgc-ignores-the-queries",
+        "plugins/clusterers/qgc.py",
+        [("query_geometry(keys, queries, mask, cfg.rank", "query_geometry(keys, None, mask, cfg.rank")],
+        QGC_TESTS,
+        "the geometry comes from the keys (key PCA), not from the queries",
+    ),
+    mutation(
+        "qgc-whole-prefill-instead-of-window",
+        "oa_core/ops/geometry.py",
+        [("samples = queries[:, :, -window:].double()", "samples = queries.double()")],
+        QGC_TESTS,
+        "M̄_q from every prefill query instead of the last query_window",
+    ),
+    mutation(
+        "geometry-subspace-on-m-not-m-squared",
+        "oa_core/ops/geometry.py",
+        [("basis = orthonormalize(square @ basis, ", "basis = orthonormalize(basis, ")],
+        QGC_TESTS,
+        "the GPU's subspace iteration never multiplies by M²: the start's span is returned",
+    ),
+    mutation(
+        "geometry-energy-stop-reversed",
+        "oa_core/ops/geometry.py",
+        [("done |= captured - energy <= energy_tol * captured", "done |= energy - captured <= energy_tol * captured")],
+        QGC_TESTS,
+        "the subspace iteration stops at its second check whatever the energy its basis still gains",
+    ),
+    mutation(
+        "geometry-gram-schmidt-without-normalising",
+        "oa_core/ops/geometry.py",
+        [("column = column / tl.sqrt(tl.sum(column * column, axis=0))", "column = column")],
+        QGC_TESTS,
+        "the Triton Gram–Schmidt leaves its columns unnormalised",
+    ),
+    mutation(
+        "kmeans-plus-plus-kernel-off-by-one",
+        "oa_core/ops/kmeans.py",
+        [("chosen = tl.minimum(below, n - 1)", "chosen = tl.minimum(below + 1, n - 1)")],
+        KMEANS_TESTS,
+        "the one-launch k-means++ picks the point after the one whose weight the draw fell in",
+    ),
+    mutation(
+        "nearest-kernel-last-of-equals",
+        "oa_core/ops/kmeans.py",
+        [("better = low < best", "better = low <= best")],
+        KMEANS_TESTS,
+        "the Triton nearest centroid takes the last of equal centroids across tiles",
+    ),
+    mutation(
+        "kmeans-plus-plus-kernel-block-search-one-short",
+        "oa_core/ops/kmeans.py",
+        [
+            (
+                "first = tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0)",
+                "first = tl.maximum(tl.sum(((offs_b < nb) & (ends < target)).to(tl.int64), axis=0) - 1, 0)",
+            )
+        ],
+        KMEANS_TESTS,
+        "k-means++ inverts the CDF in the block before the one its draw falls in",
+    ),
+    mutation(
+        "lloyd-torch-stops-while-points-move",
+        "oa_core/ops/kmeans.py",
+        [
+            (
+                "if iteration % check_every == 0 and torch.equal(updated, assignment):",
+                "if iteration % check_every == 0 and not torch.equal(updated, assignment):",
+            )
+        ],
+        KMEANS_TESTS,
+        "Lloyd's torch loop stops at its first look where points still move",
+    ),
+    mutation(
+        "lloyd-gpu-stops-while-points-move",
+        "oa_core/ops/kmeans.py",
+        [
+            (
+                "if i and i % check_every == 0 and not bool(moved[i]):",
+                "if i and i % check_every == 0 and bool(moved[i]):",
+            )
+        ],
+        KMEANS_TESTS,
+        "Lloyd on the GPU stops at its first look where points still move",
+    ),
+    mutation(
+        "lloyd-sums-count-every-point",
+        "oa_core/ops/kmeans.py",
+        [("go = changed & (w != 0)", "go = changed")],
+        KMEANS_TESTS,
+        "Lloyd's sums on the GPU move the points of weight 0 (outside the mask) too",
+    ),
+    mutation(
+        "lloyd-means-empty-cluster-to-zero",
+        "oa_core/ops/kmeans.py",
+        [("tl.where(count[:, None] > 0, mean, centre)", "tl.where(count[:, None] >= 0, mean, centre)")],
+        KMEANS_TESTS,
+        "the Triton cluster means move an emptied cluster's centre to the origin",
+    ),
+    mutation(
+        "lloyd-gpu-never-flags-a-moved-point",
+        "oa_core/ops/kmeans.py",
+        [("if tl.max(changed.to(tl.int32), axis=0) > 0:", "if tl.max(changed.to(tl.int32), axis=0) > 1:")],
+        KMEANS_TESTS,
+        "Lloyd on the GPU sees no point move, so it stops at its first look",
+    ),
+    mutation(
+        "lloyd-gpu-deltas-never-zeroed",
+        "oa_core/ops/kmeans.py",
+        [("                tl.store(DELTAS + row + R, tl.zeros([BLOCK_C], tl.float64), mask=in_c)\n", "")],
+        KMEANS_TESTS,
+        "Lloyd on the GPU folds each launch's count deltas into the sums again at every later launch",
+    ),
+    mutation(
+        "lloyd-gpu-moved-point-stays-in-its-old-sums",
+        "oa_core/ops/kmeans.py",
+        [("out_of = (p * C + before) * (R + 1)", "out_of = (p * C + best) * (R + 1)")],
+        KMEANS_TESTS,
+        "a point that changes cluster is taken from its new cluster's sums, not from its old one's",
+    ),
+    mutation(
+        "lloyd-gpu-arrivals-never-reset",
+        "oa_core/ops/kmeans.py",
+        [("            tl.store(ARRIVED + p, 0)\n", "")],
+        KMEANS_TESTS,
+        "the arrival count is not reset: after the first launch no program is the last, the means never move",
+    ),
+    mutation(
+        "lloyd-gpu-last-arrival-forgets-the-deltas",
+        "oa_core/ops/kmeans.py",
+        [
+            (
+                ") + tl.load(DELTAS + row[:, None] + offs_r[None, :], mask=tile",
+                ") + 0 * tl.load(DELTAS + row[:, None] + offs_r[None, :], mask=tile",
+            )
+        ],
+        KMEANS_TESTS,
+        "the last program's means fold in the counts' deltas but not the sums'",
+    ),
+    mutation(
+        "projection-kernel-drops-the-last-dimension",
+        "oa_core/ops/geometry.py",
+        [
+            (
+                "in_n, in_d, in_r = offs_n < N, offs_d < D, offs_r < R",
+                "in_n, in_d, in_r = offs_n < N, offs_d < D - 1, offs_r < R",
+            )
+        ],
+        QGC_TESTS,
+        "the projection kernel reads each key without its last dimension",
+    ),
+    mutation(
+        "pooled-sums-square-of-values",
+        "oa_core/ops/scatter.py",
+        [("key_square_sum += tl.sum(k * k, axis=0)", "key_square_sum += tl.sum(v * v, axis=0)")],
+        ("tests/test_scatter.py",),
+        "the pooled Σk⊙k sums the values' squares",
+    ),
+    mutation(
+        "pooled-sums-one-row-short",
+        "oa_core/ops/scatter.py",
+        [("inside = at < count", "inside = at < count - 1")],
+        ("tests/test_scatter.py",),
+        "each cluster's pooled sums leave out its last row",
+    ),
+    mutation(
+        "finite-check-reads-the-maximum-only",
+        "oa_core/contracts.py",
+        [
+            (
+                "ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]",
+                "ends = [t.amax()[None] for t in tensors if t.numel()]",
+            )
+        ],
+        SPEC_TESTS,
+        "the NaN/Inf check misses -Inf (it reads the largest element only)",
+    ),
     # -- ErrorGate (Eq. 6) ------------------------------------------------------------------------------------------
-    mutation("errorgate-without-head-normaliser", "plugins/allocators/errorgate.py",
-             [("return log_error - log_total(log_mass)", "return log_error"),
-              ("log_priority = log_error - total[:, None]", "log_priority = log_error")], ERRORGATE_TESTS,
-             "each head's ε̂ is not divided by its Ẑ (torch and Triton paths)"),
-    mutation("errorgate-torch-without-head-normaliser", "plugins/allocators/errorgate.py",
-             [("return log_error - log_total(log_mass)", "return log_error")], ERRORGATE_TESTS,
-             "the torch path alone drops −ln Ẑ"),
-    mutation("errorgate-triton-without-head-normaliser", "plugins/allocators/errorgate.py",
-             [("log_priority = log_error - total[:, None]", "log_priority = log_error")], ERRORGATE_TESTS,
-             "the Triton path alone drops −ln Ẑ"),
-    mutation("errorgate-without-erf-factor", "plugins/allocators/errorgate.py",
-             [("return log_mass + torch.log(torch.erf(sigma / math.sqrt(2))), log_mass", "return log_mass, log_mass"),
-              ("log_error = log_mass + tl.log(tl.erf(tl.div_rn(sigma, 1.4142135623730951)))", "log_error = log_mass")],
-             ERRORGATE_TESTS, "ε̂_b without the factor 2Φ(σ̂) − 1: the Gaussian mass instead of its error"),
-    mutation("errorgate-variance-without-half", "plugins/allocators/errorgate.py",
-             [("log_mass = torch.log(counts) + mean_logit + logit_var / 2",
-               "log_mass = torch.log(counts) + mean_logit + logit_var"),
-              ("log_mass = (tl.log(count)[None, :] + mean) + var * 0.5",
-               "log_mass = (tl.log(count)[None, :] + mean) + var")],
-             ERRORGATE_TESTS, "e^{σ̂²} instead of e^{σ̂²/2} in both paths"),
+    mutation(
+        "errorgate-without-head-normaliser",
+        "plugins/allocators/errorgate.py",
+        [
+            ("return log_error - log_total(log_mass)", "return log_error"),
+            ("log_priority = log_error - total[:, None]", "log_priority = log_error"),
+        ],
+        ERRORGATE_TESTS,
+        "each head's ε̂ is not divided by its Ẑ (torch and Triton paths)",
+    ),
+    mutation(
+        "errorgate-torch-without-head-normaliser",
+        "plugins/allocators/errorgate.py",
+        [("return log_error - log_total(log_mass)", "return log_error")],
+        ERRORGATE_TESTS,
+        "the torch path alone drops −ln Ẑ",
+    ),
+    mutation(
+        "errorgate-triton-without-head-normaliser",
+        "plugins/allocators/errorgate.py",
+        [("log_priority = log_error - total[:, None]", "log_priority = log_error")],
+        ERRORGATE_TESTS,
+        "the Triton path alone drops −ln Ẑ",
+    ),
+    mutation(
+        "errorgate-without-erf-factor",
+        "plugins/allocators/errorgate.py",
+        [
+            ("return log_mass + torch.log(torch.erf(sigma / math.sqrt(2))), log_mass", "return log_mass, log_mass"),
+            ("log_error = log_mass + tl.log(tl.erf(tl.div_rn(sigma, 1.4142135623730951)))", "log_error = log_mass"),
+        ],
+        ERRORGATE_TESTS,
+        "ε̂_b without the factor 2Φ(σ̂) − 1: the Gaussian mass instead of its error",
+    ),
+    mutation(
+        "errorgate-variance-without-half",
+        "plugins/allocators/errorgate.py",
+        [
+            (
+                "log_mass = torch.log(counts) + mean_logit + logit_var / 2",
+                "log_mass = torch.log(counts) + mean_logit + logit_var",
+            ),
+            (
+                "log_mass = (tl.log(count)[None, :] + mean) + var * 0.5",
+                "log_mass = (tl.log(count)[None, :] + mean) + var",
+            ),
+        ],
+        ERRORGATE_TESTS,
+        "e^{σ̂²} instead of e^{σ̂²/2} in both paths",
+    ),
     # -- water-filling (Eq. 7) --------------------------------------------------------------------------------------
-    mutation("water-fill-smallest-remainders", "oa_core/ops/water_filling.py",
-             [("rank = fraction.argsort(dim=-1, descending=True, stable=True)",
-               "rank = fraction.argsort(dim=-1, descending=False, stable=True)")],
-             WATER_FILL_TESTS, "the rounding's leftover rows go to the smallest fractional parts (torch path)"),
-    mutation("water-fill-triton-smallest-remainders", "oa_core/ops/water_filling.py",
-             [("ahead = (fraction[:, None] > fraction[None, :])", "ahead = (fraction[:, None] < fraction[None, :])")],
-             WATER_FILL_TESTS, "the Triton water-filling ranks remainders ascending"),
-    mutation("mass-without-cluster-size", "plugins/allocators/mass.py",
-             [("log_mass = torch.log(counts) + inputs.mean_logit", "log_mass = inputs.mean_logit")],
-             ("tests/plugins/test_ablation_components.py",), "the mass ablation ranks by e^{z̄_b}, not n_b e^{z̄_b}"),
-    mutation("quest-bound-with-bounds-swapped", "plugins/selectors/quest.py",
-             [("q.clamp_min(0) @ hi.transpose(-1, -2) + q.clamp_max(0) @ lo.transpose(-1, -2)",
-               "q.clamp_min(0) @ lo.transpose(-1, -2) + q.clamp_max(0) @ hi.transpose(-1, -2)")],
-             ("tests/plugins/test_quest.py",), "Quest's page bound takes the minimum key where q_d > 0"),
+    mutation(
+        "water-fill-smallest-remainders",
+        "oa_core/ops/water_filling.py",
+        [
+            (
+                "rank = fraction.argsort(dim=-1, descending=True, stable=True)",
+                "rank = fraction.argsort(dim=-1, descending=False, stable=True)",
+            )
+        ],
+        WATER_FILL_TESTS,
+        "the rounding's leftover rows go to the smallest fractional parts (torch path)",
+    ),
+    mutation(
+        "water-fill-triton-smallest-remainders",
+        "oa_core/ops/water_filling.py",
+        [("ahead = (fraction[:, None] > fraction[None, :])", "ahead = (fraction[:, None] < fraction[None, :])")],
+        WATER_FILL_TESTS,
+        "the Triton water-filling ranks remainders ascending",
+    ),
+    mutation(
+        "mass-without-cluster-size",
+        "plugins/allocators/mass.py",
+        [("log_mass = torch.log(counts) + inputs.mean_logit", "log_mass = inputs.mean_logit")],
+        ("tests/plugins/test_ablation_components.py",),
+        "the mass ablation ranks by e^{z̄_b}, not n_b e^{z̄_b}",
+    ),
+    mutation(
+        "quest-bound-with-bounds-swapped",
+        "plugins/selectors/quest.py",
+        [
+            (
+                "q.clamp_min(0) @ hi.transpose(-1, -2) + q.clamp_max(0) @ lo.transpose(-1, -2)",
+                "q.clamp_min(0) @ lo.transpose(-1, -2) + q.clamp_max(0) @ hi.transpose(-1, -2)",
+            )
+        ],
+        ("tests/plugins/test_quest.py",),
+        "Quest's page bound takes the minimum key where q_d > 0",
+    ),
     # -- cluster statistics (§3.1) ----------------------------------------------------------------------------------
-    mutation("cluster-stats-variance-scaled-once", "oa_core/ops/cluster_stats.py",
-             [('scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)',
-               'scale * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)')],
-             ("tests/test_cluster_stats.py", "tests/test_pipeline.py"), "σ̂² with s instead of s² (torch path)"),
+    mutation(
+        "cluster-stats-variance-scaled-once",
+        "oa_core/ops/cluster_stats.py",
+        [
+            (
+                'scale**2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)',
+                'scale * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var)',
+            )
+        ],
+        ("tests/test_cluster_stats.py", "tests/test_pipeline.py"),
+        "σ̂² with s instead of s² (torch path)",
+    ),
     # -- the kernels (Eq. 1) ----------------------------------------------------------------------------------------
-    mutation("kernel-proxy-not-minus-rows-read", "plugins/kernels/reference.py",
-             [('proxies.key_sum) - read_sum', 'proxies.key_sum) - 0 * read_sum'),
-              ("row_weights = weights[..., :logits.shape[-1]] - torch.cat(",
-               "row_weights = weights[..., :logits.shape[-1]] - 0 * torch.cat(")],
-             KERNEL_TESTS, "the proxy means include the rows already read exactly"),
-    mutation("kernel-proxy-count-n-b", "plugins/kernels/reference.py",
-             [("tail_count = proxies.count[expand] - read_count",
-               "tail_count = proxies.count[expand] + 0 * read_count")],
-             KERNEL_TESTS, "the proxy counts n_b, not n_b − |X∩b|"),
-    mutation("kernel-proxy-without-log-count", "plugins/kernels/reference.py",
-             [("proxy_logits = tail_sum / n + torch.log(n)", "proxy_logits = tail_sum / n")], KERNEL_TESTS,
-             "the proxy logit without + ln n_T: one token's weight for the whole tail"),
-    mutation("kernel-ignores-row-weights", "plugins/kernels/reference.py",
-             [("logits = read_logits + selection.log_weight.float()", "logits = read_logits")], KERNEL_TESTS,
-             "sampled tail rows weigh 1 instead of η"),
-    mutation("flash-proxy-without-log-count", "plugins/kernels/flash_programs.py",
-             [("ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
-               "ell = (qk * scale - read_z) / n_tail[None, :]")], KERNEL_TESTS,
-             "the Triton kernel's proxy logit without + ln n_T"),
-    mutation("kernel-second-order-without-the-half", "plugins/kernels/reference.py",
-             [("proxy_logits = proxy_logits + torch.log1p(0.5 * tail_logit_variance(",
-               "proxy_logits = proxy_logits + torch.log1p(tail_logit_variance(")], KERNEL_TESTS,
-             "the second-order proxy adds ln(1 + σ̂_T²), not ln(1 + σ̂_T²/2)"),
-    mutation("kernel-second-order-keeps-the-rows-read", "oa_core/ops/cluster_stats.py",
-             [("spread = ((count[:, :, None, None] * logit_var - d2 - d1 * d1 / n) / n).clamp_min(0)",
-               "spread = ((count[:, :, None, None] * logit_var) / n).clamp_min(0)")], KERNEL_TESTS,
-             "the tail's logit variance keeps the rows read exactly"),
-    mutation("kernel-second-order-unbounded", "oa_core/ops/cluster_stats.py",
-             [("return torch.minimum(spread, gap * gap)", "return spread")], KERNEL_TESTS,
-             "the tail's logit variance is not bounded by its gap to the least logit read"),
-    mutation("flash-second-order-unbounded", "plugins/kernels/flash_programs.py",
-             [("ell += tl.log(1.0 + 0.5 * tl.minimum(tail_var, gap * gap))", "ell += tl.log(1.0 + 0.5 * tail_var)")],
-             KERNEL_TESTS, "the Triton kernel's tail logit variance is not bounded by the gap to the least logit read"),
-    mutation("flash-second-order-keeps-the-rows-read", "plugins/kernels/flash_programs.py",
-             [("tail_var = tl.maximum((count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :])",
-               "tail_var = tl.maximum((count[None, :] * logit_var)")],
-             KERNEL_TESTS, "the Triton kernel's tail logit variance keeps the rows read exactly"),
-    mutation("flash-tail-keeps-the-rows-read", "plugins/kernels/flash_programs.py",
-             [("other=0.0) - read_v", "other=0.0)")], KERNEL_TESTS,
-             "the proxy's values are the cluster's whole Σv_b: the rows read exactly count twice"),
-    mutation("flash-free-columns-restart-at-the-runs", "plugins/kernels/flash_programs.py",
-             [("offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)", "offs_x = offs_x")],
-             KERNEL_TESTS, "the columns after the runs (a selection's rows outside every cluster, padding) are never "
-             "read: the chunks' free shares read the runs' first columns again"),
-    mutation("flash-free-share-drops-the-remainder", "plugins/kernels/flash_programs.py",
-             [("per = tl.cdiv(free, PARTS)", "per = free // PARTS")], KERNEL_TESTS,
-             "the free columns that do not divide evenly among the chunks are never read"),
+    mutation(
+        "kernel-proxy-not-minus-rows-read",
+        "plugins/kernels/reference.py",
+        [
+            ("proxies.key_sum) - read_sum", "proxies.key_sum) - 0 * read_sum"),
+            (
+                "row_weights = weights[..., : logits.shape[-1]] - torch.cat(",
+                "row_weights = weights[..., : logits.shape[-1]] - 0 * torch.cat(",
+            ),
+        ],
+        KERNEL_TESTS,
+        "the proxy means include the rows already read exactly",
+    ),
+    mutation(
+        "kernel-proxy-count-n-b",
+        "plugins/kernels/reference.py",
+        [("tail_count = proxies.count[expand] - read_count", "tail_count = proxies.count[expand] + 0 * read_count")],
+        KERNEL_TESTS,
+        "the proxy counts n_b, not n_b − |X∩b|",
+    ),
+    mutation(
+        "kernel-proxy-without-log-count",
+        "plugins/kernels/reference.py",
+        [("proxy_logits = tail_sum / n + torch.log(n)", "proxy_logits = tail_sum / n")],
+        KERNEL_TESTS,
+        "the proxy logit without + ln n_T: one token's weight for the whole tail",
+    ),
+    mutation(
+        "kernel-ignores-row-weights",
+        "plugins/kernels/reference.py",
+        [("logits = read_logits + selection.log_weight.float()", "logits = read_logits")],
+        KERNEL_TESTS,
+        "sampled tail rows weigh 1 instead of η",
+    ),
+    mutation(
+        "flash-proxy-without-log-count",
+        "plugins/kernels/flash_programs.py",
+        [
+            (
+                "ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
+                "ell = (qk * scale - read_z) / n_tail[None, :]",
+            )
+        ],
+        KERNEL_TESTS,
+        "the Triton kernel's proxy logit without + ln n_T",
+    ),
+    mutation(
+        "kernel-second-order-without-the-half",
+        "plugins/kernels/reference.py",
+        [
+            (
+                "torch.log1p(\n                0.5\n                * tail_logit_variance(",
+                "torch.log1p(\n                1.0\n                * tail_logit_variance(",
+            )
+        ],
+        KERNEL_TESTS,
+        "the second-order proxy adds ln(1 + σ̂_T²), not ln(1 + σ̂_T²/2)",
+    ),
+    mutation(
+        "kernel-second-order-keeps-the-rows-read",
+        "oa_core/ops/cluster_stats.py",
+        [
+            (
+                "spread = ((count[:, :, None, None] * logit_var - d2 - d1 * d1 / n) / n).clamp_min(0)",
+                "spread = ((count[:, :, None, None] * logit_var) / n).clamp_min(0)",
+            )
+        ],
+        KERNEL_TESTS,
+        "the tail's logit variance keeps the rows read exactly",
+    ),
+    mutation(
+        "kernel-second-order-unbounded",
+        "oa_core/ops/cluster_stats.py",
+        [("return torch.minimum(spread, gap * gap)", "return spread")],
+        KERNEL_TESTS,
+        "the tail's logit variance is not bounded by its gap to the least logit read",
+    ),
+    mutation(
+        "flash-second-order-unbounded",
+        "plugins/kernels/flash_programs.py",
+        [("ell += tl.log(1.0 + 0.5 * tl.minimum(tail_var, gap * gap))", "ell += tl.log(1.0 + 0.5 * tail_var)")],
+        KERNEL_TESTS,
+        "the Triton kernel's tail logit variance is not bounded by the gap to the least logit read",
+    ),
+    mutation(
+        "flash-second-order-keeps-the-rows-read",
+        "plugins/kernels/flash_programs.py",
+        [
+            (
+                "(count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :]) / n_tail[None, :], 0.0",
+                "(count[None, :] * logit_var) / n_tail[None, :], 0.0",
+            )
+        ],
+        KERNEL_TESTS,
+        "the Triton kernel's tail logit variance keeps the rows read exactly",
+    ),
+    mutation(
+        "flash-tail-keeps-the-rows-read",
+        "plugins/kernels/flash_programs.py",
+        [("other=0.0) - read_v", "other=0.0)")],
+        KERNEL_TESTS,
+        "the proxy's values are the cluster's whole Σv_b: the rows read exactly count twice",
+    ),
+    mutation(
+        "flash-free-columns-restart-at-the-runs",
+        "plugins/kernels/flash_programs.py",
+        [("offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)", "offs_x = offs_x")],
+        KERNEL_TESTS,
+        "the columns after the runs (a selection's rows outside every cluster, padding) are never "
+        "read: the chunks' free shares read the runs' first columns again",
+    ),
+    mutation(
+        "flash-free-share-drops-the-remainder",
+        "plugins/kernels/flash_programs.py",
+        [("per = tl.cdiv(free, PARTS)", "per = free // PARTS")],
+        KERNEL_TESTS,
+        "the free columns that do not divide evenly among the chunks are never read",
+    ),
     # -- selection ---------------------------------------------------------------------------------------------------
-    mutation("triton-selection-ties-to-the-last-position", "oa_core/ops/selection.py",
-             [("| (-lanes + (BLOCK - 1)).to(tl.int64)", "| lanes.to(tl.int64)"),
-              ("lane = (-(top & 0xFFFFFFFF) + (BLOCK - 1)).to(tl.int32)", "lane = (top & 0xFFFFFFFF).to(tl.int32)")],
-             ("tests/test_selection.py",), "among tied scores a cluster's pick goes to the last position"),
-    mutation("lsh-extend-without-centering", "plugins/selectors/lsh.py",
-             [('{"buckets": self._hash(index, keys.float() - index.center)}',
-               '{"buckets": self._hash(index, keys.float())}')],
-             ("tests/plugins/test_lsh.py", "tests/test_conformance.py"),
-             "decode-time growth hashes new keys without the centring the build applied"),
+    mutation(
+        "triton-selection-ties-to-the-last-position",
+        "oa_core/ops/selection.py",
+        [
+            ("| (-lanes + (BLOCK - 1)).to(tl.int64)", "| lanes.to(tl.int64)"),
+            ("lane = (-(top & 0xFFFFFFFF) + (BLOCK - 1)).to(tl.int32)", "lane = (top & 0xFFFFFFFF).to(tl.int32)"),
+        ],
+        ("tests/test_selection.py",),
+        "among tied scores a cluster's pick goes to the last position",
+    ),
+    mutation(
+        "lsh-extend-without-centering",
+        "plugins/selectors/lsh.py",
+        [
+            (
+                '{"buckets": self._hash(index, keys.float() - index.center)}',
+                '{"buckets": self._hash(index, keys.float())}',
+            )
+        ],
+        ("tests/plugins/test_lsh.py", "tests/test_conformance.py"),
+        "decode-time growth hashes new keys without the centring the build applied",
+    ),
     # -- spec ---------------------------------------------------------------------------------------------------------
-    mutation("spec-budget-rounds-up", "oa_core/spec.py",
-             [("torch.floor(num_tokens.double() * self.density)", "torch.ceil(num_tokens.double() * self.density)")],
-             (*SPEC_TESTS, "tests/test_pipeline.py", "tests/test_conformance.py"),
-             "a density budget rounds up, reading more than the density"),
-    mutation("spec-tail-samples-unbounded", "oa_core/spec.py",
-             [("tail_samples: float = Field(default=0.5, gt=0, le=1,",
-               "tail_samples: float = Field(default=0.5, gt=0,")],
-             SPEC_TESTS, "tail_samples above 1 is accepted (it fails later, blaming the allocator)"),
-    mutation("spec-local-unbounded", "oa_core/spec.py",
-             [("local: int = Field(default=64, ge=0,", "local: int = Field(default=64,")], SPEC_TESTS,
-             "a negative local window is accepted and runs"),
+    mutation(
+        "spec-budget-rounds-up",
+        "oa_core/spec.py",
+        [("torch.floor(num_tokens.double() * self.density)", "torch.ceil(num_tokens.double() * self.density)")],
+        (*SPEC_TESTS, "tests/test_pipeline.py", "tests/test_conformance.py"),
+        "a density budget rounds up, reading more than the density",
+    ),
+    mutation(
+        "spec-tail-samples-unbounded",
+        "oa_core/spec.py",
+        [("default=0.5,\n        gt=0,\n        le=1,", "default=0.5,\n        gt=0,")],
+        SPEC_TESTS,
+        "tail_samples above 1 is accepted (it fails later, blaming the allocator)",
+    ),
+    mutation(
+        "spec-local-unbounded",
+        "oa_core/spec.py",
+        [("local: int = Field(default=64, ge=0,", "local: int = Field(default=64,")],
+        SPEC_TESTS,
+        "a negative local window is accepted and runs",
+    ),
     # -- the pipeline --------------------------------------------------------------------------------------------------
-    mutation("pipeline-budget-ignores-fixed-rows", "oa_core/state.py",
-             [("selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)",
-               "selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] + 0 * fixed_counts).clamp_min(0)")],
-             PIPELINE_TESTS, "the selector gets the whole budget on top of sink and local"),
-    mutation("pipeline-growth-skips-pooled-sums", "oa_core/state.py",
-             [("            self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])\n", "")],
-             PIPELINE_TESTS, "rows leaving the local window join a cluster but not its pooled sums"),
-    mutation("pipeline-variance-without-mean-square", "oa_core/ops/cluster_stats.py",
-             [("(key_square_sum / n - mean * mean)", "(key_square_sum / n)")],
-             PIPELINE_TESTS, "Var_b(k) from the pooled sums as E[k²], not E[k²] − k̄²"),
-    mutation("pipeline-growth-leaves-one-late", "oa_core/state.py",
-             [("leaving_end = self.clustered_end", "leaving_end = self.clustered_end - 1")],
-             PIPELINE_TESTS, "the local window keeps one row too many after growth"),
-    mutation("pipeline-causal-hides-own-position", "oa_core/pipeline.py",
-             [("selection.index.masked_fill(selection.index > own, -1)",
-               "selection.index.masked_fill(selection.index >= own, -1)")],
-             (*PIPELINE_TESTS, "tests/test_integration.py"), "a causal query does not see its own key"),
-    mutation("pipeline-tail-samples-weigh-pool-size", "oa_core/pipeline.py",
-             [("log_eta = torch.log(size / taken).expand(drawn.shape)",
-               "log_eta = torch.log(size).expand(drawn.shape)")],
-             PIPELINE_TESTS, "a tail sample weighs |pool| instead of |pool|/m"),
+    mutation(
+        "pipeline-budget-ignores-fixed-rows",
+        "oa_core/state.py",
+        [
+            (
+                "selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)",
+                "selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] + 0 * fixed_counts).clamp_min(0)",
+            )
+        ],
+        PIPELINE_TESTS,
+        "the selector gets the whole budget on top of sink and local",
+    ),
+    mutation(
+        "pipeline-growth-skips-pooled-sums",
+        "oa_core/state.py",
+        [("            self._pool(ids, self.keys[:, :, leaving], self.values[:, :, leaving])\n", "")],
+        PIPELINE_TESTS,
+        "rows leaving the local window join a cluster but not its pooled sums",
+    ),
+    mutation(
+        "pipeline-variance-without-mean-square",
+        "oa_core/ops/cluster_stats.py",
+        [("(key_square_sum / n - mean * mean)", "(key_square_sum / n)")],
+        PIPELINE_TESTS,
+        "Var_b(k) from the pooled sums as E[k²], not E[k²] − k̄²",
+    ),
+    mutation(
+        "pipeline-growth-leaves-one-late",
+        "oa_core/state.py",
+        [("leaving_end = self.clustered_end", "leaving_end = self.clustered_end - 1")],
+        PIPELINE_TESTS,
+        "the local window keeps one row too many after growth",
+    ),
+    mutation(
+        "pipeline-causal-hides-own-position",
+        "oa_core/pipeline.py",
+        [
+            (
+                "selection.index.masked_fill(selection.index > own, -1)",
+                "selection.index.masked_fill(selection.index >= own, -1)",
+            )
+        ],
+        (*PIPELINE_TESTS, "tests/test_integration.py"),
+        "a causal query does not see its own key",
+    ),
+    mutation(
+        "pipeline-tail-samples-weigh-pool-size",
+        "oa_core/pipeline.py",
+        [("log_eta = torch.log(size / taken).expand(drawn.shape)", "log_eta = torch.log(size).expand(drawn.shape)")],
+        PIPELINE_TESTS,
+        "a tail sample weighs |pool| instead of |pool|/m",
+    ),
     # -- the fast decode path -----------------------------------------------------------------------------------------
-    mutation("static-join-forgets-the-count", "oa_core/static.py",
-             [("tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 1.0)",
-               "tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 0.0)")], STATIC_TESTS,
-             "the row leaving the window joins its cluster's sums but not its count"),
-    mutation("static-window-one-behind", "oa_core/static.py",
-             [("return self.fixed_base + self.length * self.fixed_moves",
-               "return self.fixed_base + (self.length - 1) * self.fixed_moves")], STATIC_TESTS,
-             "the local window the step reads lags one token behind"),
-    mutation("static-new-row-not-indexed", "oa_core/static.py",
-             [("getattr(self.index, name).index_copy_(2, newest, codes)", "getattr(self.index, name)")],
-             STATIC_TESTS, "the new row gets no selector codes"),
-    mutation("static-stats-from-sums-without-mean-square", "oa_core/ops/cluster_stats.py",
-             [("return mean, tl.maximum(tl.div_rn(key_square_sum, n) - mean * mean, 0.0)",
-               "return mean, tl.maximum(tl.div_rn(key_square_sum, n), 0.0)")],
-             STATIC_TESTS + FUSED_TESTS + ("tests/test_cluster_stats.py",),
-             "the step's cluster variance is E[k²], not E[k²] − k̄²"),
-    mutation("dense-decode-reads-padding", "oa_core/ops/dense_decode.py",
-             [("first = tl.maximum(tl.load(START + b), split * SPLIT)", "first = split * SPLIT")],
-             ("tests/test_dense_decode.py", "tests/test_static_cache.py"), "dense decode reads a row's left padding"),
-    mutation("static-state-over-another-arena-keeps-its-own", "oa_core/static.py",
-             [("if length is self.length and arena is self.arena:", "if length is self.length:")], STATIC_TESTS,
-             "a state handed another arena with its own length tensor keeps writing its own buffers"),
-    mutation("static-pack-leaves-the-arena-unfilled", "oa_core/static.py",
-             [("        view.copy_(tensors[name])\n", "        view.zero_()\n")], STATIC_TESTS,
-             "the arena's views are zeros, not the prepared state (clusters, sums, codes lost)"),
-    mutation("static-op-writes-the-states-own-tensors", "oa_core/integration/static_cache.py",
-             [("return _STATES[key].with_buffers(state).step(query, keys, values)",
-               "return _STATES[key].step(query, keys, values)")], ("tests/test_static_cache.py",),
-             "the compiled op writes the state's tensors, not the buffers the compiler gave it (growth lost)"),
-    mutation("static-capacity-unchecked", "oa_core/integration/static_cache.py",
-             [("int(self.cumulative_length) + 1 > self.max_cache_len",
-               "int(self.cumulative_length) > self.max_cache_len")],
-             ("tests/test_static_cache.py",), "a step one past the capacity is let through"),
+    mutation(
+        "static-join-forgets-the-count",
+        "oa_core/static.py",
+        [
+            (
+                "tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 1.0)",
+                "tl.store(COUNT + cluster, tl.load(COUNT + cluster) + 0.0)",
+            )
+        ],
+        STATIC_TESTS,
+        "the row leaving the window joins its cluster's sums but not its count",
+    ),
+    mutation(
+        "static-window-one-behind",
+        "oa_core/static.py",
+        [
+            (
+                "return self.fixed_base + self.length * self.fixed_moves",
+                "return self.fixed_base + (self.length - 1) * self.fixed_moves",
+            )
+        ],
+        STATIC_TESTS,
+        "the local window the step reads lags one token behind",
+    ),
+    mutation(
+        "static-new-row-not-indexed",
+        "oa_core/static.py",
+        [("getattr(self.index, name).index_copy_(2, newest, codes)", "getattr(self.index, name)")],
+        STATIC_TESTS,
+        "the new row gets no selector codes",
+    ),
+    mutation(
+        "static-stats-from-sums-without-mean-square",
+        "oa_core/ops/cluster_stats.py",
+        [
+            (
+                "return mean, tl.maximum(tl.div_rn(key_square_sum, n) - mean * mean, 0.0)",
+                "return mean, tl.maximum(tl.div_rn(key_square_sum, n), 0.0)",
+            )
+        ],
+        STATIC_TESTS + FUSED_TESTS + ("tests/test_cluster_stats.py",),
+        "the step's cluster variance is E[k²], not E[k²] − k̄²",
+    ),
+    mutation(
+        "dense-decode-reads-padding",
+        "oa_core/ops/dense_decode.py",
+        [("first = tl.maximum(tl.load(START + b), split * SPLIT)", "first = split * SPLIT")],
+        ("tests/test_dense_decode.py", "tests/test_static_cache.py"),
+        "dense decode reads a row's left padding",
+    ),
+    mutation(
+        "static-state-over-another-arena-keeps-its-own",
+        "oa_core/static.py",
+        [("if length is self.length and arena is self.arena:", "if length is self.length:")],
+        STATIC_TESTS,
+        "a state handed another arena with its own length tensor keeps writing its own buffers",
+    ),
+    mutation(
+        "static-pack-leaves-the-arena-unfilled",
+        "oa_core/static.py",
+        [("        view.copy_(tensors[name])\n", "        view.zero_()\n")],
+        STATIC_TESTS,
+        "the arena's views are zeros, not the prepared state (clusters, sums, codes lost)",
+    ),
+    mutation(
+        "static-op-writes-the-states-own-tensors",
+        "oa_core/integration/static_cache.py",
+        [
+            (
+                "return _STATES[key].with_buffers(state).step(query, keys, values)",
+                "return _STATES[key].step(query, keys, values)",
+            )
+        ],
+        ("tests/test_static_cache.py",),
+        "the compiled op writes the state's tensors, not the buffers the compiler gave it (growth lost)",
+    ),
+    mutation(
+        "static-capacity-unchecked",
+        "oa_core/integration/static_cache.py",
+        [("int(self.cumulative_length) + 1 > self.max_cache_len", "int(self.cumulative_length) > self.max_cache_len")],
+        ("tests/test_static_cache.py",),
+        "a step one past the capacity is let through",
+    ),
     # -- the fused static step (flash) ----------------------------------------------------------------------------
-    mutation("fused-codes-round-halves-up", "plugins/kernels/flash_step_programs.py",
-             [("return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)",
-               "return tl.where(f >= 0.5, r + 1.0, r)")], FUSED_TESTS,
-             "the new row's codes round halves up, where QGS's quantize rounds them to even"),
-    mutation("fused-budget-ignores-left-padding", "plugins/kernels/two_stage_programs.py",
-             [("valid = length - tl.load(START + b)", "valid = length")], FUSED_TESTS,
-             "a left-padded row's budget counts its padding as context"),
-    mutation("fused-nearest-without-the-centroid-norm", "plugins/kernels/flash_step_programs.py",
-             [("distance = tl.sum(centre * centre, axis=1) - 2 * tl.sum(centre * point[None, :], axis=1)",
-               "distance = -2 * tl.sum(centre * point[None, :], axis=1)")], FUSED_TESTS,
-             "the leaving row joins the centroid of largest dot product, not the nearest"),
-    mutation("fused-leaving-row-one-late", "plugins/kernels/flash_step_programs.py",
-             [("leaving = newest - LOCAL", "leaving = newest - LOCAL + 1")], FUSED_TESTS,
-             "the row that joins a cluster is still inside the local window"),
-    mutation("fused-queries-projected-from-one-head", "plugins/kernels/flash_step_programs.py",
-             [("(h * G + j) * sq_h", "(h * G) * sq_h")], FUSED_TESTS,
-             "every query head of a group is scored with the group's first head"),
-    mutation("fused-join-counted-in-the-first-chunk-only", "plugins/kernels/flash_step_programs.py",
-             [("count = tl.where(joins, count + 1.0, count)",
-               "count = tl.where(joins & (chunk == 0), count + 1.0, count)")],
-             FUSED_TESTS, "a row joining a cluster past the first 16 is not counted (nor its statistics updated)"),
-    mutation("fused-statistics-before-the-join", "plugins/kernels/flash_step_programs.py",
-             [("mean, var = moments_tile(key_sum, key_square_sum, count)",
-               "mean, var = moments_tile(tl.where(joins[:, None], key_sum - k[None, :], key_sum),\n"
-               "            tl.where(joins[:, None], key_square_sum - (k * k)[None, :], key_square_sum),\n"
-               "            tl.where(joins, count - 1.0, count))")],
-             FUSED_TESTS, "the allocator sees each cluster's mean key as it was before the step's join"),
-    mutation("fused-window-one-behind", "plugins/kernels/flash_step_programs.py",
-             [("+ length * tl.load(FIXED_MOVES", "+ (length - 1) * tl.load(FIXED_MOVES")], FUSED_TESTS,
-             "the local window the fused step reads lags one token behind"),
+    mutation(
+        "fused-codes-round-halves-up",
+        "plugins/kernels/flash_step_programs.py",
+        [("return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)", "return tl.where(f >= 0.5, r + 1.0, r)")],
+        FUSED_TESTS,
+        "the new row's codes round halves up, where QGS's quantize rounds them to even",
+    ),
+    mutation(
+        "fused-budget-ignores-left-padding",
+        "plugins/kernels/two_stage_programs.py",
+        [("valid = length - tl.load(START + b)", "valid = length")],
+        FUSED_TESTS,
+        "a left-padded row's budget counts its padding as context",
+    ),
+    mutation(
+        "fused-nearest-without-the-centroid-norm",
+        "plugins/kernels/flash_step_programs.py",
+        [
+            (
+                "distance = tl.sum(centre * centre, axis=1) - 2 * tl.sum(centre * point[None, :], axis=1)",
+                "distance = -2 * tl.sum(centre * point[None, :], axis=1)",
+            )
+        ],
+        FUSED_TESTS,
+        "the leaving row joins the centroid of largest dot product, not the nearest",
+    ),
+    mutation(
+        "fused-leaving-row-one-late",
+        "plugins/kernels/flash_step_programs.py",
+        [("leaving = newest - LOCAL", "leaving = newest - LOCAL + 1")],
+        FUSED_TESTS,
+        "the row that joins a cluster is still inside the local window",
+    ),
+    mutation(
+        "fused-queries-projected-from-one-head",
+        "plugins/kernels/flash_step_programs.py",
+        [("(h * G + j) * sq_h", "(h * G) * sq_h")],
+        FUSED_TESTS,
+        "every query head of a group is scored with the group's first head",
+    ),
+    mutation(
+        "fused-join-counted-in-the-first-chunk-only",
+        "plugins/kernels/flash_step_programs.py",
+        [("count = tl.where(joins, count + 1.0, count)", "count = tl.where(joins & (chunk == 0), count + 1.0, count)")],
+        FUSED_TESTS,
+        "a row joining a cluster past the first 16 is not counted (nor its statistics updated)",
+    ),
+    mutation(
+        "fused-statistics-before-the-join",
+        "plugins/kernels/flash_step_programs.py",
+        [
+            (
+                "mean, var = moments_tile(key_sum, key_square_sum, count)",
+                "mean, var = moments_tile(tl.where(joins[:, None], key_sum - k[None, :], key_sum),\n"
+                "            tl.where(joins[:, None], key_square_sum - (k * k)[None, :], key_square_sum),\n"
+                "            tl.where(joins, count - 1.0, count))",
+            )
+        ],
+        FUSED_TESTS,
+        "the allocator sees each cluster's mean key as it was before the step's join",
+    ),
+    mutation(
+        "fused-window-one-behind",
+        "plugins/kernels/flash_step_programs.py",
+        [
+            (
+                "other=0) + length * tl.load(\n            FIXED_MOVES",
+                "other=0) + (length - 1) * tl.load(\n            FIXED_MOVES",
+            )
+        ],
+        FUSED_TESTS,
+        "the local window the fused step reads lags one token behind",
+    ),
     # -- two-stage selection (QGS rerank) and ErrorGate's floor -----------------------------------------------------
-    mutation("two-stage-rerank-keeps-cheap-scores", "oa_core/ops/rerank.py",
-             [("torch.where(listed, exact, out.gather(-1, top))", "torch.where(listed, cut, out.gather(-1, top))")],
-             TWO_STAGE_TESTS, "the shortlist keeps its codes' scores: nothing is re-ranked by exact logits"),
-    mutation("two-stage-rest-not-shifted", "oa_core/ops/rerank.py",
-             [("    out = scores + torch.where(listed.any(-1, keepdim=True), lowest - last - 1, 0.0)\n",
-               "    out = scores.clone()\n")], TWO_STAGE_TESTS,
-             "the rows outside the shortlist keep their codes' scores, so they may outrank shortlisted exact logits"),
-    mutation("two-stage-shortlist-ignores-row-budget", "oa_core/ops/rerank.py",
-             [("torch.ceil(multiple * budget.double())",
-               "torch.ceil(multiple * torch.full_like(budget.double(), width))")],
-             TWO_STAGE_TESTS, "every row's shortlist is sized by the widest row's budget, not its own"),
-    mutation("errorgate-floor-rest-uncapped", "plugins/allocators/errorgate.py",
-             [("rest = water_fill(priority, counts - first, inputs.budget - first.sum(-1))",
-               "rest = water_fill(priority, counts, inputs.budget - first.sum(-1))")],
-             TWO_STAGE_TESTS,
-             "the water-filled rest ignores the floor's reads, so a cluster may get more than it holds"),
-    mutation("errorgate-floor-reads-nothing-first", "plugins/allocators/errorgate.py",
-             [("first_budget = torch.floor(self.config.floor * inputs.budget.double()).long()",
-               "first_budget = torch.zeros_like(inputs.budget)")],
-             TWO_STAGE_TESTS, "the floor is parsed but no best-scored row is read first: the paper's ErrorGate"),
+    mutation(
+        "two-stage-rerank-keeps-cheap-scores",
+        "oa_core/ops/rerank.py",
+        [("torch.where(listed, exact, out.gather(-1, top))", "torch.where(listed, cut, out.gather(-1, top))")],
+        TWO_STAGE_TESTS,
+        "the shortlist keeps its codes' scores: nothing is re-ranked by exact logits",
+    ),
+    mutation(
+        "two-stage-rest-not-shifted",
+        "oa_core/ops/rerank.py",
+        [
+            (
+                "    out = scores + torch.where(listed.any(-1, keepdim=True), lowest - last - 1, 0.0)\n",
+                "    out = scores.clone()\n",
+            )
+        ],
+        TWO_STAGE_TESTS,
+        "the rows outside the shortlist keep their codes' scores, so they may outrank shortlisted exact logits",
+    ),
+    mutation(
+        "two-stage-shortlist-ignores-row-budget",
+        "oa_core/ops/rerank.py",
+        [("torch.ceil(multiple * budget.double())", "torch.ceil(multiple * torch.full_like(budget.double(), width))")],
+        TWO_STAGE_TESTS,
+        "every row's shortlist is sized by the widest row's budget, not its own",
+    ),
+    mutation(
+        "errorgate-floor-rest-uncapped",
+        "plugins/allocators/errorgate.py",
+        [
+            (
+                "rest = water_fill(priority, counts - first, inputs.budget - first.sum(-1))",
+                "rest = water_fill(priority, counts, inputs.budget - first.sum(-1))",
+            )
+        ],
+        TWO_STAGE_TESTS,
+        "the water-filled rest ignores the floor's reads, so a cluster may get more than it holds",
+    ),
+    mutation(
+        "errorgate-floor-reads-nothing-first",
+        "plugins/allocators/errorgate.py",
+        [
+            (
+                "first_budget = torch.floor(self.config.floor * inputs.budget.double()).long()",
+                "first_budget = torch.zeros_like(inputs.budget)",
+            )
+        ],
+        TWO_STAGE_TESTS,
+        "the floor is parsed but no best-scored row is read first: the paper's ErrorGate",
+    ),
     # -- the fused step's two-stage launches (plugins/kernels/two_stage.py) -------------------------------------------
-    mutation("fused-two-stage-ties-by-position-off-by-one", "plugins/kernels/two_stage_programs.py",
-             [("return ok & ((key > tau) | (tie & (rank < ties)))",
-               "return ok & ((key > tau) | (tie & (rank <= ties)))")],
-             FUSED_TWO_STAGE_TESTS, "one tie too many taken at the cut: the shortlist or the floor is a row longer"),
-    mutation("fused-two-stage-radix-digit-own-count-taken", "plugins/kernels/two_stage_programs.py",
-             [("return digit, rest - tl.sum(tl.where(bins == digit, total - inclusive, 0), axis=0)",
-               "return digit, rest - tl.sum(tl.where(bins == digit, total - inclusive + hist, 0), axis=0)")],
-             FUSED_TWO_STAGE_TESTS, "a digit's own count taken as above the cut: the lower digits look for too few"),
-    mutation("fused-two-stage-rest-not-shifted", "plugins/kernels/two_stage_programs.py",
-             [("tl.where(keep, listed_exact, value + shift)", "tl.where(keep, listed_exact, value)")],
-             FUSED_TWO_STAGE_TESTS, "the fused step leaves unlisted rows their codes' scores beside exact logits"),
-    mutation("fused-two-stage-ties-before-a-segment-inclusive", "plugins/kernels/two_stage_programs.py",
-             [("tied_before = tl.cumsum(tied, axis=0) - tied", "tied_before = tl.cumsum(tied, axis=0)")],
-             FUSED_TWO_STAGE_TESTS,
-             "a segment counts its own ties at the cut as earlier ones: ties taken out of order"),
-    mutation("fused-two-stage-leaving-row-outside", "plugins/kernels/two_stage_programs.py",
-             [("== C) & (offs != n - 1 - LOCAL)", "== C)")], FUSED_TWO_STAGE_TESTS,
-             "the row joining a cluster in this step is not shortlisted when the join has not run yet (a CUDA graph "
-             "runs it beside the shortlist)"),
-    mutation("fused-floor-rows-dropped", "plugins/kernels/flash_step_programs.py",
-             [("            quotas = first + rest\n", "            quotas = rest\n")], FUSED_TWO_STAGE_TESTS,
-             "the fused plan water-fills the rest but forgets the floor's own rows"),
+    mutation(
+        "fused-two-stage-ties-by-position-off-by-one",
+        "plugins/kernels/two_stage_programs.py",
+        [("return ok & ((key > tau) | (tie & (rank < ties)))", "return ok & ((key > tau) | (tie & (rank <= ties)))")],
+        FUSED_TWO_STAGE_TESTS,
+        "one tie too many taken at the cut: the shortlist or the floor is a row longer",
+    ),
+    mutation(
+        "fused-two-stage-radix-digit-own-count-taken",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "return digit, rest - tl.sum(tl.where(bins == digit, total - inclusive, 0), axis=0)",
+                "return digit, rest - tl.sum(tl.where(bins == digit, total - inclusive + hist, 0), axis=0)",
+            )
+        ],
+        FUSED_TWO_STAGE_TESTS,
+        "a digit's own count taken as above the cut: the lower digits look for too few",
+    ),
+    mutation(
+        "fused-two-stage-rest-not-shifted",
+        "plugins/kernels/two_stage_programs.py",
+        [("tl.where(keep, listed_exact, value + shift)", "tl.where(keep, listed_exact, value)")],
+        FUSED_TWO_STAGE_TESTS,
+        "the fused step leaves unlisted rows their codes' scores beside exact logits",
+    ),
+    mutation(
+        "fused-two-stage-ties-before-a-segment-inclusive",
+        "plugins/kernels/two_stage_programs.py",
+        [("tied_before = tl.cumsum(tied, axis=0) - tied", "tied_before = tl.cumsum(tied, axis=0)")],
+        FUSED_TWO_STAGE_TESTS,
+        "a segment counts its own ties at the cut as earlier ones: ties taken out of order",
+    ),
+    mutation(
+        "fused-two-stage-leaving-row-outside",
+        "plugins/kernels/two_stage_programs.py",
+        [("== C) & (offs != n - 1 - LOCAL)", "== C)")],
+        FUSED_TWO_STAGE_TESTS,
+        "the row joining a cluster in this step is not shortlisted when the join has not run yet (a CUDA graph "
+        "runs it beside the shortlist)",
+    ),
+    mutation(
+        "fused-floor-rows-dropped",
+        "plugins/kernels/flash_step_programs.py",
+        [("            quotas = first + rest\n", "            quotas = rest\n")],
+        FUSED_TWO_STAGE_TESTS,
+        "the fused plan water-fills the rest but forgets the floor's own rows",
+    ),
     # -- the transformers integration --------------------------------------------------------------------------------
-    mutation("integration-route-dense-question", "oa_core/integration/runtime.py",
-             [('LayerRuntime(module.layer_idx, None if why else build(spec), question="sparse")',
-               'LayerRuntime(module.layer_idx, None if why else build(spec), question="dense")')],
-             ("tests/test_integration.py",),
-             "attn_implementation='openattention' attends the question densely (setup A) though B is the default"),
+    mutation(
+        "integration-route-dense-question",
+        "oa_core/integration/runtime.py",
+        [
+            (
+                'LayerRuntime(module.layer_idx, None if why else build(spec), question="sparse")',
+                'LayerRuntime(module.layer_idx, None if why else build(spec), question="dense")',
+            )
+        ],
+        ("tests/test_integration.py",),
+        "attn_implementation='openattention' attends the question densely (setup A) though B is the default",
+    ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
-    mutation("flash-blocks-ignore-the-head-dim", "plugins/kernels/flash.py",
-             [("return 64 if block_d <= 64 else 16", "return 64")],
-             ("tests/plugins/test_kernel_resources.py", "tests/plugins/test_flash_kernel.py"),
-             "flash's pass takes 64-column blocks at every head dim: 18 KB a thread spilled at 256"),
-    mutation("lloyd-blocks-ignore-the-dims", "oa_core/ops/kmeans.py",
-             [("return 128 if block_r <= 128 else 16", "return 128")], ("tests/plugins/test_kernel_resources.py",),
-             "the Lloyd step and nearest centroid take 128 points at every dim: 384 KB of shared memory at 256"),
-    mutation("plain-prompt-without-bos", "oa_core/analysis/offline_model.py",
-             [('    return tokenizer.decode(lead) + "".join(', '    return "".join(')],
-             ("tests/test_offline_model.py",),
-             "a base model's prompt loses the <bos> its tokenizer starts a text with"),
-    mutation("qgs-key-rank-ignored", "plugins/selectors/qgs.py",
-             [("        if cfg.key_rank:\n", "        if False:\n")], QGS_TESTS,
-             "QGS's key_rank shrinks the query basis but never adds the keys' spread"),
-    mutation("key-spread-not-projected-off-the-basis", "oa_core/ops/geometry.py",
-             [("top_eigenpairs(off @ covariance @ off, extra)", "top_eigenpairs(covariance, extra)")], QGS_TESTS,
-             "the keys' spread is taken whole, not outside the query subspace: its top directions repeat the basis"),
-    mutation("key-rank-default-zero", "plugins/selectors/qgs.py",
-             [("            self.key_rank = self.rank // 2\n", "            self.key_rank = 0\n")], QGS_TESTS,
-             "the default QGS basis is the query geometry alone again (key_rank 0), not half from the keys"),
-    mutation("key-spread-over-unclustered-keys", "plugins/selectors/qgs.py",
-             [("with_key_spread(basis, keys, region, cfg.key_rank)",
-               "with_key_spread(basis, keys, torch.ones_like(region), cfg.key_rank)")], QGS_TESTS,
-             "the keys' spread is taken over every key, sink and local window included, not the clustered ones"),
-    mutation("transformers-floor-unchecked", "oa_core/integration/runtime.py",
-             [("    if tuple(int(part) for part in re.findall(",
-               "    if False and tuple(int(part) for part in re.findall(")],
-             ("tests/test_offline_model.py",), "a transformers below the declared floor is used as it is"),
+    mutation(
+        "flash-blocks-ignore-the-head-dim",
+        "plugins/kernels/flash.py",
+        [("return 64 if block_d <= 64 else 16", "return 64")],
+        ("tests/plugins/test_kernel_resources.py", "tests/plugins/test_flash_kernel.py"),
+        "flash's pass takes 64-column blocks at every head dim: 18 KB a thread spilled at 256",
+    ),
+    mutation(
+        "lloyd-blocks-ignore-the-dims",
+        "oa_core/ops/kmeans.py",
+        [("return 128 if block_r <= 128 else 16", "return 128")],
+        ("tests/plugins/test_kernel_resources.py",),
+        "the Lloyd step and nearest centroid take 128 points at every dim: 384 KB of shared memory at 256",
+    ),
+    mutation(
+        "plain-prompt-without-bos",
+        "oa_core/analysis/offline_model.py",
+        [('    return tokenizer.decode(lead) + "".join(', '    return "".join(')],
+        ("tests/test_offline_model.py",),
+        "a base model's prompt loses the <bos> its tokenizer starts a text with",
+    ),
+    mutation(
+        "qgs-key-rank-ignored",
+        "plugins/selectors/qgs.py",
+        [("        if cfg.key_rank:\n", "        if False:\n")],
+        QGS_TESTS,
+        "QGS's key_rank shrinks the query basis but never adds the keys' spread",
+    ),
+    mutation(
+        "key-spread-not-projected-off-the-basis",
+        "oa_core/ops/geometry.py",
+        [("top_eigenpairs(off @ covariance @ off, extra)", "top_eigenpairs(covariance, extra)")],
+        QGS_TESTS,
+        "the keys' spread is taken whole, not outside the query subspace: its top directions repeat the basis",
+    ),
+    mutation(
+        "key-rank-default-zero",
+        "plugins/selectors/qgs.py",
+        [("            self.key_rank = self.rank // 2\n", "            self.key_rank = 0\n")],
+        QGS_TESTS,
+        "the default QGS basis is the query geometry alone again (key_rank 0), not half from the keys",
+    ),
+    mutation(
+        "key-spread-over-unclustered-keys",
+        "plugins/selectors/qgs.py",
+        [
+            (
+                "with_key_spread(basis, keys, region, cfg.key_rank)",
+                "with_key_spread(basis, keys, torch.ones_like(region), cfg.key_rank)",
+            )
+        ],
+        QGS_TESTS,
+        "the keys' spread is taken over every key, sink and local window included, not the clustered ones",
+    ),
+    mutation(
+        "transformers-floor-unchecked",
+        "oa_core/integration/runtime.py",
+        [
+            (
+                "    if tuple(int(part) for part in re.findall(",
+                "    if False and tuple(int(part) for part in re.findall(",
+            )
+        ],
+        ("tests/test_offline_model.py",),
+        "a transformers below the declared floor is used as it is",
+    ),
 ]
 
 
 def _copy_checkout(destination: Path) -> None:
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = ROOT / name
         if source.is_file():
@@ -526,8 +1139,9 @@ def _environment(site: Path) -> dict[str, str]:
 def _check_imports_from(source: Path, site: Path) -> None:
     """Both import packages must load from the copy (an installed package found first would test nothing)."""
     code = "import oa_core, oa_plugins; print(oa_core.__file__); print(oa_plugins.__file__)"
-    files = subprocess.run([sys.executable, "-c", code], cwd=source, env=_environment(site), check=True,
-                           capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        [sys.executable, "-c", code], cwd=source, env=_environment(site), check=True, capture_output=True, text=True
+    ).stdout.split()
     resolved = [Path(f).resolve() for f in files]
     if not all(f.is_relative_to(source.resolve()) for f in resolved):
         raise SystemExit(f"the copy's packages are shadowed by {', '.join(map(str, resolved))}")
@@ -536,8 +1150,13 @@ def _check_imports_from(source: Path, site: Path) -> None:
 def _pytest(source: Path, site: Path, tests: tuple[str, ...]) -> tuple[int, list[str], str]:
     """→ (exit code, ids of the failed tests, output's tail)."""
     env = _environment(site)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
-                          cwd=source, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *tests],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
     return proc.returncode, sorted(set(failed)), (proc.stdout + proc.stderr)[-2000:]
 
@@ -567,8 +1186,9 @@ def main(argv=None) -> int:
         code, failed, tail = _pytest(source, site, tests)
         if code != 0:
             print(tail)
-            raise SystemExit(f"the tests fail without any mutation ({', '.join(failed) or 'see above'}): "
-                             "fix them first")
+            raise SystemExit(
+                f"the tests fail without any mutation ({', '.join(failed) or 'see above'}): fix them first"
+            )
         if not re.search(r"\b\d+ passed", tail):  # every test skipped would catch nothing, and say nothing
             print(tail)
             raise SystemExit("no test ran on the unchanged copy (all skipped: see above)")
@@ -582,19 +1202,30 @@ def main(argv=None) -> int:
             if code not in (0, 1):  # 1: tests failed; anything else: pytest itself could not run them
                 print(tail)
                 raise SystemExit(f"mutation {m.name}: pytest exited with {code}")
-            rows.append({"name": m.name, "file": m.file, "bug": m.bug, "caught": bool(failed), "by": failed,
-                         "tests_run": list(m.tests)})
-    result = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "cpus": os.cpu_count()},
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip(),
-              "seconds": round(time.time() - start, 1), "caught": sum(r["caught"] for r in rows),
-              "total": len(rows), "mutations": rows}
+            rows.append(
+                {
+                    "name": m.name,
+                    "file": m.file,
+                    "bug": m.bug,
+                    "caught": bool(failed),
+                    "by": failed,
+                    "tests_run": list(m.tests),
+                }
+            )
+    result = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "seconds": round(time.time() - start, 1),
+        "caught": sum(r["caught"] for r in rows),
+        "total": len(rows),
+        "mutations": rows,
+    }
     if args.only and args.output.exists():  # a partial run updates its rows in the full record (rows of mutations
         previous = json.loads(args.output.read_text())  # no longer listed go)
         ran, listed = {r["name"] for r in rows}, {m.name for m in MUTATIONS}
-        result["mutations"] = [r for r in previous.get("mutations", [])
-                               if r["name"] not in ran and r["name"] in listed] + rows
+        result["mutations"] = [
+            r for r in previous.get("mutations", []) if r["name"] not in ran and r["name"] in listed
+        ] + rows
         result["caught"] = sum(r["caught"] for r in result["mutations"])
         result["total"] = len(result["mutations"])
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -603,8 +1234,10 @@ def main(argv=None) -> int:
     for r in rows:
         by = (r["by"][0] + (f" (+{len(r['by']) - 1})" if len(r["by"]) > 1 else "")) if r["by"] else "-"
         print(f"{r['name']:45s} {'yes' if r['caught'] else 'NO':7s} {by}")
-    print(f"\n{sum(r['caught'] for r in rows)} of {len(rows)} caught in {time.time() - start:.0f} s; "
-          f"{args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}")
+    print(
+        f"\n{sum(r['caught'] for r in rows)} of {len(rows)} caught in {time.time() - start:.0f} s; "
+        f"{args.output.relative_to(ROOT) if args.output.is_relative_to(ROOT) else args.output}"
+    )
     return 0 if all(r["caught"] for r in rows) else 1
 
 

@@ -33,24 +33,37 @@ from oa_core.analysis.provenance import git
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-COLUMNS = {"default": "specs/openattention.yaml", "QGS": "specs/ablate-selector-qgs.yaml",
-           "exact top-k": "specs/oracle-topk.yaml"}
+COLUMNS = {
+    "default": "specs/openattention.yaml",
+    "QGS": "specs/ablate-selector-qgs.yaml",
+    "exact top-k": "specs/oracle-topk.yaml",
+}
 DENSITIES = (0.03, 0.01)
 # (model, folder of `oa eval` records): RULER, mean retention over the tasks dense can do.
-RULER = [("SmolLM2-135M", "ruler_c3f5e3b_smollm2_4k"), ("SmolLM2-135M", "ruler_c3f5e3b_smollm2_8k"),
-         ("Gemma-3-270M", "ruler_c3f5e3b_gemma3_270m_8k")]
+RULER = [
+    ("SmolLM2-135M", "ruler_c3f5e3b_smollm2_4k"),
+    ("SmolLM2-135M", "ruler_c3f5e3b_smollm2_8k"),
+    ("Gemma-3-270M", "ruler_c3f5e3b_gemma3_270m_8k"),
+]
 NEEDLES = [("SmolLM2-135M", "retrieval_smollm2-135m.json"), ("Gemma-3-270M", "retrieval_gemma3-270m.json")]
-ATTENTION_ERROR = [("SmolLM2-135M", f"attention_error{suffix}.json", text)
-                   for suffix, text in (("", "essays"), ("_python_docs", "Python's docs"),
-                                        ("_python_source", "Python's source"))]
+ATTENTION_ERROR = [
+    ("SmolLM2-135M", f"attention_error{suffix}.json", text)
+    for suffix, text in (("", "essays"), ("_python_docs", "Python's docs"), ("_python_source", "Python's source"))
+]
 SPEED = "generate_speed.json"
 # generate_speed.json records the spec it ran as overrides of the code's defaults; when it ran, the default selector
 # was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
 SPEED_SELECTOR = "QGS's selection, the default before PQS"
 DEMO = "demo.json"
 # The other headline results (figures the tables do not render), listed with their provenance on docs/results.md.
-OTHERS = ["ruler_c3f5e3b_smollm2_4k_cuda_check.json", "ablations.json", "kernel_h200.json", "cuda_consistency.json",
-          "cuda_consistency_static.json", "mutations.json"]
+OTHERS = [
+    "ruler_c3f5e3b_smollm2_4k_cuda_check.json",
+    "ablations.json",
+    "kernel_h200.json",
+    "cuda_consistency.json",
+    "cuda_consistency_static.json",
+    "mutations.json",
+]
 PLOT = "headline_accuracy.png"  # written by --write beside the tables (not checked: a PNG's bytes vary)
 TARGETS = {"README.md": ["demo", "accuracy", "speed"], "docs/results.md": ["accuracy", "speed", "provenance"]}
 # What --check does not compare: the commits git gives (see the module's docstring).
@@ -67,11 +80,17 @@ def _identity(spec_json: str) -> str:
     for name in ("budget", "sink", "local", "seed", "kernel"):
         spec.pop(name, None)
     pipe = oa.build(spec)
-    parts = {kind: [getattr(pipe, kind).name, getattr(pipe, kind).config.model_dump(mode="json")]
-             for kind in ("clusterer", "selector", "allocator")}
+    parts = {
+        kind: [getattr(pipe, kind).name, getattr(pipe, kind).config.model_dump(mode="json")]
+        for kind in ("clusterer", "selector", "allocator")
+    }
     s = pipe.spec
-    parts.update(tail=s.tail, proxy=s.proxy if s.tail == "proxy" else None,
-                 tail_samples=s.tail_samples if s.tail == "sample" else None, gqa=s.gqa)
+    parts.update(
+        tail=s.tail,
+        proxy=s.proxy if s.tail == "proxy" else None,
+        tail_samples=s.tail_samples if s.tail == "sample" else None,
+        gqa=s.gqa,
+    )
     return json.dumps(parts, sort_keys=True)
 
 
@@ -105,7 +124,7 @@ class MadeBy:
 
 
 def git_label(path: Path) -> str:
-    """"committed in <hash>" (the file's last commit), "uncommitted (HEAD <hash>)" while it differs from what git
+    """ "committed in <hash>" (the file's last commit), "uncommitted (HEAD <hash>)" while it differs from what git
     has, or "commit unknown" without git or a repository."""
     relative = str(path.relative_to(ROOT))
     head = git("rev-parse", "--short", "HEAD", root=ROOT)
@@ -125,8 +144,11 @@ def _json_machine(result: dict) -> tuple[str, str]:
     """(machine, the field it was read from) for a JSON result without provenance: a GPU's name where the file has
     one (``machine.gpu``, ``machine.device``, ``device``), else the CPU (with ``machine.cpus``' count)."""
     machine = result.get("machine") if isinstance(result.get("machine"), dict) else {}
-    for name, value in (("machine.gpu", machine.get("gpu")), ("machine.device", machine.get("device")),
-                        ("device", result.get("device"))):
+    for name, value in (
+        ("machine.gpu", machine.get("gpu")),
+        ("machine.device", machine.get("device")),
+        ("device", result.get("device")),
+    ):
         if isinstance(value, str) and value.startswith("cuda"):
             return "a CUDA GPU", f"`{name}`: {value}"
         if isinstance(value, str) and value not in ("cpu", "x86_64", "aarch64", "arm64", ""):
@@ -166,10 +188,15 @@ def _records_made_by(folder: Path, keep=None) -> MadeBy:
             else:
                 unrecorded += 1
     labels = list(commits) + ([git_label(folder)] if unrecorded or not commits else [])
-    how = ("records: " + ", ".join(f"{name} {count:,}" for name, count in machines.items())
-           + " (machine: `provenance`, else `device` and the records file's name); commit: "
-           + ", ".join([f"{count:,} records name {label.removeprefix('commit ')}" for label, count in commits.items()]
-                       + ([f"git ({unrecorded:,} records name none)"] if unrecorded else [])))
+    how = (
+        "records: "
+        + ", ".join(f"{name} {count:,}" for name, count in machines.items())
+        + " (machine: `provenance`, else `device` and the records file's name); commit: "
+        + ", ".join(
+            [f"{count:,} records name {label.removeprefix('commit ')}" for label, count in commits.items()]
+            + ([f"git ({unrecorded:,} records name none)"] if unrecorded else [])
+        )
+    )
     return MadeBy(" + ".join(machines) or "none", ", ".join(labels), how)
 
 
@@ -208,16 +235,26 @@ class Row:
     scale: float | None = None  # the figure over this is the share of dense's (the plot's y); None: not plotted
 
     def cells(self) -> list[str]:
-        return [self.model, self.benchmark, self.dense, *(self.pair(column) for column in COLUMNS), self.source,
-                self.made.short()]
+        return [
+            self.model,
+            self.benchmark,
+            self.dense,
+            *(self.pair(column) for column in COLUMNS),
+            self.source,
+            self.made.short(),
+        ]
 
     def pair(self, column: str) -> str:
         """'a / b': the column's figure at 3% and at 1%, each with its caveat."""
         keys = [(column, density) for density in DENSITIES]
         if all(key not in self.values for key in keys):
             return "—"
-        return " / ".join("—" if key not in self.values else format(self.values[key], self.spec)
-                          + (f" ({self.notes[key]})" if key in self.notes else "") for key in keys)
+        return " / ".join(
+            "—"
+            if key not in self.values
+            else format(self.values[key], self.spec) + (f" ({self.notes[key]})" if key in self.notes else "")
+            for key in keys
+        )
 
 
 def ruler_rows() -> list[Row]:
@@ -235,9 +272,11 @@ def ruler_rows() -> list[Row]:
         dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
         usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
         wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")  # a complete cell has dense's samples
+
         def used(record: dict, columns: dict = columns) -> bool:  # the records the row's figures rest on
-            return record["spec"] == "dense" or (columns.get(record["spec"]) is not None
-                                                 and record["density"] in DENSITIES)
+            return record["spec"] == "dense" or (
+                columns.get(record["spec"]) is not None and record["density"] in DENSITIES
+            )
 
         row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", made_by(RESULTS / folder, used), scale=1.0)
         counted: dict = {}  # (column, density) → the samples its figure rests on
@@ -265,9 +304,16 @@ def needle_rows() -> list[Row]:
         result = json.loads((RESULTS / name).read_text())
         for length, entry in result["lengths"].items():
             summary = entry["summary"]
-            row = Row(model, f"needles {int(length) // 1024}K, {summary['dense']['samples']}: correct",
-                      str(summary["dense"]["correct"]), {}, f"`{name}`", "d", made_by(RESULTS / name),
-                      scale=summary["dense"]["correct"] or None)
+            row = Row(
+                model,
+                f"needles {int(length) // 1024}K, {summary['dense']['samples']}: correct",
+                str(summary["dense"]["correct"]),
+                {},
+                f"`{name}`",
+                "d",
+                made_by(RESULTS / name),
+                scale=summary["dense"]["correct"] or None,
+            )
             for key, spec in result["specs"].items():
                 column = column_of(spec)
                 if key != "dense" and key in summary and column is not None:
@@ -284,8 +330,7 @@ def attention_error_rows() -> list[Row]:
             continue
         result = json.loads(path.read_text())
         methods = {method: column_of(spec) for method, spec in result["specs"].items()}
-        row = Row(model, f"attention error, {text}: × exact top-k's", "0", {}, f"`{name}`", ".2f",
-                  made_by(path))
+        row = Row(model, f"attention error, {text}: × exact top-k's", "0", {}, f"`{name}`", ".2f", made_by(path))
         for density in DENSITIES:
             per = result["results"].get(str(density), {})
             reference = per.get("oracle-topk", {}).get("mean_error")
@@ -321,19 +366,35 @@ def plot_accuracy(path: Path) -> None:
     for ax, density in zip(axes, DENSITIES):
         for i, column in enumerate(COLUMNS):
             heights = [row.values.get((column, density), math.nan) / row.scale for row in rows]
-            bars = ax.bar([x + (i - (len(COLUMNS) - 1) / 2) * width for x in range(len(rows))], heights, width,
-                          label=column if ax is axes[0] else None, color=f"C{i}")
+            bars = ax.bar(
+                [x + (i - (len(COLUMNS) - 1) / 2) * width for x in range(len(rows))],
+                heights,
+                width,
+                label=column if ax is axes[0] else None,
+                color=f"C{i}",
+            )
             for bar, row in zip(bars, rows):
                 if (column, density) in row.notes:  # a cell still running: hatched and pale
                     bar.set_hatch("//")
                     bar.set_alpha(0.45)
         ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")
-        ax.set_xticks(range(len(rows)), [f"{row.model}\n{row.benchmark.split(':')[0]}" for row in rows],
-                      rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(
+            range(len(rows)),
+            [f"{row.model}\n{row.benchmark.split(':')[0]}" for row in rows],
+            rotation=30,
+            ha="right",
+            fontsize=8,
+        )
         ax.set_title(f"{density:.0%} read")
     axes[0].set_ylabel("share of dense's score")
-    fig.legend(loc="upper center", ncol=len(COLUMNS) + 1, fontsize=8, frameon=False,
-               title="hatched: a run not yet complete", title_fontsize=8)
+    fig.legend(
+        loc="upper center",
+        ncol=len(COLUMNS) + 1,
+        fontsize=8,
+        frameon=False,
+        title="hatched: a run not yet complete",
+        title_fontsize=8,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -345,13 +406,21 @@ def speed_table() -> str:
     rows = []
     for target in result["targets"]:
         if "speedup_over_dense_fastest" in target:
-            rows.append([f"{target['batch']} × {target['context'] // 1024}K", f"{target['density']:.0%}",
-                         f"{target['speedup_over_dense_fastest']:.2f}×", f"{target['target']:g}×",
-                         "met" if target["met"] else "missed"])
-    caption = (f"Decode tokens/s of OpenAttention (spec {json.dumps(machine['spec'])} over the defaults of its "
-               f"commit: {SPEED_SELECTOR}) over the fastest dense decode, inside `generate`, {machine['device']}, "
-               f"{machine['model']}, {machine['layers']} layers (`{SPEED}`). Made by: "
-               f"{made_by(RESULTS / SPEED).short()}.")
+            rows.append(
+                [
+                    f"{target['batch']} × {target['context'] // 1024}K",
+                    f"{target['density']:.0%}",
+                    f"{target['speedup_over_dense_fastest']:.2f}×",
+                    f"{target['target']:g}×",
+                    "met" if target["met"] else "missed",
+                ]
+            )
+    caption = (
+        f"Decode tokens/s of OpenAttention (spec {json.dumps(machine['spec'])} over the defaults of its "
+        f"commit: {SPEED_SELECTOR}) over the fastest dense decode, inside `generate`, {machine['device']}, "
+        f"{machine['model']}, {machine['layers']} layers (`{SPEED}`). Made by: "
+        f"{made_by(RESULTS / SPEED).short()}."
+    )
     return caption + "\n\n" + _table(["batch × context", "density", "speed-up", "target", ""], rows)
 
 
@@ -364,8 +433,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def demo_output() -> str:
     """What ``oa demo`` printed, as ``oa demo --out benchmarks/results/demo.json`` recorded it."""
     result = json.loads((RESULTS / DEMO).read_text())
-    return ("```\n" + "\n".join(result["output"]).strip("\n") + "\n```\n\n"
-            + f"Made by: {made_by(RESULTS / DEMO).short()} (`{DEMO}`).")
+    return (
+        "```\n"
+        + "\n".join(result["output"]).strip("\n")
+        + "\n```\n\n"
+        + f"Made by: {made_by(RESULTS / DEMO).short()} (`{DEMO}`)."
+    )
 
 
 def provenance_table() -> str:
@@ -373,8 +446,10 @@ def provenance_table() -> str:
     where each was read."""
     made = {row.source: row.made for row in accuracy_rows()}
     made.update({f"`{name}`": made_by(RESULTS / name) for name in (SPEED, DEMO, *OTHERS)})
-    return _table(["result", "machine", "commit", "how it is known"],
-                  [[source, m.machine, m.commit, m.how] for source, m in made.items()])
+    return _table(
+        ["result", "machine", "commit", "how it is known"],
+        [[source, m.machine, m.commit, m.how] for source, m in made.items()],
+    )
 
 
 BLOCKS = {"demo": demo_output, "accuracy": accuracy_table, "speed": speed_table, "provenance": provenance_table}
@@ -387,8 +462,10 @@ def render(text: str, tables: dict[str, str]) -> str:
         found = min(text.count(begin), text.count(end))
         pattern = re.compile(rf"({re.escape(begin)})(?:.*?\n)?({re.escape(end)})", re.S)
         if max(text.count(begin), text.count(end)) != 1 or not pattern.search(text):
-            raise SystemExit(f"the block {name!r} must appear once, as <!-- results:{name} -->, a new line, "
-                             f"<!-- /results:{name} --> (found {found})")
+            raise SystemExit(
+                f"the block {name!r} must appear once, as <!-- results:{name} -->, a new line, "
+                f"<!-- /results:{name} --> (found {found})"
+            )
         text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
@@ -411,16 +488,19 @@ def main(argv: list[str] | None = None) -> int:
         text = path.read_text(encoding="utf-8")
         missing = [name for name in names if f"<!-- results:{name} -->" not in text]
         if missing:
-            raise SystemExit(f"{file}: no block for {', '.join(missing)} (<!-- results:NAME --> ... "
-                             f"<!-- /results:NAME -->)")
+            raise SystemExit(
+                f"{file}: no block for {', '.join(missing)} (<!-- results:NAME --> ... <!-- /results:NAME -->)"
+            )
         fresh = render(text, {name: tables[name] for name in names})
         if fresh != text if args.write else GIT_LABEL.sub("…", fresh) != GIT_LABEL.sub("…", text):
             stale.append(file)
             if args.write:
                 path.write_text(fresh, encoding="utf-8")
     if args.check and stale:
-        print(f"results tables out of date in {', '.join(stale)}: python benchmarks/results_tables.py --write",
-              file=sys.stderr)
+        print(
+            f"results tables out of date in {', '.join(stale)}: python benchmarks/results_tables.py --write",
+            file=sys.stderr,
+        )
         return 1
     print(f"{'rewrote' if args.write else 'up to date:'} {', '.join(stale) or 'nothing to change'}")
     return 0

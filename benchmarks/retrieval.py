@@ -70,10 +70,10 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
     recalls: dict[str, list[tuple[float, float, float]]] = {name: [] for name in specs}
     exact = oa.load_spec(ROOT / "specs" / f"{EXACT}.yaml").model_dump(mode="json")
     for queries, keys, values, scale in captured.values():
-        keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
-        prefill = queries[:, :, context - WINDOW:context].float()
+        keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n : n + 1].float()
+        prefill = queries[:, :, context - WINDOW : context].float()
         outside = torch.zeros(n, dtype=torch.bool, device=keys.device)
-        outside[SPARSE["sink"]:n - SPARSE["local"]] = True
+        outside[SPARSE["sink"] : n - SPARSE["local"]] = True
         layer = (keys, values, prefill, scale, query, outside)
         wanted_at: dict[float, torch.Tensor] = {}  # exact top-k's rows, per density
         weights = None
@@ -89,11 +89,18 @@ def answer_row_recall(model, sample: needle.NeedleSample, specs: dict[str, dict]
             for head in range(wanted.shape[0]):
                 count = int(wanted[head].sum())
                 if count:
-                    recalls[name].append((int((wanted[head] & short[head]).sum()) / count,
-                                          int(got[head].sum()) / count,
-                                          float(weights[head][got[head]].sum() / weights[head][wanted[head]].sum())))
-    return {name: tuple(statistics.fmean(row[i] for row in rows) for i in range(3))
-            for name, rows in recalls.items() if rows}
+                    recalls[name].append(
+                        (
+                            int((wanted[head] & short[head]).sum()) / count,
+                            int(got[head].sum()) / count,
+                            float(weights[head][got[head]].sum() / weights[head][wanted[head]].sum()),
+                        )
+                    )
+    return {
+        name: tuple(statistics.fmean(row[i] for row in rows) for i in range(3))
+        for name, rows in recalls.items()
+        if rows
+    }
 
 
 def reads(spec: dict, keys, values, prefill, scale, query, outside) -> tuple:
@@ -127,19 +134,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192], help="context lengths")
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--densities", type=float, nargs="+", default=[0.03, 0.01])
-    parser.add_argument("--specs", nargs="+", type=Path, default=[ROOT / "specs/openattention.yaml"],
-                        help="spec files, each at every density, named by file stem")
+    parser.add_argument(
+        "--specs",
+        nargs="+",
+        type=Path,
+        default=[ROOT / "specs/openattention.yaml"],
+        help="spec files, each at every density, named by file stem",
+    )
     parser.add_argument("--kinds", nargs="+", default=list(needle.KINDS), choices=needle.KINDS)
     parser.add_argument("--texts", nargs="+", default=["essays", "python-docs", "python-source"])
-    parser.add_argument("--layers", type=int, nargs="*", default=None,
-                        help="layers of the recall diagnostic (default: the full-attention ones, at most six)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="*",
+        default=None,
+        help="layers of the recall diagnostic (default: the full-attention ones, at most six)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (the default), cuda, cuda:1 ...")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/retrieval_<model>.json")
     args = parser.parse_args(argv)
     try:  # every spec checked before the model loads; the density, sink and local are the benchmark's
-        named = {path.stem: oa.load_spec(path).model_dump(mode="json", exclude={"budget", "sink", "local"})
-                 for path in [ROOT / "specs" / f"{EXACT}.yaml", *args.specs]}
+        named = {
+            path.stem: oa.load_spec(path).model_dump(mode="json", exclude={"budget", "sink", "local"})
+            for path in [ROOT / "specs" / f"{EXACT}.yaml", *args.specs]
+        }
     except oa.SpecError as exc:
         parser.error(str(exc))
     start = time.perf_counter()
@@ -147,15 +166,28 @@ def main(argv: list[str] | None = None) -> int:
     model.to(args.device)
     size = head_dim(model.config)
     layers = args.layers if args.layers is not None else full_attention_layers(model)
-    sparse = {f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
-              for name, spec in named.items() for d in args.densities}
+    sparse = {
+        f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
+        for name, spec in named.items()
+        for d in args.densities
+    }
     specs = {"dense": {"budget": {"density": 1.0}}, **sparse}
-    result = {"benchmark": "retrieval", "model": model_label(args.model), "head_dim": size,
-              "kinds": args.kinds, "texts": args.texts, "samples": args.samples, "seed": args.seed,
-              "setup": "B", "sink": SPARSE["sink"], "local": SPARSE["local"], "recall_layers": layers,
-              "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
-              "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(size) for name, spec in sparse.items()},
-              "lengths": {}}
+    result = {
+        "benchmark": "retrieval",
+        "model": model_label(args.model),
+        "head_dim": size,
+        "kinds": args.kinds,
+        "texts": args.texts,
+        "samples": args.samples,
+        "seed": args.seed,
+        "setup": "B",
+        "sink": SPARSE["sink"],
+        "local": SPARSE["local"],
+        "recall_layers": layers,
+        "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
+        "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(size) for name, spec in sparse.items()},
+        "lengths": {},
+    }
     out = args.out or ROOT / "benchmarks" / "results" / f"retrieval_{(args.model or 'smollm2-135m')}.json"
     # one line per (length, sample, spec), appended as each sample ends: a rerun resumes
     log = out.with_suffix(".jsonl")
@@ -165,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     fields = ("answer_rows_in_shortlist", "answer_rows_read", "answer_weight_read")
     for tokens in args.tokens:
         done = {r["sample"] for r in kept if r["tokens"] == tokens}
-        samples = needle.make_samples(tokenizer, args.samples, tokens, seed=args.seed, kinds=tuple(args.kinds),
-                                      texts=tuple(args.texts))
+        samples = needle.make_samples(
+            tokenizer, args.samples, tokens, seed=args.seed, kinds=tuple(args.kinds), texts=tuple(args.texts)
+        )
         for index, sample in enumerate(tqdm(samples, desc=f"retrieval at {tokens}", unit="sample")):
             if index in done:
                 continue
@@ -175,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             with log.open("a") as stream:
                 for record in records:
                     record.update({"run": run, "tokens": tokens, "sample": index})
-                    record.update({field: round(share, 4)
-                                   for field, share in zip(fields, shares.get(record["spec"], ()))})
+                    record.update(
+                        {field: round(share, 4) for field, share in zip(fields, shares.get(record["spec"], ()))}
+                    )
                     stream.write(json.dumps(record) + "\n")
             kept.extend(records)
         records = [r for r in kept if r["tokens"] == tokens and r["sample"] < args.samples]
@@ -187,16 +221,24 @@ def main(argv: list[str] | None = None) -> int:
             row.update({field: round(statistics.fmean(r[field] for r in rows), 4) for field in fields if rows})
         result["lengths"][str(tokens)] = {"summary": summary, "records": records}
         print(f"\n{tokens} tokens, {model_label(args.model)}:")
-        print(f"{'spec':24s} {'correct':>8s} {'log-lik gap':>12s} {'in shortlist':>13s} {'rows read':>10s} "
-              f"{'weight read':>12s}")
+        print(
+            f"{'spec':24s} {'correct':>8s} {'log-lik gap':>12s} {'in shortlist':>13s} {'rows read':>10s} "
+            f"{'weight read':>12s}"
+        )
         for name, row in summary.items():
             shares = [row.get(field, math.nan) for field in fields]
-            print(f"{name:24s} {row['correct']:>5d}/{row['samples']:<2d} {row['logprob_gap']:>+12.3f} "
-                  f"{shares[0]:>13.3f} {shares[1]:>10.3f} {shares[2]:>12.3f}")
+            print(
+                f"{name:24s} {row['correct']:>5d}/{row['samples']:<2d} {row['logprob_gap']:>+12.3f} "
+                f"{shares[0]:>13.3f} {shares[1]:>10.3f} {shares[2]:>12.3f}"
+            )
     result["seconds"] = round(time.perf_counter() - start, 1)
-    result["machine"] = {"platform": platform.platform(), "torch": torch.__version__,
-                         "threads": torch.get_num_threads(), "device": str(model.device),
-                         "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None}
+    result["machine"] = {
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(model.device),
+        "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+    }
     result["provenance"] = provenance(model.device)
     result["command"] = "python benchmarks/retrieval.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out.write_text(json.dumps(result, indent=1) + "\n")

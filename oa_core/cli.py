@@ -17,8 +17,11 @@ from oa_core.spec import SpecError
 
 def plugins_command(args: argparse.Namespace) -> int:
     registry = default_registry()
-    rows = [(info.kind, info.name, info.package, info.doc)
-            for kind in KINDS for info in sorted(registry.components[kind].values(), key=lambda i: i.name)]
+    rows = [
+        (info.kind, info.name, info.package, info.doc)
+        for kind in KINDS
+        for info in sorted(registry.components[kind].values(), key=lambda i: i.name)
+    ]
     widths = [max(len(row[i]) for row in [*rows, ("kind", "name", "package", "")]) for i in range(3)]
     print(f"{'kind':<{widths[0]}}  {'name':<{widths[1]}}  {'package':<{widths[2]}}  description")
     for row in rows:
@@ -68,12 +71,26 @@ def eval_command(args: argparse.Namespace) -> int:
     if not specs:
         print("oa eval: no spec given and no specs/*.yaml here; pass --specs", file=sys.stderr)
         return 2
-    config = runner.EvalConfig(specs=specs, densities=args.densities, tasks=args.tasks, lengths=args.length,
-                               samples=args.samples, seed=args.seed, setup=args.setup, out=Path(args.out),
-                               model=args.model, sink=args.sink, local=args.local,
-                               max_new_tokens=args.max_new_tokens, metric=args.metric, decode=args.decode,
-                               layers=args.layers, diagnostics=args.diagnostics, batch=args.batch,
-                               device=args.device)
+    config = runner.EvalConfig(
+        specs=specs,
+        densities=args.densities,
+        tasks=args.tasks,
+        lengths=args.length,
+        samples=args.samples,
+        seed=args.seed,
+        setup=args.setup,
+        out=Path(args.out),
+        model=args.model,
+        sink=args.sink,
+        local=args.local,
+        max_new_tokens=args.max_new_tokens,
+        metric=args.metric,
+        decode=args.decode,
+        layers=args.layers,
+        diagnostics=args.diagnostics,
+        batch=args.batch,
+        device=args.device,
+    )
     try:
         _say_overrides(specs, sink=args.sink, local=args.local)
         rows = runner.run(config)
@@ -121,8 +138,12 @@ class _WithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or action.default in (None, argparse.SUPPRESS) or action.default is False \
-                or "default" in text:
+        if (
+            not action.option_strings
+            or action.default in (None, argparse.SUPPRESS)
+            or action.default is False
+            or "default" in text
+        ):
             return text
         value = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
         return f"{text} (default: {value})"
@@ -148,43 +169,86 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = command("eval", help="RULER tasks × specs × densities on a model (resumable; torchrun)")
     evaluate.add_argument("--model", default=None, help=MODEL_HELP)
-    evaluate.add_argument("--specs", nargs="+", default=None, metavar="SPEC.yaml",
-                          help="pipeline specs (default: every baseline spec in ./specs)")
-    evaluate.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.05, 0.03],
-                          help="read densities; below sink + local rows a cell is refused before the model loads "
-                               "(1%% of 4096 tokens is 40 rows, fewer than the specs' 4 + 64: pass --local-window "
-                               "16 or a longer --length)")
-    evaluate.add_argument("--tasks", nargs="+", default=list(HARD_TASKS),
-                          help="RULER tasks (default: the HARD-like set)")
+    evaluate.add_argument(
+        "--specs",
+        nargs="+",
+        default=None,
+        metavar="SPEC.yaml",
+        help="pipeline specs (default: every baseline spec in ./specs)",
+    )
+    evaluate.add_argument(
+        "--densities",
+        nargs="+",
+        type=float,
+        default=[0.1, 0.05, 0.03],
+        help="read densities; below sink + local rows a cell is refused before the model loads "
+        "(1%% of 4096 tokens is 40 rows, fewer than the specs' 4 + 64: pass --local-window "
+        "16 or a longer --length)",
+    )
+    evaluate.add_argument(
+        "--tasks", nargs="+", default=list(HARD_TASKS), help="RULER tasks (default: the HARD-like set)"
+    )
     evaluate.add_argument("--length", nargs="+", type=int, default=[4096], help="prompt lengths in tokens")
     evaluate.add_argument("--samples", type=int, default=20, help="samples per task and length")
     evaluate.add_argument("--seed", type=int, default=0, help="seed of the RULER samples")
     evaluate.add_argument("--setup", choices=["A", "B"], default="B", help="B: question decoded sparsely; A: dense")
-    evaluate.add_argument("--sink", type=int, default=None,
-                          help="sink rows for every sparse spec (default: each spec's own)")
-    evaluate.add_argument("--local-window", dest="local", type=int, default=None,
-                          help="local window for every sparse spec (default: each spec's own; not --local: torchrun "
-                               "takes that for one of its own options)")
+    evaluate.add_argument(
+        "--sink", type=int, default=None, help="sink rows for every sparse spec (default: each spec's own)"
+    )
+    evaluate.add_argument(
+        "--local-window",
+        dest="local",
+        type=int,
+        default=None,
+        help="local window for every sparse spec (default: each spec's own; not --local: torchrun "
+        "takes that for one of its own options)",
+    )
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="default: each task's RULER length")
     evaluate.add_argument("--out", default="runs/eval", help="results folder (a rerun resumes it)")
-    evaluate.add_argument("--batch", type=int, default=1,
-                          help="samples decoded together (same question length, contexts left-padded); e.g. 4 on a GPU")
-    evaluate.add_argument("--device", default=None,
-                          help="cpu, cuda, cuda:1 ... (default: cuda if there is one; torchrun: each rank's local GPU)")
-    evaluate.add_argument("--metric", choices=list(METRICS), default="ruler",
-                          help="ruler: task scores; attention-error: relative output error on the model's caches")
+    evaluate.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="samples decoded together (same question length, contexts left-padded); e.g. 4 on a GPU",
+    )
+    evaluate.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:1 ... (default: cuda if there is one; torchrun: each rank's local GPU)",
+    )
+    evaluate.add_argument(
+        "--metric",
+        choices=list(METRICS),
+        default="ruler",
+        help="ruler: task scores; attention-error: relative output error on the model's caches",
+    )
     evaluate.add_argument("--decode", type=int, default=64, help="attention-error: decode queries per length")
-    evaluate.add_argument("--layers", type=int, nargs="+", default=None,
-                          help="attention-error: layers (default: six spread over the model)")
-    evaluate.add_argument("--diagnostics", action="store_true",
-                          help="attention-error: also E, the selector's top-32 recall and ErrorGate's Spearman")
+    evaluate.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="attention-error: layers (default: six spread over the model)",
+    )
+    evaluate.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help="attention-error: also E, the selector's top-32 recall and ErrorGate's Spearman",
+    )
     evaluate.set_defaults(run=eval_command)
     report = command("report", help="Markdown table and plots of an `oa eval` folder")
     report.add_argument("dir", help="the folder `oa eval --out` wrote")
-    report.add_argument("--dense-floor", type=float, default=20.0,
-                        help="tasks dense scores below this are reported apart (they cannot measure retention)")
-    report.add_argument("--generator", default=None,
-                        help="the RULER generator whose records to report, where the folder holds several's")
+    report.add_argument(
+        "--dense-floor",
+        type=float,
+        default=20.0,
+        help="tasks dense scores below this are reported apart (they cannot measure retention)",
+    )
+    report.add_argument(
+        "--generator",
+        default=None,
+        help="the RULER generator whose records to report, where the folder holds several's",
+    )
     report.set_defaults(run=report_command)
     return parser
 

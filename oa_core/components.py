@@ -136,8 +136,9 @@ class Selector(Component):
         codes = self.token_codes(index, keys)
         if not codes:
             return index
-        return dataclasses.replace(index, **{name: torch.cat([getattr(index, name), new], 2)
-                                             for name, new in codes.items()})
+        return dataclasses.replace(
+            index, **{name: torch.cat([getattr(index, name), new], 2) for name, new in codes.items()}
+        )
 
     def token_codes(self, index: Any, keys: Tensor) -> dict[str, Tensor] | None:
         """What the index keeps per token, for keys ``[B, Hkv, t, D]``: the index's own field names → tensors with the
@@ -161,8 +162,9 @@ class Selector(Component):
         """Whether ``refine`` changes the scores (the fast decode path then masks them and calls it)."""
         return False
 
-    def refine(self, scores: Tensor, query: Tensor, index: Any, keys: Tensor, scale: float, budget: Tensor,
-               width: int) -> Tensor:
+    def refine(
+        self, scores: Tensor, query: Tensor, index: Any, keys: Tensor, scale: float, budget: Tensor, width: int
+    ) -> Tensor:
         """The scores the allocator and the selection use, from ``score``'s (-inf where not selectable) once each
         row's selectable budget ``[B, Hkv, 1, 1]`` is known (at most ``width``, on the host): by default unchanged;
         a two-stage selector re-ranks a shortlist by exact logits here (``oa_core.ops.rerank``)."""
@@ -242,8 +244,15 @@ class Kernel(Component):
         """Why this kernel can't run on tensors of ``device`` (None: it can)."""
         return None
 
-    def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
-               proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
+    def attend(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        selection: Selection | None,
+        proxies: PooledClusters | None,
+        scale: float,
+    ) -> tuple[Tensor, Tensor | None]:
         """query ``[B, Hq, T, D]``, keys/values ``[B, Hkv, N, D]``; ``selection`` None means every row (dense).
 
         → (output ``[B, Hq, T, D]`` in the query's dtype, number of proxies used ``[B, Hkv, Gs, T]`` or None).

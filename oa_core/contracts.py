@@ -24,8 +24,9 @@ def violation(component: Component, rule: str) -> ContractViolation:
     name = getattr(component, "name", "?")
     info = default_registry().get(kind, name) if kind in KINDS else None
     package = info.package if info is not None and info.cls is type(component) else type(component).__module__
-    return ContractViolation(f"{kind} {name!r} ({type(component).__name__}, package {package!r}) broke its contract: "
-                             f"{rule}")
+    return ContractViolation(
+        f"{kind} {name!r} ({type(component).__name__}, package {package!r}) broke its contract: {rule}"
+    )
 
 
 def expect(condition: bool, component: Component, rule: str) -> None:
@@ -35,8 +36,10 @@ def expect(condition: bool, component: Component, rule: str) -> None:
 
 # -- the user's inputs ---------------------------------------------------------------------------------------------
 
-def check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "",
-                finite: bool = True, empty: bool = False) -> None:
+
+def check_cache(
+    keys: Tensor, values: Tensor, like: Tensor | None = None, what: str = "", finite: bool = True, empty: bool = False
+) -> None:
     """keys/values ``[B, Hkv, N, D]``, floating, of one dtype and device (and, with ``like``, the same B, Hkv, D,
     dtype and device as it); ``finite``: no NaN/Inf (one wait on the device); ``empty``: N may be 0 (rows appended),
     else no dimension may be."""
@@ -53,12 +56,19 @@ def check_cache(keys: Tensor, values: Tensor, like: Tensor | None = None, what: 
         names = ", ".join(f"{n} = 0" for n, size in zip(("B", "Hkv", "N", "D"), keys.shape) if size == 0)
         raise ValueError(f"{what}keys: an empty cache {tuple(keys.shape)} ({names}); prepare needs at least one row")
     if keys.dtype != values.dtype or keys.device != values.device:
-        raise ValueError(f"{what}keys ({keys.dtype}, {keys.device}) and values ({values.dtype}, {values.device}) "
-                         "must share dtype and device")
-    if like is not None and (keys.shape[:2] + keys.shape[3:] != like.shape[:2] + like.shape[3:]
-                             or keys.dtype != like.dtype or keys.device != like.device):
-        raise ValueError(f"{what}keys {tuple(keys.shape)} {keys.dtype} {keys.device} do not match the cache "
-                         f"{tuple(like.shape)} {like.dtype} {like.device} (only N may differ)")
+        raise ValueError(
+            f"{what}keys ({keys.dtype}, {keys.device}) and values ({values.dtype}, {values.device}) "
+            "must share dtype and device"
+        )
+    if like is not None and (
+        keys.shape[:2] + keys.shape[3:] != like.shape[:2] + like.shape[3:]
+        or keys.dtype != like.dtype
+        or keys.device != like.device
+    ):
+        raise ValueError(
+            f"{what}keys {tuple(keys.shape)} {keys.dtype} {keys.device} do not match the cache "
+            f"{tuple(like.shape)} {like.dtype} {like.device} (only N may differ)"
+        )
     if finite and not bool(all_finite(keys, values)):
         name = f"{what}keys" if not bool(all_finite(keys)) else f"{what}values"
         raise ValueError(f"{name}: the cache contains NaN or Inf")
@@ -84,19 +94,23 @@ def check_query(query: Tensor, keys: Tensor, name: str, finite: bool = True, hea
         raise ValueError(f"{name}: expected shape [B, Hq, T, D], got {tuple(query.shape)}")
     if query.shape[1] == 0 or query.shape[2] == 0:
         hint = "; pass queries=None to prepare without prefill queries" if name == "queries" else ""
-        raise ValueError(f"{name}: no queries in {tuple(query.shape)} ([B, Hq, T, D] with "
-                         f"{'Hq' if query.shape[1] == 0 else 'T'} = 0){hint}")
+        raise ValueError(
+            f"{name}: no queries in {tuple(query.shape)} ([B, Hq, T, D] with "
+            f"{'Hq' if query.shape[1] == 0 else 'T'} = 0){hint}"
+        )
     B, Hkv, _, D = keys.shape
     if query.shape[0] != B or query.shape[3] != D:
         raise ValueError(f"{name}: batch and head dim {tuple(query.shape)} do not match the keys {tuple(keys.shape)}")
     if query.shape[1] % Hkv:
         raise ValueError(f"{name}: {query.shape[1]} query heads is not a multiple of {Hkv} KV heads")
     if heads is not None and query.shape[1] != heads:
-        raise ValueError(f"{name}: {query.shape[1]} query heads, but the prefill queries prepare() was given had "
-                         f"{heads}")
+        raise ValueError(
+            f"{name}: {query.shape[1]} query heads, but the prefill queries prepare() was given had {heads}"
+        )
     if query.dtype != keys.dtype or query.device != keys.device:
-        raise ValueError(f"{name}: dtype/device {query.dtype}/{query.device} differ from the cache's "
-                         f"{keys.dtype}/{keys.device}")
+        raise ValueError(
+            f"{name}: dtype/device {query.dtype}/{query.device} differ from the cache's {keys.dtype}/{keys.device}"
+        )
     if finite and not bool(all_finite(query)):
         raise ValueError(f"{name}: contains NaN or Inf")
 
@@ -107,15 +121,19 @@ def check_mask(mask: Tensor | None, keys: Tensor) -> Tensor:
     if mask is None:
         return torch.ones(B, N, dtype=torch.bool, device=keys.device)
     if not isinstance(mask, Tensor) or mask.shape != (B, N):
-        raise ValueError(f"mask: expected a [B, N] = [{B}, {N}] tensor, got "
-                         f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
+        raise ValueError(
+            f"mask: expected a [B, N] = [{B}, {N}] tensor, got "
+            f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}"
+        )
     if mask.device != keys.device:
         raise ValueError(f"mask: device {mask.device} differs from the cache's {keys.device}")
     if mask.dtype != torch.bool:
         odd = mask[(mask != 0) & (mask != 1)]
         if odd.numel():
-            raise ValueError(f"mask: expected bool, or 0 (padding) and 1 (valid) values; got {mask.dtype} values "
-                             f"such as {', '.join(str(v) for v in odd[:3].tolist())}")
+            raise ValueError(
+                f"mask: expected bool, or 0 (padding) and 1 (valid) values; got {mask.dtype} values "
+                f"such as {', '.join(str(v) for v in odd[:3].tolist())}"
+            )
     mask = mask.bool()
     if not bool(mask.any(-1).all()):
         raise ValueError("mask: every batch row needs at least one valid position")
@@ -133,37 +151,52 @@ def check_scale(scale: float | None, head_dim: int) -> float:
 
 # -- what components return ----------------------------------------------------------------------------------------
 
+
 def check_clusters(clusterer: Component, clusters: Clusters, clusterable: Tensor, kv_heads: int) -> None:
     """fit's result: a Clusters whose assignment ``[B, Hkv, N]`` (long) holds ids in [0, C) on the clusterable
     region ``[B, N]`` and C elsewhere (a wait on the device: prepare runs once per request)."""
-    expect(isinstance(clusters, Clusters), clusterer, f"fit must return oa_core.Clusters, got "
-                                                      f"{type(clusters).__name__}")
+    expect(
+        isinstance(clusters, Clusters), clusterer, f"fit must return oa_core.Clusters, got {type(clusters).__name__}"
+    )
     a, C = clusters.assignment, clusters.num_clusters
     expect(isinstance(C, int) and C >= 1, clusterer, f"num_clusters must be a positive int, got {C!r}")
     shape = (clusterable.shape[0], kv_heads, clusterable.shape[1])
-    expect(isinstance(a, Tensor) and tuple(a.shape) == shape and a.dtype == torch.long, clusterer,
-           f"fit must return a long assignment [B, Hkv, N] = {list(shape)}, got "
-           f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', ()))}")
+    expect(
+        isinstance(a, Tensor) and tuple(a.shape) == shape and a.dtype == torch.long,
+        clusterer,
+        f"fit must return a long assignment [B, Hkv, N] = {list(shape)}, got "
+        f"{getattr(a, 'dtype', type(a).__name__)} {list(getattr(a, 'shape', ()))}",
+    )
     inside = clusterable[:, None, :].expand(shape)
-    expect(bool((a[~inside] == C).all()) and bool(((a[inside] >= 0) & (a[inside] < C)).all()), clusterer,
-           f"ids must be in [0, {C}) inside the clusterable region and {C} outside")
+    expect(
+        bool((a[~inside] == C).all()) and bool(((a[inside] >= 0) & (a[inside] < C)).all()),
+        clusterer,
+        f"ids must be in [0, {C}) inside the clusterable region and {C} outside",
+    )
 
 
 def check_scores(selector: Component, scores: Tensor, shape: tuple[int, ...]) -> None:
     """score's result: float32 of ``shape`` ``[B, Hkv, Gs, T, N]``."""
-    expect(isinstance(scores, Tensor) and tuple(scores.shape) == shape and scores.dtype == torch.float32, selector,
-           f"score must return float32 [B, Hkv, Gs, T, N] = {list(shape)}, got "
-           f"{getattr(scores, 'dtype', type(scores).__name__)} {list(getattr(scores, 'shape', ()))}")
+    expect(
+        isinstance(scores, Tensor) and tuple(scores.shape) == shape and scores.dtype == torch.float32,
+        selector,
+        f"score must return float32 [B, Hkv, Gs, T, N] = {list(shape)}, got "
+        f"{getattr(scores, 'dtype', type(scores).__name__)} {list(getattr(scores, 'shape', ()))}",
+    )
 
 
-def check_quotas(allocator: Component, quotas: Tensor, inputs: AllocationInput, values: bool = True,
-                 exact: bool = False) -> None:
+def check_quotas(
+    allocator: Component, quotas: Tensor, inputs: AllocationInput, values: bool = True, exact: bool = False
+) -> None:
     """allocate's result: integer ``[B, Hkv, Gs, T, C]``; with ``values`` (one wait on the device) also
     0 ≤ q_b ≤ n_b and Σ_b q_b ≤ E_sel — or, ``exact``, Σ_b q_b = min(E_sel, Σ_b n_b)."""
     expected = (*inputs.scores.shape[:-1], inputs.counts.shape[-1])
-    expect(isinstance(quotas, Tensor) and tuple(quotas.shape) == expected and not quotas.is_floating_point(),
-           allocator, f"allocate must return integer quotas [B, Hkv, Gs, T, C] = {list(expected)}, got "
-                      f"{getattr(quotas, 'dtype', type(quotas).__name__)} {list(getattr(quotas, 'shape', ()))}")
+    expect(
+        isinstance(quotas, Tensor) and tuple(quotas.shape) == expected and not quotas.is_floating_point(),
+        allocator,
+        f"allocate must return integer quotas [B, Hkv, Gs, T, C] = {list(expected)}, got "
+        f"{getattr(quotas, 'dtype', type(quotas).__name__)} {list(getattr(quotas, 'shape', ()))}",
+    )
     if not values:
         return
     counts = inputs.counts[:, :, None, None]
@@ -182,6 +215,9 @@ def check_quotas(allocator: Component, quotas: Tensor, inputs: AllocationInput, 
 
 def check_output(kernel: Component, out: Tensor, query: Tensor) -> None:
     """attend's result: the query's shape and dtype."""
-    expect(isinstance(out, Tensor) and out.shape == query.shape and out.dtype == query.dtype, kernel,
-           f"attend must return the query's shape {list(query.shape)} and dtype {query.dtype}, got "
-           f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', ()))}")
+    expect(
+        isinstance(out, Tensor) and out.shape == query.shape and out.dtype == query.dtype,
+        kernel,
+        f"attend must return the query's shape {list(query.shape)} and dtype {query.dtype}, got "
+        f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', ()))}",
+    )

@@ -33,9 +33,15 @@ PAGE = ROOT / "docs" / "components.md"
 SPECS = ROOT / "specs"
 COMMAND = "python -m oa_core.docs_tables --write"
 
-BOUNDS = ((annotated_types.Gt, "gt", ">"), (annotated_types.Ge, "ge", "≥"), (annotated_types.Lt, "lt", "<"),
-          (annotated_types.Le, "le", "≤"), (annotated_types.MultipleOf, "multiple_of", "multiple of"),
-          (annotated_types.MinLen, "min_length", "length ≥"), (annotated_types.MaxLen, "max_length", "length ≤"))
+BOUNDS = (
+    (annotated_types.Gt, "gt", ">"),
+    (annotated_types.Ge, "ge", "≥"),
+    (annotated_types.Lt, "lt", "<"),
+    (annotated_types.Le, "le", "≤"),
+    (annotated_types.MultipleOf, "multiple_of", "multiple of"),
+    (annotated_types.MinLen, "min_length", "length ≥"),
+    (annotated_types.MaxLen, "max_length", "length ≤"),
+)
 
 
 def _cell(text: str) -> str:
@@ -125,14 +131,16 @@ def parameter_table(model: type[BaseModel]) -> str:
         return "No parameters."
     lines = ["| parameter | type | default | constraint | description |", "|---|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        cells = (_code(name), field_type(field), field_default(field), field_constraint(field),
-                 field.description or "")
+        cells = (_code(name), field_type(field), field_default(field), field_constraint(field), field.description or "")
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     rules = cross_field_rules(model)
     if rules:
         said = "; ".join(rule for rule in rules if rule)
-        lines += ["", f"`{model.__name__}` also checks a rule across its fields when the spec is built"
-                      + (f": {said}." if said else " (the error says which).")]
+        lines += [
+            "",
+            f"`{model.__name__}` also checks a rule across its fields when the spec is built"
+            + (f": {said}." if said else " (the error says which)."),
+        ]
     return "\n".join(lines)
 
 
@@ -145,14 +153,28 @@ def _kernel_note(cls: type) -> str:
 def render_params() -> str:
     """The spec's own fields, then every built-in component's parameters, kind by kind."""
     registry = default_registry()
-    intro = (f"`{PipelineSpec.__module__}.{PipelineSpec.__name__}`; a component field takes a name or "
-             "`{name: ..., <parameters>}` (the tables below).")
-    parts = ["### The spec's own fields", "", intro, "", parameter_table(PipelineSpec), "",
-             f"`budget` (`{Budget.__module__}.{Budget.__name__}`):", "", parameter_table(Budget)]
+    intro = (
+        f"`{PipelineSpec.__module__}.{PipelineSpec.__name__}`; a component field takes a name or "
+        "`{name: ..., <parameters>}` (the tables below)."
+    )
+    parts = [
+        "### The spec's own fields",
+        "",
+        intro,
+        "",
+        parameter_table(PipelineSpec),
+        "",
+        f"`budget` (`{Budget.__module__}.{Budget.__name__}`):",
+        "",
+        parameter_table(Budget),
+    ]
     found = False
     for kind in KINDS:
-        infos = [info for info in (registry.get(kind, name) for name in registry.names(kind))
-                 if info is not None and info.package == BUILT_IN]
+        infos = [
+            info
+            for info in (registry.get(kind, name) for name in registry.names(kind))
+            if info is not None and info.package == BUILT_IN
+        ]
         if not infos:
             continue
         parts += ["", f"### {kind.capitalize()}s"]
@@ -166,22 +188,36 @@ def render_params() -> str:
             if config.model_fields:
                 parts += ["", parameter_table(config)]
     if not found:
-        raise RuntimeError(f"no component of {BUILT_IN!r} is registered: install this checkout "
-                           "(pip install -e .) so that its entry points register the built-in components")
+        raise RuntimeError(
+            f"no component of {BUILT_IN!r} is registered: install this checkout "
+            "(pip install -e .) so that its entry points register the built-in components"
+        )
     return "\n".join(parts)
 
 
 def render_specs(folder: Path = SPECS) -> str:
     """One row per file of ``specs/``: the pipeline it builds, as ``load_spec`` resolves it."""
-    lines = ["| file | clusterer | selector | allocator | tail | budget | sink, local | gqa |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| file | clusterer | selector | allocator | tail | budget | sink, local | gqa |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for path in sorted(folder.glob("*.yaml")):
         spec = load_spec(path)
-        tail = f"{spec.tail}, {spec.proxy}" if spec.tail == "proxy" else (
-            f"sample, {spec.tail_samples}" if spec.tail == "sample" else spec.tail)
-        cells = (_code(path.name), _code(_flow(spec.clusterer)), _code(_flow(spec.selector)),
-                 _code(_flow(spec.allocator)), tail, _code(_flow(spec.budget)), f"{spec.sink}, {spec.local}",
-                 spec.gqa)
+        tail = (
+            f"{spec.tail}, {spec.proxy}"
+            if spec.tail == "proxy"
+            else (f"sample, {spec.tail_samples}" if spec.tail == "sample" else spec.tail)
+        )
+        cells = (
+            _code(path.name),
+            _code(_flow(spec.clusterer)),
+            _code(_flow(spec.selector)),
+            _code(_flow(spec.allocator)),
+            tail,
+            _code(_flow(spec.budget)),
+            f"{spec.sink}, {spec.local}",
+            spec.gqa,
+        )
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return "\n".join(lines)
 

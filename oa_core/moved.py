@@ -12,9 +12,21 @@ import warnings
 from types import ModuleType
 
 MOVED = {
-    **{f"oa_core.{name}": f"oa_core.ops.{name}" for name in (
-        "cluster_stats", "dense_decode", "geometry", "kmeans", "native", "rerank", "scatter", "selection",
-        "triton_path", "water_filling")},
+    **{
+        f"oa_core.{name}": f"oa_core.ops.{name}"
+        for name in (
+            "cluster_stats",
+            "dense_decode",
+            "geometry",
+            "kmeans",
+            "native",
+            "rerank",
+            "scatter",
+            "selection",
+            "triton_path",
+            "water_filling",
+        )
+    },
     **{f"oa_core.{name}": f"oa_core.analysis.{name}" for name in ("attention_error", "demo", "metrics", "needle")},
     "oa_core.offline_model": "oa_core.analysis.offline_model",
     "oa_core.references": "oa_core.testing.references",
@@ -32,8 +44,11 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new = MOVED[spec.name]
-        warnings.warn(f"{spec.name} moved to {new}; the old path will be removed in the next release",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{spec.name} moved to {new}; the old path will be removed in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         module = importlib.import_module(new)
         self.specs[new] = module.__spec__
         return module

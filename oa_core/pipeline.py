@@ -52,20 +52,25 @@ def build(spec: PipelineSpec | Mapping | str | Path | None = None) -> Pipeline:
         except SpecError as exc:
             errors.append(str(exc))
 
-    clusterer, selector, allocator = (attempt(_instantiate, kind, getattr(spec, kind))
-                                      for kind in ("clusterer", "selector", "allocator"))
+    clusterer, selector, allocator = (
+        attempt(_instantiate, kind, getattr(spec, kind)) for kind in ("clusterer", "selector", "allocator")
+    )
     chosen_kernel = attempt(_kernel, spec.kernel)
     if errors:
         raise SpecError("; ".join(errors))
     kernel, kernel_note = chosen_kernel
     if spec.tail == "proxy" and spec.proxy not in type(kernel).proxies:
-        raise SpecError(f"proxy: kernel {kernel.name!r} computes {' and '.join(type(kernel).proxies)} proxies, not "
-                        f"{spec.proxy!r}; set proxy: {type(kernel).proxies[0]} or use another kernel")
+        raise SpecError(
+            f"proxy: kernel {kernel.name!r} computes {' and '.join(type(kernel).proxies)} proxies, not "
+            f"{spec.proxy!r}; set proxy: {type(kernel).proxies[0]} or use another kernel"
+        )
     if spec.tail == "sample" and spec.gqa == "shared" and type(selector).sample_pool is not Selector.sample_pool:
-        raise SpecError(f"gqa: tail: sample with selector {selector.name!r} draws a pool per query head; "
-                        "use gqa: per_head")
-    return Pipeline(spec, clusterer=clusterer, selector=selector, allocator=allocator, kernel=kernel,
-                    kernel_note=kernel_note)
+        raise SpecError(
+            f"gqa: tail: sample with selector {selector.name!r} draws a pool per query head; use gqa: per_head"
+        )
+    return Pipeline(
+        spec, clusterer=clusterer, selector=selector, allocator=allocator, kernel=kernel, kernel_note=kernel_note
+    )
 
 
 def _kernel(kernel: ComponentSpec) -> tuple[Kernel, str]:
@@ -76,13 +81,16 @@ def _kernel(kernel: ComponentSpec) -> tuple[Kernel, str]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     registry = default_registry()
     skipped: list[str] = []
-    for info in sorted((registry.components["kernel"][name] for name in registry.names("kernel")),
-                       key=lambda info: -_kernel_class(info).priority):
+    for info in sorted(
+        (registry.components["kernel"][name] for name in registry.names("kernel")),
+        key=lambda info: -_kernel_class(info).priority,
+    ):
         why = _kernel_class(info).unavailable(device)
         if why is None:
             reason = "; ".join(skipped) if skipped else f"runs on {device.type}"
-            return _instantiate("kernel", ComponentSpec(name=info.name, params=kernel.params)), \
-                f"auto: {info.name} ({reason})"
+            return _instantiate(
+                "kernel", ComponentSpec(name=info.name, params=kernel.params)
+            ), f"auto: {info.name} ({reason})"
         skipped.append(f"{info.name}: {why}")
     raise SpecError(f"kernel: auto found no registered kernel that runs on {device.type} ({'; '.join(skipped)})")
 
@@ -99,8 +107,9 @@ def _instantiate(kind: str, component: ComponentSpec):
     try:
         config = info.cls.Config.model_validate(component.params)
     except ValidationError as exc:
-        raise SpecError(f"{describe(exc, prefix=kind)} ({kind} {component.name!r} from package {info.package!r})") \
-            from None
+        raise SpecError(
+            f"{describe(exc, prefix=kind)} ({kind} {component.name!r} from package {info.package!r})"
+        ) from None
     return info.cls(config)
 
 
@@ -139,8 +148,15 @@ class Explanation:
 class Pipeline:
     """A composed OpenAttention estimator. Build it with ``oa.build(spec)``."""
 
-    def __init__(self, spec: PipelineSpec, clusterer: Clusterer, selector: Selector, allocator: Allocator,
-                 kernel: Kernel, kernel_note: str = "") -> None:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        clusterer: Clusterer,
+        selector: Selector,
+        allocator: Allocator,
+        kernel: Kernel,
+        kernel_note: str = "",
+    ) -> None:
         self.spec = spec
         self.clusterer = clusterer
         self.selector = selector
@@ -151,9 +167,11 @@ class Pipeline:
     def __repr__(self) -> str:
         s = self.spec
         tail = {"sample": f"sample, tail_samples={s.tail_samples:g}", "proxy": f"proxy ({s.proxy})"}.get(s.tail, s.tail)
-        return (f"Pipeline({self.clusterer!r}, {self.selector!r}, {self.allocator!r}, {self.kernel!r}, "
-                f"tail={tail}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
-                f"gqa={s.gqa})")
+        return (
+            f"Pipeline({self.clusterer!r}, {self.selector!r}, {self.allocator!r}, {self.kernel!r}, "
+            f"tail={tail}, budget={s.budget.model_dump(exclude_none=True)}, sink={s.sink}, local={s.local}, "
+            f"gqa={s.gqa})"
+        )
 
     def scoring_bytes(self, head_dim: int) -> dict:
         """What choosing the rows reads per key of the context, in bytes, where keys and values are bf16 (a dense
@@ -162,13 +180,22 @@ class Pipeline:
         selector that does not re-rank, or a budget in tokens, whose share depends on the context)."""
         rerank = getattr(self.selector.config, "rerank", 0.0) if self.selector.refines else 0.0
         density = self.spec.budget.density or 0.0
-        return {"codes": self.selector.scoring_bytes(head_dim), "rerank": round(rerank * density * head_dim * 2, 2),
-                "dense_row": 2 * head_dim * 2}
+        return {
+            "codes": self.selector.scoring_bytes(head_dim),
+            "rerank": round(rerank * density * head_dim * 2, 2),
+            "dense_row": 2 * head_dim * 2,
+        }
 
     # -- once per request -------------------------------------------------------------------------------------
 
-    def prepare(self, keys: Tensor, values: Tensor, queries: Tensor | None = None, scale: float | None = None,
-                mask: Tensor | None = None) -> PipelineState:
+    def prepare(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        queries: Tensor | None = None,
+        scale: float | None = None,
+        mask: Tensor | None = None,
+    ) -> PipelineState:
         """Cluster the context and build the selector index.
 
         keys/values ``[B, Hkv, N, D]``; queries ``[B, Hq, M, D]``: prefill queries of this request (QGC's query
@@ -188,8 +215,16 @@ class Pipeline:
             reasons.append(few_why)
             dense_rows = dense_rows | few
         why = "; ".join(reasons)
-        state = PipelineState(self, keys, values, valid, scale, dense_rows, dense_reason=why,
-                              query_heads=None if queries is None else queries.shape[1])
+        state = PipelineState(
+            self,
+            keys,
+            values,
+            valid,
+            scale,
+            dense_rows,
+            dense_reason=why,
+            query_heads=None if queries is None else queries.shape[1],
+        )
         if bool(dense_rows.all()):
             return state
         # The clusterable region: valid rows of sparse batch rows, past the sink and before the local window.
@@ -199,8 +234,9 @@ class Pipeline:
         generator = torch.Generator().manual_seed(self.spec.seed)  # on the CPU: the same clusters on every device
         clusters = self.clusterer.fit(keys, queries, clusterable, generator)
         contracts.check_clusters(self.clusterer, clusters, clusterable, keys.shape[1])
-        index = self.selector.build(keys, queries, clusters, torch.Generator().manual_seed(
-            _stream(f"selector:{self.spec.seed}")))
+        index = self.selector.build(
+            keys, queries, clusters, torch.Generator().manual_seed(_stream(f"selector:{self.spec.seed}"))
+        )
         state.start_clusters(clusters, index)
         return state
 
@@ -214,13 +250,21 @@ class Pipeline:
         if not bool(few.any()):
             return few, ""
         row = int(few.nonzero()[0, 0])
-        return few, (f"clusterer.num_clusters = {wanted} >= the {max(0, int(keys[row]))} keys between sink and local "
-                     f"window of a {int(lengths[row])}-token context (each key would be its own cluster)")
+        return few, (
+            f"clusterer.num_clusters = {wanted} >= the {max(0, int(keys[row]))} keys between sink and local "
+            f"window of a {int(lengths[row])}-token context (each key would be its own cluster)"
+        )
 
     # -- per decode query -------------------------------------------------------------------------------------
 
-    def attend(self, query: Tensor, state: PipelineState, return_stats: bool = False, causal: bool = False,
-               validate: bool = True):
+    def attend(
+        self,
+        query: Tensor,
+        state: PipelineState,
+        return_stats: bool = False,
+        causal: bool = False,
+        validate: bool = True,
+    ):
         """query ``[B, Hq, T, D]`` → output ``[B, Hq, T, D]`` (and AttendStats when ``return_stats``).
 
         Without ``causal`` every one of the T queries sees all N cached rows. With ``causal`` the queries are the
@@ -237,8 +281,9 @@ class Pipeline:
             out, proxies = self.kernel.attend(query, state.keys, state.values, None, None, state.scale)
         else:
             selection = self._explain(query, state, causal, validate).selection
-            out, proxies = self.kernel.attend(query, state.keys, state.values, selection,
-                                              self.tail_proxies(state.pooled), state.scale)
+            out, proxies = self.kernel.attend(
+                query, state.keys, state.values, selection, self.tail_proxies(state.pooled), state.scale
+            )
         contracts.check_output(self.kernel, out, query)
         return (out, self._stats(query, state, selection, proxies)) if return_stats else out
 
@@ -247,12 +292,16 @@ class Pipeline:
         given) marked with the spec's ``proxy``; None where the tail is not a proxy or nothing is clustered."""
         if self.spec.tail != "proxy" or pooled is None:
             return None
-        return PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum,
-                              pooled.assignment if assignment is None else assignment, pooled.key_square_sum,
-                              second_order=self.spec.proxy == "second-order")
+        return PooledClusters(
+            pooled.count,
+            pooled.key_sum,
+            pooled.value_sum,
+            pooled.assignment if assignment is None else assignment,
+            pooled.key_square_sum,
+            second_order=self.spec.proxy == "second-order",
+        )
 
-    def explain(self, query: Tensor, state: PipelineState, causal: bool = False,
-                validate: bool = True) -> Explanation:
+    def explain(self, query: Tensor, state: PipelineState, causal: bool = False, validate: bool = True) -> Explanation:
         """The decisions of ``attend(query, state, causal=causal)`` (docs/design.md, steps 4–6 and tail samples):
         the selector's scores, the allocator's inputs and quotas, and the rows each (query, selection head) reads."""
         self._check(query, state, causal, validate)
@@ -275,14 +324,20 @@ class Pipeline:
             assert plan.unclustered is not None  # the plan of a state with clusters marks the rows outside them
             scores = scores.masked_fill(plan.unclustered, -math.inf)
             budget = plan.selectable - samples if samples is not None else plan.selectable
-            scores = self.selector.refine(scores, grouped, state.index, state.keys, state.scale, budget,
-                                          plan.max_selectable)
+            scores = self.selector.refine(
+                scores, grouped, state.index, state.keys, state.scale, budget, plan.max_selectable
+            )
             mean_logit, logit_var = cluster_logit_stats(query, *state.cluster_moments(), state.scale)
             pooled = state.cluster_sums
-            allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=pooled.count,
-                                         scores=scores, assignment=pooled.assignment,
-                                         budget=budget,
-                                         width=plan.max_selectable)
+            allocation = AllocationInput(
+                mean_logit=mean_logit,
+                logit_var=logit_var,
+                counts=pooled.count,
+                scores=scores,
+                assignment=pooled.assignment,
+                budget=budget,
+                width=plan.max_selectable,
+            )
             quotas = self.allocator.allocate(allocation)
             contracts.check_quotas(self.allocator, quotas, allocation, values=validate)
             chosen = select(scores, allocation.assignment, quotas, width=plan.max_selectable, members=plan.members)
@@ -307,11 +362,14 @@ class Pipeline:
             raise ValueError("state: pass the PipelineState this pipeline's prepare() returned")
         contracts.check_query(query, state.keys, "query", validate, heads=state.query_heads)
         if causal and query.shape[2] > max(self.spec.local, 1) and state.clusters is not None:
-            raise ValueError(f"query: {query.shape[2]} causal queries do not fit the local window of "
-                             f"{self.spec.local}; attend them in blocks of at most local tokens")
+            raise ValueError(
+                f"query: {query.shape[2]} causal queries do not fit the local window of "
+                f"{self.spec.local}; attend them in blocks of at most local tokens"
+            )
 
-    def _sample_tail(self, grouped: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor, most: int,
-                     state: PipelineState) -> tuple[Tensor, Tensor]:
+    def _sample_tail(
+        self, grouped: Tensor, clusterable: Tensor, index: Tensor, samples: Tensor, most: int, state: PipelineState
+    ) -> tuple[Tensor, Tensor]:
         """m uniform draws without replacement (``samples`` ``[B, Hkv, 1, 1]``, at most ``most``) from the unread
         clusterable rows of the selector's sampling pool, each weighted ln η_i = ln(|pool|/m) − ln p_i (p_i = 1 for
         uniform sampling: η = N_T/m). → (positions, log weights), both ``[B, Hkv, Gs, T, m]``, -1 padded."""
@@ -337,8 +395,9 @@ class Pipeline:
             log_eta = log_eta - log_p.gather(-1, drawn.clamp_min(0))
         return drawn, log_eta.masked_fill(drawn < 0, 0.0)
 
-    def _stats(self, query: Tensor, state: PipelineState, selection: Selection | None,
-               proxies: Tensor | None) -> AttendStats:
+    def _stats(
+        self, query: Tensor, state: PipelineState, selection: Selection | None, proxies: Tensor | None
+    ) -> AttendStats:
         plan = state.plan()
         T, n = query.shape[2], state.num_tokens
         if selection is None:
@@ -349,8 +408,15 @@ class Pipeline:
         density = (reads.double() / lengths.to(reads.device).view(-1, 1, 1, 1)).mean()
         note = getattr(self.kernel, "note", "")
         kernel = f"{self.kernel.name} ({self.kernel_note}{'; ' + note if note else ''})"
-        return AttendStats(density_tensor=density, num_tokens=n, reads=reads, proxies=proxies, dense=plan.all_dense,
-                           reason=self._reason(plan.dense_rows, lengths, state.dense_reason), kernel=kernel)
+        return AttendStats(
+            density_tensor=density,
+            num_tokens=n,
+            reads=reads,
+            proxies=proxies,
+            dense=plan.all_dense,
+            reason=self._reason(plan.dense_rows, lengths, state.dense_reason),
+            kernel=kernel,
+        )
 
     def _reason(self, dense_rows: Tensor, lengths: Tensor, why: str) -> str:
         budget = self.spec.budget.rows(lengths)

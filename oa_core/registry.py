@@ -68,8 +68,9 @@ class Registry:
         for kind in KINDS:
             hook = getattr(self._manager.hook, f"register_{kind}s")
             # This distribution's own components first, then by plugin name: a plugin can't shadow a built-in.
-            for impl in sorted(hook.get_hookimpls(), key=lambda i: (self._packages.get(i.plugin_name) != BUILT_IN,
-                                                                    i.plugin_name)):
+            for impl in sorted(
+                hook.get_hookimpls(), key=lambda i: (self._packages.get(i.plugin_name) != BUILT_IN, i.plugin_name)
+            ):
                 self._call(kind, impl)
 
     def _call(self, kind: str, impl) -> None:
@@ -93,13 +94,17 @@ class Registry:
             self._fail(plugin, package, f"{cls.__name__} needs a non-empty string class attribute `name`")
             return
         if not (isinstance(cls.Config, type) and issubclass(cls.Config, BaseModel)):
-            self._fail(plugin, package, f"{kind} {name!r}: Config must be a pydantic BaseModel subclass, got "
-                                        f"{cls.Config!r}")
+            self._fail(
+                plugin, package, f"{kind} {name!r}: Config must be a pydantic BaseModel subclass, got {cls.Config!r}"
+            )
             return
         existing = self.components[kind].get(cls.name)
         if existing is not None:
-            self._fail(plugin, package, f"{kind} name {cls.name!r} is already registered by package "
-                                        f"{existing.package!r}; this one is ignored")
+            self._fail(
+                plugin,
+                package,
+                f"{kind} name {cls.name!r} is already registered by package {existing.package!r}; this one is ignored",
+            )
             return
         self.components[kind][cls.name] = ComponentInfo(kind, cls.name, cls, plugin, package)
 

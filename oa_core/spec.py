@@ -37,8 +37,9 @@ class ComponentSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(description="a registered component of the kind (`oa plugins` lists them)")
-    params: dict[str, Any] = Field(default_factory=dict, description="its Config's fields; unnamed ones take "
-                                   "their defaults")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="its Config's fields; unnamed ones take their defaults"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -56,8 +57,12 @@ class Budget(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    density: float | None = Field(default=None, gt=0, le=1, description="rows read exactly, as a share of the "
-                                  "context (rounded down); give this or tokens")
+    density: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="rows read exactly, as a share of the context (rounded down); give this or tokens",
+    )
     tokens: int | None = Field(default=None, gt=0, description="rows read exactly, as a count; give this or density")
 
     @model_validator(mode="after")
@@ -91,38 +96,63 @@ class PipelineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    clusterer: ComponentSpec = Field(default=ComponentSpec(name="qgc"), description="groups the keys the "
-                                     "selector may pass over; each cluster's unread tail gets one proxy")
-    selector: ComponentSpec = Field(default=ComponentSpec(name="pq"), description="scores every clusterable row "
-                                    "against the query; the best-scored are read exactly")
-    allocator: ComponentSpec = Field(default=ComponentSpec(name="errorgate"), description="splits the budget "
-                                     "into per-cluster quotas of exact rows")
-    kernel: ComponentSpec = Field(default=ComponentSpec(name="auto"), description="computes attention over the "
-                                  "exact rows and the tail; auto: the registered kernel of highest priority that "
-                                  "runs on this device")
+    clusterer: ComponentSpec = Field(
+        default=ComponentSpec(name="qgc"),
+        description="groups the keys the selector may pass over; each cluster's unread tail gets one proxy",
+    )
+    selector: ComponentSpec = Field(
+        default=ComponentSpec(name="pq"),
+        description="scores every clusterable row against the query; the best-scored are read exactly",
+    )
+    allocator: ComponentSpec = Field(
+        default=ComponentSpec(name="errorgate"), description="splits the budget into per-cluster quotas of exact rows"
+    )
+    kernel: ComponentSpec = Field(
+        default=ComponentSpec(name="auto"),
+        description="computes attention over the "
+        "exact rows and the tail; auto: the registered kernel of highest priority that "
+        "runs on this device",
+    )
     tail: Literal["proxy", "discard", "sample"] = Field(
-        default="proxy", description="what stands for the rows not read: one proxy per cluster, nothing (top-k "
-        "attention), or weighted uniform samples")
+        default="proxy",
+        description="what stands for the rows not read: one proxy per cluster, nothing (top-k "
+        "attention), or weighted uniform samples",
+    )
     proxy: Literal["second-order", "mean"] = Field(
-        default="second-order", description="tail=proxy: each cluster's tail as e^{s·q·k̄_T}·n_T (mean, the "
-        "paper's) or times 1 + σ̂_T²/2, the tail's logit variance (second-order)")
-    tail_samples: float = Field(default=0.5, gt=0, le=1, description="tail=sample: share of the selectable "
-                                "budget spent on uniform tail samples (1: sampling only, no selector)")
-    budget: Budget = Field(default=Budget(density=0.03), description="exact rows per query and KV head, sink and "
-                           "local included: {density: d} or {tokens: n}")
+        default="second-order",
+        description="tail=proxy: each cluster's tail as e^{s·q·k̄_T}·n_T (mean, the "
+        "paper's) or times 1 + σ̂_T²/2, the tail's logit variance (second-order)",
+    )
+    tail_samples: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="tail=sample: share of the selectable "
+        "budget spent on uniform tail samples (1: sampling only, no selector)",
+    )
+    budget: Budget = Field(
+        default=Budget(density=0.03),
+        description="exact rows per query and KV head, sink and local included: {density: d} or {tokens: n}",
+    )
     sink: int = Field(default=4, ge=0, description="the first rows of the context, always read exactly")
     local: int = Field(default=64, ge=0, description="the newest rows, always read exactly")
     gqa: Literal["per_head", "shared"] = Field(
-        default="per_head", description="select per query head, or once per KV head for the whole GQA group")
-    seed: int = Field(default=0, description="seeds the clusterer's and the selector's random draws (on the CPU: "
-                      "the same clusters on every device)")
+        default="per_head", description="select per query head, or once per KV head for the whole GQA group"
+    )
+    seed: int = Field(
+        default=0,
+        description="seeds the clusterer's and the selector's random draws (on the CPU: "
+        "the same clusters on every device)",
+    )
 
     @model_validator(mode="after")
     def _tokens_cover_sink_and_local(self) -> PipelineSpec:
         if self.budget.tokens is not None and self.budget.tokens < self.sink + self.local:
-            raise ValueError(f"budget.tokens: {self.budget.tokens} rows is smaller than sink + local = {self.sink} + "
-                             f"{self.local} = {self.sink + self.local} (the budget includes them); raise budget.tokens "
-                             "or lower sink / local")
+            raise ValueError(
+                f"budget.tokens: {self.budget.tokens} rows is smaller than sink + local = {self.sink} + "
+                f"{self.local} = {self.sink + self.local} (the budget includes them); raise budget.tokens "
+                "or lower sink / local"
+            )
         return self
 
     def read_in_full(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -145,8 +175,10 @@ class PipelineSpec(BaseModel):
         if not bool(short.any()):
             return BUDGET_COVERS
         row = int(short.nonzero()[0, 0])
-        return (f"budget of {int(self.budget.rows(lengths)[row])} rows ({self.budget.density:.1%} of "
-                f"{int(lengths[row])} tokens) < sink + local = {self.sink + self.local}")
+        return (
+            f"budget of {int(self.budget.rows(lengths)[row])} rows ({self.budget.density:.1%} of "
+            f"{int(lengths[row])} tokens) < sink + local = {self.sink + self.local}"
+        )
 
 
 BUDGET_COVERS = "budget >= context"  # ``why_read_in_full`` where no row is a short context

@@ -114,23 +114,48 @@ class PipelineState:
             if self.clusters is not None:  # select reads each cluster's scores through its members
                 members = cluster_members(self.cluster_sums.assignment, self.num_clusters, room=MEMBER_ROOM)
                 largest = int(members[1].max()) if members[1].numel() else 0
-            self._plan = self._read_plan(positions(fixed), self.valid.sum(-1).cpu(), fixed_counts, members, largest,
-                                         None if self.clusters is None else
-                                         (self.cluster_sums.assignment == self.num_clusters)[:, :, None, None, :],
-                                         self.dense_rows.cpu(), not bool(self.valid.all()))
+            self._plan = self._read_plan(
+                positions(fixed),
+                self.valid.sum(-1).cpu(),
+                fixed_counts,
+                members,
+                largest,
+                None
+                if self.clusters is None
+                else (self.cluster_sums.assignment == self.num_clusters)[:, :, None, None, :],
+                self.dense_rows.cpu(),
+                not bool(self.valid.all()),
+            )
         return self._plan
 
-    def _read_plan(self, fixed: Tensor, lengths: Tensor, fixed_counts: Tensor, members, largest: int,
-                   unclustered: Tensor | None, dense: Tensor, padded: bool) -> ReadPlan:
+    def _read_plan(
+        self,
+        fixed: Tensor,
+        lengths: Tensor,
+        fixed_counts: Tensor,
+        members,
+        largest: int,
+        unclustered: Tensor | None,
+        dense: Tensor,
+        padded: bool,
+    ) -> ReadPlan:
         """A ReadPlan from its parts; the budget's split follows from the host-side lengths and counts."""
         selectable = torch.zeros_like(fixed_counts)
         if self.clusters is not None:
             selectable = (self.pipeline.spec.budget.rows(lengths)[:, None] - fixed_counts).clamp_min(0)
             selectable = selectable.masked_fill(dense[:, None], 0)
-        return ReadPlan(fixed=fixed, selectable=selectable[:, :, None, None].to(self.keys.device),
-                        max_selectable=int(selectable.max()) if selectable.numel() else 0,
-                        padded=padded, lengths=lengths, fixed_counts=fixed_counts,
-                        dense_rows=dense, unclustered=unclustered, members=members, largest_bound=largest)
+        return ReadPlan(
+            fixed=fixed,
+            selectable=selectable[:, :, None, None].to(self.keys.device),
+            max_selectable=int(selectable.max()) if selectable.numel() else 0,
+            padded=padded,
+            lengths=lengths,
+            fixed_counts=fixed_counts,
+            dense_rows=dense,
+            unclustered=unclustered,
+            members=members,
+            largest_bound=largest,
+        )
 
     def _grown_plan(self, plan: ReadPlan, added: int, leaving: slice | None, ids: Tensor | None) -> ReadPlan:
         """``plan`` after ``added`` rows were appended and the positions ``leaving`` joined the clusters ``ids``
@@ -165,8 +190,9 @@ class PipelineState:
                 largest = int(members[1].max())
             else:
                 members = add_members(*members, ids, torch.arange(leaving.start, leaving.stop, device=device))
-        return self._read_plan(fixed, plan.lengths + added, fixed_counts, members, largest, unclustered, dense,
-                               plan.padded)
+        return self._read_plan(
+            fixed, plan.lengths + added, fixed_counts, members, largest, unclustered, dense, plan.padded
+        )
 
     def cluster_moments(self) -> tuple[Tensor, Tensor]:
         """Mean key k̄_b and diagonal variance Var_b(k), ``[B, Hkv, C, D]`` each, derived from the pooled sums."""
@@ -194,8 +220,9 @@ class PipelineState:
         state reads them in place from then on; only the new rows are checked (shape, dtype, device, NaN/Inf)."""
         n = self.num_tokens
         if not isinstance(keys, Tensor) or not isinstance(values, Tensor) or keys.dim() != 4 or keys.shape[2] < n:
-            raise ValueError(f"grow_to: expected the grown cache [B, Hkv, N' >= {n}, D], got "
-                             f"{tuple(getattr(keys, 'shape', ()))}")
+            raise ValueError(
+                f"grow_to: expected the grown cache [B, Hkv, N' >= {n}, D], got {tuple(getattr(keys, 'shape', ()))}"
+            )
         new_keys, new_values = keys[:, :, n:], values[:, :, n:]
         check_cache(new_keys, new_values, like=self.keys, what="appended ", finite=False, empty=True)
         # The new rows finite and known rows unchanged (a few, spread, the last included), in one wait: grow_to runs
@@ -207,12 +234,14 @@ class PipelineState:
             ok &= (values[:, :, n - 1] == self.values[:, :, n - 1]).all()
         if not bool(ok):
             check_cache(new_keys, new_values, what="appended ", empty=True)  # raises when the new rows hold NaN/Inf
-            raise CacheMismatch(f"grow_to: the grown cache's first rows are not this state's (compared at positions "
-                                f"{', '.join(map(str, known))})")
+            raise CacheMismatch(
+                f"grow_to: the grown cache's first rows are not this state's (compared at positions "
+                f"{', '.join(map(str, known))})"
+            )
         self._grow(keys, values)
 
     def _grow(self, keys: Tensor, values: Tensor) -> None:
-        new_keys = keys[:, :, self.num_tokens:]
+        new_keys = keys[:, :, self.num_tokens :]
         self.keys, self.values = keys, values
         self.valid = torch.cat([self.valid, self.valid.new_ones(keys.shape[0], new_keys.shape[2])], dim=1)
         plan, self._plan = self._plan, None
@@ -229,8 +258,9 @@ class PipelineState:
         assert clusters is not None
         self.index = pipe.selector.extend(self.index, new_keys)
         C = self.num_clusters
-        assignment = torch.cat([sums.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long,
-                                                            device=new_keys.device)], dim=2)
+        assignment = torch.cat(
+            [sums.assignment, torch.full(new_keys.shape[:3], C, dtype=torch.long, device=new_keys.device)], dim=2
+        )
         leaving_end = self.clustered_end
         leaving, ids = None, None
         if new_keys.shape[2]:
@@ -247,8 +277,13 @@ class PipelineState:
         """Add rows ``[B, Hkv, n, D]`` with cluster ids ``[B, Hkv, n]`` (C: not clustered) to the pooled sums."""
         pooled = self.cluster_sums
         assert pooled.key_square_sum is not None  # start_clusters pools the squares too
-        sums = pooled_sums(ids, keys, values, self.num_clusters,
-                           (pooled.count, pooled.key_sum, pooled.value_sum, pooled.key_square_sum))
+        sums = pooled_sums(
+            ids,
+            keys,
+            values,
+            self.num_clusters,
+            (pooled.count, pooled.key_sum, pooled.value_sum, pooled.key_square_sum),
+        )
         # Contiguous: the kernels read the sums as they are, at every step.
         pooled.count, pooled.key_sum, pooled.value_sum, pooled.key_square_sum = (s.contiguous() for s in sums)
 

@@ -105,21 +105,48 @@ class StaticState:
         assert pooled.key_square_sum is not None  # a prepared state pools the squares too
         members, counts = cluster_members(pooled.assignment, C, room=grow)
         start = (~state.valid).sum(-1)  # left padding: the first valid slot
-        arena, layout = pack({"start": start, "assignment": at_capacity(pooled.assignment, C),
-                              "count": pooled.count, "key_sum": pooled.key_sum, "value_sum": pooled.value_sum,
-                              "key_square_sum": pooled.key_square_sum, "members": members, "member_counts": counts,
-                              **{name: at_capacity(getattr(state.index, name), 0) for name in sample}})
+        arena, layout = pack(
+            {
+                "start": start,
+                "assignment": at_capacity(pooled.assignment, C),
+                "count": pooled.count,
+                "key_sum": pooled.key_sum,
+                "value_sum": pooled.value_sum,
+                "key_square_sum": pooled.key_square_sum,
+                "members": members,
+                "member_counts": counts,
+                **{name: at_capacity(getattr(state.index, name), 0) for name in sample},
+            }
+        )
         views = unpack(arena, layout)
         # Made here, not in a step: a compiled step's CUDA graph may allocate nothing that outlives it.
         spec = pipe.spec
-        fixed_base = torch.cat([start[:, None] + torch.arange(spec.sink, device=device),
-                                (torch.arange(spec.local, device=device) - spec.local).expand(B, -1)], dim=-1)
-        fixed_moves = torch.cat([torch.zeros(spec.sink, dtype=torch.long, device=device),
-                                 torch.ones(spec.local, dtype=torch.long, device=device)])
-        static = cls(pipeline=pipe, capacity=capacity, scale=state.scale,
-                     length=torch.tensor(n, device=device) if length is None else length, clusters=state.clusters,
-                     token_fields=tuple(sample), fixed_base=fixed_base, fixed_moves=fixed_moves,
-                     arena=arena, layout=layout, **_fields(state.index, tuple(sample), views))
+        fixed_base = torch.cat(
+            [
+                start[:, None] + torch.arange(spec.sink, device=device),
+                (torch.arange(spec.local, device=device) - spec.local).expand(B, -1),
+            ],
+            dim=-1,
+        )
+        fixed_moves = torch.cat(
+            [
+                torch.zeros(spec.sink, dtype=torch.long, device=device),
+                torch.ones(spec.local, dtype=torch.long, device=device),
+            ]
+        )
+        static = cls(
+            pipeline=pipe,
+            capacity=capacity,
+            scale=state.scale,
+            length=torch.tensor(n, device=device) if length is None else length,
+            clusters=state.clusters,
+            token_fields=tuple(sample),
+            fixed_base=fixed_base,
+            fixed_moves=fixed_moves,
+            arena=arena,
+            layout=layout,
+            **_fields(state.index, tuple(sample), views),
+        )
         static.fused = pipe.kernel.static_step(static)
         return static
 
@@ -139,8 +166,9 @@ class StaticState:
         length, arena = buffers
         if length is self.length and arena is self.arena:
             return self
-        return dataclasses.replace(self, length=length, arena=arena,
-                                   **_fields(self.index, self.token_fields, unpack(arena, self.layout)))
+        return dataclasses.replace(
+            self, length=length, arena=arena, **_fields(self.index, self.token_fields, unpack(arena, self.layout))
+        )
 
     # -- one decode step --------------------------------------------------------------------------------------------
 
@@ -164,9 +192,24 @@ class StaticState:
         row = keys.index_select(2, leaving)
         ids = pipe.clusterer.assign(self.clusters, row)  # [B, Hkv, 1]
         if triton_path.unavailable_reason(keys.device) is None:
-            _join[(B * H,)](ids, keys, values, leaving, self.assignment, self.pooled.count, self.pooled.key_sum,
-                            self.pooled.value_sum, self.pooled.key_square_sum, self.members, self.member_counts,
-                            self.capacity, C, self.members.shape[-1], D, BLOCK_D=triton.next_power_of_2(D))
+            _join[(B * H,)](
+                ids,
+                keys,
+                values,
+                leaving,
+                self.assignment,
+                self.pooled.count,
+                self.pooled.key_sum,
+                self.pooled.value_sum,
+                self.pooled.key_square_sum,
+                self.members,
+                self.member_counts,
+                self.capacity,
+                C,
+                self.members.shape[-1],
+                D,
+                BLOCK_D=triton.next_power_of_2(D),
+            )
             return
         self.assignment.scatter_(2, leaving.expand(B, H, 1), ids)
         k = row.float()
@@ -206,10 +249,18 @@ class StaticState:
         if refines:
             scores = pipe.selector.refine(scores, grouped, self.index, keys, self.scale, budget, width)
         assert self.pooled.key_square_sum is not None
-        mean_logit, logit_var = cluster_logit_stats_from_sums(query, self.pooled.count, self.pooled.key_sum,
-                                                              self.pooled.key_square_sum, self.scale)
-        allocation = AllocationInput(mean_logit=mean_logit, logit_var=logit_var, counts=self.pooled.count,
-                                     scores=scores, assignment=self.assignment, budget=budget, width=width)
+        mean_logit, logit_var = cluster_logit_stats_from_sums(
+            query, self.pooled.count, self.pooled.key_sum, self.pooled.key_square_sum, self.scale
+        )
+        allocation = AllocationInput(
+            mean_logit=mean_logit,
+            logit_var=logit_var,
+            counts=self.pooled.count,
+            scores=scores,
+            assignment=self.assignment,
+            budget=budget,
+            width=width,
+        )
         quotas = pipe.allocator.allocate(allocation)
         chosen = select(scores, self.assignment, quotas, width, (self.members, self.member_counts))
         index = torch.cat([fixed[:, None, None, None, :].expand(B, H, *chosen.shape[2:4], -1), chosen], dim=-1)
@@ -244,25 +295,47 @@ def pack(tensors: dict[str, Tensor]) -> tuple[Tensor, dict]:
 
 def unpack(arena: Tensor, layout: dict) -> dict[str, Tensor]:
     """The arena's tensors, as views (name → tensor of the layout's dtype and shape)."""
-    return {name: arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for name, (offset, dtype, shape) in layout.items()}
+    return {
+        name: arena[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+        for name, (offset, dtype, shape) in layout.items()
+    }
 
 
 def _fields(index, token_fields: tuple[str, ...], views: dict[str, Tensor]) -> dict[str, Any]:
     """``StaticState``'s fields over the arena's ``views``."""
-    return dict(start=views["start"], assignment=views["assignment"],
-                pooled=PooledClusters(views["count"], views["key_sum"], views["value_sum"], views["assignment"],
-                                      views["key_square_sum"]),
-                members=views["members"], member_counts=views["member_counts"],
-                index=dataclasses.replace(index, **{name: views[name] for name in token_fields}) if token_fields
-                else index)
+    return dict(
+        start=views["start"],
+        assignment=views["assignment"],
+        pooled=PooledClusters(
+            views["count"], views["key_sum"], views["value_sum"], views["assignment"], views["key_square_sum"]
+        ),
+        members=views["members"],
+        member_counts=views["member_counts"],
+        index=dataclasses.replace(index, **{name: views[name] for name in token_fields}) if token_fields else index,
+    )
 
 
 if triton is not None:
 
     @triton.jit
-    def _join(IDS, K, V, LEAVING, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
-              BLOCK_D: tl.constexpr):
+    def _join(
+        IDS,
+        K,
+        V,
+        LEAVING,
+        ASSIGNMENT,
+        COUNT,
+        KSUM,
+        VSUM,
+        KSQ,
+        MEMBERS,
+        MEMBER_COUNT,
+        CAP,
+        C,
+        S,
+        D,
+        BLOCK_D: tl.constexpr,
+    ):
         """Program (batch row · KV head): the row leaving the local window joins cluster ``ids`` — its slot's
         assignment, the pooled count, Σk, Σv, Σk⊙k, and the end of the cluster's member list — in one launch (one
         row per head and step: no two programs touch the same cluster)."""
@@ -274,12 +347,14 @@ if triton is not None:
         row = (head * CAP + leaving) * D + offs
         k = tl.load(K + row, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(V + row, mask=ok, other=0.0).to(tl.float32)
-        join_row(head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
-                 offs, ok)
+        join_row(
+            head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D, offs, ok
+        )
 
     @triton.jit
-    def join_row(head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D,
-                 offs, ok):
+    def join_row(
+        head, leaving, c, k, v, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, CAP, C, S, D, offs, ok
+    ):
         """Slot ``leaving`` of (batch row, KV head) ``head``, key ``k`` and value ``v`` (float32 ``[BLOCK_D]``, lanes
         ``offs``/``ok``), joins cluster ``c``: its assignment, the pooled count, Σk, Σv, Σk⊙k, and the end of the
         cluster's member list (shared with the fused step)."""

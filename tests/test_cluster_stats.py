@@ -18,8 +18,10 @@ def test_the_kernel_matches_torch(C, D, dtype):
     key_var = torch.rand(B, Hkv, C, D, generator=gen)
     fast = cluster_logit_stats(query, key_mean, key_var, 0.3, use_triton=True)
     q = query.double().reshape(B, Hkv, Hq // Hkv, T, D)
-    reference = (0.3 * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean.double()),
-                 0.09 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var.double()))
+    reference = (
+        0.3 * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean.double()),
+        0.09 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var.double()),
+    )
     for got, want in zip(fast, reference):
         assert got.shape == (B, Hkv, Hq // Hkv, T, C) and got.dtype == torch.float32
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -17,8 +17,9 @@ def test_every_built_in_passes(kind, name):
     check_component(kind, name, params)
 
 
-@pytest.mark.parametrize("kind, name, params", [("selector", "qgs", {"rerank": 2}),
-                                                 ("allocator", "errorgate", {"floor": 0.5})])
+@pytest.mark.parametrize(
+    "kind, name, params", [("selector", "qgs", {"rerank": 2}), ("allocator", "errorgate", {"floor": 0.5})]
+)
 def test_the_two_stage_parameters_conform_too(kind, name, params):
     check_component(kind, name, params)
 
@@ -66,15 +67,21 @@ class FlatSelector(Selector):
 
 
 def test_a_broken_allocator_is_caught_by_rule():
-    with pytest.raises(ContractViolation, match=r"allocator 'greedy-test' \(GreedyAllocator, package "
-                                                r"'.*test_conformance'\) broke its contract: quotas must lie in "
-                                                r"\[0, n_b\]"):
+    with pytest.raises(
+        ContractViolation,
+        match=r"allocator 'greedy-test' \(GreedyAllocator, package "
+        r"'.*test_conformance'\) broke its contract: quotas must lie in "
+        r"\[0, n_b\]",
+    ):
         check_allocator(GreedyAllocator)
 
 
 def test_a_broken_selector_is_caught_by_rule():
-    with pytest.raises(ContractViolation, match=r"selector 'flat-test' \(FlatSelector.*score must return float32 "
-                                                r"\[B, Hkv, Gs, T, N\]"):
+    with pytest.raises(
+        ContractViolation,
+        match=r"selector 'flat-test' \(FlatSelector.*score must return float32 "
+        r"\[B, Hkv, Gs, T, N\]",
+    ):
         check_selector(FlatSelector)
 
 
@@ -105,8 +112,7 @@ def test_a_selector_whose_growth_scores_differently_is_caught():
 
         def extend(self, index, keys):
             codes, scales = quantize(keys.float() @ index.basis)
-            return QGSIndex(index.basis, torch.cat([index.codes, codes], 2),
-                            torch.cat([index.scales, scales / 2], 2))
+            return QGSIndex(index.basis, torch.cat([index.codes, codes], 2), torch.cat([index.scales, scales / 2], 2))
 
     with pytest.raises(ContractViolation, match=r"'coarse-growth-test' .*build on N − 10 keys then extend"):
         check_selector(CoarseGrowth)
@@ -127,10 +133,18 @@ def _pipeline_with(**components):
     """A default pipeline with some components swapped for unregistered instances (no entry point needed)."""
     from oa_core.pipeline import Pipeline
 
-    base = oa.build({"clusterer": {"name": "qgc", "num_clusters": 8}, "kernel": "torch", "sink": 4, "local": 16,
-                     "budget": {"density": 0.2}})
-    parts = {kind: components.get(kind, getattr(base, kind)) for kind in ("clusterer", "selector", "allocator",
-                                                                           "kernel")}
+    base = oa.build(
+        {
+            "clusterer": {"name": "qgc", "num_clusters": 8},
+            "kernel": "torch",
+            "sink": 4,
+            "local": 16,
+            "budget": {"density": 0.2},
+        }
+    )
+    parts = {
+        kind: components.get(kind, getattr(base, kind)) for kind in ("clusterer", "selector", "allocator", "kernel")
+    }
     return Pipeline(base.spec, **parts)
 
 
@@ -142,9 +156,12 @@ def test_a_component_breaking_its_contract_at_run_time_is_named():
 
     pipe = _pipeline_with(allocator=GreedyAllocator())
     state = pipe.prepare(keys, values, prefill)
-    with pytest.raises(ContractViolation, match=r"allocator 'greedy-test' \(GreedyAllocator, package "
-                                                r"'.*test_conformance'\) broke its contract: quotas must lie in "
-                                                r"\[0, n_b\]"):
+    with pytest.raises(
+        ContractViolation,
+        match=r"allocator 'greedy-test' \(GreedyAllocator, package "
+        r"'.*test_conformance'\) broke its contract: quotas must lie in "
+        r"\[0, n_b\]",
+    ):
         pipe.attend(decode, state)
 
     class HalfKernel(Kernel):

@@ -21,7 +21,7 @@ def test_flash_decoding_reads_each_rows_valid_slots(dtype, tolerance):
     out = dense_decode(query.to(dtype), keys.to(dtype), values.to(dtype), length, start, 0.2)
     for b in range(B):
         rows = slice(int(start[b]), 1100)
-        expected = dense_attention(query[b:b + 1], keys[b:b + 1, :, rows], values[b:b + 1, :, rows], scale=0.2)
-        assert relative_error(out[b:b + 1].float(), expected) < tolerance
+        expected = dense_attention(query[b : b + 1], keys[b : b + 1, :, rows], values[b : b + 1, :, rows], scale=0.2)
+        assert relative_error(out[b : b + 1].float(), expected) < tolerance
     reference = dense_decode_reference(query, keys, values, length, start, 0.2)
     assert relative_error(out.float(), reference) < tolerance

@@ -16,8 +16,12 @@ import oa_core
 from oa_core import docs_tables
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS_TOOLS = {"mkdocs": "mkdocs", "material": "mkdocs-material", "mkdocstrings": "mkdocstrings",
-              "mkdocstrings_handlers.python": "mkdocstrings[python]"}
+DOCS_TOOLS = {
+    "mkdocs": "mkdocs",
+    "material": "mkdocs-material",
+    "mkdocstrings": "mkdocstrings",
+    "mkdocstrings_handlers.python": "mkdocstrings[python]",
+}
 
 
 def _missing_docs_tools() -> list[str]:
@@ -37,9 +41,25 @@ def test_the_site_builds_strictly(tmp_path):
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed: pip install -e '.[dev]' installs the docs tools")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                             str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-                            check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
     assert (tmp_path / "site" / "components" / "index.html").is_file()
 
@@ -48,20 +68,24 @@ def test_the_generated_tables_match_the_code():
     page = docs_tables.PAGE.read_text()
     assert page == docs_tables.rendered(page), (
         f"{docs_tables.PAGE.relative_to(ROOT)} is stale: its generated tables differ from the components' pydantic "
-        f"models or from specs/; run: {docs_tables.COMMAND}")
+        f"models or from specs/; run: {docs_tables.COMMAND}"
+    )
 
 
 def test_the_api_reference_names_every_public_name():
-    documented = set(re.findall(r"^::: oa_core\.(?:components\.)?(\w+)\s*$", (ROOT / "docs" / "api.md").read_text(),
-                                re.MULTILINE))
+    documented = set(
+        re.findall(r"^::: oa_core\.(?:components\.)?(\w+)\s*$", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE)
+    )
     assert set(oa_core.__all__) <= documented, (
-        f"docs/api.md lacks a '::: oa_core.NAME' entry for {sorted(set(oa_core.__all__) - documented)}")
+        f"docs/api.md lacks a '::: oa_core.NAME' entry for {sorted(set(oa_core.__all__) - documented)}"
+    )
 
 
 def test_replace_block_rewrites_only_between_its_markers():
     text = "before\n<!-- params:begin -->\nold\n<!-- params:end -->\nafter\n"
     assert docs_tables.replace_block(text, "params", "new\n") == (
-        "before\n<!-- params:begin -->\nnew\n<!-- params:end -->\nafter\n")
+        "before\n<!-- params:begin -->\nnew\n<!-- params:end -->\nafter\n"
+    )
     with pytest.raises(ValueError, match="params:begin"):
         docs_tables.replace_block("no markers\n", "params", "new")
 
@@ -76,8 +100,10 @@ def test_a_parameter_row_says_type_default_constraint_and_description():
         rank: int | None = Field(default=None, ge=1, le=62)
 
     rows = docs_tables.parameter_table(Example).splitlines()[2:]
-    assert rows == ["| `bits` | `int` | `4` | one of `4`, `8` | bits per code \\| a pipe |",
-                    "| `rank` | `int` or `null` | `null` | ≥ 1, ≤ 62 |  |"]
+    assert rows == [
+        "| `bits` | `int` | `4` | one of `4`, `8` | bits per code \\| a pipe |",
+        "| `rank` | `int` or `null` | `null` | ≥ 1, ≤ 62 |  |",
+    ]
 
 
 def test_every_field_of_the_spec_and_the_components_configs_is_described():
@@ -86,11 +112,15 @@ def test_every_field_of_the_spec_and_the_components_configs_is_described():
     from oa_core.spec import Budget, ComponentSpec, PipelineSpec
 
     registry = default_registry()
-    configs = [registry.components[kind][name].cls.Config for kind in registry.components
-               for name in registry.names(kind)]
-    silent = sorted(f"{model.__module__}.{model.__qualname__}.{field}"
-                    for model in (PipelineSpec, Budget, ComponentSpec, *configs)
-                    for field, info in model.model_fields.items() if not info.description)
+    configs = [
+        registry.components[kind][name].cls.Config for kind in registry.components for name in registry.names(kind)
+    ]
+    silent = sorted(
+        f"{model.__module__}.{model.__qualname__}.{field}"
+        for model in (PipelineSpec, Budget, ComponentSpec, *configs)
+        for field, info in model.model_fields.items()
+        if not info.description
+    )
     assert silent == []
 
 

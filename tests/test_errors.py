@@ -93,8 +93,11 @@ def test_query_mismatches(pipe, inputs):
         pipe.attend(decode[..., :16], state)
     with pytest.raises(ValueError, match="query: batch and head dim"):
         pipe.attend(decode[:1], state)
-    with pytest.raises(ValueError, match=r"query: dtype/device torch.bfloat16/cpu differ from the cache's "
-                                         "torch.float32/cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"query: dtype/device torch.bfloat16/cpu differ from the cache's "
+        "torch.float32/cpu",
+    ):
         pipe.attend(decode.bfloat16(), state)
     with pytest.raises(ValueError, match=r"query: dtype/device .*meta"):
         pipe.attend(decode.to("meta"), state)
@@ -125,10 +128,13 @@ def test_decode_queries_keep_the_prefill_queries_head_count(pipe, inputs):
 
 def test_a_rank_beyond_the_head_dim_is_an_error(inputs):
     keys, values, prefill, _ = inputs  # head dim 32
-    for spec, who in (({"clusterer": {"name": "qgc", "num_clusters": 8, "rank": 33}}, "clusterer 'qgc'"),
-                      ({"selector": {"name": "qgs", "rank": 64}}, "selector 'qgs'")):
-        with pytest.raises(ValueError, match=f"{who}: rank {33 if 'clusterer' in who else 64} is larger than the "
-                                             "head dim 32"):
+    for spec, who in (
+        ({"clusterer": {"name": "qgc", "num_clusters": 8, "rank": 33}}, "clusterer 'qgc'"),
+        ({"selector": {"name": "qgs", "rank": 64}}, "selector 'qgs'"),
+    ):
+        with pytest.raises(
+            ValueError, match=f"{who}: rank {33 if 'clusterer' in who else 64} is larger than the head dim 32"
+        ):
             oa.build({**SPEC, **spec}).prepare(keys, values, prefill)
     oa.build({**SPEC, "selector": {"name": "qgs", "rank": 32}}).prepare(keys, values, prefill)  # the whole dim fits
 
@@ -142,8 +148,10 @@ def test_more_clusters_than_keys_to_cluster_reads_densely_and_says_why(inputs):
     assert stats.reason.startswith("sparse")
     pipe = oa.build({**SPEC, "clusterer": {"name": "kmeans", "num_clusters": 2000}})
     out, stats = pipe.attend(decode, pipe.prepare(keys, values, prefill), return_stats=True)
-    assert stats.reason == ("dense: clusterer.num_clusters = 2000 >= the 280 keys between sink and local window of a "
-                            "300-token context (each key would be its own cluster)")
+    assert stats.reason == (
+        "dense: clusterer.num_clusters = 2000 >= the 280 keys between sink and local window of a "
+        "300-token context (each key would be its own cluster)"
+    )
     full = oa.build({**SPEC, "budget": {"density": 1.0}})
     assert torch.allclose(out, full.attend(decode, full.prepare(keys, values, prefill)), atol=1e-5)
 
@@ -187,8 +195,11 @@ def test_bad_masks(pipe, inputs):
         pipe.prepare(keys, values, prefill, mask=empty)
     with pytest.raises(ValueError, match="mask: device meta differs from the cache's cpu"):
         pipe.prepare(keys, values, prefill, mask=torch.ones(2, 300, dtype=torch.bool, device="meta"))
-    with pytest.raises(ValueError, match=r"mask: expected bool, or 0 \(padding\) and 1 \(valid\) values; got "
-                                         "torch.float32 values such as 0.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"mask: expected bool, or 0 \(padding\) and 1 \(valid\) values; got "
+        "torch.float32 values such as 0.5",
+    ):
         pipe.prepare(keys, values, prefill, mask=torch.full((2, 300), 0.5))
     ones = pipe.prepare(keys, values, prefill, mask=torch.ones(2, 300, dtype=torch.long))  # transformers' 0/1 masks
     assert ones.valid.dtype == torch.bool and bool(ones.valid.all())

@@ -35,14 +35,31 @@ def model(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def _config(out, **overrides):
-    base = dict(specs=SPECS, densities=[0.1], tasks=["niah_single_1", "vt"], lengths=[1024], samples=2,
-                out=Path(out), max_new_tokens=3, progress=False, sink=4, local=16)
+    base = dict(
+        specs=SPECS,
+        densities=[0.1],
+        tasks=["niah_single_1", "vt"],
+        lengths=[1024],
+        samples=2,
+        out=Path(out),
+        max_new_tokens=3,
+        progress=False,
+        sink=4,
+        local=16,
+    )
     return runner.EvalConfig(**{**base, **overrides})
 
 
@@ -71,9 +88,9 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
         assert r["model"] and r["versions"]["openattention"] and r["setup"] == "B" and r["seed"] == 0
         assert r["device"] == "cpu" and r["prefill_peak_gib"] is r["peak_gib"] is None  # (a GPU's peaks)
         assert set(r["provenance"]) == {"commit", "dirty", "machine"} and r["provenance"]["machine"]  # what ran it
-    assert {(r["spec"], r["density"], r["task"]) for r in rows} == \
-        {("dense", 1.0, t) for t in ("niah_single_1", "vt")} | \
-        {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}
+    assert {(r["spec"], r["density"], r["task"]) for r in rows} == {
+        ("dense", 1.0, t) for t in ("niah_single_1", "vt")
+    } | {(s, 0.1, t) for s in ("openattention", "oracle-topk") for t in ("niah_single_1", "vt")}
     assert (out / "summary.csv").read_text().splitlines()[0].split(",") == list(eval_records.SUMMARY_FIELDS)
     from oa_core.eval import ruler
 
@@ -103,8 +120,9 @@ def test_a_crashed_run_resumes_to_the_same_summary(model, tokenizer, uninterrupt
         f.write('{"spec": "openattention", "dens')  # a line cut short by the crash: ignored, its cell runs again
 
     ran = []
-    monkeypatch.setattr(eval_records.RecordWriter, "write",
-                        lambda self, record: (ran.append(record), original(self, record)))
+    monkeypatch.setattr(
+        eval_records.RecordWriter, "write", lambda self, record: (ran.append(record), original(self, record))
+    )
     rows = runner.run(_config(tmp_path), model, tokenizer)
     assert len(ran) == 12 - 5  # only the cells not yet done
     assert _comparable(rows) == _comparable(full)
@@ -134,10 +152,12 @@ def test_a_finished_run_again_loads_no_model(uninterrupted, tmp_path, monkeypatc
         runner.run(_config(out))
 
 
-@pytest.mark.parametrize("where, failures", [("answer", 1), ("answer", 2), ("answer", 4), ("prefill", 2),
-                                             ("prefill", 4)])
-def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninterrupted, tmp_path, monkeypatch,
-                                                        where, failures):
+@pytest.mark.parametrize(
+    "where, failures", [("answer", 1), ("answer", 2), ("answer", 4), ("prefill", 2), ("prefill", 4)]
+)
+def test_out_of_memory_is_retried_then_left_for_a_rerun(
+    model, tokenizer, uninterrupted, tmp_path, monkeypatch, where, failures
+):
     """Out of memory twice with one sample: the cells go to the end of the rank's queue; twice more there: left for a
     rerun, which runs them."""
     full_out, full = uninterrupted
@@ -145,8 +165,11 @@ def test_out_of_memory_is_retried_then_left_for_a_rerun(model, tokenizer, uninte
     original, first, calls = getattr(owner, name), [], []
 
     def short_of_memory(*args, **kwargs):  # the first cell's (or unit's) first ``failures`` tries
-        which = args[1].tolist() if where == "prefill" else (
-            repr(args[2].runtimes[0].pipeline), args[4].tolist(), args[5].tolist())
+        which = (
+            args[1].tolist()
+            if where == "prefill"
+            else (repr(args[2].runtimes[0].pipeline), args[4].tolist(), args[5].tolist())
+        )
         first[:] = first or [which]
         if which == first[0] and len(calls) < failures:
             calls.append(1)
@@ -175,8 +198,9 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
     cell is answered in one run, each record with the batch it was decoded in."""
     from oa_core.eval import ruler
 
-    config = _config(tmp_path, specs=["specs/oracle-topk.yaml"], tasks=["niah_single_2"], samples=6, batch=4,
-                     lengths=[512])
+    config = _config(
+        tmp_path, specs=["specs/oracle-topk.yaml"], tasks=["niah_single_2"], samples=6, batch=4, lengths=[512]
+    )
     samples = ruler.generate("niah_single_2", tokenizer, 512, 6)
     first = runner.sample_batches([len(runner.encode(tokenizer, s.question)) for s in samples], 4)[0]
     assert len(first) >= 3, "the test needs a batch of three samples or more"
@@ -199,7 +223,9 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
     records = eval_records.read_records(tmp_path)
     assert sorted(eval_records.record_key(r) for r in records) == sorted(
         eval_records.cell_key(spec, density, "niah_single_2", 512, i)
-        for spec, density in (("dense", None), ("oracle-topk", 0.1)) for i in range(6))
+        for spec, density in (("dense", None), ("oracle-topk", 0.1))
+        for i in range(6)
+    )
     assert all(r["batch"] == 1 for r in records if r["sample"] in first)
     assert sizes[:2] == [("prefill", len(first))] * 2  # tried twice with the whole batch before it is split
 
@@ -207,8 +233,7 @@ def test_a_batch_out_of_memory_runs_again_in_halves(model, tokenizer, tmp_path, 
     monkeypatch.setattr(runner.oa, "prefill_context", prefill)
     monkeypatch.setattr(runner, "_answer", answer_fits_one)
     same = ("specs", "tasks", "samples", "batch", "lengths")
-    runner.run(_config(other, **{k: getattr(config, k) for k in same}), model,
-               tokenizer)
+    runner.run(_config(other, **{k: getattr(config, k) for k in same}), model, tokenizer)
     records = eval_records.read_records(other)
     assert len(records) == 12
     batch = {(r["spec"], r["sample"]): r["batch"] for r in records}
@@ -255,11 +280,13 @@ def test_oa_eval_refuses_bad_numbers_before_any_model_loads(tmp_path, capsys, mo
     from oa_core.cli import main
 
     monkeypatch.setattr(offline_model, "load_offline_model", lambda *_, **__: pytest.fail("a model loaded"))
-    for args, message in ((["--samples", "0"], "samples: expected at least 1, got 0"),
-                          (["--length", "0"], "lengths: expected positive token counts, got [0]"),
-                          (["--max-new-tokens", "0"], "max_new_tokens: expected at least 1, got 0"),
-                          (["--local-window", "-1"], "local: expected at least 0, got -1"),
-                          (["--densities", "2"], "densities: 2.0 is outside (0, 1]")):
+    for args, message in (
+        (["--samples", "0"], "samples: expected at least 1, got 0"),
+        (["--length", "0"], "lengths: expected positive token counts, got [0]"),
+        (["--max-new-tokens", "0"], "max_new_tokens: expected at least 1, got 0"),
+        (["--local-window", "-1"], "local: expected at least 0, got -1"),
+        (["--densities", "2"], "densities: 2.0 is outside (0, 1]"),
+    ):
         assert main(["eval", "--specs", "specs/openattention.yaml", "--out", str(tmp_path), *args]) == 2, args
         assert f"oa eval: {message}" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no summary, no records
@@ -270,8 +297,22 @@ def test_oa_eval_says_when_it_overrides_the_specs_sink_or_local(tmp_path, capsys
     from oa_core.cli import main
 
     monkeypatch.setattr(offline_model, "load_offline_model", lambda *_, **__: pytest.fail("a model loaded"))
-    assert main(["eval", "--specs", "specs/openattention.yaml", "--local-window", "16", "--samples", "0",
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "--specs",
+                "specs/openattention.yaml",
+                "--local-window",
+                "16",
+                "--samples",
+                "0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "oa eval: local window 16 for every sparse spec (openattention: 64)" in capsys.readouterr().err
 
 
@@ -298,12 +339,44 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     out = tmp_path / "ranks"
-    env = {**os.environ, "TRITON_INTERPRET": "0", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "OA_CACHE_DIR": str(tmp_path / "cache")}
-    command = [torchrun, "--nproc-per-node", "2", "--master-port", "29531", "-m", "oa_core.cli", "eval",
-               "--model", str(folder), "--specs", *SPECS, "--densities", "0.1", "--tasks", "niah_single_1", "vt",
-               "--length", "1024", "--samples", "2", "--max-new-tokens", "3", "--sink", "4", "--local-window", "16",
-               "--out", str(out)]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "OA_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    command = [
+        torchrun,
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29531",
+        "-m",
+        "oa_core.cli",
+        "eval",
+        "--model",
+        str(folder),
+        "--specs",
+        *SPECS,
+        "--densities",
+        "0.1",
+        "--tasks",
+        "niah_single_1",
+        "vt",
+        "--length",
+        "1024",
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--sink",
+        "4",
+        "--local-window",
+        "16",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "records-rank0.jsonl").is_file() and (out / "records-rank1.jsonl").is_file()
@@ -314,8 +387,9 @@ def test_torchrun_splits_the_cells_over_two_processes(model, tokenizer, tmp_path
         assert len(mine) == 6 and len({(r["task"], r["sample"]) for r in mine}) == 4
     rows = json.loads((out / "summary.json").read_text())
     single = runner.run(_config(tmp_path / "single"), model, tokenizer)
-    assert [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in rows] == \
-        [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in single]
+    assert [(r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in rows] == [
+        (r["spec"], r["density"], r["task"], r["samples"], r["score"]) for r in single
+    ]
     for a, b in zip(rows, single):
         assert a["logprob_gap"] == pytest.approx(b["logprob_gap"], abs=1e-3)
 
@@ -336,12 +410,31 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     records = []
     for task, dense_score in (("niah_single_2", 80.0), ("vt", 60.0), ("cwe", 0.0)):
         for sample in range(2):
-            records.append(dict(spec="dense", density=None, task=task, length=4096, sample=sample,
-                                score=dense_score, answer_logprob=-2.0, measured_density=1.0))
+            records.append(
+                dict(
+                    spec="dense",
+                    density=None,
+                    task=task,
+                    length=4096,
+                    sample=sample,
+                    score=dense_score,
+                    answer_logprob=-2.0,
+                    measured_density=1.0,
+                )
+            )
             for density, factor in ((0.1, 1.0), (0.01, 0.5)):
-                records.append(dict(spec="openattention", density=density, task=task, length=4096, sample=sample,
-                                    score=dense_score * factor, answer_logprob=-2.0 - (1 - factor),
-                                    measured_density=density))
+                records.append(
+                    dict(
+                        spec="openattention",
+                        density=density,
+                        task=task,
+                        length=4096,
+                        sample=sample,
+                        score=dense_score * factor,
+                        answer_logprob=-2.0 - (1 - factor),
+                        measured_density=density,
+                    )
+                )
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main(["report", str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
@@ -354,12 +447,12 @@ def test_report_renders_tables_and_plots(tmp_path, capsys):
     assert "## Tasks the model cannot do even dense\n\ncwe (4096)" in text
     summary = json.loads((tmp_path / "summary.json").read_text())  # written from the records too
     assert len(summary) == 3 * 3 and {(r["spec"], r["task"]) for r in summary} == {
-        (r["spec"], r["task"]) for r in records}
+        (r["spec"], r["task"]) for r in records
+    }
     assert _colored_fraction(tmp_path / "per_task.png") > 0.05  # the bars
     assert _colored_fraction(tmp_path / "accuracy_vs_density.png") > 0.002  # the line and its markers
     assert main(["report", str(tmp_path / "nothing-here")]) == 2
     assert "no records" in capsys.readouterr().err
-
 
 
 def test_a_score_interval_is_wilsons():
@@ -372,9 +465,21 @@ def test_a_score_interval_is_wilsons():
 
 def _generator_records(generator):
     made = {} if generator is None else {"generator": generator}
-    return [dict(spec=spec, density=density, task="vt", length=4096, sample=sample, score=score, answer_logprob=-1.0,
-                 measured_density=density or 1.0, **made)
-            for sample in range(2) for spec, density, score in (("dense", None, 100.0), ("quest", 0.1, 50.0))]
+    return [
+        dict(
+            spec=spec,
+            density=density,
+            task="vt",
+            length=4096,
+            sample=sample,
+            score=score,
+            answer_logprob=-1.0,
+            measured_density=density or 1.0,
+            **made,
+        )
+        for sample in range(2)
+        for spec, density, score in (("dense", None, 100.0), ("quest", 0.1, 50.0))
+    ]
 
 
 def test_records_of_two_generators_never_meet_in_a_table(tmp_path, capsys):
@@ -387,8 +492,10 @@ def test_records_of_two_generators_never_meet_in_a_table(tmp_path, capsys):
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
     rows = eval_records.summarize(eval_records.read_records(tmp_path))
     quest = {r["generator"]: r for r in rows if r["spec"] == "quest"}
-    assert {g: (r["score"], r["samples"]) for g, r in quest.items()} == {eval_records.LEGACY_GENERATOR: (50.0, 2),
-                                                                          ruler.GENERATOR: (0.0, 2)}
+    assert {g: (r["score"], r["samples"]) for g, r in quest.items()} == {
+        eval_records.LEGACY_GENERATOR: (50.0, 2),
+        ruler.GENERATOR: (0.0, 2),
+    }
     assert "| generator |" in eval_records.summary_table(rows)  # marked when a table has several
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -416,8 +523,18 @@ def test_a_reader_that_leaves_ends_the_command_quietly(tmp_path, monkeypatch):
     """`oa report DIR | head -1`: the pipe's reader gone, the rest of the output goes nowhere, no traceback."""
     from oa_core.cli import main
 
-    records = [dict(spec="dense", density=None, task="vt", length=4096, sample=0, score=50.0, answer_logprob=-2.0,
-                    measured_density=1.0)]
+    records = [
+        dict(
+            spec="dense",
+            density=None,
+            task="vt",
+            length=4096,
+            sample=0,
+            score=50.0,
+            answer_logprob=-2.0,
+            measured_density=1.0,
+        )
+    ]
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     read, write = os.pipe()
     os.close(read)  # the reader has left
@@ -431,10 +548,12 @@ def test_a_method_that_covers_fewer_tasks_than_dense_says_so_in_the_plot(tmp_pat
 
     labels = []
     monkeypatch.setattr(report, "_pyplot", lambda: _recording_pyplot(labels))
-    means = [{"spec": "dense", "density": 1.0, "tasks": 3, "retention": 1.0},
-             {"spec": "quest", "density": 0.1, "tasks": 3, "retention": 0.9},
-             {"spec": "quest", "density": 0.01, "tasks": 2, "retention": 0.5},
-             {"spec": "openattention", "density": 0.1, "tasks": 3, "retention": 1.0}]
+    means = [
+        {"spec": "dense", "density": 1.0, "tasks": 3, "retention": 1.0},
+        {"spec": "quest", "density": 0.1, "tasks": 3, "retention": 0.9},
+        {"spec": "quest", "density": 0.01, "tasks": 2, "retention": 0.5},
+        {"spec": "openattention", "density": 0.1, "tasks": 3, "retention": 1.0},
+    ]
     report.plot_accuracy_vs_density(means, tmp_path / "plot.png")
     assert "quest (2 of 3 tasks)" in labels and "openattention" in labels
     assert labels[-1] == "openattention"  # drawn last: on top of a line it coincides with
@@ -523,8 +642,12 @@ def test_a_batch_answers_as_its_samples_alone(model, tokenizer, tmp_path):
     contexts = {len(runner.encode(tokenizer, samples[i].context)) for i in together[0]}
     assert len(contexts) > 1, "the test needs contexts of different lengths (padding)"
 
-    config = dict(specs=["specs/oracle-topk.yaml", "specs/openattention.yaml"], tasks=["niah_multikey_2"], samples=6,
-                  lengths=[512])
+    config = dict(
+        specs=["specs/oracle-topk.yaml", "specs/openattention.yaml"],
+        tasks=["niah_multikey_2"],
+        samples=6,
+        lengths=[512],
+    )
     runner.run(_config(tmp_path / "alone", **config), model, tokenizer)
     runner.run(_config(tmp_path / "batched", batch=4, **config), model, tokenizer)
     alone = {eval_records.record_key(r): r for r in eval_records.read_records(tmp_path / "alone")}
@@ -545,8 +668,11 @@ def test_sink_and_local_are_the_specs_own_unless_overridden(tmp_path):
     config = _config(tmp_path, sink=None, local=None, lengths=[512])
     specs = runner.resolved_specs(config)
     assert all(data.get("local", 64) == 64 for data, dense in specs.values() if not dense)
-    with pytest.raises(oa.SpecError, match=r"budget: .* at 10% of 512 tokens reads 51 rows, fewer than its sink \+ "
-                                           r"local = 4 \+ 64"):
+    with pytest.raises(
+        oa.SpecError,
+        match=r"budget: .* at 10% of 512 tokens reads 51 rows, fewer than its sink \+ "
+        r"local = 4 \+ 64",
+    ):
         runner.run(config)
     overridden = runner.resolved_specs(_config(tmp_path, sink=2, local=8))
     assert all(data["sink"] == 2 and data["local"] == 8 for data, dense in overridden.values() if not dense)

@@ -13,9 +13,15 @@ from oa_plugins.allocators import errorgate
 
 # The paper's pipeline (no re-rank, no floor): the fused step's seven launches; the two-stage tests below add the
 # default's re-rank and floor (its eight more launches) to it.
-SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": {"name": "qgs", "rerank": 0},
-        "allocator": {"name": "errorgate", "floor": 0}, "sink": 4, "local": 16, "budget": {"density": 0.2},
-        "kernel": "flash"}
+SPEC = {
+    "clusterer": {"name": "qgc", "num_clusters": 8},
+    "selector": {"name": "qgs", "rerank": 0},
+    "allocator": {"name": "errorgate", "floor": 0},
+    "sink": 4,
+    "local": 16,
+    "budget": {"density": 0.2},
+    "kernel": "flash",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +46,7 @@ def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, re
     for column. ``repeat`` (a slice): those keys repeated right after them (tied scores and logits)."""
     keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype)
     if repeat is not None:
-        keys[:, :, repeat.stop:2 * repeat.stop - repeat.start] = keys[:, :, repeat]
+        keys[:, :, repeat.stop : 2 * repeat.stop - repeat.start] = keys[:, :, repeat]
     B, H, _, D = keys.shape
     Hq = prefill.shape[1]
     mask = torch.ones(B, tokens, dtype=torch.bool)
@@ -48,8 +54,10 @@ def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, re
     pipe = oa.build(spec)
     capacity = tokens + steps + room
     reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
-    composed, fused = (StaticState.from_state(pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill,
-                                                           mask=mask), capacity) for _ in range(2))
+    composed, fused = (
+        StaticState.from_state(pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask), capacity)
+        for _ in range(2)
+    )
     assert fused.fused is not None
     composed.fused = None
     cache_k, cache_v = keys.new_zeros(B, H, capacity, D), values.new_zeros(B, H, capacity, D)
@@ -58,20 +66,28 @@ def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, re
     steps_seen = []
     for step in range(steps):
         n = tokens + step
-        reference.append(keys[:, :, n:n + 1], values[:, :, n:n + 1])
+        reference.append(keys[:, :, n : n + 1], values[:, :, n : n + 1])
         cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, n], values[:, :, n]
         composed.length += 1
         fused.length += 1
-        query = (keys[:, torch.arange(Hq) // (Hq // H), n:n + 1].float() * 1.1
-                 + 0.3 * torch.randn(B, Hq, 1, D, generator=gen)).to(dtype)
+        query = (
+            keys[:, torch.arange(Hq) // (Hq // H), n : n + 1].float() * 1.1
+            + 0.3 * torch.randn(B, Hq, 1, D, generator=gen)
+        ).to(dtype)
         composed.grow(cache_k, cache_v)
         out, selection = fused.fused.run(fused, query, cache_k, cache_v)
         composed_selection = composed.selection(query, cache_k)
         assert torch.equal(selection.index, composed_selection.index)
         assert torch.equal(selection.runs, composed_selection.runs)
         assert not selection.log_weight.any()
-        steps_seen.append((_rows(pipe.explain(query, reference).selection.index), _rows(selection.index),
-                           pipe.attend(query, reference), out))
+        steps_seen.append(
+            (
+                _rows(pipe.explain(query, reference).selection.index),
+                _rows(selection.index),
+                pipe.attend(query, reference),
+                out,
+            )
+        )
     return steps_seen, composed, fused
 
 
@@ -85,8 +101,9 @@ def assert_same_state(composed, fused):
     assert torch.allclose(fused.index.scales, composed.index.scales, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("gqa,tail,room", [("shared", "proxy", 0), ("per_head", "proxy", 9),
-                                           ("per_head", "discard", 0)])
+@pytest.mark.parametrize(
+    "gqa,tail,room", [("shared", "proxy", 0), ("per_head", "proxy", 9), ("per_head", "discard", 0)]
+)
 def test_each_fused_step_reads_the_reference_rows_and_gives_its_output(gqa, tail, room):
     steps, composed, fused = run_fused({**SPEC, "gqa": gqa, "tail": tail}, room=room)
     for ref_rows, rows, ref_out, out in steps:
@@ -113,7 +130,7 @@ def test_clusters_over_several_chunks_join_and_count_where_they_are():
     tokens, steps, local = 300, 8, SPEC["local"]
     spec = {**SPEC, "clusterer": {"name": "qgc", "num_clusters": 40}, "budget": {"density": 0.1}}
     steps_seen, composed, fused = run_fused(spec, tokens=tokens, steps=steps)
-    joined = fused.assignment[:, :, tokens - local:tokens - local + steps]
+    joined = fused.assignment[:, :, tokens - local : tokens - local + steps]
     assert bool((joined >= 16).any()) and bool((joined < 16).any())  # joins in the first chunk and in later ones
     for ref_rows, rows, ref_out, out in steps_seen:
         assert rows == ref_rows
@@ -124,10 +141,16 @@ def test_clusters_over_several_chunks_join_and_count_where_they_are():
 TWO_STAGE = {"selector": {"name": "qgs", "rerank": 4}, "allocator": {"name": "errorgate", "floor": 0.5}}
 
 
-@pytest.mark.parametrize("gqa,stages,block", [("per_head", TWO_STAGE, 16), ("shared", TWO_STAGE, 1024),
-                                              ("per_head", {"selector": {"name": "qgs", "rerank": 2}}, 1024),
-                                              # most clusters read whole: the floor's reads bind the rest's caps
-                                              ("shared", {**TWO_STAGE, "budget": {"density": 0.7}}, 16)])
+@pytest.mark.parametrize(
+    "gqa,stages,block",
+    [
+        ("per_head", TWO_STAGE, 16),
+        ("shared", TWO_STAGE, 1024),
+        ("per_head", {"selector": {"name": "qgs", "rerank": 2}}, 1024),
+        # most clusters read whole: the floor's reads bind the rest's caps
+        ("shared", {**TWO_STAGE, "budget": {"density": 0.7}}, 16),
+    ],
+)
 def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stages, block, monkeypatch):
     """QGS's rerank and ErrorGate's floor in the fused step (``two_stage``'s three launches): the composed step's
     index column for column, the reference's rows and output, over repeated keys (ties in the codes and in the exact
@@ -171,9 +194,11 @@ def test_bfloat16_and_a_cache_filled_to_its_capacity():
 
 def test_other_components_compose_their_own_steps():
     keys, values, prefill, _ = make_inputs(tokens=120)
-    for spec, why in [({**SPEC, "clusterer": {"name": "kmeans", "num_clusters": 8}}, "clusterer 'kmeans'"),
-                      ({**SPEC, "allocator": {"name": "mass"}}, "allocator 'mass'"),
-                      ({**SPEC, "kernel": "torch"}, None)]:
+    for spec, why in [
+        ({**SPEC, "clusterer": {"name": "kmeans", "num_clusters": 8}}, "clusterer 'kmeans'"),
+        ({**SPEC, "allocator": {"name": "mass"}}, "allocator 'mass'"),
+        ({**SPEC, "kernel": "torch"}, None),
+    ]:
         pipe = oa.build(spec)
         state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)
         assert state.fused is None
@@ -228,8 +253,7 @@ def test_generate_through_the_fused_step_gives_the_default_caches_logits():
         fast_tokens, fast_scores = generate(model, ids, mask, 3, cache=cache)
         assert all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
         assert "the kernel's fused step" in handle.stats.summary()
-        _, compiled = generate(model, ids, mask, 3, cache=handle.static_cache(max_new_tokens=3),
-                               compile_config=config)
+        _, compiled = generate(model, ids, mask, 3, cache=handle.static_cache(max_new_tokens=3), compile_config=config)
     torch.testing.assert_close(fast_scores, scores, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(compiled, scores, rtol=1e-4, atol=1e-4)
     assert torch.equal(fast_tokens, tokens)

@@ -7,13 +7,13 @@ from conftest import load_benchmark
 
 
 def kernel(name, us):
-    return SimpleNamespace(device_type=SimpleNamespace(name="CUDA"), name=name, device_time_total=us,
-                           cpu_time_total=0.0)
+    return SimpleNamespace(
+        device_type=SimpleNamespace(name="CUDA"), name=name, device_time_total=us, cpu_time_total=0.0
+    )
 
 
 def host(name, us):
-    return SimpleNamespace(device_type=SimpleNamespace(name="CPU"), name=name, device_time_total=0.0,
-                           cpu_time_total=us)
+    return SimpleNamespace(device_type=SimpleNamespace(name="CPU"), name=name, device_time_total=0.0, cpu_time_total=us)
 
 
 def test_the_summary_per_step_and_per_layer():
@@ -22,8 +22,12 @@ def test_the_summary_per_step_and_per_layer():
     events = [kernel("sparse_pass", 30.0) for _ in range(steps * layers)]  # 30 µs a layer
     events += [kernel("_select_kernel", 10.0) for _ in range(steps * layers)]
     events += [kernel("nvjet_gemm", 500.0) for _ in range(steps)]  # not attention: counted in the device's time only
-    events += [host("TorchDynamo Cache Lookup", 300.0), host("TorchDynamo Cache Lookup", 500.0),
-               host("Torch-Compiled Region: 0/1", 2000.0), host("aten::mm", 9999.0)]  # aten::mm: not a phase
+    events += [
+        host("TorchDynamo Cache Lookup", 300.0),
+        host("TorchDynamo Cache Lookup", 500.0),
+        host("Torch-Compiled Region: 0/1", 2000.0),
+        host("aten::mm", 9999.0),
+    ]  # aten::mm: not a phase
     out = bench.summarize(events, layers, steps)
     assert out["device_ms"] == (steps * layers * 40.0 + steps * 500.0) / steps / 1000  # 0.66 ms a step
     assert out["launches_per_step"] == 2 * layers + 1

@@ -5,22 +5,38 @@ from conftest import load_benchmark
 
 
 def run(method, ms, density=None, batch=2, context=64, prefill=1.0, prepare=None):
-    return {"batch": batch, "context": context, "method": method, "density": density, "per_token_ms": ms,
-            "prefill_s": prefill, "prepare_s": prepare, "tokens": 4}
+    return {
+        "batch": batch,
+        "context": context,
+        "method": method,
+        "density": density,
+        "per_token_ms": ms,
+        "prefill_s": prefill,
+        "prepare_s": prepare,
+        "tokens": 4,
+    }
 
 
 def test_dense_fastest_and_the_targets(tmp_path):
     bench = load_benchmark("generate_speed")
-    runs = [run("dense-default", 9.0), run("dense-static", 6.0), run("dense-engine", 5.0), run("no-attention", 2.0),
-            run("openattention", 2.5, 0.01, prefill=1.1, prepare=0.1), run("openattention", 4.0, 0.03, prefill=1.3,
-                                                                            prepare=0.3),
-            run("dense-static", 8.0, context=128), run("dense-engine", 10.0, context=128),
-            run("openattention", None, 0.01, context=128)]  # a run that failed (out of memory)
+    runs = [
+        run("dense-default", 9.0),
+        run("dense-static", 6.0),
+        run("dense-engine", 5.0),
+        run("no-attention", 2.0),
+        run("openattention", 2.5, 0.01, prefill=1.1, prepare=0.1),
+        run("openattention", 4.0, 0.03, prefill=1.3, prepare=0.3),
+        run("dense-static", 8.0, context=128),
+        run("dense-engine", 10.0, context=128),
+        run("openattention", None, 0.01, context=128),
+    ]  # a run that failed (out of memory)
     out = bench.summary({"device": "x"}, runs)
     fastest = [r for r in out["runs"] if r["method"] == "dense-fastest"]
-    assert [(r["context"], r["per_token_ms"], r["derived_from"]) for r in fastest] == [(64, 5.0, "dense-engine"),
-                                                                                       (128, 8.0, "dense-static")]
-    assert out["runs"][:len(runs)] == runs  # the measured runs unchanged
+    assert [(r["context"], r["per_token_ms"], r["derived_from"]) for r in fastest] == [
+        (64, 5.0, "dense-engine"),
+        (128, 8.0, "dense-static"),
+    ]
+    assert out["runs"][: len(runs)] == runs  # the measured runs unchanged
     targets = {t["density"]: t for t in out["targets"] if "speedup_over_dense_fastest" in t}
     assert len(targets) == 2  # the failed run has no ratio
     assert targets[0.01]["met"] and targets[0.01]["speedup_over_dense_fastest"] == 2.0

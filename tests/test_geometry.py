@@ -9,8 +9,9 @@ def test_query_geometry_finds_the_query_subspace():
     gen = torch.Generator().manual_seed(2)
     queries = torch.zeros(1, 2, 100, 8)
     queries[..., :2] = torch.randn(1, 2, 100, 2, generator=gen) * torch.tensor([3.0, 1.0])
-    basis, eigenvalues = query_geometry(torch.randn(1, 1, 50, 8, generator=gen), queries,
-                                        torch.ones(1, 50, dtype=torch.bool), rank=2, window=100)
+    basis, eigenvalues = query_geometry(
+        torch.randn(1, 1, 50, 8, generator=gen), queries, torch.ones(1, 50, dtype=torch.bool), rank=2, window=100
+    )
     # Both query heads share the KV head: the basis spans the first two axes, largest variance first.
     assert basis[0, 0, 2:].abs().max() < 1e-6  # nothing outside the span of the queries
     assert torch.allclose(basis[0, 0].T @ basis[0, 0], torch.eye(2), atol=1e-5)
@@ -19,8 +20,10 @@ def test_query_geometry_finds_the_query_subspace():
 
 
 def _moments(spectrum, samples, count=6, seed=3):
-    x = torch.randn(count, samples, len(spectrum), generator=torch.Generator().manual_seed(seed),
-                    dtype=torch.float64) * spectrum.double().sqrt()
+    x = (
+        torch.randn(count, samples, len(spectrum), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        * spectrum.double().sqrt()
+    )
     return x.transpose(-1, -2) @ x / samples
 
 
@@ -68,8 +71,9 @@ def test_subspace_iteration_stops_once_the_captured_energy_settles():
     assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(r, dtype=torch.float64), atol=1e-12)
     assert products[1e-6] + 2 * 8 <= products[0.0]  # it stopped on the energy, checks before the residual would
     decaying = _moments(0.8 ** torch.arange(40), 400)
-    assert torch.equal(geometry.subspace_eigenpairs(decaying, r)[1], geometry.subspace_eigenpairs(decaying, r,
-                                                                                                   energy_tol=0.0)[1])
+    assert torch.equal(
+        geometry.subspace_eigenpairs(decaying, r)[1], geometry.subspace_eigenpairs(decaying, r, energy_tol=0.0)[1]
+    )
 
 
 def test_subspace_iteration_of_a_rank_deficient_moment():
@@ -85,8 +89,6 @@ def test_subspace_iteration_of_a_rank_deficient_moment():
     assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(8, dtype=torch.float64), atol=1e-10)
 
 
-
-
 def test_the_triton_gram_schmidt_matches_qr():
     """Under the interpreter: the GPU's orthonormalisation spans what QR spans, column by column, and is orthonormal,
     on ill-conditioned columns (a geometric spread of scales)."""
@@ -100,7 +102,8 @@ def test_the_triton_gram_schmidt_matches_qr():
     scaled = torch.randn(3, 24, 10, generator=gen, dtype=torch.float64) * (0.1 ** torch.arange(10.0)).double()
     # Nearly parallel columns (cond ≈ 1e6): one pass leaves them orthonormal only to about eps·cond.
     parallel = torch.randn(3, 24, 1, generator=gen, dtype=torch.float64) + 1e-6 * torch.randn(
-        3, 24, 10, generator=gen, dtype=torch.float64)
+        3, 24, 10, generator=gen, dtype=torch.float64
+    )
     eye = torch.eye(10, dtype=torch.float64)
     for columns in (scaled, parallel):
         q = torch.linalg.qr(columns).Q
@@ -132,8 +135,9 @@ def test_the_subspace_iteration_on_the_triton_gram_schmidt(monkeypatch):
     exact_values, exact_vectors = torch.linalg.eigh(moment)
     assert torch.allclose(values, exact_values[..., -r:], rtol=1e-10, atol=0)
     assert torch.allclose(vectors.transpose(-1, -2) @ vectors, torch.eye(r, dtype=torch.float64), atol=1e-12)
-    assert torch.allclose((exact_vectors[..., -r:] * vectors).sum(-2).abs(), torch.ones(2, r, dtype=torch.float64),
-                          atol=1e-8)
+    assert torch.allclose(
+        (exact_vectors[..., -r:] * vectors).sum(-2).abs(), torch.ones(2, r, dtype=torch.float64), atol=1e-8
+    )
 
 
 def test_the_triton_projection_equals_torchs(monkeypatch):

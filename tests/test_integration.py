@@ -16,9 +16,16 @@ DENSE_BUDGET = {**SPARSE, "budget": {"tokens": 100_000}}
 
 def tiny_llama(seed=0, layers=2, dtype=torch.float32):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config).eval().to(dtype)
 
 
@@ -32,16 +39,27 @@ def continue_context(model, context, question, tokens):
     ids = torch.cat([context.input_ids, question], dim=1)
     mask = torch.cat([context.attention_mask, torch.ones_like(question)], dim=1)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
-                             pad_token_id=0, **oa.integration.cache_kwargs(model, copy.deepcopy(context.cache)))
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **oa.integration.cache_kwargs(model, copy.deepcopy(context.cache)),
+        )
+    return out[:, ids.shape[1] :]
 
 
 def greedy(model, ids, mask=None, tokens=12):
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                             max_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask if mask is not None else torch.ones_like(ids),
+            max_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, ids.shape[1] :]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -81,8 +99,9 @@ def test_sparse_generation_reads_the_budget_and_reports_it(dtype):
 def test_logits_at_the_first_sparse_step_match_a_direct_attend():
     model, ids = tiny_llama(), prompt(201)
     context, step = ids[:, :200], ids[:, 200:]
-    prefill_queries = {layer: q[:, :, -256:]
-                       for layer, (q, _, _, _) in capture_attention(model, context, [0, 1]).items()}
+    prefill_queries = {
+        layer: q[:, :, -256:] for layer, (q, _, _, _) in capture_attention(model, context, [0, 1]).items()
+    }
     pipe = oa.build(SPARSE)
 
     def direct(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -106,9 +125,12 @@ def test_logits_at_the_first_sparse_step_match_a_direct_attend():
 
 
 def snapshot(model):
-    return (copy.deepcopy(model.config.to_dict()), model.config._attn_implementation,
-            {k: v.clone() for k, v in model.state_dict().items()},
-            [(name, sorted(vars(m))) for name, m in model.named_modules()])
+    return (
+        copy.deepcopy(model.config.to_dict()),
+        model.config._attn_implementation,
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [(name, sorted(vars(m))) for name, m in model.named_modules()],
+    )
 
 
 def test_patch_and_unpatch_leave_the_model_as_it_was():
@@ -144,7 +166,7 @@ def test_left_padded_batch_answers_like_each_prompt_alone():
         ids = torch.zeros(2, 260, dtype=torch.long)
         mask = torch.zeros(2, 260, dtype=torch.long)
         for row, p in enumerate(prompts):
-            ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
+            ids[row, -p.shape[1] :], mask[row, -p.shape[1] :] = p[0], 1
         batched = greedy(model, ids, mask)
     for row in range(2):
         assert torch.equal(batched[row], alone[row][0])
@@ -214,18 +236,22 @@ def test_a_shared_question_answers_and_scores_as_the_whole_question_does(setup):
     with oa.patch(model, SPARSE, setup=setup) as handle:
         context = oa.prefill_context(model, ids, mask)
         handle.reset_stats()
-        expected = (oa.generate_from_context(model, context, question, max_new_tokens=6, pad_token_id=0),
-                    oa.answer_logprob(model, context, question, answer))
+        expected = (
+            oa.generate_from_context(model, context, question, max_new_tokens=6, pad_token_id=0),
+            oa.answer_logprob(model, context, question, answer),
+        )
         alone = sum(r.tokens for r in handle.stats.records if r.phase == "question")
         handle.reset_stats()
         shared, rest = oa.share_question(model, context, question)
-        got = (oa.generate_from_context(model, shared, rest, max_new_tokens=6, pad_token_id=0),
-               oa.answer_logprob(model, shared, rest, answer))
+        got = (
+            oa.generate_from_context(model, shared, rest, max_new_tokens=6, pad_token_id=0),
+            oa.answer_logprob(model, shared, rest, answer),
+        )
         together = sum(r.tokens for r in handle.stats.records if r.phase == "question")
         again = oa.answer_logprob(model, shared, rest, answer)  # the shared states are copied, never consumed
     # Setup B: whole causal blocks of the spec's local window (8), the rest more than one token; A: all but two.
     assert question.shape[1] - rest.shape[1] == {"A": 19, "B": 16}[setup]
-    assert torch.equal(shared.input_ids, torch.cat([ids, question[:, :-rest.shape[1]]], dim=1))
+    assert torch.equal(shared.input_ids, torch.cat([ids, question[:, : -rest.shape[1]]], dim=1))
     assert torch.equal(got[0], expected[0])
     assert torch.allclose(got[1], expected[1], atol=1e-5) and torch.equal(again, got[1])
     assert alone - together == (question.shape[1] - rest.shape[1]) * len(handle.runtimes)  # the shared part once
@@ -263,8 +289,9 @@ def test_dense_layers_and_layer_specs():
     model, ids = tiny_llama(layers=3), prompt(300)
     with oa.patch(model, SPARSE, dense_layers=[0], layer_specs={2: {**SPARSE, "budget": {"density": 0.5}}}) as h:
         greedy(model, ids, tokens=3)
-    density = {layer: [r.density for r in h.stats.records if r.layer == layer and r.phase == "decode"]
-               for layer in range(3)}
+    density = {
+        layer: [r.density for r in h.stats.records if r.layer == layer and r.phase == "decode"] for layer in range(3)
+    }
     assert all(d == 1.0 for d in density[0])
     assert all(0.19 <= d <= 0.2 for d in density[1]) and all(0.49 <= d <= 0.5 for d in density[2])
     with pytest.raises(oa.SpecError, match="layers: layer 7 does not exist"):
@@ -311,8 +338,9 @@ def test_offline_model_with_a_covering_budget_generates_like_sdpa():
     with oa.patch(model, {"budget": {"tokens": 100_000}}):
         assert torch.equal(greedy(model, ids, tokens=10), expected)
         context = oa.prefill_context(model, sample.context_ids)
-        again = oa.generate_from_context(model, context, sample.question_ids, max_new_tokens=10,
-                                         pad_token_id=tokenizer.eos_token_id)
+        again = oa.generate_from_context(
+            model, context, sample.question_ids, max_new_tokens=10, pad_token_id=tokenizer.eos_token_id
+        )
     assert torch.equal(again, expected)
 
 
@@ -322,7 +350,7 @@ def test_a_cache_prefilled_before_patching_is_prepared_on_first_use():
     ids = torch.zeros(2, 220, dtype=torch.long)
     mask = torch.zeros(2, 220, dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, -p.shape[1]:], mask[row, -p.shape[1]:] = p[0], 1
+        ids[row, -p.shape[1] :], mask[row, -p.shape[1] :] = p[0], 1
     context = oa.prefill_context(model, ids, mask)  # unpatched: no runtime saw it
     with oa.patch(model, SPARSE) as handle:
         out = continue_context(model, context, prompt(3, seed=12).expand(2, 3), tokens=4)
@@ -371,8 +399,9 @@ def test_spelled_out_causal_mask_is_sdpas_own_causal_prefill():
     expected, _ = sdpa(layer, query, key, value, None, scaling=0.25)
     got, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu"), scaling=0.25)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    shifted, _ = sdpa(layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu").transpose(-1, -2),
-                      scaling=0.25)
+    shifted, _ = sdpa(
+        layer, query, key, value, oa.integration.prefill.causal_mask(40, "cpu").transpose(-1, -2), scaling=0.25
+    )
     assert not torch.allclose(shifted, expected, atol=1e-3)  # the mask's orientation matters: the check could fail
 
 
@@ -397,8 +426,13 @@ def test_prefill_memory_benchmark_without_cuda_says_it_needs_a_gpu(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).parents[1] / "benchmarks" / "studies" / "prefill_memory.py"
-    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "x.json")], capture_output=True,
-                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=120,
+    )
     assert done.returncode != 0 and "prefill_memory: needs a CUDA GPU" in done.stderr
     assert not (tmp_path / "x.json").exists()
 
@@ -412,5 +446,6 @@ def test_a_short_context_whose_budget_cannot_cover_sink_and_local_runs_dense_and
         stats = handle.stats
     assert torch.equal(got, expected)
     decode = [r for r in stats.records if r.phase == "decode"]
-    assert decode and all(r.dense and r.reason == "dense: budget of 6 rows (3.0% of 200 tokens) < sink + local = 68"
-                          for r in decode)
+    assert decode and all(
+        r.dense and r.reason == "dense: budget of 6 rows (3.0% of 200 tokens) < sink + local = 68" for r in decode
+    )

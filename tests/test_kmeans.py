@@ -9,8 +9,9 @@ from oa_core.ops.kmeans import lloyd, nearest
 def test_lloyd_converges_to_a_fixed_point():
     gen = torch.Generator().manual_seed(0)
     points = torch.randn(2, 3, 500, 4, generator=gen)
-    assignment, centroids = lloyd(points, torch.ones(points.shape[:-1], dtype=torch.bool), 10, iterations=100,
-                                  generator=gen)
+    assignment, centroids = lloyd(
+        points, torch.ones(points.shape[:-1], dtype=torch.bool), 10, iterations=100, generator=gen
+    )
     # Every point is nearest its own centroid, and every centroid is its members' mean.
     assert torch.equal(nearest(points, centroids), assignment)
     one_hot = torch.nn.functional.one_hot(assignment, 10).float()
@@ -23,8 +24,9 @@ def test_separated_blobs_are_recovered():
     centres = torch.tensor([[0.0, 0], [20, 0], [0, 20], [20, 20]])
     labels = torch.arange(400) % 4
     points = (centres[labels] + torch.randn(400, 2, generator=gen)).view(1, 1, 400, 2)
-    assignment, _ = lloyd(points, torch.ones(1, 1, 400, dtype=torch.bool), 4, iterations=50,
-                          generator=torch.Generator().manual_seed(0))
+    assignment, _ = lloyd(
+        points, torch.ones(1, 1, 400, dtype=torch.bool), 4, iterations=50, generator=torch.Generator().manual_seed(0)
+    )
     # Same partition up to relabelling: each found cluster holds exactly one true label.
     pairs = set(zip(assignment.flatten().tolist(), labels.tolist()))
     assert len(pairs) == 4

@@ -1,5 +1,6 @@
-"""The code passes the linter and the type checker, with the settings in pyproject.toml: ``ruff check`` over the
-packages, the tests and the benchmarks ([tool.ruff]), and ``mypy`` over oa_core and oa_plugins ([tool.mypy])."""
+"""The code passes the linter, the formatter and the type checker, with the settings in pyproject.toml: ``ruff check``
+and ``ruff format --check`` over the packages, the tests and the benchmarks ([tool.ruff]), and ``mypy`` over oa_core
+and oa_plugins ([tool.mypy])."""
 
 import importlib.util
 import shutil
@@ -25,12 +26,15 @@ def _command(tool: str) -> list[str]:
 
 def _passes(command: list[str], timeout: int) -> None:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, (f"`{' '.join(command)}` exited with {done.returncode}:\n"
-                                  f"{done.stdout}{done.stderr}")
+    assert done.returncode == 0, f"`{' '.join(command)}` exited with {done.returncode}:\n{done.stdout}{done.stderr}"
 
 
 def test_ruff_finds_nothing():
     _passes([*_command("ruff"), "check", "oa_core", "plugins", "tests", "benchmarks"], timeout=300)
+
+
+def test_ruff_format_changes_nothing():
+    _passes([*_command("ruff"), "format", "--check", "oa_core", "plugins", "tests", "benchmarks"], timeout=300)
 
 
 def test_mypy_finds_nothing():

@@ -25,7 +25,7 @@ def test_haystack_text_names_the_places_it_looked(tmp_path, monkeypatch):
 
 def test_the_other_haystack_texts_ship_with_python_and_an_unknown_one_is_named():
     docs = haystack_text("python-docs")
-    assert len(docs) > 100_000 and "The \"assert\" statement" in docs  # the reference's prose, not code alone
+    assert len(docs) > 100_000 and 'The "assert" statement' in docs  # the reference's prose, not code alone
     assert "def print_exception" in haystack_text("python-source")
     with pytest.raises(ValueError, match="unknown haystack text 'poems'; known: essays, python-docs, python-source"):
         haystack_text("poems")
@@ -100,7 +100,7 @@ def test_capture_matches_what_the_model_computes(model):
     queries, keys, values, scale = captured[last]
     assert queries.shape == (1, cfg.num_attention_heads, 48, head_dim)
     assert keys.shape == values.shape == (1, cfg.num_key_value_heads, 48, head_dim)
-    assert scale == pytest.approx(head_dim ** -0.5)
+    assert scale == pytest.approx(head_dim**-0.5)
 
     # The attention output the model feeds to o_proj under its own implementation, in a separate plain forward.
     seen = {}
@@ -151,8 +151,10 @@ def test_a_base_models_prompt_is_plain_text_after_the_tokens_it_starts_with():
 
 def test_an_instruction_models_prompt_is_its_chat_template_ready_for_the_answer():
     chat = _word_tokenizer(bos=True)
-    chat.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     assert offline_model.prompt_text(chat, "a b") == "<user>a b<assistant>"
     assert offline_model.prompt_text(chat, "a b", history=[("b", "a")]) == "<user>b<assistant>a<user>a b<assistant>"
 
@@ -178,14 +180,14 @@ def test_a_transformers_below_the_declared_floor_is_refused_before_a_model_loads
     from oa_core.integration import runtime
 
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda name: "5.17.0" if name == "transformers" else real(name))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.17.0" if name == "transformers" else real(name))
     with pytest.raises(ImportError, match=r"needs transformers>=5\.20, found 5\.17\.0"):
         load_offline_model()
     with pytest.raises(ImportError, match=r"pip install -U 'transformers>=5\.20'"):
         runtime.register()
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "5.20.0.dev0" if name == "transformers" else
-                        real(name))
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "5.20.0.dev0" if name == "transformers" else real(name)
+    )
     runtime.require_transformers()  # the floor itself passes
 
 
@@ -204,8 +206,11 @@ def test_a_gguf_files_config_and_tokenizer_are_parsed_once_then_read_back_the_sa
     assert len(list((tmp_path / "gguf").glob("*/*/tokenizer_config.json"))) == 1
     parses = []
     real = AutoTokenizer.from_pretrained
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
-                        lambda *args, **kwargs: parses.append(kwargs.get("gguf_file")) or real(*args, **kwargs))
+    monkeypatch.setattr(
+        AutoTokenizer,
+        "from_pretrained",
+        lambda *args, **kwargs: parses.append(kwargs.get("gguf_file")) or real(*args, **kwargs),
+    )
     kept_config, kept_tokenizer = offline_model._gguf_config_and_tokenizer(gguf)
     assert parses == [None]  # read back from the folder, not from the GGUF file
     text = offline_model.prompt_text(tokenizer, "The special magic number for amber-river is: 1234567.")
@@ -214,8 +219,9 @@ def test_a_gguf_files_config_and_tokenizer_are_parsed_once_then_read_back_the_sa
     assert kept_tokenizer.eos_token_id == tokenizer.eos_token_id and len(kept_tokenizer) == len(tokenizer)
     assert tokenizer_key(kept_tokenizer) == tokenizer_key(tokenizer)
     ignore = {"_name_or_path", "transformers_version"}
-    assert ({k: v for k, v in kept_config.to_dict().items() if k not in ignore}
-            == {k: v for k, v in config.to_dict().items() if k not in ignore})
+    assert {k: v for k, v in kept_config.to_dict().items() if k not in ignore} == {
+        k: v for k, v in config.to_dict().items() if k not in ignore
+    }
 
 
 def test_the_checkout_paths_point_at_the_checkout(monkeypatch):

@@ -38,15 +38,15 @@ def oracle_topk(decode, keys, values, sink, local, budget, shared):
     group = decode.shape[1] // keys.shape[1]
     n = keys.shape[2]
     logits = decode.double() @ keys.double().repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(keys.shape[-1])
-    middle = logits[..., sink:n - local]
+    middle = logits[..., sink : n - local]
     if shared:
         b, h, t, m = middle.shape
         middle = middle.view(b, h // group, group, t, m).amax(2, keepdim=True).expand(-1, -1, group, -1, -1)
         middle = middle.reshape(b, h, t, m)
     keep = torch.zeros_like(logits, dtype=torch.bool)
     keep[..., :sink] = True
-    keep[..., n - local:] = True
-    keep[..., sink:n - local].scatter_(-1, middle.topk(budget - sink - local, dim=-1).indices, True)
+    keep[..., n - local :] = True
+    keep[..., sink : n - local].scatter_(-1, middle.topk(budget - sink - local, dim=-1).indices, True)
     weights = torch.softmax(logits.masked_fill(~keep, -math.inf), dim=-1)
     return weights @ values.double().repeat_interleave(group, 1)
 
@@ -54,8 +54,14 @@ def oracle_topk(decode, keys, values, sink, local, budget, shared):
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_discard_with_oracle_selection_and_global_allocation_is_oracle_topk(inputs, gqa):
     keys, values, prefill, decode = inputs
-    spec = {**SMALL, "selector": "oracle", "allocator": "global", "tail": "discard", "budget": {"tokens": 60},
-            "gqa": gqa}
+    spec = {
+        **SMALL,
+        "selector": "oracle",
+        "allocator": "global",
+        "tail": "discard",
+        "budget": {"tokens": 60},
+        "gqa": gqa,
+    }
     out, stats = run(spec, keys, values, prefill, decode)
     expected = oracle_topk(decode, keys, values, 4, 16, 60, shared=gqa == "shared")
     assert relative_error(out, expected) < 1e-5
@@ -67,8 +73,7 @@ def test_discard_with_oracle_selection_and_global_allocation_is_oracle_topk(inpu
 @pytest.mark.parametrize("density", [0.1, 0.25, 0.5])
 def test_measured_density_stays_within_the_budget(inputs, tail, gqa, density):
     keys, values, prefill, decode = inputs
-    out, stats = run({**SMALL, "tail": tail, "gqa": gqa, "budget": {"density": density}}, keys, values, prefill,
-                     decode)
+    out, stats = run({**SMALL, "tail": tail, "gqa": gqa, "budget": {"density": density}}, keys, values, prefill, decode)
     budget = math.floor(density * 300)
     assert int(stats.reads.max()) <= budget and stats.density <= budget / 300
     assert int(stats.reads.min()) == budget  # the whole budget is spent: Σ q_b = E_sel
@@ -79,8 +84,12 @@ def test_measured_density_stays_within_the_budget(inputs, tail, gqa, density):
 def test_proxies_beat_discarding_on_clustered_keys(inputs):
     keys, values, prefill, decode = inputs
     dense = dense_attention(decode, keys, values)
-    errors = {tail: relative_error(run({**SMALL, "tail": tail, "budget": {"density": 0.12}}, keys, values, prefill,
-                                       decode)[0], dense) for tail in ("proxy", "discard")}
+    errors = {
+        tail: relative_error(
+            run({**SMALL, "tail": tail, "budget": {"density": 0.12}}, keys, values, prefill, decode)[0], dense
+        )
+        for tail in ("proxy", "discard")
+    }
     assert errors["proxy"] < errors["discard"]
 
 
@@ -92,8 +101,8 @@ def test_gqa_batch_rows_are_independent(group, gqa):
     out, _ = run(spec, keys, values, prefill, decode)
     assert out.shape == decode.shape
     for row in range(3):
-        alone, _ = run(spec, *(t[row:row + 1] for t in (keys, values, prefill, decode)))
-        assert relative_error(out[row:row + 1], alone) < 1e-5
+        alone, _ = run(spec, *(t[row : row + 1] for t in (keys, values, prefill, decode)))
+        assert relative_error(out[row : row + 1], alone) < 1e-5
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
@@ -127,7 +136,7 @@ def test_append_pools_tokens_leaving_the_local_window():
     pipe = oa.build({**SMALL, "budget": {"tokens": 40}})
     state = pipe.prepare(keys[:, :, :300], values[:, :, :300], prefill)
     for start in range(300, 340, 8):  # grow in steps, as decoding does
-        state.append(keys[:, :, start:start + 8], values[:, :, start:start + 8])
+        state.append(keys[:, :, start : start + 8], values[:, :, start : start + 8])
     assert state.num_tokens == 340 and state.clustered_end == 340 - 16
     assignment = state.pooled.assignment
     clustered = assignment < state.num_clusters
@@ -152,7 +161,7 @@ def test_grow_to_follows_the_cache_in_place_like_append():
     appended = pipe.prepare(keys[:, :, :300], values[:, :, :300], prefill)
     grown = appended.fork()
     for end in range(308, 348, 8):  # a cache that grows by itself, e.g. transformers' (views of it here)
-        appended.append(keys[:, :, end - 8:end], values[:, :, end - 8:end])
+        appended.append(keys[:, :, end - 8 : end], values[:, :, end - 8 : end])
         grown.grow_to(keys[:, :, :end], values[:, :, :end])
     assert grown.keys.data_ptr() == keys.data_ptr() and grown.values.data_ptr() == values.data_ptr()  # no copy
     assert appended.keys.data_ptr() != keys.data_ptr()
@@ -165,8 +174,11 @@ def _listed_members(plan):
     """A plan's member table as each cluster's listed positions (the table's width differs with its room to grow)."""
     table, counts = plan.members
     slots = torch.arange(table.shape[-1])
-    return counts, [table[idx][slots < counts[idx]].tolist() for idx in torch.cartesian_prod(
-        *(torch.arange(n) for n in counts.shape)).tolist() for idx in [tuple(idx)]]
+    return counts, [
+        table[idx][slots < counts[idx]].tolist()
+        for idx in torch.cartesian_prod(*(torch.arange(n) for n in counts.shape)).tolist()
+        for idx in [tuple(idx)]
+    ]
 
 
 @pytest.mark.parametrize("budget", [{"density": 0.3}, {"tokens": 40}])
@@ -175,8 +187,11 @@ def test_growth_updates_the_plan_as_a_fresh_one_would_be(budget, monkeypatch):
     # through a table that fills up (2 clusters), in a left-padded batch with a dense row.
     monkeypatch.setattr(state_module, "MEMBER_ROOM", 2)  # the table fills up: checked, then built anew
     keys, values, prefill, decode = make_inputs(batch=1, tokens=330, seed=8)
-    rows = [(keys[:, :, :300], values[:, :, :300]), (keys[:, :, :250], values[:, :, :250]),
-            (keys[:, :, :18], values[:, :, :18])]  # the last is read densely (shorter than sink + local)
+    rows = [
+        (keys[:, :, :300], values[:, :, :300]),
+        (keys[:, :, :250], values[:, :, :250]),
+        (keys[:, :, :18], values[:, :, :18]),
+    ]  # the last is read densely (shorter than sink + local)
     cache_keys, mask = left_pad([k for k, _ in rows])
     cache_values, _ = left_pad([v for _, v in rows])
     pipe = oa.build({**SMALL, "clusterer": {"name": "qgc", "num_clusters": 2}, "budget": budget})
@@ -185,15 +200,17 @@ def test_growth_updates_the_plan_as_a_fresh_one_would_be(budget, monkeypatch):
     state.plan()
     extra_keys, extra_values = keys[:, :, 300:].expand(3, -1, -1, -1), values[:, :, 300:].expand(3, -1, -1, -1)
     for start, step in [(0, 1), (1, 3), (4, 1), (5, 25)]:
-        state.append(extra_keys[:, :, start:start + step], extra_values[:, :, start:start + step])
+        state.append(extra_keys[:, :, start : start + step], extra_values[:, :, start : start + step])
         grown, fresh = state.plan(), dataclasses.replace(state, _plan=None).plan()
         assert torch.equal(grown.fixed, fresh.fixed) and torch.equal(grown.unclustered, fresh.unclustered)
         assert torch.equal(grown.selectable, fresh.selectable) and grown.max_selectable == fresh.max_selectable
         counts, listed = _listed_members(grown)
         assert torch.equal(counts, fresh.members[1]) and listed == _listed_members(fresh)[1]
         assert grown.largest_bound >= int(counts.max())
-    assert torch.equal(pipe.attend(decode.expand(3, -1, -1, -1), state),
-                       pipe.attend(decode.expand(3, -1, -1, -1), dataclasses.replace(state, _plan=None)))
+    assert torch.equal(
+        pipe.attend(decode.expand(3, -1, -1, -1), state),
+        pipe.attend(decode.expand(3, -1, -1, -1), dataclasses.replace(state, _plan=None)),
+    )
 
 
 def left_pad(rows):
@@ -202,14 +219,15 @@ def left_pad(rows):
     batch = torch.full((len(rows), rows[0].shape[1], n, rows[0].shape[3]), 1e4)
     mask = torch.zeros(len(rows), n, dtype=torch.bool)
     for i, r in enumerate(rows):
-        batch[i, :, n - r.shape[2]:] = r[0]
-        mask[i, n - r.shape[2]:] = True
+        batch[i, :, n - r.shape[2] :] = r[0]
+        mask[i, n - r.shape[2] :] = True
     return batch, mask
 
 
 # (tail: sample is left out: its random draws are laid out over positions, which padding shifts.)
-@pytest.mark.parametrize("spec", [{}, {"gqa": "shared"},
-                                  {"selector": "oracle", "allocator": "global", "tail": "discard"}])
+@pytest.mark.parametrize(
+    "spec", [{}, {"gqa": "shared"}, {"selector": "oracle", "allocator": "global", "tail": "discard"}]
+)
 def test_a_left_padded_row_matches_the_row_alone(spec):
     short = make_inputs(batch=1, tokens=220, seed=8)
     long = make_inputs(batch=1, tokens=300, seed=9)
@@ -223,7 +241,7 @@ def test_a_left_padded_row_matches_the_row_alone(spec):
     out, stats = pipe.attend(decode, state, return_stats=True)
     for row, alone in enumerate((short, long)):
         expected, alone_stats = run(spec, *alone)
-        assert relative_error(out[row:row + 1], expected) < 1e-4
+        assert relative_error(out[row : row + 1], expected) < 1e-4
         assert torch.equal(stats.reads[row], alone_stats.reads[0])  # 15% of each row's own length
     assert torch.isfinite(out).all()  # the 1e4 padding is never read
 
@@ -239,8 +257,15 @@ def test_rows_whose_budget_covers_them_are_read_in_full():
     out, stats = pipe.attend(decode, state, return_stats=True)
     assert state.dense_rows.tolist() == [True, False]
     assert stats.reason == "sparse: proxy tail; 1 of 2 rows dense (budget >= context)"
-    assert relative_error(out[:1], dense_attention(*(t[:, :, -40:] if t.dim() == 4 and t is not decode else t
-                                                    for t in (decode[:1], keys[:1], values[:1])))) < 1e-5
+    assert (
+        relative_error(
+            out[:1],
+            dense_attention(
+                *(t[:, :, -40:] if t.dim() == 4 and t is not decode else t for t in (decode[:1], keys[:1], values[:1]))
+            ),
+        )
+        < 1e-5
+    )
     assert (stats.reads[0] == 40).all() and (stats.reads[1] == 60).all()
     state.append(keys[:, :, -20:], values[:, :, -20:])  # the dense row stays exact as it grows
     assert (state.pooled.assignment[0] == state.num_clusters).all()
@@ -278,8 +303,11 @@ def test_causal_dense_state_is_causal_attention():
     out, stats = pipe.attend(queries, pipe.prepare(keys, values, prefill), return_stats=True, causal=True)
     allowed = torch.ones(8, 120, dtype=torch.bool).tril(diagonal=112)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        queries.double(), keys.double().repeat_interleave(3, 1), values.double().repeat_interleave(3, 1),
-        attn_mask=allowed)
+        queries.double(),
+        keys.double().repeat_interleave(3, 1),
+        values.double().repeat_interleave(3, 1),
+        attn_mask=allowed,
+    )
     assert stats.dense and relative_error(out, expected) < 1e-5
 
 
@@ -307,15 +335,16 @@ def test_output_is_eq1_over_the_top_exact_logits_and_the_states_clusters_after_g
     Hq, T = decode.shape[1:3]
     g = Hq // Hkv
     assignment, C = state.pooled.assignment, state.num_clusters
-    assert (assignment[..., sink:N - local] < C).all() and (assignment[..., N - local:] == C).all()
+    assert (assignment[..., sink : N - local] < C).all() and (assignment[..., N - local :] == C).all()
     logits = decode.double().view(B, Hkv, g, T, D) @ keys.double().transpose(-1, -2)[:, :, None] / math.sqrt(D)
     if gqa == "shared":
         logits = logits.amax(2, keepdim=True)
     logits = logits.masked_fill((assignment == C)[:, :, None, None], -math.inf)
     top = logits.topk(budget - sink - local, dim=-1).indices
     fixed = torch.cat([torch.arange(sink), torch.arange(N - local, N)]).expand(*top.shape[:4], -1)
-    expected = references.proxy_attention(decode, keys, values, torch.cat([fixed, top], -1), assignment, C,
-                                          1 / math.sqrt(D))
+    expected = references.proxy_attention(
+        decode, keys, values, torch.cat([fixed, top], -1), assignment, C, 1 / math.sqrt(D)
+    )
     assert relative_error(pipe.attend(decode, state), expected) < 1e-5
 
 

@@ -27,7 +27,8 @@ def test_pip_install_adds_the_components_and_uninstall_removes_them(venv, tmp_pa
 
     # A YAML spec naming the new components builds and runs, next to the built-ins.
     spec = tmp_path / "example.yaml"
-    spec.write_text(textwrap.dedent("""
+    spec.write_text(
+        textwrap.dedent("""
         clusterer: {name: random, num_clusters: 8}
         selector: key-norm
         allocator: proportional
@@ -35,7 +36,8 @@ def test_pip_install_adds_the_components_and_uninstall_removes_them(venv, tmp_pa
         budget: {density: 0.2}
         sink: 4
         local: 16
-    """))
+    """)
+    )
     script = textwrap.dedent(f"""
         import torch, oa_core as oa
         pipe = oa.build({str(spec)!r})

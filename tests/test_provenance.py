@@ -22,8 +22,9 @@ def test_the_checkout_s_commit_and_the_cpu():
     made = provenance("cpu")
     assert set(made) == {"commit", "dirty", "machine"} and made["machine"].endswith(" cores")
     if (CHECKOUT / ".git").exists() and shutil.which("git"):
-        head = subprocess.run(["git", "-C", str(CHECKOUT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(CHECKOUT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert made["commit"] == head and isinstance(made["dirty"], bool)
 
 
@@ -36,11 +37,28 @@ def test_oa_demo_out_records_its_provenance(tmp_path, monkeypatch):
     lm = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2), device=torch.device("cpu"))
     monkeypatch.setattr(demo, "check_demo", lambda tokens, density: None)
     monkeypatch.setattr(demo, "load_offline_model", lambda model: (lm, None))
-    monkeypatch.setattr(demo.needle, "make_samples", lambda *a, **k: [
-        SimpleNamespace(answer="123", depth=0.5, context_ids=torch.zeros(1, 300, dtype=torch.long))])
-    monkeypatch.setattr(demo.needle, "run", lambda lm, tokenizer, samples, specs: [
-        {"spec": name, "density": 1.0, "answer_logprob": -1.0, "correct": True, "output": "123.", "prepare_s": 0.1,
-         "sparse_attend_s": 0.1, "prefill_s": 0.1} for name in specs])
+    monkeypatch.setattr(
+        demo.needle,
+        "make_samples",
+        lambda *a, **k: [SimpleNamespace(answer="123", depth=0.5, context_ids=torch.zeros(1, 300, dtype=torch.long))],
+    )
+    monkeypatch.setattr(
+        demo.needle,
+        "run",
+        lambda lm, tokenizer, samples, specs: [
+            {
+                "spec": name,
+                "density": 1.0,
+                "answer_logprob": -1.0,
+                "correct": True,
+                "output": "123.",
+                "prepare_s": 0.1,
+                "sparse_attend_s": 0.1,
+                "prefill_s": 0.1,
+            }
+            for name in specs
+        ],
+    )
     assert demo.run_demo(tokens=300, out=tmp_path / "demo.json") == 0
     written = json.loads((tmp_path / "demo.json").read_text())
     assert written["provenance"] == provenance("cpu")
@@ -59,26 +77,38 @@ def tables(tmp_path, monkeypatch):
 
 
 def test_a_result_s_own_provenance_comes_first(tables, tmp_path):
-    (tmp_path / "new.json").write_text(json.dumps({
-        "machine": {"gpu": "an older field"},
-        "provenance": {"commit": "0123456789", "dirty": True, "machine": "NVIDIA H100 80GB HBM3"}}))
+    (tmp_path / "new.json").write_text(
+        json.dumps(
+            {
+                "machine": {"gpu": "an older field"},
+                "provenance": {"commit": "0123456789", "dirty": True, "machine": "NVIDIA H100 80GB HBM3"},
+            }
+        )
+    )
     made = tables.made_by(tmp_path / "new.json")
     assert made.short() == "NVIDIA H100 80GB HBM3; commit 0123456 with uncommitted changes"
 
 
 def test_a_result_from_before_is_read_from_its_device_fields_and_git(tables, tmp_path):
-    for name, result in {"gpu.json": {"machine": {"gpu": "NVIDIA H200"}}, "device.json": {"device": "NVIDIA H200"},
-                         "cpu.json": {"machine": {"platform": "Linux", "cpus": 2}},
-                         "bare.json": {"what": "no device field"},
-                         "mutations.json": {"machine": {"cpus": 2}, "commit": "e195285fd89096c2"}}.items():
+    for name, result in {
+        "gpu.json": {"machine": {"gpu": "NVIDIA H200"}},
+        "device.json": {"device": "NVIDIA H200"},
+        "cpu.json": {"machine": {"platform": "Linux", "cpus": 2}},
+        "bare.json": {"what": "no device field"},
+        "mutations.json": {"machine": {"cpus": 2}, "commit": "e195285fd89096c2"},
+    }.items():
         (tmp_path / name).write_text(json.dumps(result))
-    short = {name: tables.made_by(tmp_path / name).short()
-             for name in ("gpu.json", "device.json", "cpu.json", "bare.json", "mutations.json")}
-    assert short == {"gpu.json": "NVIDIA H200; committed in def5678",
-                     "device.json": "NVIDIA H200; committed in def5678",
-                     "cpu.json": "CPU (2 cores); committed in def5678",
-                     "bare.json": "not recorded; committed in def5678",
-                     "mutations.json": "CPU (2 cores); commit e195285"}
+    short = {
+        name: tables.made_by(tmp_path / name).short()
+        for name in ("gpu.json", "device.json", "cpu.json", "bare.json", "mutations.json")
+    }
+    assert short == {
+        "gpu.json": "NVIDIA H200; committed in def5678",
+        "device.json": "NVIDIA H200; committed in def5678",
+        "cpu.json": "CPU (2 cores); committed in def5678",
+        "bare.json": "not recorded; committed in def5678",
+        "mutations.json": "CPU (2 cores); commit e195285",
+    }
     tables.answers["status"] = " M cpu.json"  # differs from git's copy: its last commit did not make it
     assert tables.made_by(tmp_path / "cpu.json").commit == "uncommitted (HEAD abc1234)"
     tables.answers.update({"rev-parse": None, "log": None})  # no git, or no repository
@@ -90,10 +120,22 @@ def test_an_eval_folder_names_each_record_s_machine(tables, tmp_path):
     folder.mkdir()
     record = {"spec": "dense", "density": None}
     (folder / "records-h100.jsonl").write_text(json.dumps({**record, "device": "cuda:0"}) + "\n")
-    (folder / "records-rank0.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {**record, "device": "cpu"}, {**record, "device": "cuda:1"},
-        {**record, "device": "cpu", "provenance": {"commit": "7654321", "dirty": False, "machine": "Xeon, 2 cores"}},
-        {"spec": "quest", "density": 0.03, "device": "cpu"}]) + "\n")
+    (folder / "records-rank0.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {**record, "device": "cpu"},
+                {**record, "device": "cuda:1"},
+                {
+                    **record,
+                    "device": "cpu",
+                    "provenance": {"commit": "7654321", "dirty": False, "machine": "Xeon, 2 cores"},
+                },
+                {"spec": "quest", "density": 0.03, "device": "cpu"},
+            ]
+        )
+        + "\n"
+    )
     made = tables.made_by(folder, keep=lambda r: r["spec"] == "dense")
     assert made.machine == "H100 + CPU + a CUDA GPU + Xeon, 2 cores"
     assert made.commit == "commit 7654321, committed in def5678"

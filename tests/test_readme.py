@@ -35,8 +35,10 @@ def test_the_results_tables_are_rendered_from_the_results():
 
 def test_a_block_whose_markers_are_missing_or_twice_is_named():
     tables = load_benchmark("results_tables")
-    assert tables.render("a\n<!-- results:speed -->\nold\n<!-- /results:speed -->\nb", {"speed": "new"}) == \
-        "a\n<!-- results:speed -->\nnew\n<!-- /results:speed -->\nb"
+    assert (
+        tables.render("a\n<!-- results:speed -->\nold\n<!-- /results:speed -->\nb", {"speed": "new"})
+        == "a\n<!-- results:speed -->\nnew\n<!-- /results:speed -->\nb"
+    )
     with pytest.raises(SystemExit, match=r"the block 'speed' must appear once.*found 0"):
         tables.render("no markers here", {"speed": "new"})
     twice = "<!-- results:speed -->\n<!-- /results:speed -->\n" * 2

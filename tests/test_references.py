@@ -16,7 +16,8 @@ def test_proxy_attention_reading_every_row_is_softmax_attention():
     keys, values = torch.randn(1, 2, 20, 8, generator=gen), torch.randn(1, 2, 20, 8, generator=gen)
     query = torch.randn(1, 4, 2, 8, generator=gen)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query.double(), keys.double().repeat_interleave(2, 1), values.double().repeat_interleave(2, 1), scale=0.4)
+        query.double(), keys.double().repeat_interleave(2, 1), values.double().repeat_interleave(2, 1), scale=0.4
+    )
     everything = torch.arange(20).expand(1, 2, 1, 2, 20)
     assignment = torch.randint(3, (1, 2, 20), generator=gen)
     for index in (None, everything):  # every row read: no tail, no proxy
@@ -67,8 +68,12 @@ def test_errorgate_priority_is_eq6_over_z_hat():
     z, var, n = [0.3, -1.0], [1.7, 0.4], [12.0, 5.0]
     mass = [n[b] * math.exp(z[b] + var[b] / 2) for b in range(2)]
     error = [mass[b] * math.erf(math.sqrt(var[b]) / math.sqrt(2)) for b in range(2)]  # 2Φ(σ) − 1 = erf(σ/√2)
-    got = references.errorgate_priority(torch.tensor(z).view(1, 1, 1, 1, 2), torch.tensor(var).view(1, 1, 1, 1, 2),
-                                        torch.tensor(n).view(1, 1, 2), shared=False)
+    got = references.errorgate_priority(
+        torch.tensor(z).view(1, 1, 1, 1, 2),
+        torch.tensor(var).view(1, 1, 1, 1, 2),
+        torch.tensor(n).view(1, 1, 2),
+        shared=False,
+    )
     assert torch.allclose(got.exp().flatten(), torch.tensor([e / sum(mass) for e in error], dtype=torch.float64))
 
 
@@ -79,8 +84,9 @@ def test_query_metric_of_axis_aligned_queries():
     queries[..., 2] = torch.randn(1, 2, 4000, generator=gen)
     projection = references.query_metric(queries, 1, 2, 4000)[0, 0]
     # Columns ±√λ e_1 and ±√λ e_2 with λ the second moments (about 9 and 1), the largest first.
-    assert torch.allclose(projection.abs(), torch.tensor([[0.0, 0], [3, 0], [0, 1], [0, 0]], dtype=torch.float64),
-                          atol=0.1)
+    assert torch.allclose(
+        projection.abs(), torch.tensor([[0.0, 0], [3, 0], [0, 1], [0, 0]], dtype=torch.float64), atol=0.1
+    )
 
 
 def test_lloyd_violations_count_points_nearer_another_mean():
@@ -117,13 +123,22 @@ def test_a_second_order_proxy_adds_the_log_of_one_plus_half_the_tails_logit_vari
 
     index = torch.tensor([0, -1]).view(1, 1, 1, 1, 2)
     got = references.proxy_attention(query, keys, values, index, assignment, 2, 1.0, second_order=True).flatten()
-    assert torch.allclose(got, expected([(0.0, values[0, 0, 0]), (2.0 + math.log(2) + math.log(1.5),
-                                                                 values[0, 0, 1:3].mean(0)), (2.0, values[0, 0, 3])]))
+    assert torch.allclose(
+        got,
+        expected(
+            [
+                (0.0, values[0, 0, 0]),
+                (2.0 + math.log(2) + math.log(1.5), values[0, 0, 1:3].mean(0)),
+                (2.0, values[0, 0, 3]),
+            ]
+        ),
+    )
     # Row 1 read too: cluster 0's tail is row 2 alone, (Σ_b z² − z_1²)/1 − z_2² = (1 + 9 − 1) − 9 = 0: no term.
     index = torch.tensor([0, 1]).view(1, 1, 1, 1, 2)
     got = references.proxy_attention(query, keys, values, index, assignment, 2, 1.0, second_order=True).flatten()
-    assert torch.allclose(got, expected([(0.0, values[0, 0, 0]), (1.0, values[0, 0, 1]), (3.0, values[0, 0, 2]),
-                                         (2.0, values[0, 0, 3])]))
+    assert torch.allclose(
+        got, expected([(0.0, values[0, 0, 0]), (1.0, values[0, 0, 1]), (3.0, values[0, 0, 2]), (2.0, values[0, 0, 3])])
+    )
 
 
 def test_the_tails_logit_variance_is_bounded_by_its_gap_to_the_least_logit_read():
@@ -137,8 +152,9 @@ def test_the_tails_logit_variance_is_bounded_by_its_gap_to_the_least_logit_read(
     assignment = torch.zeros(1, 1, 4, dtype=torch.long)
     for read, tail_mean, term in ((3, 2.0, math.log(1.125)), (2, 1.5, math.log(1 + 7 / 12)), (0, 17 / 6, 0.0)):
         tail = [row for row in range(4) if row != read]
-        weights = torch.softmax(torch.tensor([float(keys[0, 0, read, 0]), tail_mean + math.log(3) + term],
-                                             dtype=torch.float64), 0)
+        weights = torch.softmax(
+            torch.tensor([float(keys[0, 0, read, 0]), tail_mean + math.log(3) + term], dtype=torch.float64), 0
+        )
         expected = weights[0] * values[0, 0, read].double() + weights[1] * values[0, 0, tail].double().mean(0)
         index = torch.tensor([read]).view(1, 1, 1, 1, 1)
         got = references.proxy_attention(query, keys, values, index, assignment, 1, 1.0, second_order=True)

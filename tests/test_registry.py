@@ -33,7 +33,8 @@ def test_built_ins_come_from_the_installed_entry_point_group():
 def broken_plugins(tmp_path):
     """Two installed-looking distributions on a path: one whose module fails to import, one that re-registers qgc."""
     (tmp_path / "oa_broken_import.py").write_text("raise ImportError('missing dependency: fancylib')\n")
-    (tmp_path / "oa_duplicate.py").write_text(textwrap.dedent("""
+    (tmp_path / "oa_duplicate.py").write_text(
+        textwrap.dedent("""
         from oa_core import hookimpl
         from oa_core.components import Clusterer
 
@@ -44,7 +45,8 @@ def broken_plugins(tmp_path):
         @hookimpl
         def register_clusterers(register):
             register(Impostor)
-    """))
+    """)
+    )
     for dist, module in (("oa_broken_import", "oa_broken_import"), ("oa_duplicate", "oa_duplicate")):
         info = tmp_path / f"{dist}-0.1.dist-info"
         info.mkdir()
@@ -107,6 +109,9 @@ def test_a_component_without_a_name_or_with_a_bad_config_is_reported():
 
 
 def test_an_invalid_parameter_names_the_field_and_the_package():
-    with pytest.raises(oa.SpecError, match=r"clusterer.num_clusters: .* \(clusterer 'qgc' from package "
-                                           r"'openattention'\)"):
+    with pytest.raises(
+        oa.SpecError,
+        match=r"clusterer.num_clusters: .* \(clusterer 'qgc' from package "
+        r"'openattention'\)",
+    ):
         oa.build({"clusterer": {"name": "qgc", "num_clusters": 0}})

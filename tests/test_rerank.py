@@ -37,8 +37,7 @@ def test_a_shortlist_that_holds_the_true_top_rows_reranks_to_the_oracles_choice(
     # rest below them: only the shortlist's membership is right.
     gen = torch.Generator().manual_seed(5)
     rank = exact.argsort(-1, descending=True).argsort(-1)
-    cheap = torch.where(rank < 48, 100 + torch.rand(exact.shape, generator=gen),
-                        torch.rand(exact.shape, generator=gen))
+    cheap = torch.where(rank < 48, 100 + torch.rand(exact.shape, generator=gen), torch.rand(exact.shape, generator=gen))
     refined = rerank_exact(cheap, grouped, keys, scale, multiple, torch.full((B, H, 1, 1), budget), budget)
     assignment = torch.zeros(B, H, N, dtype=torch.long)  # one cluster: the per-cluster selection is global
     rows = torch.full((B, H, 1, 1), budget)
@@ -62,8 +61,9 @@ def test_the_rest_rank_below_the_shortlist_in_their_old_order_and_minus_inf_stay
         order = old.argsort(descending=True, stable=True)
         inside, outside = order[:listed], order[listed:170]
         assert row[inside].min() > row[outside].max()
-        assert torch.equal(row[outside].argsort(descending=True, stable=True),
-                           old[outside].argsort(descending=True, stable=True))
+        assert torch.equal(
+            row[outside].argsort(descending=True, stable=True), old[outside].argsort(descending=True, stable=True)
+        )
         assert (row[:30] == -math.inf).all()
         exact = 0.3 * keys[b, 0, inside] @ query[b, 0, 0]
         assert torch.allclose(row[inside], exact, atol=1e-5)
@@ -74,8 +74,9 @@ def test_a_zero_multiple_or_budget_leaves_the_scores():
     grouped = group_queries(query, keys.shape[1], True)
     cheap = torch.randn(2, 2, 1, 1, 64)
     assert rerank_exact(cheap, grouped, keys, 0.5, 0.0, torch.full((2, 2, 1, 1), 5), 5) is cheap
-    assert torch.equal(rerank_exact(cheap, grouped, keys, 0.5, 3.0, torch.zeros(2, 2, 1, 1, dtype=torch.long), 5),
-                       cheap)
+    assert torch.equal(
+        rerank_exact(cheap, grouped, keys, 0.5, 3.0, torch.zeros(2, 2, 1, 1, dtype=torch.long), 5), cheap
+    )
 
 
 def test_qgs_rerank_brings_the_pipeline_to_the_oracle_selection_when_the_shortlist_covers_the_context():

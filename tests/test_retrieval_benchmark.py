@@ -6,8 +6,9 @@ from conftest import load_benchmark
 
 
 def _model(layer_types=None, layers=None):
-    return SimpleNamespace(config=SimpleNamespace(layer_types=layer_types,
-                                                  num_hidden_layers=layers or len(layer_types)))
+    return SimpleNamespace(
+        config=SimpleNamespace(layer_types=layer_types, num_hidden_layers=layers or len(layer_types))
+    )
 
 
 def test_recall_layers_are_distinct_full_attention_layers_spread_over_the_model():

@@ -41,8 +41,9 @@ def test_a_chat_template_wraps_the_prompt_and_cwes_example_is_an_earlier_turn(sa
     assert sample.context.startswith("<|im_start|>")
     assert sample.context.count("<|im_start|>user") == 2  # the worked example, then the task
     assert sample.context.count("<|im_start|>assistant\nAnswer: The top 10 words") == 1  # its answer, prefix first
-    assert sample.question.endswith("<|im_start|>assistant\nAnswer: The top 10 words that appear most often in the "
-                                    "list are:")  # RULER's answer prefix after the assistant turn's start
+    assert sample.question.endswith(
+        "<|im_start|>assistant\nAnswer: The top 10 words that appear most often in the list are:"
+    )  # RULER's answer prefix after the assistant turn's start
     vt = samples["vt"][0]
     assert vt.context.count("<|im_start|>user") == 1  # vt's example is inside the user turn, as RULER places it
 
@@ -78,8 +79,9 @@ def test_bad_arguments_are_named(tokenizer):
         ruler.generate("vt", tokenizer, 100, 1)
     with pytest.raises(ValueError, match="count"):
         ruler.generate("vt", tokenizer, LENGTH, 0)
-    with pytest.raises(ValueError, match="cwe: even the smallest prompt, with its 120 tokens to generate, is longer "
-                                         "than 512"):  # its example and 10 words listed 6 times
+    with pytest.raises(
+        ValueError, match="cwe: even the smallest prompt, with its 120 tokens to generate, is longer than 512"
+    ):  # its example and 10 words listed 6 times
         ruler.generate("cwe", tokenizer, 512, 1, use_cache=False)
 
 
@@ -116,8 +118,11 @@ def test_one_value_asked_is_asked_in_the_singular(samples):
     sample = samples["niah_single_3"][0]  # RULER rewrites its template when one value is asked
     assert "A special magic uuid is hidden within the following text." in sample.context
     assert re.search(r"\nWhat is the special magic uuid for .+ mentioned in the provided text\?", sample.question)
-    assert sample.question.endswith("The special magic uuid for " + sample.question.split(" for ")[1].split(
-        " mentioned")[0] + " mentioned in the provided text is")
+    assert sample.question.endswith(
+        "The special magic uuid for "
+        + sample.question.split(" for ")[1].split(" mentioned")[0]
+        + " mentioned in the provided text is"
+    )
 
 
 def test_a_word_list_too_short_for_the_length_is_a_clear_error(tokenizer, monkeypatch):

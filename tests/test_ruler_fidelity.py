@@ -30,8 +30,11 @@ def plain(tokenizer):
 @pytest.fixture(scope="module")
 def samples(plain, tmp_path_factory):
     cache = tmp_path_factory.mktemp("ruler-fidelity")
-    return {(task, length): ruler.generate(task, plain, length, 2, seed=0, cache_dir=cache)
-            for task in TASKS for length in LENGTHS}
+    return {
+        (task, length): ruler.generate(task, plain, length, 2, seed=0, cache_dir=cache)
+        for task in TASKS
+        for length in LENGTHS
+    }
 
 
 def test_the_generator_names_the_commit_it_follows():
@@ -102,16 +105,23 @@ def test_niah_prompts_are_rulers(task, samples, plain):
     singular = args["num_needle_q"] * args["num_needle_v"] == 1
     kind = args["type_needle_v"][:-1] if singular else args["type_needle_v"]
     value = rf"\d{{{niah['numbers_digits']:d}}}" if args["type_needle_v"] == "numbers" else _UUID
-    needle = _regex(niah["needle"]).replace("(?P<type_needle_v>.+?)", args["type_needle_v"]).replace(
-        "(?P<key>.+?)", "(?P<key>.+?)").replace("(?P<value>.+?)", f"(?P<value>{value})")
+    needle = (
+        _regex(niah["needle"])
+        .replace("(?P<type_needle_v>.+?)", args["type_needle_v"])
+        .replace("(?P<key>.+?)", "(?P<key>.+?)")
+        .replace("(?P<value>.+?)", f"(?P<value>{value})")
+    )
     for length in LENGTHS:
         for sample in samples[task, length]:
             _fits(sample, plain, length)
             fields = _fields(sample.prompt, "niah", singular)
             assert fields["type_needle_v"] == kind
             joins = niah["query_join"]
-            queries = ([*fields["query"].split(joins[1])[0].split(joins[0]), fields["query"].split(joins[1])[1]]
-                       if args["num_needle_q"] > 1 else [fields["query"]])
+            queries = (
+                [*fields["query"].split(joins[1])[0].split(joins[0]), fields["query"].split(joins[1])[1]]
+                if args["num_needle_q"] > 1
+                else [fields["query"]]
+            )
             assert len(queries) == args["num_needle_q"]
             context = fields["context"]
             needles = [(m.group("key"), m.group("value")) for m in re.finditer(needle, context)]
@@ -139,7 +149,7 @@ def _is_key(key: str, kind: str) -> bool:
     if kind == "uuids":
         return re.fullmatch(_UUID, key) is not None
     adjectives, nouns = (set(ruler_tasks.wonderwords_list(kind)) for kind in ("adjectivelist", "nounlist"))
-    return any(key[:i] in adjectives and key[i + 1:] in nouns for i, c in enumerate(key) if c == "-")
+    return any(key[:i] in adjectives and key[i + 1 :] in nouns for i, c in enumerate(key) if c == "-")
 
 
 def _check_essay(context: str, needles: list[str]):
@@ -149,7 +159,7 @@ def _check_essay(context: str, needles: list[str]):
     segments = [piece.strip() for piece in pieces]
     haystack = " ".join(s for s in segments if s)
     squeezed = "".join(haystack.split())  # the sentences are joined by a space, as RULER joins them: compare the rest
-    assert squeezed == "".join(ruler_tasks.essay_words())[:len(squeezed)]
+    assert squeezed == "".join(ruler_tasks.essay_words())[: len(squeezed)]
     splitter = ruler_tasks.sentence_splitter()
     sentences = splitter.tokenize(haystack)
     before = 0
@@ -169,8 +179,12 @@ def test_vt_prompts_are_rulers(samples, plain):
             assert match, sample.prompt[:300]
             shown = match.group("example")
             example_names = match.group("names").split(" ")
-            _check_chain(shown[len(template.split("{context}")[0]):shown.index("\nQuestion:")], example_names,
-                         vt["example_name_letters"], args["num_hops"])
+            _check_chain(
+                shown[len(template.split("{context}")[0]) : shown.index("\nQuestion:")],
+                example_names,
+                vt["example_name_letters"],
+                args["num_hops"],
+            )
             # The example fills RULER's 500 tokens (without a model's template) to within a noise line.
             tokens = len(plain(shown, add_special_tokens=False).input_ids)
             noise_line = len(plain(OFFICIAL["niah"]["noise"] + "\n", add_special_tokens=False).input_ids)
@@ -210,14 +224,18 @@ def _numbered(text: str) -> list[str]:
 
 def test_cwe_prompts_are_rulers(samples, plain):
     cwe, args = OFFICIAL["cwe"], OFFICIAL["tasks"]["cwe"]["args"]
-    words = set(ruler_tasks.wonderwords_list("nounlist") + ruler_tasks.wonderwords_list("adjectivelist")
-                + ruler_tasks.wonderwords_list("verblist"))
+    words = set(
+        ruler_tasks.wonderwords_list("nounlist")
+        + ruler_tasks.wonderwords_list("adjectivelist")
+        + ruler_tasks.wonderwords_list("verblist")
+    )
     template, prefix = _template("cwe")
     for length in LENGTHS:
         below = length < cwe["below"]
         example = cwe["example_below"] if below else cwe["example"]
-        common, other = ((cwe["task_below"]["common"], cwe["task_below"]["other"]) if below else
-                         (args["freq_cw"], args["freq_ucw"]))
+        common, other = (
+            (cwe["task_below"]["common"], cwe["task_below"]["other"]) if below else (args["freq_cw"], args["freq_ucw"])
+        )
         for sample in samples["cwe", length]:
             _fits(sample, plain, length)
             shot = f"(?P<example>{_regex(template + prefix, '_shown')}) (?P<shown>1\\. .*?)\n"
@@ -226,7 +244,8 @@ def test_cwe_prompts_are_rulers(samples, plain):
             shown = Counter(_numbered(re.search(r"\n(1\. .*)\nQuestion", match.group("example"), re.S).group(1)))
             assert len(shown) == example["words"]
             assert sorted(Counter(shown.values()).items()) == sorted(
-                {example["common"]: args["num_cw"], example["other"]: example["words"] - args["num_cw"]}.items())
+                {example["common"]: args["num_cw"], example["other"]: example["words"] - args["num_cw"]}.items()
+            )
             assert set(_numbered(match.group("shown"))) == {w for w, n in shown.items() if n == example["common"]}
             listed = Counter(_numbered(match.group("context")))
             assert set(listed) <= words
@@ -249,5 +268,5 @@ def test_fwe_prompts_are_rulers(samples, plain):
             # Every count is int(n · k^-α / ζ(α)) of its rank k, for one n.
             first = counts[0][1]
             n_range = range(int(first * zeta(alpha)), int((first + 1) * zeta(alpha)) + 2)
-            law = [[int(n * k ** -alpha / zeta(alpha)) for k in range(1, len(counts) + 1)] for n in n_range]
+            law = [[int(n * k**-alpha / zeta(alpha)) for k in range(1, len(counts) + 1)] for n in n_range]
             assert [c for _, c in counts] in law

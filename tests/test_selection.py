@@ -225,8 +225,9 @@ def test_the_compiled_cpu_selection_lists_what_select_by_sorting_lists(seed):
     wider = torch.cat([scores, torch.randn(B, H, Gs, T, 2, generator=gen)], dim=-1)
     grown_assignment = torch.cat([assignment, ids], dim=-1)
     q = (torch.rand(B, H, Gs, T, C, generator=gen) * (grown_counts[:, :, None, None] + 1)).floor().long()
-    assert torch.equal(native.select_per_cluster(wider, grown, grown_counts, q, 60),
-                       select_by_sorting(wider, grown_assignment, q, 60))
+    assert torch.equal(
+        native.select_per_cluster(wider, grown, grown_counts, q, 60), select_by_sorting(wider, grown_assignment, q, 60)
+    )
 
 
 def test_select_without_the_compiled_path_runs_the_reference_and_says_so(monkeypatch):
@@ -238,8 +239,11 @@ def test_select_without_the_compiled_path_runs_the_reference_and_says_so(monkeyp
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_reason", "no C++ compiler found")
     monkeypatch.setattr(native, "_warned", False)
-    with pytest.warns(RuntimeWarning, match=r"compiled selection is unavailable \(no C\+\+ compiler found\); the "
-                                            "torch reference runs instead"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"compiled selection is unavailable \(no C\+\+ compiler found\); the "
+        "torch reference runs instead",
+    ):
         got = select(scores, assignment, quotas, 200, (members, counts))
     assert torch.equal(got, select_by_sorting(scores, assignment, quotas, 200))
     with warnings.catch_warnings():

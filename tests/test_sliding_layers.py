@@ -12,27 +12,44 @@ SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 2, "local": 8
 
 def tiny_gemma3(window=16):
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=window,
-                              layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                                           "full_attention"], max_position_embeddings=1024,
-                              attn_implementation="sdpa")
+    config = Gemma3TextConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
     return Gemma3ForCausalLM(config).eval()
 
 
 def tiny_mistral(window):
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
-                           max_position_embeddings=1024, attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=window,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
     return MistralForCausalLM(config).eval()
 
 
 def generate(model, length=120, tokens=6):
     ids = torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False, pad_token_id=0
+        )
     return out[:, length:]
 
 
@@ -50,8 +67,9 @@ def test_gemma3_sliding_layers_keep_their_attention_and_full_layers_go_sparse():
     assert torch.equal(first, expected)
     for layer in (0, 2):
         records = [r for r in stats.records if r.layer == layer]
-        assert records and all(r.dense and r.reason == "dense: sliding window of 16 (the model's own attention)"
-                               for r in records)
+        assert records and all(
+            r.dense and r.reason == "dense: sliding window of 16 (the model's own attention)" for r in records
+        )
     for layer in (1, 3):
         decode = decode_records(stats, layer)
         assert decode and not any(r.dense for r in decode)

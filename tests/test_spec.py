@@ -8,8 +8,15 @@ import oa_core as oa
 
 
 def test_dict_yaml_and_model_are_equivalent(tmp_path):
-    data = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": "oracle", "budget": {"tokens": 100},
-            "tail": "discard", "sink": 2, "local": 8, "gqa": "shared"}
+    data = {
+        "clusterer": {"name": "qgc", "num_clusters": 8},
+        "selector": "oracle",
+        "budget": {"tokens": 100},
+        "tail": "discard",
+        "sink": 2,
+        "local": 8,
+        "gqa": "shared",
+    }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(data))
     from_dict, from_yaml = oa.build(data), oa.build(path)
@@ -26,13 +33,15 @@ def test_defaults_are_the_default_spec():
     from_file = oa.build(str(Path(__file__).parents[1] / "specs/openattention.yaml"))
     for part in ("clusterer", "selector", "allocator"):
         assert getattr(pipe, part).config == getattr(from_file, part).config, part
-    assert pipe.spec.model_dump(exclude={"clusterer", "selector", "allocator"}) == \
-        from_file.spec.model_dump(exclude={"clusterer", "selector", "allocator"})
+    assert pipe.spec.model_dump(exclude={"clusterer", "selector", "allocator"}) == from_file.spec.model_dump(
+        exclude={"clusterer", "selector", "allocator"}
+    )
     # auto: flash on CUDA, the torch reference elsewhere, with the reason.
     expected = "flash" if torch.cuda.is_available() else "torch"
     assert pipe.spec.kernel.name == "auto" and pipe.kernel.name == expected
-    assert pipe.kernel_note == ("auto: flash (runs on cuda)" if expected == "flash"
-                                else "auto: torch (flash: no CUDA device)")
+    assert pipe.kernel_note == (
+        "auto: flash (runs on cuda)" if expected == "flash" else "auto: torch (flash: no CUDA device)"
+    )
     assert pipe.spec.tail == "proxy"
 
 
@@ -61,13 +70,16 @@ def test_auto_takes_the_highest_priority_kernel_that_runs_here(monkeypatch):
     assert pipe.kernel_note == "auto: everywhere-test (nowhere-test: needs a device that does not exist)"
 
 
-@pytest.mark.parametrize("budget, message", [
-    ({"density": 0.0}, "budget.density"),
-    ({"density": 1.5}, "budget.density"),
-    ({"tokens": 0}, "budget.tokens"),
-    ({"density": 0.1, "tokens": 10}, "exactly one of density or tokens"),
-    ({}, "exactly one of density or tokens"),
-])
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ({"density": 0.0}, "budget.density"),
+        ({"density": 1.5}, "budget.density"),
+        ({"tokens": 0}, "budget.tokens"),
+        ({"density": 0.1, "tokens": 10}, "exactly one of density or tokens"),
+        ({}, "exactly one of density or tokens"),
+    ],
+)
 def test_invalid_budget_names_the_field(budget, message):
     with pytest.raises(oa.SpecError, match=message):
         oa.build({"budget": budget})
@@ -79,8 +91,11 @@ def test_unknown_component_lists_the_known_ones():
 
 
 def test_every_bad_component_is_named_in_one_error():
-    with pytest.raises(oa.SpecError, match=r"^clusterer: unknown clusterer 'nope'; known: kmeans, position, qgc; "
-                                           r"selector: unknown selector 'nada'; .*; kernel\.x: Extra inputs"):
+    with pytest.raises(
+        oa.SpecError,
+        match=r"^clusterer: unknown clusterer 'nope'; known: kmeans, position, qgc; "
+        r"selector: unknown selector 'nada'; .*; kernel\.x: Extra inputs",
+    ):
         oa.build({"clusterer": "nope", "selector": "nada", "kernel": {"name": "torch", "x": 1}})
 
 
@@ -91,9 +106,18 @@ def test_invalid_component_parameter_names_the_field():
         oa.build({"selector": {"name": "qgs", "bits": 4}})
 
 
-@pytest.mark.parametrize("spec, field", [({"tail": "drop"}, "tail"), ({"sink": -1}, "sink"), ({"local": -5}, "local"),
-                                         ({"tail_samples": 2}, "tail_samples"), ({"tail_samples": 0}, "tail_samples"),
-                                         ({"gqa": "grouped"}, "gqa"), ({"bugdet": {"density": 0.1}}, "bugdet")])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"tail": "drop"}, "tail"),
+        ({"sink": -1}, "sink"),
+        ({"local": -5}, "local"),
+        ({"tail_samples": 2}, "tail_samples"),
+        ({"tail_samples": 0}, "tail_samples"),
+        ({"gqa": "grouped"}, "gqa"),
+        ({"bugdet": {"density": 0.1}}, "bugdet"),
+    ],
+)
 def test_invalid_spec_field_is_named(spec, field):
     with pytest.raises(oa.SpecError, match=rf"^{field}: "):
         oa.build(spec)
@@ -144,10 +168,16 @@ def test_a_kernel_that_computes_only_mean_proxies_refuses_a_second_order_spec(mo
         proxies = ("mean",)
 
     registry = default_registry()
-    monkeypatch.setitem(registry.components["kernel"], MeanOnly.name, registry.components["kernel"]["torch"].__class__(
-        "kernel", MeanOnly.name, MeanOnly, "<test>", "<test>"))
-    with pytest.raises(oa.SpecError, match=r"^proxy: kernel 'mean-only-test' computes mean proxies, not "
-                                           r"'second-order'; set proxy: mean"):
+    monkeypatch.setitem(
+        registry.components["kernel"],
+        MeanOnly.name,
+        registry.components["kernel"]["torch"].__class__("kernel", MeanOnly.name, MeanOnly, "<test>", "<test>"),
+    )
+    with pytest.raises(
+        oa.SpecError,
+        match=r"^proxy: kernel 'mean-only-test' computes mean proxies, not "
+        r"'second-order'; set proxy: mean",
+    ):
         oa.build({"kernel": "mean-only-test"})
     assert oa.build({"kernel": "mean-only-test", "proxy": "mean"}).kernel.name == "mean-only-test"
     assert oa.build({"kernel": "mean-only-test", "tail": "discard"}).kernel.name == "mean-only-test"

@@ -12,10 +12,24 @@ from oa_core.cli import main as oa_main
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted(ROOT.glob("specs/*.yaml")) + sorted(ROOT.glob("benchmarks/studies/diagnosis/*.yaml"))
-EXPECTED = {"dense", "oracle-topk", "quest", "magicpig", "vattention", "retroinfer", "openattention",
-            "ablate-clusterer-kmeans", "ablate-clusterer-position", "ablate-selector-oracle", "ablate-selector-lsh",
-            "ablate-allocator-mass", "ablate-allocator-variance", "ablate-allocator-uniform", "ablate-tail-discard",
-            "ablate-tail-sample"}
+EXPECTED = {
+    "dense",
+    "oracle-topk",
+    "quest",
+    "magicpig",
+    "vattention",
+    "retroinfer",
+    "openattention",
+    "ablate-clusterer-kmeans",
+    "ablate-clusterer-position",
+    "ablate-selector-oracle",
+    "ablate-selector-lsh",
+    "ablate-allocator-mass",
+    "ablate-allocator-variance",
+    "ablate-allocator-uniform",
+    "ablate-tail-discard",
+    "ablate-tail-sample",
+}
 
 
 def test_every_method_and_ablation_has_a_spec_with_a_header():
@@ -33,8 +47,7 @@ def test_oa_validate_accepts_every_spec(capsys):
 @pytest.fixture(scope="module")
 def long_inputs():
     # Long enough that 3% of the context exceeds the specs' sink + local (4 + 64): N = 2560 gives 76 rows.
-    keys, values, prefill, decode = make_inputs(batch=2, kv_heads=2, group=4, tokens=2560, dim=32, queries=2,
-                                                seed=11)
+    keys, values, prefill, decode = make_inputs(batch=2, kv_heads=2, group=4, tokens=2560, dim=32, queries=2, seed=11)
     mask = torch.ones(2, 2560, dtype=torch.bool)
     mask[1, :60] = False  # the second row is left-padded
     return keys, values, prefill, decode, mask

@@ -30,21 +30,28 @@ def run_both(spec, tokens=180, steps=24, room=0, padded=True, seed=0):
     pipe = oa.build(spec)
     reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
     capacity = tokens + steps + room
-    static = StaticState.from_state(pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask),
-                                    capacity)
+    static = StaticState.from_state(
+        pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask), capacity
+    )
     cache_k, cache_v = keys.new_zeros(B, H, capacity, D), values.new_zeros(B, H, capacity, D)
     cache_k[:, :, :tokens], cache_v[:, :, :tokens] = keys[:, :, :tokens], values[:, :, :tokens]
     gen = torch.Generator().manual_seed(seed + 1)
     results = []
     for step in range(steps):
         n = tokens + step
-        reference.append(keys[:, :, n:n + 1], values[:, :, n:n + 1])
+        reference.append(keys[:, :, n : n + 1], values[:, :, n : n + 1])
         cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, n], values[:, :, n]
         static.length += 1
-        query = keys[:, torch.arange(Hq) // (Hq // H), n:n + 1] * 1.1 + 0.3 * torch.randn(B, Hq, 1, D, generator=gen)
+        query = keys[:, torch.arange(Hq) // (Hq // H), n : n + 1] * 1.1 + 0.3 * torch.randn(B, Hq, 1, D, generator=gen)
         static.grow(cache_k, cache_v)
-        results.append((_rows(pipe.explain(query, reference).selection), _rows(static.selection(query, cache_k)),
-                        pipe.attend(query, reference), static.attend(query, cache_k, cache_v)))
+        results.append(
+            (
+                _rows(pipe.explain(query, reference).selection),
+                _rows(static.selection(query, cache_k)),
+                pipe.attend(query, reference),
+                static.attend(query, cache_k, cache_v),
+            )
+        )
     return results
 
 
@@ -58,8 +65,13 @@ def test_each_step_reads_the_reference_rows_and_gives_its_output(gqa, tail):
 
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows_too(gqa):
-    spec = {**SPEC, "gqa": gqa, "kernel": "torch", "selector": {"name": "qgs", "params": {"rerank": 3}},
-            "allocator": {"name": "errorgate", "params": {"floor": 0.5}}}
+    spec = {
+        **SPEC,
+        "gqa": gqa,
+        "kernel": "torch",
+        "selector": {"name": "qgs", "params": {"rerank": 3}},
+        "allocator": {"name": "errorgate", "params": {"floor": 0.5}},
+    }
     for ref_rows, rows, ref_out, out in run_both(spec, steps=12):
         assert rows == ref_rows
         assert relative_error(out, ref_out) < 1e-5
@@ -69,8 +81,13 @@ def test_the_two_stage_selection_and_the_errorgate_floor_read_the_reference_rows
 def test_pqs_codes_grown_in_place_read_the_reference_rows(gqa):
     """PQS on the fast path: each new row coded into the static index (``token_codes``) as the reference appends it,
     and selectable once it leaves the local window (24 steps past a window of 16)."""
-    spec = {**SPEC, "gqa": gqa, "kernel": "torch", "selector": {"name": "pq", "params": {"dims": 2, "bits": 4}},
-            "allocator": {"name": "errorgate", "params": {"floor": 0.5}}}
+    spec = {
+        **SPEC,
+        "gqa": gqa,
+        "kernel": "torch",
+        "selector": {"name": "pq", "params": {"dims": 2, "bits": 4}},
+        "allocator": {"name": "errorgate", "params": {"floor": 0.5}},
+    }
     for ref_rows, rows, ref_out, out in run_both(spec, steps=24):
         assert rows == ref_rows
         assert relative_error(out, ref_out) < 1e-5
@@ -127,18 +144,26 @@ def test_the_state_lives_in_one_buffer_and_a_copy_of_it_is_a_state_of_its_own():
     assert length is static.length and arena.dtype == torch.uint8 and arena.dim() == 1
     views = unpack(arena, static.layout)
     assert all(offset % ALIGN == 0 for offset, _, _ in static.layout.values())
-    for view, mine in ((views["assignment"], static.assignment), (views["key_sum"], static.pooled.key_sum),
-                       (views["members"], static.members), (views["codes"], static.index.codes)):
+    for view, mine in (
+        (views["assignment"], static.assignment),
+        (views["key_sum"], static.pooled.key_sum),
+        (views["members"], static.members),
+        (views["codes"], static.index.codes),
+    ):
         assert view.data_ptr() == mine.data_ptr() and view.dtype == mine.dtype and view.shape == mine.shape
     assert static.with_buffers([length, arena]) is static
     other = arena.clone()
-    assert static.with_buffers([length, other]).assignment.data_ptr() == unpack(other, static.layout)[
-        "assignment"].data_ptr()
+    assert (
+        static.with_buffers([length, other]).assignment.data_ptr()
+        == unpack(other, static.layout)["assignment"].data_ptr()
+    )
     twin = static.with_buffers([length.clone(), arena.clone()])
     assert twin.pooled.count.data_ptr() != static.pooled.count.data_ptr()
     assert torch.equal(twin.pooled.count, static.pooled.count) and torch.equal(twin.start, static.start)
-    cache_k, cache_v = keys.new_zeros(*keys.shape[:2], 150, keys.shape[-1]), values.new_zeros(*values.shape[:2], 150,
-                                                                                            values.shape[-1])
+    cache_k, cache_v = (
+        keys.new_zeros(*keys.shape[:2], 150, keys.shape[-1]),
+        values.new_zeros(*values.shape[:2], 150, values.shape[-1]),
+    )
     cache_k[:, :, :121], cache_v[:, :, :121] = keys[:, :, :121], values[:, :, :121]
     before = static.arena.clone()
     twin.length += 1

@@ -15,9 +15,17 @@ def generate(model, ids, mask, tokens, cache=None, **kwargs):
     if cache is not None:  # under the name the installed transformers gives it
         kwargs.update(oa.cache_kwargs(model, cache))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True, **kwargs)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.scores)
 
 
 def padded_batch(length=300):
@@ -49,8 +57,7 @@ def test_the_compiled_step_has_no_graph_break_and_the_same_logits():
     config._compile_all_devices = True  # generate compiles on accelerators only, unless asked
     with oa.patch(model, SPARSE) as handle:
         _, eager = generate(model, ids, mask, 5, cache=handle.static_cache(max_new_tokens=5))
-        _, compiled = generate(model, ids, mask, 5, cache=handle.static_cache(max_new_tokens=5),
-                               compile_config=config)
+        _, compiled = generate(model, ids, mask, 5, cache=handle.static_cache(max_new_tokens=5), compile_config=config)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -74,8 +81,9 @@ def test_capacity_is_checked_before_a_step_overflows():
         with pytest.raises(ValueError, match=r"static cache: full at 303 slots .* max_new_tokens it was made for, 3"):
             generate(model, ids, mask, 6, cache=cache)
         with pytest.raises(ValueError, match=r"static cache: \d+ new tokens after its prompt; .* cache.reset\(\)"):
-            generate(model, torch.cat([ids, ids[:, :50]], 1), torch.cat([mask, mask[:, :50]], 1), 1,
-                     cache=cache)  # generate continues a cache that holds tokens
+            generate(
+                model, torch.cat([ids, ids[:, :50]], 1), torch.cat([mask, mask[:, :50]], 1), 1, cache=cache
+            )  # generate continues a cache that holds tokens
         cache.reset()
         first, _ = generate(model, ids[:, 50:], mask[:, 50:], 3, cache=cache)  # a shorter prompt fits
         assert first.shape == (2, 3)
@@ -86,12 +94,17 @@ def test_capacity_is_checked_before_a_step_overflows():
 
 def test_specs_the_fast_path_cannot_run_are_refused_up_front():
     model = tiny_llama()
-    with (oa.patch(model, {**SPARSE, "selector": "quest"}) as handle,
-          pytest.raises(ValueError, match="layer 0's spec cannot run on the fast path: selector 'quest' has no "
-                                          "per-token codes")):
+    with (
+        oa.patch(model, {**SPARSE, "selector": "quest"}) as handle,
+        pytest.raises(
+            ValueError, match="layer 0's spec cannot run on the fast path: selector 'quest' has no per-token codes"
+        ),
+    ):
         handle.static_cache(max_new_tokens=4)
-    with (oa.patch(model, {**SPARSE, "tail": "sample"}) as handle,
-          pytest.raises(ValueError, match="tail: sample draws a new sample at every step")):
+    with (
+        oa.patch(model, {**SPARSE, "tail": "sample"}) as handle,
+        pytest.raises(ValueError, match="tail: sample draws a new sample at every step"),
+    ):
         handle.static_cache(max_new_tokens=4)
     with oa.patch(model, SPARSE) as handle, pytest.raises(ValueError, match="max_new_tokens: expected a positive int"):
         handle.static_cache(max_new_tokens=0)

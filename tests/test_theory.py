@@ -71,7 +71,7 @@ def _gaussian_logits(n_tail: int, sigma: float, sink: int, local: int, seed: int
     gen = torch.Generator().manual_seed(seed)
     tail = sigma * torch.randn(n_tail, generator=gen, dtype=torch.float64)
     # sink/local logit c: (sink + local)·e^c = n_tail·E[e^z] = n_tail·e^{σ²/2}  →  τ ≈ 1/2.
-    c = sigma ** 2 / 2 + math.log(n_tail / (sink + local))
+    c = sigma**2 / 2 + math.log(n_tail / (sink + local))
     fixed = torch.full((sink + local,), c, dtype=torch.float64)
     z = torch.cat([fixed[:sink], tail, fixed[sink:]])
     return z.float().double()  # the values the float32 cache really holds
@@ -90,8 +90,14 @@ def _blocked_gaussian_run(tail: str, sigma: float, seed: int, proxy: str = "mean
     values[token // BLOCK, 0, token, token % BLOCK] = 1.0
     query = torch.zeros(blocks, 1, 1, BLOCK)
     query[..., 0] = 1.0
-    pipe = _build(clusterer={"name": "qgc", "num_clusters": 1}, tail=tail, proxy=proxy,
-                  budget={"tokens": SINK + LOCAL}, sink=SINK, local=LOCAL)
+    pipe = _build(
+        clusterer={"name": "qgc", "num_clusters": 1},
+        tail=tail,
+        proxy=proxy,
+        budget={"tokens": SINK + LOCAL},
+        sink=SINK,
+        local=LOCAL,
+    )
     state = pipe.prepare(keys, values, query, scale=1.0)
     out = pipe.attend(query, state)  # [blocks, 1, 1, BLOCK]
     assert not bool(state.dense_rows.any())
@@ -128,7 +134,7 @@ def _proxy_standard_error(sigma: float, n: int) -> float:
         return (abs(1 - y) - ratio * y) ** 2 * density(x)
 
     second, _ = integrate.quad(term_sq, -12, 12, points=[0.0], limit=200)
-    return math.sqrt(second / n) / math.exp(sigma ** 2 / 2)
+    return math.sqrt(second / n) / math.exp(sigma**2 / 2)
 
 
 @pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0])
@@ -188,8 +194,15 @@ def test_eq2_sample_expectation(samples):
     draws = 100
     errors, tau = [], None
     for seed in range(draws):
-        pipe = _build(clusterer={"name": "qgc", "num_clusters": 1}, tail="sample", tail_samples=1.0,
-                      budget={"tokens": sink + local + samples}, sink=sink, local=local, seed=seed)
+        pipe = _build(
+            clusterer={"name": "qgc", "num_clusters": 1},
+            tail="sample",
+            tail_samples=1.0,
+            budget={"tokens": sink + local + samples},
+            sink=sink,
+            local=local,
+            seed=seed,
+        )
         state = pipe.prepare(keys, values, query, scale=1.0)
         out = pipe.attend(query, state)[0, 0, 0]
         w_hat, w, _, z_true = _recover(out, z, exact)
@@ -197,8 +210,9 @@ def test_eq2_sample_expectation(samples):
         # Per draw: exactly m tail tokens read, each weighted η = N/m (float32 rounding: 1e-4 relative).
         drawn = w_hat[tail] > 0
         assert int(drawn.sum()) == samples
-        assert torch.allclose(w_hat[tail][drawn] / w[tail][drawn],
-                              torch.full((samples,), eta, dtype=torch.float64), rtol=1e-4)
+        assert torch.allclose(
+            w_hat[tail][drawn] / w[tail][drawn], torch.full((samples,), eta, dtype=torch.float64), rtol=1e-4
+        )
         errors.append(float((w_hat - w).abs().sum() / z_true))
 
     errors = torch.tensor(errors, dtype=torch.float64)
@@ -263,8 +277,15 @@ def test_output_error_bound(tail):
         v = values[..., :dim].double().repeat_interleave(group, dim=1)  # [1, Hq, N, dim]
         o = (torch.softmax(logits, -1).unsqueeze(-2) @ v).squeeze(-2)  # dense, float64
         for density, gqa in ((0.1, "per_head"), (0.3, "per_head"), (0.1, "shared")):
-            pipe = _build(clusterer={"name": "qgc", "num_clusters": 8}, tail=tail, budget={"density": density},
-                          sink=sink, local=local, seed=seed, gqa=gqa)
+            pipe = _build(
+                clusterer={"name": "qgc", "num_clusters": 8},
+                tail=tail,
+                budget={"density": density},
+                sink=sink,
+                local=local,
+                seed=seed,
+                gqa=gqa,
+            )
             state = pipe.prepare(keys, values, prefill, scale=scale)
             out = pipe.attend(query, state)[:, :, 0]  # [1, Hq, width]
             o_hat = out[..., :dim].double()
@@ -324,8 +345,15 @@ def test_tail_sampling_unbiased():
     draws = 100
     den, num = [], []
     for k in range(draws):
-        pipe = _build(clusterer={"name": "qgc", "num_clusters": 8}, tail="sample", tail_samples=0.5,
-                      budget={"density": density}, sink=sink, local=local, seed=k)
+        pipe = _build(
+            clusterer={"name": "qgc", "num_clusters": 8},
+            tail="sample",
+            tail_samples=0.5,
+            budget={"density": density},
+            sink=sink,
+            local=local,
+            seed=k,
+        )
         state = pipe.prepare(keys, values, prefill, scale=scale)
         out = pipe.attend(query, state)[0, 0, 0]
         w_hat, w, z_hat, z_true = _recover(out[dim:], logits, exact)
@@ -365,8 +393,16 @@ def test_the_estimators_per_token_weights_give_the_kernels_output(proxy):
     keys, values = torch.randn(1, 2, 300, 16, generator=gen), torch.randn(1, 2, 300, 16, generator=gen)
     prefill = torch.randn(1, 4, 40, 16, generator=gen)
     decode = 1.5 * keys[:, [0, 0, 1, 1], -3:] + 0.3 * torch.randn(1, 4, 3, 16, generator=gen)
-    pipe = oa.build({"kernel": "torch", "proxy": proxy, "budget": {"density": 0.1}, "sink": 4, "local": 16,
-                     "clusterer": {"name": "qgc", "num_clusters": 8}})
+    pipe = oa.build(
+        {
+            "kernel": "torch",
+            "proxy": proxy,
+            "budget": {"density": 0.1},
+            "sink": 4,
+            "local": 16,
+            "clusterer": {"name": "qgc", "num_clusters": 8},
+        }
+    )
     state = pipe.prepare(keys, values, prefill)
     out = pipe.attend(decode, state)
     w_hat, _ = estimator_weights(pipe, state, decode)

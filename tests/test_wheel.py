@@ -35,8 +35,11 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_holds_every_module_and_the_type_markers(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"{package}/{path.relative_to(folder).as_posix()}" for package, folder in SOURCES.items()
-                for path in [*folder.rglob("*.py"), folder / "py.typed"]}
+    expected = {
+        f"{package}/{path.relative_to(folder).as_posix()}"
+        for package, folder in SOURCES.items()
+        for path in [*folder.rglob("*.py"), folder / "py.typed"]
+    }
     assert sorted(expected - names) == []
     assert any(name.endswith("entry_points.txt") for name in names)
 
@@ -46,8 +49,9 @@ def test_the_installed_wheel_lists_the_built_in_components(wheel, tmp_path):
     install = pip(python, "install", "--no-deps", "--no-index", str(wheel))
     assert install.returncode == 0, install.stdout + install.stderr
 
-    where = run(python, "-c", "import oa_core, oa_plugins; print(oa_core.__file__); print(oa_plugins.__file__)",
-                cwd=tmp_path)  # not this checkout's folder, which -c would put first on the path
+    where = run(
+        python, "-c", "import oa_core, oa_plugins; print(oa_core.__file__); print(oa_plugins.__file__)", cwd=tmp_path
+    )  # not this checkout's folder, which -c would put first on the path
     assert where.returncode == 0, where.stderr
     assert all(Path(line).is_relative_to(tmp_path / "venv") for line in where.stdout.split()), where.stdout
 

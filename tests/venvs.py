@@ -12,8 +12,9 @@ from pathlib import Path
 def run(program: Path | str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a program of (or under) a nested environment, without this process's PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    return subprocess.run([str(program), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=300)
+    return subprocess.run(
+        [str(program), *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
 
 
 def make_venv(path: Path) -> Path:
@@ -23,8 +24,9 @@ def make_venv(path: Path) -> Path:
     installed there shadows this environment's copy. ``--system-site-packages`` alone shows the base interpreter's
     packages, not a virtual environment's this one may be: a ``.pth`` line adds this environment's site folders
     (their own ``.pth`` files, editable installs', run)."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True,
-                   timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True, timeout=300
+    )
     python = path / "bin" / "python"
     inner = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
     folders = [folder for folder in site.getsitepackages() if Path(folder).is_dir()]

@@ -30,9 +30,11 @@ from oa_core.eval.runner import reference_answer
 from qgc_geometry import attend_and_read, needle_positions  # the script's own folder
 
 ROOT = Path(__file__).resolve().parents[2]
-SPECS = {"qgc-errorgate": "specs/ablate-selector-oracle.yaml",
-         "qgc-global": "benchmarks/studies/diagnosis/qgc-oracle-global.yaml",
-         "kmeans-errorgate": "benchmarks/studies/diagnosis/kmeans-oracle-errorgate.yaml"}
+SPECS = {
+    "qgc-errorgate": "specs/ablate-selector-oracle.yaml",
+    "qgc-global": "benchmarks/studies/diagnosis/qgc-oracle-global.yaml",
+    "kmeans-errorgate": "benchmarks/studies/diagnosis/kmeans-oracle-errorgate.yaml",
+}
 WINDOW = 256  # the integration's prefill query window under setup B: the context's last queries
 MOSTLY, MISSED = 0.5, 0.1
 
@@ -40,6 +42,7 @@ MOSTLY, MISSED = 0.5, 0.1
 def teacher_forced(tokenizer, sample: ruler.Sample) -> tuple[torch.Tensor, int, int]:
     """(token ids ``[1, L]`` of context + question + reference answer, the context's length, the position of the query
     that predicts the answer's first token)."""
+
     def encode(text: str) -> torch.Tensor:
         return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
 
@@ -53,16 +56,25 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
     rows = []
     captured = capture_attention(model, ids, range(model.config.num_hidden_layers))
     for layer, (queries, keys, values, scale) in sorted(captured.items()):
-        prefill = queries[:, :, context - WINDOW:context].float()
+        prefill = queries[:, :, context - WINDOW : context].float()
         for n in range(first, ids.shape[1] - 1):
-            k, v, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
+            k, v, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n : n + 1].float()
             reference = dense_attention(query, k, v, scale)
             for name, spec in specs.items():
                 error, weights, read = attend_and_read(spec, k, v, prefill, query, scale, reference)
                 measured = zip(error.tolist(), weights[:, needle].sum(-1).tolist(), read[:, needle].sum(-1).tolist())
-                rows += [{"layer": layer, "head": head, "token": n - first, "spec": name, "error": round(e, 5),
-                          "needle_mass": round(m, 5), "needle_read": round(r, 5)}
-                         for head, (e, m, r) in enumerate(measured)]
+                rows += [
+                    {
+                        "layer": layer,
+                        "head": head,
+                        "token": n - first,
+                        "spec": name,
+                        "error": round(e, 5),
+                        "needle_mass": round(m, 5),
+                        "needle_read": round(r, 5),
+                    }
+                    for head, (e, m, r) in enumerate(measured)
+                ]
     return rows
 
 
@@ -71,10 +83,16 @@ def summarize(rows: list[dict], specs) -> list[dict]:
     for name in specs:
         mine = [r for r in rows if r["spec"] == name]
         mostly = [r for r in mine if r["needle_mass"] > MOSTLY]
-        out.append({"spec": name, "queries": len(mine), "mean_error": statistics.fmean(r["error"] for r in mine),
-                    "needle_share_read": sum(r["needle_read"] for r in mine) / sum(r["needle_mass"] for r in mine),
-                    "mostly_on_needle": len(mostly),
-                    "mostly_on_needle_missed": sum(r["needle_read"] < MISSED * r["needle_mass"] for r in mostly)})
+        out.append(
+            {
+                "spec": name,
+                "queries": len(mine),
+                "mean_error": statistics.fmean(r["error"] for r in mine),
+                "needle_share_read": sum(r["needle_read"] for r in mine) / sum(r["needle_mass"] for r in mine),
+                "mostly_on_needle": len(mostly),
+                "mostly_on_needle_missed": sum(r["needle_read"] < MISSED * r["needle_mass"] for r in mostly),
+            }
+        )
     return out
 
 
@@ -92,21 +110,35 @@ def main() -> None:
     for name, path in SPECS.items():
         spec = oa.load_spec(ROOT / path).model_dump(mode="json", exclude_none=True)
         specs[name] = {**spec, "sink": 4, "local": 16, "budget": {"density": args.density}}
-    result = {"benchmark": "answer_needle_reads", "task": args.task, "length": args.length, "density": args.density,
-              "specs": {name: str(path) for name, path in SPECS.items()}, "sink": 4, "local": 16,
-              "window": WINDOW, "note": __doc__.split("\n\n")[1].replace("\n", " "), "samples": {}}
+    result = {
+        "benchmark": "answer_needle_reads",
+        "task": args.task,
+        "length": args.length,
+        "density": args.density,
+        "specs": {name: str(path) for name, path in SPECS.items()},
+        "sink": 4,
+        "local": 16,
+        "window": WINDOW,
+        "note": __doc__.split("\n\n")[1].replace("\n", " "),
+        "samples": {},
+    }
     every = []  # every query's row (~22k for three samples): summarized; the JSON keeps those mostly on the needle
     for index in tqdm(args.samples, desc="samples"):
         rows = measure_sample(model, tokenizer, samples[index], specs)
         every += rows
-        result["samples"][index] = {"answer": samples[index].answers, "summary": summarize(rows, specs),
-                                    "mostly_on_needle": [r for r in rows if r["needle_mass"] > MOSTLY]}
+        result["samples"][index] = {
+            "answer": samples[index].answers,
+            "summary": summarize(rows, specs),
+            "mostly_on_needle": [r for r in rows if r["needle_mass"] > MOSTLY],
+        }
     result["summary"] = summarize(every, specs)
     args.out.write_text(json.dumps(result) + "\n")
     print(f"{'spec':18s} {'mean error':>10s} {'needle read':>11s} {'mostly on needle':>16s} {'of them missed':>14s}")
     for row in result["summary"]:
-        print(f"{row['spec']:18s} {row['mean_error']:10.4f} {row['needle_share_read']:11.3f} "
-              f"{row['mostly_on_needle']:16d} {row['mostly_on_needle_missed']:14d}")
+        print(
+            f"{row['spec']:18s} {row['mean_error']:10.4f} {row['needle_share_read']:11.3f} "
+            f"{row['mostly_on_needle']:16d} {row['mostly_on_needle_missed']:14d}"
+        )
     print(f"wrote {args.out}")
 
 

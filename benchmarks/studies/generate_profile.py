@@ -39,8 +39,17 @@ import generate_speed as gs  # the model, the methods and the timing of generate
 HOST_PHASES = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch", "cudaStreamSynchronize")
 # The fast path's kernels (``_split_pass``: the dense engine's; ``_cluster_stats``: the fused step's in earlier
 # commits).
-ATTENTION_KERNELS = ("project", "grow", "_cluster_stats", "plan", "_group_int8_scores", "_select_kernel",
-                     "sparse_pass", "merge", "_split_pass")
+ATTENTION_KERNELS = (
+    "project",
+    "grow",
+    "_cluster_stats",
+    "plan",
+    "_group_int8_scores",
+    "_select_kernel",
+    "sparse_pass",
+    "merge",
+    "_split_pass",
+)
 
 
 class ProfiledSteps(StoppingCriteria):
@@ -68,9 +77,16 @@ def profiled_generate(model, ids, method: str, density: float | None, spec: dict
     clock = ProfiledSteps(args.warmup, args.steps, ids.device)
     tokens = args.warmup + args.steps + 1
     with gs.method_setup(model, method, density, spec, tokens) as (kwargs, _), torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                       max_new_tokens=tokens, min_new_tokens=tokens, stopping_criteria=StoppingCriteriaList([clock]),
-                       **kwargs)
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            pad_token_id=0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            **kwargs,
+        )
     return summarize(clock.profiler.events(), model.config.num_hidden_layers, args.steps)
 
 
@@ -86,23 +102,35 @@ def summarize(events, layers: int, steps: int) -> dict:
             kernels[event.name][1] += 1
         elif event.name.startswith(HOST_PHASES):
             host[event.name.split(":")[0]] += event.cpu_time_total
-    table = sorted(({"kernel": name[:100], "us_per_step": round(t / steps, 1), "calls_per_step": n / steps}
-                    for name, (t, n) in kernels.items()), key=lambda k: -k["us_per_step"])
-    attention = {k["kernel"]: round(k["us_per_step"] / layers, 1) for k in table
-                 if k["kernel"].startswith(ATTENTION_KERNELS)}
-    return {"device_ms": round(sum(k["us_per_step"] for k in table) / 1000, 3),
-            "launches_per_step": sum(k["calls_per_step"] for k in table),
-            "attention_us_per_layer": attention,
-            "attention_us_per_layer_total": round(sum(attention.values()), 1),
-            "host_phases_ms_per_step_profiled": {k: round(v / steps / 1000, 3) for k, v in host.items()},
-            "kernels": table[:40]}
+    table = sorted(
+        (
+            {"kernel": name[:100], "us_per_step": round(t / steps, 1), "calls_per_step": n / steps}
+            for name, (t, n) in kernels.items()
+        ),
+        key=lambda k: -k["us_per_step"],
+    )
+    attention = {
+        k["kernel"]: round(k["us_per_step"] / layers, 1) for k in table if k["kernel"].startswith(ATTENTION_KERNELS)
+    }
+    return {
+        "device_ms": round(sum(k["us_per_step"] for k in table) / 1000, 3),
+        "launches_per_step": sum(k["calls_per_step"] for k in table),
+        "attention_us_per_layer": attention,
+        "attention_us_per_layer_total": round(sum(attention.values()), 1),
+        "host_phases_ms_per_step_profiled": {k: round(v / steps / 1000, 3) for k, v in host.items()},
+        "kernels": table[:40],
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="16x16384", help="BATCHxCONTEXT")
-    parser.add_argument("--methods", nargs="+", default=["no-attention", "dense-engine", "openattention"],
-                        choices=["dense-static", "dense-engine", "openattention", "no-attention"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["no-attention", "dense-engine", "openattention"],
+        choices=["dense-static", "dense-engine", "openattention", "no-attention"],
+    )
     parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before the timed or profiled ones")
     parser.add_argument("--tokens", type=int, default=31, help="decode steps timed (as generate_speed.py)")
@@ -129,29 +157,45 @@ def main(argv=None) -> int:
             timed = gs.run_method(model, ids, method, density, spec, args)
             profiled = profiled_generate(model, ids, method, density, spec, args)
             ms = timed["per_token_ms"]
-            runs.append({"batch": batch, "context": context, "method": method, "density": density,
-                         "per_token_ms": ms, "median_step_ms": timed["median_step_ms"],
-                         "longest_step_ms": timed["longest_step_ms"],
-                         "host_ms": None if ms is None else round(ms - profiled["device_ms"], 3),
-                         **profiled})
+            runs.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "method": method,
+                    "density": density,
+                    "per_token_ms": ms,
+                    "median_step_ms": timed["median_step_ms"],
+                    "longest_step_ms": timed["longest_step_ms"],
+                    "host_ms": None if ms is None else round(ms - profiled["device_ms"], 3),
+                    **profiled,
+                }
+            )
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "kernels"}), flush=True)
             write(args, model, device, spec, runs)
     print("| method | density | ms / token | device ms | host ms | launches | attention µs / layer |")
     print("|---|---|---|---|---|---|---|")
     for r in runs:
         density = "" if r["density"] is None else f"{r['density']:.0%}"
-        print(f"| {r['method']} | {density} | {r['per_token_ms']:.2f} | {r['device_ms']:.2f} | {r['host_ms']:.2f} | "
-              f"{r['launches_per_step']:.0f} | {r['attention_us_per_layer_total']:.1f} |")
+        print(
+            f"| {r['method']} | {density} | {r['per_token_ms']:.2f} | {r['device_ms']:.2f} | {r['host_ms']:.2f} | "
+            f"{r['launches_per_step']:.0f} | {r['attention_us_per_layer_total']:.1f} |"
+        )
     print(f"wrote {args.out}")
     return 0
 
 
 def write(args, model, device: torch.device, spec: dict, runs: list[dict]) -> None:
     """The JSON so far (after every method: a run cut short keeps what it measured)."""
-    machine = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "layers": model.config.num_hidden_layers,
-               "model": "tiny" if args.tiny else "Llama-3.1-8B shape", "spec": spec, "warmup": args.warmup,
-               "tokens": args.tokens, "profiled_steps": args.steps}
+    machine = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "layers": model.config.num_hidden_layers,
+        "model": "tiny" if args.tiny else "Llama-3.1-8B shape",
+        "spec": spec,
+        "warmup": args.warmup,
+        "tokens": args.tokens,
+        "profiled_steps": args.steps,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine, "runs": runs}, indent=1) + "\n")
 

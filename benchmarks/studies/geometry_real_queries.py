@@ -57,13 +57,16 @@ def layer_figures(queries: torch.Tensor, keys: torch.Tensor) -> dict:
     for u, lam in ((exact_vectors[..., -RANK:], top), (vectors, values)):
         points = keys.float() @ (u * lam.clamp_min(0).sqrt()[..., None, :]).float()
         assignments.append(kmeans.lloyd(points, mask, CLUSTERS, 20, torch.Generator().manual_seed(0))[0])
-    return {"products": len(products) - 1, "gap_16_33": float((exact_values[..., -2 * RANK - 1]
-                                                               / exact_values[..., -RANK]).max()),
-            "value_rel_error": float(((values - top).abs() / exact_values[..., -1:]).max()),
-            "residual_over_lambda1": float(residual.max()),
-            "captured_variance_ratio_min": float(captured.min()),
-            "same_cluster_share": min(same_clusters(a, b, CLUSTERS) for a, b in
-                                      zip(assignments[0].reshape(-1, N), assignments[1].reshape(-1, N)))}
+    return {
+        "products": len(products) - 1,
+        "gap_16_33": float((exact_values[..., -2 * RANK - 1] / exact_values[..., -RANK]).max()),
+        "value_rel_error": float(((values - top).abs() / exact_values[..., -1:]).max()),
+        "residual_over_lambda1": float(residual.max()),
+        "captured_variance_ratio_min": float(captured.min()),
+        "same_cluster_share": min(
+            same_clusters(a, b, CLUSTERS) for a, b in zip(assignments[0].reshape(-1, N), assignments[1].reshape(-1, N))
+        ),
+    }
 
 
 def main(argv=None) -> int:
@@ -74,17 +77,31 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model, tokenizer = load_offline_model()
     layers = args.layers if args.layers is not None else list(range(model.config.num_hidden_layers))
-    record = {"model": "SmolLM2 (offline)", "rank": RANK, "window": WINDOW, "clusters": CLUSTERS,
-              "tokens": args.tokens, "texts": {}}
-    for name, ids in (("essays", haystack_ids(tokenizer, args.tokens)),
-                      ("python-stdlib", haystack_ids(tokenizer, args.tokens, "python-source"))):
+    record = {
+        "model": "SmolLM2 (offline)",
+        "rank": RANK,
+        "window": WINDOW,
+        "clusters": CLUSTERS,
+        "tokens": args.tokens,
+        "texts": {},
+    }
+    for name, ids in (
+        ("essays", haystack_ids(tokenizer, args.tokens)),
+        ("python-stdlib", haystack_ids(tokenizer, args.tokens, "python-source")),
+    ):
         captured = capture_attention(model, ids, layers)
         rows = {layer: layer_figures(captured[layer].queries, captured[layer].keys) for layer in layers}
         record["texts"][name] = rows
-        worst = {k: (max if k not in ("captured_variance_ratio_min", "same_cluster_share") else min)(
-            r[k] for r in rows.values()) for k in next(iter(rows.values()))}
-        print(f"{name}: over {len(layers)} layers, worst: " + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()),
-              flush=True)
+        worst = {
+            k: (max if k not in ("captured_variance_ratio_min", "same_cluster_share") else min)(
+                r[k] for r in rows.values()
+            )
+            for k in next(iter(rows.values()))
+        }
+        print(
+            f"{name}: over {len(layers)} layers, worst: " + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()),
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -54,14 +54,21 @@ class ProfiledSteps(StoppingCriteria):
 def summarize(stats: pstats.Stats, steps: int, top: int = 25) -> dict:
     """A profile over ``steps`` steps → the ``top`` functions by own and by cumulative time (calls and ms per step),
     and the callers of the dynamo-disabled wrapper and the functions it wraps (its callees; calls per step)."""
+
     def name(func):
         path, line, function = func
         return f"{'/'.join(Path(path).parts[-3:])}:{line}({function})" if line else function
 
-    rows = [{"function": name(func), "calls_per_step": round(calls / steps, 2),
-             "own_ms_per_step": round(1e3 * own / steps, 4),
-             "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4)}
-            for func, (_, calls, own, cumulative, _) in stats.stats.items()]
+    rows = [
+        {
+            "function": name(func),
+            "calls_per_step": round(calls / steps, 2),
+            "own_ms_per_step": round(1e3 * own / steps, 4),
+            "cumulative_ms_per_step": round(1e3 * cumulative / steps, 4),
+        }
+        for func, (_, calls, own, cumulative, _) in stats.stats.items()
+    ]
+
     def wrapper(func):
         return any(func[0].endswith(path) and func[2] == function for path, function in WRAPPERS)
 
@@ -75,16 +82,23 @@ def summarize(stats: pstats.Stats, steps: int, top: int = 25) -> dict:
                 callers[name(caller)] = per_step(calls, cumulative)
             if wrapper(caller) and not wrapper(func):
                 callees[name(func)] = per_step(calls, cumulative)
-    return {"by_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
-            "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_ms_per_step"])[:top],
-            "dynamo_disabled_wrapper_callers": callers, "dynamo_disabled_wrapper_callees": callees}
+    return {
+        "by_own_time": sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top],
+        "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_ms_per_step"])[:top],
+        "dynamo_disabled_wrapper_callers": callers,
+        "dynamo_disabled_wrapper_callees": callees,
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="16x16384", help="BATCHxCONTEXT (default: %(default)s)")
-    parser.add_argument("--methods", nargs="+", default=["no-attention", "dense-engine", "openattention"],
-                        choices=["dense-static", "dense-engine", "openattention", "no-attention"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["no-attention", "dense-engine", "openattention"],
+        choices=["dense-static", "dense-engine", "openattention", "no-attention"],
+    )
     parser.add_argument("--density", type=float, default=0.01, help="OpenAttention's (default: %(default)s)")
     parser.add_argument("--skip", type=int, default=10, help="steps before the profiled ones (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=30, help="steps profiled (default: %(default)s)")
@@ -96,22 +110,40 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = 64
     model = generate_speed.build_model(args.tiny, None, device)
-    ids = torch.randint(10, model.config.vocab_size, (batch, context),
-                        generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(10, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     tokens = args.skip + args.steps + 2
     results = []
     for method in args.methods:
         density = args.density if method == "openattention" else None
-        with generate_speed.method_setup(model, method, density, {"gqa": "shared"}, tokens) as (kwargs, _), \
-                torch.no_grad():
+        with (
+            generate_speed.method_setup(model, method, density, {"gqa": "shared"}, tokens) as (kwargs, _),
+            torch.no_grad(),
+        ):
             clock = ProfiledSteps(device, args.skip, args.skip + args.steps)
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                           min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                           stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
-        gaps = [b - a for a, b in zip(clock.times[args.skip:args.skip + args.steps],
-                                      clock.times[args.skip + 1:args.skip + args.steps + 1])]
-        row = {"method": method, "density": density, "ms_per_step_profiled": round(1e3 * sum(gaps) / len(gaps), 3),
-               **summarize(pstats.Stats(clock.profile), args.steps)}
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+                stopping_criteria=StoppingCriteriaList([clock]),
+                **kwargs,
+            )
+        gaps = [
+            b - a
+            for a, b in zip(
+                clock.times[args.skip : args.skip + args.steps], clock.times[args.skip + 1 : args.skip + args.steps + 1]
+            )
+        ]
+        row = {
+            "method": method,
+            "density": density,
+            "ms_per_step_profiled": round(1e3 * sum(gaps) / len(gaps), 3),
+            **summarize(pstats.Stats(clock.profile), args.steps),
+        }
         results.append(row)
         print(f"=== {method}: {row['ms_per_step_profiled']:.2f} ms a step under the profiler")
         for r in row["by_cumulative_time"][:15]:
@@ -120,8 +152,12 @@ def main(argv=None) -> int:
         print("  and calls:", json.dumps(row["dynamo_disabled_wrapper_callees"]), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"config": args.config, "device": str(device), "steps": args.steps,
-                                        "results": results}, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {"config": args.config, "device": str(device), "steps": args.steps, "results": results}, indent=1
+            )
+            + "\n"
+        )
         print(f"wrote {args.out}")
     return 0
 

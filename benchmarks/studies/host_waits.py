@@ -30,9 +30,18 @@ def count(spec: str, steps: int) -> collections.Counter:
     import oa_core as oa
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=144, intermediate_size=128, head_dim=16,
-                                         num_hidden_layers=1, num_attention_heads=9, num_key_value_heads=3,
-                                         max_position_embeddings=4096)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=144,
+            intermediate_size=128,
+            head_dim=16,
+            num_hidden_layers=1,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=4096,
+        )
+    ).eval()
     oa.patch(model, oa.load_spec(spec).model_dump() | {"sink": 4, "local": 16})
     context = oa.prefill_context(model, torch.randint(100, 1000, (2, 1500)))
     question = torch.randint(100, 1000, (2, 20))
@@ -49,12 +58,14 @@ def count(spec: str, steps: int) -> collections.Counter:
         def conversion(self, *args, **kwargs):
             counts[f"{name} @ {site()}"] += 1
             return originals[name](self, *args, **kwargs)
+
         return conversion
 
     def counted_function(name, function):
         def call(*args, **kwargs):
             counts[f"{name} @ {site()}"] += 1
             return function(*args, **kwargs)
+
         return call
 
     try:
@@ -62,8 +73,9 @@ def count(spec: str, steps: int) -> collections.Counter:
             setattr(torch.Tensor, name, counted(name))
         for name, function in functions.items():
             setattr(torch, name, counted_function(name, function))
-        oa.generate_from_context(model, context, question, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                                 pad_token_id=0)
+        oa.generate_from_context(
+            model, context, question, max_new_tokens=steps + 1, min_new_tokens=steps + 1, pad_token_id=0
+        )
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
@@ -83,8 +95,19 @@ def main() -> None:
         print(f"{n:5d}  {where}")
     print(f"{total} conversions over {args.steps} decode steps (+ the question's last block) of one layer")
     out = Path(__file__).parent / "results" / "host_waits.json"
-    out.write_text(json.dumps({"spec": args.spec, "steps": args.steps, "total": total, "machine": "cpu",
-                               "by_site": dict(counts.most_common())}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "spec": args.spec,
+                "steps": args.steps,
+                "total": total,
+                "machine": "cpu",
+                "by_site": dict(counts.most_common()),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -50,8 +50,9 @@ def _compile(fn, types: dict[str, str], constants: dict, **options) -> dict:
 
     names = fn.arg_names
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
-    source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(names.index(name),): value for name, value in constants.items()})
+    source = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(name),): value for name, value in constants.items()}
+    )
     return _usage(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options))
 
 
@@ -67,30 +68,96 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
     for dim in dims:
         block_d = max(16, triton.next_power_of_2(dim))
         for dtype in dtypes:  # the pass with second-order proxies, 4 query heads per KV head (Gemma-3's, Llama's)
-            constants = dict(G=4, BLOCK_G=16, BLOCK_K=kernel.block_k or flash.block_columns(block_d),
-                             CHUNK_C=kernel.clusters_per_chunk or 16, D=dim, BLOCK_D=block_d, PROXY=True,
-                             SECOND=True, HALF=dtype != "fp32")
-            types = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", IDX="*i64", LW="*fp32", RUNS="*i32",
-                         KSUM="*fp32", VSUM="*fp32", COUNT="*fp32", KSQ="*fp32", M_OUT="*fp32", L_OUT="*fp32",
-                         ACC_OUT="*fp32", USED_OUT="*i32", scale="fp32")
-            rows.append({"kernel": "flash_programs.sparse_pass", "dim": dim, "dtype": dtype,
-                         "block_k": constants["BLOCK_K"],
-                         **_compile(flash_programs.sparse_pass, types, constants, num_warps=kernel.num_warps or 4,
-                                    num_stages=kernel.num_stages or 3)})
-        points = dict(X="*fp32", W="*fp32", CENT="*fp32", CENT_NEXT="*fp32", ASSIGNMENT="*i64", SUMS="*fp64",
-                      DELTAS="*fp64", ARRIVED="*i32", MOVED="*i32", OUT="*i64")
+            constants = dict(
+                G=4,
+                BLOCK_G=16,
+                BLOCK_K=kernel.block_k or flash.block_columns(block_d),
+                CHUNK_C=kernel.clusters_per_chunk or 16,
+                D=dim,
+                BLOCK_D=block_d,
+                PROXY=True,
+                SECOND=True,
+                HALF=dtype != "fp32",
+            )
+            types = dict(
+                Q=f"*{dtype}",
+                K=f"*{dtype}",
+                V=f"*{dtype}",
+                IDX="*i64",
+                LW="*fp32",
+                RUNS="*i32",
+                KSUM="*fp32",
+                VSUM="*fp32",
+                COUNT="*fp32",
+                KSQ="*fp32",
+                M_OUT="*fp32",
+                L_OUT="*fp32",
+                ACC_OUT="*fp32",
+                USED_OUT="*i32",
+                scale="fp32",
+            )
+            rows.append(
+                {
+                    "kernel": "flash_programs.sparse_pass",
+                    "dim": dim,
+                    "dtype": dtype,
+                    "block_k": constants["BLOCK_K"],
+                    **_compile(
+                        flash_programs.sparse_pass,
+                        types,
+                        constants,
+                        num_warps=kernel.num_warps or 4,
+                        num_stages=kernel.num_stages or 3,
+                    ),
+                }
+            )
+        points = dict(
+            X="*fp32",
+            W="*fp32",
+            CENT="*fp32",
+            CENT_NEXT="*fp32",
+            ASSIGNMENT="*i64",
+            SUMS="*fp64",
+            DELTAS="*fp64",
+            ARRIVED="*i32",
+            MOVED="*i32",
+            OUT="*i64",
+        )
         block_r = max(16, triton.next_power_of_2(dim))
-        for name, fn, extra in (("kmeans._lloyd_step", kmeans._lloyd_step, {"FIRST": False}),
-                                ("kmeans._nearest", kmeans._nearest, {})):
-            constants = dict(R=dim, BLOCK_R=block_r, BLOCK_C=32, BLOCK_N=kmeans.lloyd_block(block_r),
-                             PRECISION="tf32x3", **extra)
-            rows.append({"kernel": name, "dim": dim, "block_n": constants["BLOCK_N"],
-                         **_compile(fn, points, constants, num_warps=4)})
-        constants = dict(R=dim, BLOCK_R=triton.next_power_of_2(dim), BLOCKS=8,
-                         BLOCK_N=kmeans.plus_plus_block(triton.next_power_of_2(dim)))
-        rows.append({"kernel": "kmeans._kmeans_plus_plus", "dim": dim, "block_n": constants["BLOCK_N"],
-                     **_compile(kmeans._kmeans_plus_plus, dict(X="*fp32", W="*fp32", DRAWS="*fp64", CENT="*fp32",
-                                                               CLOSEST="*fp32"), constants, num_warps=32)})
+        for name, fn, extra in (
+            ("kmeans._lloyd_step", kmeans._lloyd_step, {"FIRST": False}),
+            ("kmeans._nearest", kmeans._nearest, {}),
+        ):
+            constants = dict(
+                R=dim, BLOCK_R=block_r, BLOCK_C=32, BLOCK_N=kmeans.lloyd_block(block_r), PRECISION="tf32x3", **extra
+            )
+            rows.append(
+                {
+                    "kernel": name,
+                    "dim": dim,
+                    "block_n": constants["BLOCK_N"],
+                    **_compile(fn, points, constants, num_warps=4),
+                }
+            )
+        constants = dict(
+            R=dim,
+            BLOCK_R=triton.next_power_of_2(dim),
+            BLOCKS=8,
+            BLOCK_N=kmeans.plus_plus_block(triton.next_power_of_2(dim)),
+        )
+        rows.append(
+            {
+                "kernel": "kmeans._kmeans_plus_plus",
+                "dim": dim,
+                "block_n": constants["BLOCK_N"],
+                **_compile(
+                    kmeans._kmeans_plus_plus,
+                    dict(X="*fp32", W="*fp32", DRAWS="*fp64", CENT="*fp32", CLOSEST="*fp32"),
+                    constants,
+                    num_warps=32,
+                ),
+            }
+        )
     for row in rows:
         row["fits"] = row["shared"] <= SHARED_LIMIT and row["stack"] <= STACK_LIMIT
     return rows
@@ -102,14 +169,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("kernel_resources: unset TRITON_INTERPRET (the interpreter's kernels cannot be compiled)",
-              file=sys.stderr)
+        print(
+            "kernel_resources: unset TRITON_INTERPRET (the interpreter's kernels cannot be compiled)", file=sys.stderr
+        )
         return 2
     rows = measure(args.dims)
     import triton
 
-    text = json.dumps({"target": "sm_90 (H100/H200)", "triton": triton.__version__, "shared_limit": SHARED_LIMIT,
-                       "stack_limit": STACK_LIMIT, "command": " ".join(["python", *sys.argv]), "rows": rows}, indent=1)
+    text = json.dumps(
+        {
+            "target": "sm_90 (H100/H200)",
+            "triton": triton.__version__,
+            "shared_limit": SHARED_LIMIT,
+            "stack_limit": STACK_LIMIT,
+            "command": " ".join(["python", *sys.argv]),
+            "rows": rows,
+        },
+        indent=1,
+    )
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

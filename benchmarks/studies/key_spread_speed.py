@@ -28,9 +28,13 @@ import torch
 import oa_core as oa
 from oa_core.ops import geometry
 
-SHAPES = (("llama-3.1-8b", 32, 8, 128, 16, 16384), ("llama-3.1-8b", 32, 8, 128, 8, 32768),
-          ("llama-3.1-8b", 32, 8, 128, 1, 32768), ("gemma-3-270m", 4, 1, 256, 4, 16384),
-          ("gemma-3-270m", 4, 1, 256, 2, 32768))
+SHAPES = (
+    ("llama-3.1-8b", 32, 8, 128, 16, 16384),
+    ("llama-3.1-8b", 32, 8, 128, 8, 32768),
+    ("llama-3.1-8b", 32, 8, 128, 1, 32768),
+    ("gemma-3-270m", 4, 1, 256, 4, 16384),
+    ("gemma-3-270m", 4, 1, 256, 2, 32768),
+)
 
 
 def timed(fn, repeats: int = 5) -> float:
@@ -47,8 +51,12 @@ def timed(fn, repeats: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: benchmarks/studies/results/key_spread_h200.json, or key_spread_MODEL_h200.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/studies/results/key_spread_h200.json, or key_spread_MODEL_h200.json",
+    )
     parser.add_argument("--model", default=None, help="an offline model (gemma3-270m, smollm2-135m): its real keys")
     parser.add_argument("--length", type=int, default=32768, help="the context with --model (default: 32768)")
     args = parser.parse_args(argv)
@@ -62,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = random_keys()
         name = "key_spread_h200.json"
-    result.update(device=torch.cuda.get_device_name(),
-                  versions={"torch": torch.__version__, "python": platform.python_version()})
+    result.update(
+        device=torch.cuda.get_device_name(), versions={"torch": torch.__version__, "python": platform.python_version()}
+    )
     out = args.out or Path("benchmarks/studies/results") / name
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
@@ -71,8 +80,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pipeline(key_rank: int) -> oa.Pipeline:
-    return oa.build({"kernel": "flash", "gqa": "shared", "budget": {"density": 0.01},
-                     "selector": {"name": "qgs", "rank": 16, "rerank": 4, "key_rank": key_rank}})
+    return oa.build(
+        {
+            "kernel": "flash",
+            "gqa": "shared",
+            "budget": {"density": 0.01},
+            "selector": {"name": "qgs", "rank": 16, "rerank": 4, "key_rank": key_rank},
+        }
+    )
 
 
 def prepare_ms(pipe: oa.Pipeline, keys, values, prefill, scale, mask) -> float:
@@ -97,7 +112,7 @@ def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
     rows = []
     for layer in layers:
         queries, keys, values, scale = captured.pop(layer)
-        prefill = queries[:, :, -geometry.QUERY_WINDOW:].contiguous()
+        prefill = queries[:, :, -geometry.QUERY_WINDOW :].contiguous()
         mask = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device)
         row = {"layer": layer}
         for key_rank in (0, 8):
@@ -107,9 +122,18 @@ def real_keys(model_name: str, length: int, device: str = "cuda") -> dict:
         print(row, flush=True)
         rows.append(row)
     total = {f"prepare_key_rank_{k}_ms": round(sum(r[f"prepare_key_rank_{k}_ms"] for r in rows), 2) for k in (0, 8)}
-    return {"benchmark": "key_spread_speed", "model": model_name, "context": length, "batch": 1,
-            "data": "the essays haystack from its first character", "dtype": str(next(model.parameters()).dtype),
-            "model_prefill_ms": prefill_ms, "sparse_layers": layers, "rows": rows, "all_sparse_layers": total}
+    return {
+        "benchmark": "key_spread_speed",
+        "model": model_name,
+        "context": length,
+        "batch": 1,
+        "data": "the essays haystack from its first character",
+        "dtype": str(next(model.parameters()).dtype),
+        "model_prefill_ms": prefill_ms,
+        "sparse_layers": layers,
+        "rows": rows,
+        "all_sparse_layers": total,
+    }
 
 
 def random_keys() -> dict:
@@ -118,20 +142,23 @@ def random_keys() -> dict:
     rows = []
     for model, hq, hkv, d, batch, n in SHAPES:
         gen = torch.Generator(device=device).manual_seed(0)
-        keys, values = (torch.randn(batch, hkv, n, d, device=device, generator=gen, dtype=torch.bfloat16)
-                        for _ in range(2))
+        keys, values = (
+            torch.randn(batch, hkv, n, d, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2)
+        )
         prefill = torch.randn(batch, hq, 256, d, device=device, generator=gen, dtype=torch.bfloat16)
         mask = torch.ones(batch, n, dtype=torch.bool, device=device)
         row = {"model": model, "batch": batch, "context": n}
         for key_rank in (0, 8):
-            row[f"prepare_key_rank_{key_rank}_ms"] = prepare_ms(pipeline(key_rank), keys, values, prefill, d ** -0.5,
-                                                                mask)
+            row[f"prepare_key_rank_{key_rank}_ms"] = prepare_ms(
+                pipeline(key_rank), keys, values, prefill, d**-0.5, mask
+            )
         basis = torch.linalg.qr(torch.randn(batch, hkv, d, 8, device=device, generator=gen)).Q
         row["with_key_spread_ms"] = timed(functools.partial(geometry.with_key_spread, basis, keys, mask, 8))
         queries = torch.randn(batch, hq, n, d, device=device, generator=gen, dtype=torch.bfloat16)
         k, v = keys.repeat_interleave(hq // hkv, 1), values.repeat_interleave(hq // hkv, 1)
         row["sdpa_prefill_attention_ms"] = timed(
-            functools.partial(torch.nn.functional.scaled_dot_product_attention, queries, k, v, is_causal=True), 3)
+            functools.partial(torch.nn.functional.scaled_dot_product_attention, queries, k, v, is_causal=True), 3
+        )
         print(row, flush=True)
         rows.append(row)
         del keys, values, prefill, queries, k, v

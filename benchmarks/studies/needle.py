@@ -35,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="context length in tokens")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.1, 0.05, 0.03, 0.01])
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[], help="layers kept dense")
-    parser.add_argument("--specs", nargs="+", type=Path, default=[Path("specs/openattention.yaml")],
-                        help="spec files each run at every density, named by file stem (default: %(default)s)")
+    parser.add_argument(
+        "--specs",
+        nargs="+",
+        type=Path,
+        default=[Path("specs/openattention.yaml")],
+        help="spec files each run at every density, named by file stem (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the model runs (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/studies/results/needle_smollm2.json"))
@@ -44,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Each spec checked before the model loads; its own budget, sink and local give way to the density and SPARSE.
     try:
-        sparse = {path.stem: oa.load_spec(path).model_dump(mode="json", exclude={"budget", "sink", "local"})
-                  for path in args.specs}
+        sparse = {
+            path.stem: oa.load_spec(path).model_dump(mode="json", exclude={"budget", "sink", "local"})
+            for path in args.specs
+        }
     except oa.SpecError as exc:
         parser.error(str(exc))
     start = time.perf_counter()
@@ -53,23 +60,42 @@ def main(argv: list[str] | None = None) -> int:
     model.to(args.device)
     samples = needle.make_samples(tokenizer, args.samples, args.tokens, seed=args.seed)
     specs = {"dense": {"budget": {"density": 1.0}}}
-    specs.update({f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
-                  for name, spec in sparse.items() for d in args.densities})
+    specs.update(
+        {
+            f"{name} {d:.0%}": {**spec, **SPARSE, "budget": {"density": d}}
+            for name, spec in sparse.items()
+            for d in args.densities
+        }
+    )
     # Oracle top-k at 3%: tells the method's losses from what a 3% read costs this model at all.
-    specs["oracle top-k 3%"] = {**SPARSE, "budget": {"density": 0.03}, "selector": "oracle", "allocator": "global",
-                                "tail": "discard"}
+    specs["oracle top-k 3%"] = {
+        **SPARSE,
+        "budget": {"density": 0.03},
+        "selector": "oracle",
+        "allocator": "global",
+        "tail": "discard",
+    }
     records = needle.run(model, tokenizer, samples, specs, dense_layers=tuple(args.dense_layers))
     summary = needle.summarize(records)
     result = {
-        "benchmark": "needle", "model": f"{model_label(args.model)}, float32",
+        "benchmark": "needle",
+        "model": f"{model_label(args.model)}, float32",
         "task": "one 7-digit magic number in an essay haystack (RULER niah_single_2 wording), chat template",
         "setup": "B: context prefilled densely once per sample; question and answer decoded sparsely",
-        "tokens": args.tokens, "samples": args.samples, "seed": args.seed, "device": args.device,
+        "tokens": args.tokens,
+        "samples": args.samples,
+        "seed": args.seed,
+        "device": args.device,
         "dense_layers": args.dense_layers,
         "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
-        "summary": summary, "records": records,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "threads": torch.get_num_threads()},
+        "summary": summary,
+        "records": records,
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+        },
         "seconds": round(time.perf_counter() - start, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

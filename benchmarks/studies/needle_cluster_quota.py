@@ -48,14 +48,21 @@ def needle_clusters(spec: dict, query, keys, values, prefill, scale: float, kv_h
             if b == C:
                 rows.append({"head": kv_head * group + g, "cluster": "read exactly"})
                 continue
-            rows.append({"head": kv_head * group + g, "cluster": b, "size": int(member[b].sum()),
-                         "quota": int(quotas[g, b]), "clusters_with_quota": int((quotas[g] > 0).sum()),
-                         "needle_tokens": int((assignment[needle] == b).sum()),
-                         "mean_logit": round(float(inputs.mean_logit[0, kv_head, g, 0, b]), 3),
-                         "logit_sd": round(float(inputs.logit_var[0, kv_head, g, 0, b].sqrt()), 3),
-                         "max_logit": round(float(logits[g, member[b]].max()), 3),
-                         "estimate_rank": int((log_error[g] > log_error[g, b]).sum()) + 1,
-                         "true_mass_rank": int((true_mass[g] > true_mass[g, b]).sum()) + 1})
+            rows.append(
+                {
+                    "head": kv_head * group + g,
+                    "cluster": b,
+                    "size": int(member[b].sum()),
+                    "quota": int(quotas[g, b]),
+                    "clusters_with_quota": int((quotas[g] > 0).sum()),
+                    "needle_tokens": int((assignment[needle] == b).sum()),
+                    "mean_logit": round(float(inputs.mean_logit[0, kv_head, g, 0, b]), 3),
+                    "logit_sd": round(float(inputs.logit_var[0, kv_head, g, 0, b].sqrt()), 3),
+                    "max_logit": round(float(logits[g, member[b]].max()), 3),
+                    "estimate_rank": int((log_error[g] > log_error[g, b]).sum()) + 1,
+                    "true_mass_rank": int((true_mass[g] > true_mass[g, b]).sum()) + 1,
+                }
+            )
     return rows
 
 
@@ -75,16 +82,21 @@ def main() -> None:
     needle = needle_positions(tokenizer, sample)
     queries, keys, values, scale = capture_attention(model, ids, [args.layer])[args.layer]
     n = first + args.token
-    query, prefill = queries[:, :, n:n + 1].float(), queries[:, :, context - WINDOW:context].float()
-    result = {"benchmark": "needle_cluster_quota", **{k: v for k, v in vars(args).items() if k != "out"},
-              "needle_positions": needle.tolist(), "clusters": {}}
+    query, prefill = queries[:, :, n : n + 1].float(), queries[:, :, context - WINDOW : context].float()
+    result = {
+        "benchmark": "needle_cluster_quota",
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "needle_positions": needle.tolist(),
+        "clusters": {},
+    }
     for name, path in SPECS.items():
         if "errorgate" not in name:
             continue
         spec = oa.load_spec(ROOT / path).model_dump(mode="json", exclude_none=True)
         spec = {**spec, "sink": 4, "local": 16, "budget": {"density": args.density}}
-        rows = needle_clusters(spec, query, keys[:, :, :n].float(), values[:, :, :n].float(), prefill, scale,
-                               args.kv_head, needle)
+        rows = needle_clusters(
+            spec, query, keys[:, :, :n].float(), values[:, :, :n].float(), prefill, scale, args.kv_head, needle
+        )
         result["clusters"][name] = rows
         print(f"== {name}")
         for r in rows:

@@ -41,24 +41,41 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("prefill_memory: needs a CUDA GPU (the math-kernel fallback it measures is CUDA's)")
     hq, hkv = args.heads
-    config = LlamaConfig(vocab_size=16, hidden_size=hq * 64, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=hq, num_key_value_heads=hkv, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=hq * 64,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        attn_implementation="sdpa",
+    )
     layer = LlamaForCausalLM(config).model.layers[0].self_attn
     rows = []
     for batch in args.batch:
         query, key, value = (torch.randn(batch, h, args.length, 64, device="cuda") for h in (hq, hkv, hkv))
         sdpa = AttentionInterface()["sdpa"]
         plain, expected = peak_gib(functools.partial(sdpa, layer, query, key, value, None, scaling=0.125))
-        ours, got = peak_gib(functools.partial(oa.integration.prefill.model_sdpa, layer, query, key, value, None, 0.125,
-                                               0.0))
-        rows.append({"batch": batch, "length": args.length, "query_heads": hq, "kv_heads": hkv,
-                     "transformers_sdpa_gib": plain, "openattention_sdpa_gib": ours,
-                     "max_abs_diff": (got - expected).abs().max().item()})
+        ours, got = peak_gib(
+            functools.partial(oa.integration.prefill.model_sdpa, layer, query, key, value, None, 0.125, 0.0)
+        )
+        rows.append(
+            {
+                "batch": batch,
+                "length": args.length,
+                "query_heads": hq,
+                "kv_heads": hkv,
+                "transformers_sdpa_gib": plain,
+                "openattention_sdpa_gib": ours,
+                "max_abs_diff": (got - expected).abs().max().item(),
+            }
+        )
         print(rows[-1])
         del expected, got
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "rows": rows}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, indent=1) + "\n"
+    )
     print(f"wrote {args.out}")
 
 

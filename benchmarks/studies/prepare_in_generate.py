@@ -40,13 +40,15 @@ def one_call(model, ids: torch.Tensor, method: str) -> dict:
     density = 1.0 if method == "dense-engine" else 0.01
     handle = oa.patch(model, {"gqa": "shared", "budget": {"density": density}})
     try:
-        run = generate_speed.timed_generate(model, ids, 1, 2, disable_compile=True,
-                                            **oa.cache_kwargs(model, handle.static_cache(max_new_tokens=3)))
+        run = generate_speed.timed_generate(
+            model, ids, 1, 2, disable_compile=True, **oa.cache_kwargs(model, handle.static_cache(max_new_tokens=3))
+        )
         run = {"method": method, "prefill_s": run["prefill_s"]}
         if method != "dense-engine":
             run["prepare_s"] = handle.stats.prepare_seconds
-            run["spans_ms"] = [round(float(r.prepare_span) * 1e3, 1) for r in handle.stats.records
-                               if r.phase == "prefill"]
+            run["spans_ms"] = [
+                round(float(r.prepare_span) * 1e3, 1) for r in handle.stats.records if r.phase == "prefill"
+            ]
     finally:
         handle.unpatch()
         torch.cuda.empty_cache()
@@ -61,10 +63,15 @@ def config_summary(config: str, runs: list[dict]) -> dict:
     sparse = [r for r in runs if r["method"] == "openattention"]
     added = (median["openattention"] - prefill) / prefill
     span = statistics.median(r["prepare_s"] for r in sparse) / prefill
-    return {"config": config, "median_prefill_s": {m: round(t, 4) for m, t in median.items()},
-            "added_s": round(median["openattention"] - prefill, 4), "added_share": round(added, 4),
-            "span_share": round(span, 4), "met": max(added, span) <= TARGET,
-            "layer_prepare_ms_median": statistics.median(s for r in sparse for s in r["spans_ms"])}
+    return {
+        "config": config,
+        "median_prefill_s": {m: round(t, 4) for m, t in median.items()},
+        "added_s": round(median["openattention"] - prefill, 4),
+        "added_share": round(added, 4),
+        "span_share": round(span, 4),
+        "met": max(added, span) <= TARGET,
+        "layer_prepare_ms_median": statistics.median(s for r in sparse for s in r["spans_ms"]),
+    }
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -83,8 +90,13 @@ def rounds(text: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("configs", nargs="*", type=shape, default=[(16, 16384), (8, 32768), (1, 32768)],
-                        help="BATCHxCONTEXT (default: 16x16384 8x32768 1x32768)")
+    parser.add_argument(
+        "configs",
+        nargs="*",
+        type=shape,
+        default=[(16, 16384), (8, 32768), (1, 32768)],
+        help="BATCHxCONTEXT (default: 16x16384 8x32768 1x32768)",
+    )
     parser.add_argument("--repeats", type=rounds, default=2, help="rounds of the two methods (default: 2)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
@@ -96,8 +108,9 @@ def main(argv=None) -> int:
     runs, summaries = [], []
     for batch, context in args.configs:
         config = f"{batch}x{context}"
-        ids = torch.randint(10, model.config.vocab_size, (batch, context),
-                            generator=torch.Generator().manual_seed(0)).to(device)
+        ids = torch.randint(
+            10, model.config.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0)
+        ).to(device)
         one_call(model, ids, "openattention")  # compiles prepare's kernels for the shape: not timed
         rows = []
         for repeat in range(args.repeats):
@@ -108,8 +121,12 @@ def main(argv=None) -> int:
         summaries.append(config_summary(config, rows))
         print(json.dumps(summaries[-1]), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "target": TARGET,
-                                        "summary": summaries, "runs": runs}, indent=1) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {"device": torch.cuda.get_device_name(), "target": TARGET, "summary": summaries, "runs": runs}, indent=1
+            )
+            + "\n"
+        )
     print(f"wrote {args.out}")
     return 0
 

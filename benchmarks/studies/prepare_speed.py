@@ -53,11 +53,19 @@ HQ, HKV, D = 32, 8, 128
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=["16x16384", "8x32768", "1x32768", "32x32768"],
-                        help="batch x context (default: %(default)s)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["16x16384", "8x32768", "1x32768", "32x32768"],
+        help="batch x context (default: %(default)s)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per stage, median (default: %(default)s)")
-    parser.add_argument("--data", choices=["random", "model"], default="random",
-                        help="random tensors, or a real prefill's (default: %(default)s)")
+    parser.add_argument(
+        "--data",
+        choices=["random", "model"],
+        default="random",
+        help="random tensors, or a real prefill's (default: %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/studies/results/prepare_h200.json"))
     return parser.parse_args(argv)
 
@@ -91,10 +99,14 @@ def eigensolvers(batch: int, device: torch.device, repeats: int) -> dict:
         _, gpu_ms = timed(functools.partial(torch.linalg.eigh, moment), repeats)
         (values, vectors), subspace_ms = timed(functools.partial(geometry.subspace_eigenpairs, moment, 16), repeats)
         residual = (moment @ vectors - vectors * values[..., None, :]).norm(dim=-2).max() / exact[..., -1].min()
-        out[name] = {"matrices": batch * HKV, "lapack_cpu_ms": lapack_ms, "eigh_gpu_ms": gpu_ms,
-                     "subspace_gpu_ms": subspace_ms,
-                     "top16_value_rel_error": float(((values - exact[..., -16:]).abs() / exact[..., -1:]).max()),
-                     "residual_over_lambda1": float(residual)}
+        out[name] = {
+            "matrices": batch * HKV,
+            "lapack_cpu_ms": lapack_ms,
+            "eigh_gpu_ms": gpu_ms,
+            "subspace_gpu_ms": subspace_ms,
+            "top16_value_rel_error": float(((values - exact[..., -16:]).abs() / exact[..., -1:]).max()),
+            "residual_over_lambda1": float(residual),
+        }
     return out
 
 
@@ -104,7 +116,7 @@ def random_inputs(batch: int, context: int, device: torch.device) -> list[tuple]
     keys = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
     values = torch.randn(batch, HKV, context, D, device=device, generator=gen, dtype=torch.bfloat16)
     prefill = torch.randn(batch, HQ, 256, D, device=device, generator=gen, dtype=torch.bfloat16)
-    return [(keys, values, prefill, torch.ones(batch, context, dtype=torch.bool, device=device), D ** -0.5)]
+    return [(keys, values, prefill, torch.ones(batch, context, dtype=torch.bool, device=device), D**-0.5)]
 
 
 def model_inputs(batch: int, context: int, device: torch.device, repeats: int) -> tuple[list[tuple], float]:
@@ -155,8 +167,7 @@ def layer_stages(pipe, inputs: tuple, repeats: int) -> dict:
     index, stages["index"] = timed(lambda: pipe.selector.build(keys, queries, clusters), repeats)
 
     def pool():
-        state = PipelineState(pipe, keys, values, mask, scale, torch.zeros(batch, dtype=torch.bool,
-                                                                              device=keys.device))
+        state = PipelineState(pipe, keys, values, mask, scale, torch.zeros(batch, dtype=torch.bool, device=keys.device))
         state.start_clusters(clusters, index)
         return state
 
@@ -182,8 +193,12 @@ def run_config(batch: int, context: int, repeats: int, data: str) -> dict:
     keys, values = layers[0][:2]
     gen = torch.Generator(device=device).manual_seed(0)
     q_prefill = torch.randn(batch, HQ, context, D, device=device, generator=gen, dtype=torch.bfloat16)
-    _, stages["dense_prefill_attention"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
-        q_prefill, keys, values, is_causal=True, enable_gqa=True), repeats)
+    _, stages["dense_prefill_attention"] = timed(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            q_prefill, keys, values, is_causal=True, enable_gqa=True
+        ),
+        repeats,
+    )
     row["stages_ms"] = stages
     row["prepare_over_prefill_attention"] = round(stages["prepare_and_static"] / stages["dense_prefill_attention"], 3)
     if "model_prefill_per_layer_ms" in row:
@@ -199,27 +214,40 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    record = {"benchmark": "prepare_speed", "shapes": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D,
-                                                       "dtype": "bfloat16"},
-              "spec": "default (qgc 64 clusters rank 16, qgs rank 16), density 0.01, gqa shared",
-              "data": "random bf16 keys/values/prefill queries (seed 0)" if args.data == "random" else
-              "each layer's prepare inputs from the prefill of a 4-layer Llama-3.1-8B-shaped model with random bf16 "
-              "weights (seed 0)",
-              "machine": {"gpu": torch.cuda.get_device_name(), "python": platform.python_version(),
-                          "torch": torch.__version__, "triton": triton.__version__, "openattention": oa.__version__},
-              "runs": []}
+    record = {
+        "benchmark": "prepare_speed",
+        "shapes": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16"},
+        "spec": "default (qgc 64 clusters rank 16, qgs rank 16), density 0.01, gqa shared",
+        "data": "random bf16 keys/values/prefill queries (seed 0)"
+        if args.data == "random"
+        else "each layer's prepare inputs from the prefill of a 4-layer Llama-3.1-8B-shaped model with random bf16 "
+        "weights (seed 0)",
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "openattention": oa.__version__,
+        },
+        "runs": [],
+    }
     for config in args.configs:
         batch, context = (int(x) for x in config.lower().split("x"))
         row = run_config(batch, context, args.repeats, args.data)
         record["runs"].append(row)
         stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stages_ms"].items())
-        solvers = "; ".join(f"{k}: lapack {v['lapack_cpu_ms']:.1f}, gpu eigh {v['eigh_gpu_ms']:.1f}, subspace "
-                            f"{v['subspace_gpu_ms']:.1f} (residual {v['residual_over_lambda1']:.0e})"
-                            for k, v in row["eigensolvers"].items())
+        solvers = "; ".join(
+            f"{k}: lapack {v['lapack_cpu_ms']:.1f}, gpu eigh {v['eigh_gpu_ms']:.1f}, subspace "
+            f"{v['subspace_gpu_ms']:.1f} (residual {v['residual_over_lambda1']:.0e})"
+            for k, v in row["eigensolvers"].items()
+        )
         share = row.get("prepare_over_model_prefill")
-        print(f"{batch}x{context}: {stages} ms; prepare/prefill attention {row['prepare_over_prefill_attention']:.2f}"
-              + ("" if share is None else f"; prepare/model prefill {share:.3f} (target 0.10)")
-              + f"; eigensolvers (ms) {solvers}", flush=True)
+        print(
+            f"{batch}x{context}: {stages} ms; prepare/prefill attention {row['prepare_over_prefill_attention']:.2f}"
+            + ("" if share is None else f"; prepare/model prefill {share:.3f} (target 0.10)")
+            + f"; eigensolvers (ms) {solvers}",
+            flush=True,
+        )
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")

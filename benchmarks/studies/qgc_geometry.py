@@ -71,17 +71,31 @@ def measure_sample(model, tokenizer, sample: ruler.Sample, specs: dict[str, dict
     ends = {"context": len(context), "question": n}
     rows = []
     for layer, (queries, keys, values, scale) in sorted(captured.items()):
-        keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n:n + 1].float()
+        keys, values, query = keys[:, :, :n].float(), values[:, :, :n].float(), queries[:, :, n : n + 1].float()
         reference = dense_attention(query, keys, values, scale)
         for window, end in ends.items():
-            prefill = queries[:, :, end - WINDOW:end].float()
+            prefill = queries[:, :, end - WINDOW : end].float()
             for name, spec in specs.items():
                 error, weights, read = attend_and_read(spec, keys, values, prefill, query, scale, reference)
-                measured = zip(error.tolist(), read.sum(-1).tolist(), weights[:, needle].sum(-1).tolist(),
-                               read[:, needle].sum(-1).tolist())
-                rows += [{"layer": layer, "head": head, "window": window, "spec": name, "error": round(e, 5),
-                          "mass_read": round(m, 5), "needle_mass": round(nm, 6), "needle_read": round(nr, 6)}
-                         for head, (e, m, nm, nr) in enumerate(measured)]
+                measured = zip(
+                    error.tolist(),
+                    read.sum(-1).tolist(),
+                    weights[:, needle].sum(-1).tolist(),
+                    read[:, needle].sum(-1).tolist(),
+                )
+                rows += [
+                    {
+                        "layer": layer,
+                        "head": head,
+                        "window": window,
+                        "spec": name,
+                        "error": round(e, 5),
+                        "mass_read": round(m, 5),
+                        "needle_mass": round(nm, 6),
+                        "needle_read": round(nr, 6),
+                    }
+                    for head, (e, m, nm, nr) in enumerate(measured)
+                ]
     return rows
 
 
@@ -90,10 +104,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     for window in ("context", "question"):
         for name in SPECS:
             mine = [r for r in rows if r["window"] == window and r["spec"] == name]
-            out.append({"window": window, "spec": name, "heads": len(mine),
-                        "mean_error": statistics.fmean(r["error"] for r in mine),
-                        "mass_read": statistics.fmean(r["mass_read"] for r in mine),
-                        "needle_share_read": sum(r["needle_read"] for r in mine) / sum(r["needle_mass"] for r in mine)})
+            out.append(
+                {
+                    "window": window,
+                    "spec": name,
+                    "heads": len(mine),
+                    "mean_error": statistics.fmean(r["error"] for r in mine),
+                    "mass_read": statistics.fmean(r["mass_read"] for r in mine),
+                    "needle_share_read": sum(r["needle_read"] for r in mine) / sum(r["needle_mass"] for r in mine),
+                }
+            )
     return out
 
 
@@ -108,19 +128,40 @@ def main() -> None:
     model, tokenizer = load_offline_model()
     samples = ruler.generate(args.task, tokenizer, args.length, args.samples)
     # The RULER sweep's settings: sink 4 and local 16, the torch kernel (CPU), the spec's own seed.
-    specs = {name: {**oa.load_spec(ROOT / path).model_dump(mode="json", exclude_none=True), "sink": 4, "local": 16,
-                    "kernel": "torch", "budget": {"density": args.density}} for name, path in SPECS.items()}
+    specs = {
+        name: {
+            **oa.load_spec(ROOT / path).model_dump(mode="json", exclude_none=True),
+            "sink": 4,
+            "local": 16,
+            "kernel": "torch",
+            "budget": {"density": args.density},
+        }
+        for name, path in SPECS.items()
+    }
     rows = []
     for index, sample in enumerate(tqdm(samples, desc="samples", unit="sample")):
         rows += [{"sample": index, **row} for row in measure_sample(model, tokenizer, sample, specs)]
     summary = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"task": args.task, "length": args.length, "density": args.density,
-                                    "samples": args.samples, "window": WINDOW, "summary": summary, "rows": rows}))
+    args.out.write_text(
+        json.dumps(
+            {
+                "task": args.task,
+                "length": args.length,
+                "density": args.density,
+                "samples": args.samples,
+                "window": WINDOW,
+                "summary": summary,
+                "rows": rows,
+            }
+        )
+    )
     print("| window | spec | mean relative error | attention mass read | needle's mass read |\n|---|---|---|---|---|")
     for row in summary:
-        print(f"| {row['window']} | {row['spec']} | {row['mean_error']:.3f} | {row['mass_read']:.3f} | "
-              f"{row['needle_share_read']:.3f} |")
+        print(
+            f"| {row['window']} | {row['spec']} | {row['mean_error']:.3f} | {row['mass_read']:.3f} | "
+            f"{row['needle_share_read']:.3f} |"
+        )
     print(f"written to {args.out}")
 
 

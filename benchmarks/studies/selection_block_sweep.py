@@ -3,6 +3,7 @@ class's smaller path; ``selection.smallest_block`` picks it from the clusters' m
 to it picked one at a time, larger ones by bisection), timed in the fused static step (CUDA graph) at the
 benchmark's shapes, the rows and output checked against the first variant's.
 ``python benchmarks/studies/selection_block_sweep.py OUT.json``."""
+
 import json
 import sys
 
@@ -14,8 +15,13 @@ from kernel_h200 import bench, decode_inputs, graphed, kernel_breakdown, repeate
 from oa_core.ops import selection as selmod
 
 SHAPES = [(16, 16384, (0.01, 0.03)), (8, 32768, (0.01, 0.03)), (32, 32768, (0.01,))]
-VARIANTS = [{"small": 512, "few": 16}, {"small": 256, "few": 16}, {"small": 512, "few": 8}, {"small": 512, "few": 4},
-            {"small": 256, "few": 8}]
+VARIANTS = [
+    {"small": 512, "few": 16},
+    {"small": 256, "few": 16},
+    {"small": 512, "few": 8},
+    {"small": 512, "few": 4},
+    {"small": 256, "few": 8},
+]
 
 
 def main(out_path: str) -> None:
@@ -33,9 +39,17 @@ def main(out_path: str) -> None:
                 out, sel = run()
                 first = first or (out, sel.index)
                 same = bool(torch.equal(sel.index, first[1])) and bool(torch.equal(out, first[0]))
-                r = {"batch": B, "context": N, "density": density, **v, "rule_picks": chosen,
-                     "step_graph_ms": round(bench(graphed(run)), 4), "same_rows_and_out": same,
-                     "select_ms": kernel_breakdown(run).get("_select_kernel"), "S": st.members.shape[-1]}
+                r = {
+                    "batch": B,
+                    "context": N,
+                    "density": density,
+                    **v,
+                    "rule_picks": chosen,
+                    "step_graph_ms": round(bench(graphed(run)), 4),
+                    "same_rows_and_out": same,
+                    "select_ms": kernel_breakdown(run).get("_select_kernel"),
+                    "S": st.members.shape[-1],
+                }
                 results.append(r)
                 print(json.dumps(r), flush=True)
             selmod.FEW_PICKS = 16

@@ -33,19 +33,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4, help="niah_single_2 samples (default: %(default)s)")
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens (default: %(default)s)")
     parser.add_argument("--density", type=float, default=0.05, help="read density (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: benchmarks/studies/results/selector_rank_<model>.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: benchmarks/studies/results/selector_rank_<model>.json"
+    )
     args = parser.parse_args(argv)
     model, tokenizer = load_offline_model(args.model)
     dim = head_dim(model.config)
     budget = {"density": args.density}
     specs = {"dense": {"budget": {"density": 1.0}}, "oracle": {"budget": budget, "selector": {"name": "oracle"}}}
     for rank in sorted({16, 64, dim}):
-        specs[f"qgs rank {rank}"] = {"budget": budget, "selector": {"name": "qgs", "rank": rank, "rerank": 0,
-                                                                    "key_rank": 0}}
+        specs[f"qgs rank {rank}"] = {
+            "budget": budget,
+            "selector": {"name": "qgs", "rank": rank, "rerank": 0, "key_rank": 0},
+        }
     specs["qgs rank 16, re-rank 4 (key_rank 0)"] = {"budget": budget, "selector": {"name": "qgs", "key_rank": 0}}
-    specs["qgs rank 16, key_rank 8, no re-rank"] = {"budget": budget,
-                                                   "selector": {"name": "qgs", "key_rank": 8, "rerank": 0}}
+    specs["qgs rank 16, key_rank 8, no re-rank"] = {
+        "budget": budget,
+        "selector": {"name": "qgs", "key_rank": 8, "rerank": 0},
+    }
     specs["default (qgs rank 16, key_rank 8, re-rank 4)"] = {"budget": budget}
     samples = ruler.generate("niah_single_2", tokenizer, length=args.length, count=args.samples, seed=0)
     answers: dict[str, list[float]] = {name: [] for name in specs}
@@ -62,12 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         oa.unpatch(model)
     result = {
-        "benchmark": "selector_rank", "model": model_label(args.model), "head_dim": dim, "task": "niah_single_2",
-        "length": args.length, "density": args.density, "samples": args.samples, "setup": "B",
+        "benchmark": "selector_rank",
+        "model": model_label(args.model),
+        "head_dim": dim,
+        "task": "niah_single_2",
+        "length": args.length,
+        "density": args.density,
+        "samples": args.samples,
+        "setup": "B",
         "answer_logprob": answers,
-        "gap_to_dense": {name: round(sum(a - d for a, d in zip(v, answers["dense"])) / len(v), 3)
-                         for name, v in answers.items()},
-        "seconds": round(time.perf_counter() - start, 1), "command": " ".join(["python", *sys.argv]),
+        "gap_to_dense": {
+            name: round(sum(a - d for a, d in zip(v, answers["dense"])) / len(v), 3) for name, v in answers.items()
+        },
+        "seconds": round(time.perf_counter() - start, 1),
+        "command": " ".join(["python", *sys.argv]),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
     }
     name = (args.model or DEFAULT_MODEL).replace("/", "_")

@@ -42,21 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", choices=TEXTS, default="essays", help="default: %(default)s")
     parser.add_argument("--densities", type=float, nargs="+", default=[0.03, 0.01])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: benchmarks/studies/results/two_stage_grid_TEXT.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: benchmarks/studies/results/two_stage_grid_TEXT.json"
+    )
     args = parser.parse_args(argv)
     out = args.out or Path(f"benchmarks/studies/results/two_stage_grid_{args.text.replace('-', '_')}.json")
     result = measure(METHODS, args.densities, text=args.text)
     result["ratios_to_oracle_topk"] = {
-        str(d): {name: row["mean_error"] / result["results"][str(d)]["oracle top-k"]["mean_error"]
-                 for name, row in result["results"][str(d)].items()} for d in args.densities}
+        str(d): {
+            name: row["mean_error"] / result["results"][str(d)]["oracle top-k"]["mean_error"]
+            for name, row in result["results"][str(d)].items()
+        }
+        for d in args.densities
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     width = max(map(len, METHODS))
     print(f"{'method':{width}s} " + " ".join(f"{f'{d:.0%} error / ratio':>20s}" for d in args.densities))
     for name in METHODS:
-        cells = [f"{result['results'][str(d)][name]['mean_error']:.3f} / "
-                 f"{result['ratios_to_oracle_topk'][str(d)][name]:.2f}" for d in args.densities]
+        cells = [
+            f"{result['results'][str(d)][name]['mean_error']:.3f} / {result['ratios_to_oracle_topk'][str(d)][name]:.2f}"
+            for d in args.densities
+        ]
         print(f"{name:{width}s} " + " ".join(f"{c:>20s}" for c in cells))
     print(f"wrote {out}")
     return 0

@@ -68,9 +68,18 @@ def relative_error(estimate: torch.Tensor, reference: torch.Tensor) -> torch.Ten
     return (estimate.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
 
 
-def measure(methods: dict[str, dict], densities: list[float], model: str | None = None, tokens: int = 4096,
-            decode: int = 64, layers: list[int] | None = None, seed: int = 0, progress: bool = True,
-            diagnostics: bool = False, text: str = "essays") -> dict:
+def measure(
+    methods: dict[str, dict],
+    densities: list[float],
+    model: str | None = None,
+    tokens: int = 4096,
+    decode: int = 64,
+    layers: list[int] | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    diagnostics: bool = False,
+    text: str = "essays",
+) -> dict:
     """Mean and p90 relative error and measured density of every spec in ``methods`` at every density.
 
     ``methods``: name → spec mapping; a spec without ``budget`` is run at ``{"density": d}``, one with a budget keeps
@@ -103,17 +112,20 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
     specs: dict[str, dict] = {}
     kernels: set[str] = set()
     head_dim = None
-    bar = tqdm(total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline",
-               disable=not progress)
+    bar = tqdm(
+        total=len(layers) * len(densities) * len(methods), desc="attention error", unit="pipeline", disable=not progress
+    )
     for layer in layers:
         case = layer_case(captured.pop(layer), tokens, decode)
         head_dim = case.keys.shape[-1]
         for density in densities:
             for method, spec in methods.items():
-                error, stats, pipe, extra_values = attend_case({"budget": {"density": density}, **spec}, case, seed,
-                                                               diagnostics)
-                specs.setdefault(method, pipe.spec.model_dump(mode="json", exclude=set() if "budget" in spec
-                                                              else {"budget"}))
+                error, stats, pipe, extra_values = attend_case(
+                    {"budget": {"density": density}, **spec}, case, seed, diagnostics
+                )
+                specs.setdefault(
+                    method, pipe.spec.model_dump(mode="json", exclude=set() if "budget" in spec else {"budget"})
+                )
                 errors[density][method][layer] = error
                 for name, value in extra_values.items():
                     extra[density][method].setdefault(name, []).append(value)
@@ -145,8 +157,9 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
 
     return {
         "benchmark": "attention_error",
-        "model": f"{model_label(model)}, dequantised to float32" if model is None or str(model) in OFFLINE_MODELS
-                 else str(model),
+        "model": f"{model_label(model)}, dequantised to float32"
+        if model is None or str(model) in OFFLINE_MODELS
+        else str(model),
         "data": f"{TEXTS[text]}, from its first character; the tokenizer's default special tokens",
         "text": text,
         "tokens": tokens,
@@ -160,10 +173,16 @@ def measure(methods: dict[str, dict], densities: list[float], model: str | None 
         "specs": specs,
         "kernel": sorted(kernels),
         "results": results,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": sys.version.split()[0], "torch": torch.__version__,
-                    "transformers": transformers.__version__, "openattention": oa.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "openattention": oa.__version__,
+        },
         "timings": {k: round(v, 1) for k, v in timings.items()},
     }
 
@@ -185,9 +204,15 @@ def layer_case(captured: tuple, tokens: int, decode: int) -> LayerCase:
     """A layer's captured (queries, keys, values, scale) over ``tokens + decode`` positions → its LayerCase."""
     queries, keys, values, scale = captured
     keys, values = keys[:, :, :tokens].float(), values[:, :, :tokens].float()
-    decode_queries = queries[:, :, tokens:tokens + decode].float()
-    return LayerCase(keys, values, queries[:, :, tokens - PREFILL_QUERIES:tokens].float(), decode_queries, scale,
-                     dense_attention(decode_queries, keys, values, scale))
+    decode_queries = queries[:, :, tokens : tokens + decode].float()
+    return LayerCase(
+        keys,
+        values,
+        queries[:, :, tokens - PREFILL_QUERIES : tokens].float(),
+        decode_queries,
+        scale,
+        dense_attention(decode_queries, keys, values, scale),
+    )
 
 
 def attend_case(spec: dict, case: LayerCase, seed: int, with_diagnostics: bool = False):
@@ -224,10 +249,17 @@ def format_table(result: dict) -> str:
     """Rows = methods, columns = densities: mean relative error and (measured read density)."""
     densities = result["densities"]
     methods = list(result["results"][str(densities[0])])
-    lines = [f"{result['model']}: N={result['tokens']}, {result['decode_positions'][1] - result['tokens']} decode "
-             f"queries, layers {result['layers']}",
-             f"{'method':32s}" + "".join(f"{f'{d:.0%} err (ρ)':>18s}" for d in densities)]
+    lines = [
+        f"{result['model']}: N={result['tokens']}, {result['decode_positions'][1] - result['tokens']} decode "
+        f"queries, layers {result['layers']}",
+        f"{'method':32s}" + "".join(f"{f'{d:.0%} err (ρ)':>18s}" for d in densities),
+    ]
     for method in methods:
-        lines.append(f"{method:32s}" + "".join(f"{r['mean_error']:>10.4f} ({r['measured_density']:.3f})"
-                                               for r in (result["results"][str(d)][method] for d in densities)))
+        lines.append(
+            f"{method:32s}"
+            + "".join(
+                f"{r['mean_error']:>10.4f} ({r['measured_density']:.3f})"
+                for r in (result["results"][str(d)][method] for d in densities)
+            )
+        )
     return "\n".join(lines)

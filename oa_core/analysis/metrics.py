@@ -66,15 +66,22 @@ def estimator_weights(pipe: Pipeline, state: PipelineState, query: Tensor) -> tu
     keys_read = state.keys.double().gather(2, rows).view(*index.shape, -1) * valid.unsqueeze(-1)
     read_key = sum_by_slot(cluster, keys_read, C)
     tail_count = pooled.count.double()[:, :, None, None] - read_count
-    tail_key = (pooled.key_sum.double()[:, :, None, None] - read_key) / tail_count.clamp_min(
-        1).unsqueeze(-1)
+    tail_key = (pooled.key_sum.double()[:, :, None, None] - read_key) / tail_count.clamp_min(1).unsqueeze(-1)
     q = query.double().reshape(B, Hkv, g, T, -1)
     tail_logit = state.scale * torch.einsum("bhgtd,bhgtcd->bhgtc", q, tail_key)
     if pipe.spec.proxy == "second-order":  # each tail token's share of the proxy: e^{s·q·k̄_T}·(1 + σ̂_T²/2)
         assert pooled.key_square_sum is not None  # a prepared state pools the squares too
         read_logits = logits.gather(-1, index).masked_fill(~valid, 0.0)
-        tail_var = tail_logit_variance(q, read_logits, cluster, pooled.count.double(), pooled.key_sum.double(),
-                                       pooled.key_square_sum.double(), tail_count, state.scale)
+        tail_var = tail_logit_variance(
+            q,
+            read_logits,
+            cluster,
+            pooled.count.double(),
+            pooled.key_sum.double(),
+            pooled.key_square_sum.double(),
+            tail_count,
+            state.scale,
+        )
         tail_logit = tail_logit + torch.log1p(0.5 * tail_var)
     per_token = torch.exp(tail_logit - top)  # g_T per cluster
     per_token = torch.cat([per_token, torch.zeros_like(per_token[..., :1])], -1)  # slot C: not in a cluster

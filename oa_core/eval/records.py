@@ -14,8 +14,22 @@ from pathlib import Path
 
 ATTENTION_ERROR = "attention-error"  # the metric, and the task name of its records (a unit: one layer at one length)
 METRICS = ("ruler", ATTENTION_ERROR)
-SUMMARY_FIELDS = ("metric", "generator", "spec", "density", "task", "length", "samples", "score", "score_low",
-                  "score_high", "dense_score", "retention", "logprob_gap", "measured_density")
+SUMMARY_FIELDS = (
+    "metric",
+    "generator",
+    "spec",
+    "density",
+    "task",
+    "length",
+    "samples",
+    "score",
+    "score_low",
+    "score_high",
+    "dense_score",
+    "retention",
+    "logprob_gap",
+    "measured_density",
+)
 # The RULER generator of records written before they named theirs: OpenAttention's own RULER-like tasks (without
 # RULER's worked examples, singular prompts and fwe's noise word; docs/evaluation.md).
 LEGACY_GENERATOR = "oa-ruler-v2"
@@ -108,8 +122,8 @@ def wilson_interval(mean: float, samples: int, scale: float = 100.0) -> tuple[fl
     scores; for partial credit (string_match_all over several answers) conservative, since a score in [0, 1] of mean
     p varies at most as p(1 − p)."""
     p, n = min(max(mean / scale, 0.0), 1.0), samples
-    centre = (p + Z95 ** 2 / (2 * n)) / (1 + Z95 ** 2 / n)
-    half = Z95 / (1 + Z95 ** 2 / n) * math.sqrt(p * (1 - p) / n + Z95 ** 2 / (4 * n * n))
+    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 / (1 + Z95**2 / n) * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n))
     return scale * max(centre - half, 0.0), scale * min(centre + half, 1.0)
 
 
@@ -157,25 +171,41 @@ def summarize(records: list[dict]) -> list[dict]:
         groups[generator_of(r), r["spec"], r["density"], r["task"], r["length"]].append(r)
     rows = []
     for (generator, spec, density, task, length), rs in sorted(
-            groups.items(), key=lambda g: (g[0][0], g[0][1], -(g[0][2] or 2), g[0][3], g[0][4])):
+        groups.items(), key=lambda g: (g[0][0], g[0][1], -(g[0][2] or 2), g[0][3], g[0][4])
+    ):
         metric = rs[0].get("metric", "ruler")
         digits = 6 if metric == ATTENTION_ERROR else 2
-        paired = [(r, dense[generator, r["task"], r["length"], r["sample"]]) for r in rs
-                  if (generator, r["task"], r["length"], r["sample"]) in dense]
-        gaps = [r["answer_logprob"] - d["answer_logprob"] for r, d in paired
-                if r.get("answer_logprob") is not None and d.get("answer_logprob") is not None]
+        paired = [
+            (r, dense[generator, r["task"], r["length"], r["sample"]])
+            for r in rs
+            if (generator, r["task"], r["length"], r["sample"]) in dense
+        ]
+        gaps = [
+            r["answer_logprob"] - d["answer_logprob"]
+            for r, d in paired
+            if r.get("answer_logprob") is not None and d.get("answer_logprob") is not None
+        ]
         score = sum(r["score"] for r in rs) / len(rs)
         low, high = wilson_interval(score, len(rs)) if metric == "ruler" else (math.nan, math.nan)
         dense_score = sum(d["score"] for _, d in paired) / len(paired) if paired else math.nan
-        rows.append({
-            "metric": metric, "generator": generator, "spec": spec, "density": density if density is not None else 1.0,
-            "task": task, "length": length, "samples": len(rs), "score": round(score, digits),
-            "score_low": round(low, digits), "score_high": round(high, digits),
-            "dense_score": round(dense_score, digits),
-            "retention": round(score / dense_score, 4) if metric == "ruler" and dense_score else math.nan,
-            "logprob_gap": round(sum(gaps) / len(gaps), 4) if gaps else math.nan,
-            "measured_density": round(sum(r["measured_density"] for r in rs) / len(rs), 4),
-        })
+        rows.append(
+            {
+                "metric": metric,
+                "generator": generator,
+                "spec": spec,
+                "density": density if density is not None else 1.0,
+                "task": task,
+                "length": length,
+                "samples": len(rs),
+                "score": round(score, digits),
+                "score_low": round(low, digits),
+                "score_high": round(high, digits),
+                "dense_score": round(dense_score, digits),
+                "retention": round(score / dense_score, 4) if metric == "ruler" and dense_score else math.nan,
+                "logprob_gap": round(sum(gaps) / len(gaps), 4) if gaps else math.nan,
+                "measured_density": round(sum(r["measured_density"] for r in rs) / len(rs), 4),
+            }
+        )
     return rows
 
 
@@ -192,15 +222,19 @@ def summary_table(rows: list[dict]) -> str:
     """The summary as a Markdown table: a RULER score with its 95% interval (attention-error scores are relative
     errors: four decimals); a column naming the generator when the rows come from more than one."""
     several = len({r.get("generator", "") for r in rows}) > 1
-    head = ("| generator " if several else "") + ("| spec | density | task | length | samples | score (95% interval) | "
-                                                  "dense | retention | log-lik gap | measured density |")
+    head = ("| generator " if several else "") + (
+        "| spec | density | task | length | samples | score (95% interval) | "
+        "dense | retention | log-lik gap | measured density |"
+    )
     lines = [head, "|" + "---|" * (10 + several)]
     for r in rows:
         digits = ".4f" if r["metric"] == ATTENTION_ERROR else ".1f"
         lead = f"| {r.get('generator', '')} " if several else ""
-        lines.append(f"{lead}| {r['spec']} | {r['density']:.0%} | {r['task']} | {r['length']} | {r['samples']} | "
-                     f"{fmt(r['score'], digits)}{interval(r)} | {fmt(r['dense_score'], digits)} | "
-                     f"{fmt(r['retention'], '.2f')} | {fmt(r['logprob_gap'], '+.2f')} | {r['measured_density']:.4f} |")
+        lines.append(
+            f"{lead}| {r['spec']} | {r['density']:.0%} | {r['task']} | {r['length']} | {r['samples']} | "
+            f"{fmt(r['score'], digits)}{interval(r)} | {fmt(r['dense_score'], digits)} | "
+            f"{fmt(r['retention'], '.2f')} | {fmt(r['logprob_gap'], '+.2f')} | {r['measured_density']:.4f} |"
+        )
     return "\n".join(lines)
 
 

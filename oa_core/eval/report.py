@@ -52,9 +52,13 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR, generator: s
     unable = sorted({f"{task} ({length})" for (task, length), score in dense.items() if score < dense_floor})
     usable = [r for r in rows if dense.get((r["task"], r["length"]), 0.0) >= dense_floor]
     means = means_over_tasks(usable)
-    lines = [f"# Evaluation report: `{out}`", "",
-             f"{len(records)} cells; model: {records[0].get('model', '?')}; setup {records[0].get('setup', '?')}; "
-             f"seed {records[0].get('seed', '?')}.", ""]
+    lines = [
+        f"# Evaluation report: `{out}`",
+        "",
+        f"{len(records)} cells; model: {records[0].get('model', '?')}; setup {records[0].get('setup', '?')}; "
+        f"seed {records[0].get('seed', '?')}.",
+        "",
+    ]
     if rows:
         lines += [_generator_line(rows[0]["generator"]), ""]
     if errors:
@@ -69,15 +73,30 @@ def build_report(out: str | Path, dense_floor: float = DENSE_FLOOR, generator: s
     else:
         lines += ["No task reached that dense score: retention cannot be measured.", ""]
     lines += _bytes_section(records)
-    lines += ["## Tasks the model cannot do even dense", "",
-              ", ".join(unable) if unable else f"None (every task's dense score ≥ {dense_floor:g}).", "",
-              "## Per task", "", summary_table(rows), "",
-              "![accuracy vs density](accuracy_vs_density.png)", "", "![per task](per_task.png)", ""]
+    lines += [
+        "## Tasks the model cannot do even dense",
+        "",
+        ", ".join(unable) if unable else f"None (every task's dense score ≥ {dense_floor:g}).",
+        "",
+        "## Per task",
+        "",
+        summary_table(rows),
+        "",
+        "![accuracy vs density](accuracy_vs_density.png)",
+        "",
+        "![per task](per_task.png)",
+        "",
+    ]
     if means:
         plot_accuracy_vs_density(means, out / "accuracy_vs_density.png")
     else:  # no task dense can do: no retention to plot, the raw scores instead
-        plot_accuracy_vs_density(means_over_tasks(rows), out / "accuracy_vs_density.png", ylabel="mean score",
-                                 title="Score against read density", key="score")
+        plot_accuracy_vs_density(
+            means_over_tasks(rows),
+            out / "accuracy_vs_density.png",
+            ylabel="mean score",
+            title="Score against read density",
+            key="score",
+        )
     plot_per_task(rows, out / "per_task.png")
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
@@ -94,16 +113,20 @@ def _one_generator(records: list[dict], out: Path, generator: str | None) -> lis
         return [r for r in records if generator_of(r) in ("", generator)]
     if len(found) > 1:
         counts = ", ".join(f"{g} ({sum(generator_of(r) == g for r in records)} cells)" for g in found)
-        raise ValueError(f"{out} holds RULER records of {len(found)} generators, {counts}; their samples differ and "
-                         "their scores do not compare: pass --generator NAME for one of them")
+        raise ValueError(
+            f"{out} holds RULER records of {len(found)} generators, {counts}; their samples differ and "
+            "their scores do not compare: pass --generator NAME for one of them"
+        )
     return records
 
 
 def _generator_line(generator: str) -> str:
     if generator == LEGACY_GENERATOR:
-        return (f"Samples: `{generator}`, OpenAttention's RULER-like generator before it followed NVIDIA/RULER "
-                "(no worked examples for vt and cwe, an easier fwe, plural prompts; docs/evaluation.md). Its scores do "
-                "not compare with RULER's, nor with a later generator's.")
+        return (
+            f"Samples: `{generator}`, OpenAttention's RULER-like generator before it followed NVIDIA/RULER "
+            "(no worked examples for vt and cwe, an easier fwe, plural prompts; docs/evaluation.md). Its scores do "
+            "not compare with RULER's, nor with a later generator's."
+        )
     return f"Samples: `{generator}`, NVIDIA/RULER's generator at that commit, offline (docs/evaluation.md)."
 
 
@@ -111,13 +134,25 @@ def _error_section(rows: list[dict], out: Path) -> list[str]:
     """attention-error rows: the mean relative output error over layers per spec, density and length, and its plot."""
     table = ["| spec | density | length | layers | mean relative error | measured density |", "|" + "---|" * 6]
     for r in rows:
-        table.append(f"| {r['spec']} | {r['density']:.0%} | {r['length']} | {r['samples']} | {r['score']:.4f} | "
-                     f"{r['measured_density']:.4f} |")
-    plot_accuracy_vs_density(means_over_tasks(rows), out / "error_vs_density.png",
-                             ylabel="mean relative error ‖ô − o‖/‖o‖", title="Attention error against read density",
-                             key="score")
-    return ["## Attention error on the model's own caches", "", "\n".join(table), "",
-            "![error vs density](error_vs_density.png)", ""]
+        table.append(
+            f"| {r['spec']} | {r['density']:.0%} | {r['length']} | {r['samples']} | {r['score']:.4f} | "
+            f"{r['measured_density']:.4f} |"
+        )
+    plot_accuracy_vs_density(
+        means_over_tasks(rows),
+        out / "error_vs_density.png",
+        ylabel="mean relative error ‖ô − o‖/‖o‖",
+        title="Attention error against read density",
+        key="score",
+    )
+    return [
+        "## Attention error on the model's own caches",
+        "",
+        "\n".join(table),
+        "",
+        "![error vs density](error_vs_density.png)",
+        "",
+    ]
 
 
 def _bytes_section(records: list[dict]) -> list[str]:
@@ -130,13 +165,20 @@ def _bytes_section(records: list[dict]) -> list[str]:
     specs = {(r["spec"], r["density"]): r for r in records if r.get("density") is not None}
     if head_dim is None or not specs:
         return []
-    lines = ["## What the selection reads per key", "",
-             "Bytes per key of the context, keys and values in bf16; a dense row is 2·D·2 bytes.", "",
-             "| spec | density | head dim | codes or bounds | re-rank's keys | dense row |", "|" + "---|" * 6]
+    lines = [
+        "## What the selection reads per key",
+        "",
+        "Bytes per key of the context, keys and values in bf16; a dense row is 2·D·2 bytes.",
+        "",
+        "| spec | density | head dim | codes or bounds | re-rank's keys | dense row |",
+        "|" + "---|" * 6,
+    ]
     for (spec, density), r in sorted(specs.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         read = build(r["resolved_spec"]).scoring_bytes(head_dim)
-        lines.append(f"| {spec} | {density:.0%} | {head_dim} | {fmt(read['codes'], '.4g')} | "
-                     f"{read['rerank']:.4g} | {read['dense_row']} |")
+        lines.append(
+            f"| {spec} | {density:.0%} | {head_dim} | {fmt(read['codes'], '.4g')} | "
+            f"{read['rerank']:.4g} | {read['dense_row']} |"
+        )
     return [*lines, ""]
 
 
@@ -161,12 +203,17 @@ def means_over_tasks(rows: list[dict]) -> list[dict]:
 
 
 def _means_table(means: list[dict]) -> str:
-    lines = ["| spec | density | tasks | score (95% interval) | dense on its tasks | retention | log-lik gap | "
-             "measured density |", "|" + "---|" * 8]
+    lines = [
+        "| spec | density | tasks | score (95% interval) | dense on its tasks | retention | log-lik gap | "
+        "measured density |",
+        "|" + "---|" * 8,
+    ]
     for m in means:
-        lines.append(f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f}{interval(m)} | "
-                     f"{fmt(m['dense_score'], '.1f')} | {fmt(m['retention'], '.2f')} | "
-                     f"{fmt(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |")
+        lines.append(
+            f"| {m['spec']} | {m['density']:.0%} | {m['tasks']} | {m['score']:.1f}{interval(m)} | "
+            f"{fmt(m['dense_score'], '.1f')} | {fmt(m['retention'], '.2f')} | "
+            f"{fmt(m['logprob_gap'], '+.2f')} | {m['measured_density']:.4f} |"
+        )
     return "\n".join(lines)
 
 
@@ -203,9 +250,13 @@ def _markers(specs) -> dict[str, str]:
     return markers
 
 
-def plot_accuracy_vs_density(means: list[dict], path: Path,
-                             ylabel: str = "mean retention (score / dense, same samples)",
-                             title: str = "Retention against read density", key: str = "retention") -> None:
+def plot_accuracy_vs_density(
+    means: list[dict],
+    path: Path,
+    ylabel: str = "mean retention (score / dense, same samples)",
+    title: str = "Retention against read density",
+    key: str = "retention",
+) -> None:
     """A line per method of ``key`` against read density, dense as a level. RULER plots retention: a method's
     cells may cover fewer tasks than dense's (a sweep in progress), and retention compares each on its own tasks.
     With ablation specs, two panels: the methods, and OpenAttention beside its ablations."""
@@ -217,11 +268,11 @@ def plot_accuracy_vs_density(means: list[dict], path: Path,
     ablations = [s for s in sorted(by_spec) if s.startswith(ABLATION_PREFIX)]
     panels = [("methods", methods)]
     if ablations:
-        panels.append(("ablations of OpenAttention", [s for s in ("dense", "openattention") if s in by_spec]
-                       + ablations))
+        panels.append(
+            ("ablations of OpenAttention", [s for s in ("dense", "openattention") if s in by_spec] + ablations)
+        )
     colors, markers = _colors(by_spec), _markers(by_spec)
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.0), dpi=120, squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.0), dpi=120, squeeze=False, sharey=True)
     ticks = sorted({100 * m["density"] for m in means if m["spec"] != "dense"})
     dense_tasks = max((m["tasks"] for m in by_spec.get("dense", [])), default=None)
     for ax, (name, specs) in zip(axes[0], panels):
@@ -232,11 +283,20 @@ def plot_accuracy_vs_density(means: list[dict], path: Path,
                 ax.axhline(ms[0][key], color="black", linestyle="--", linewidth=1, label="dense")
                 continue
             fewest = min(m["tasks"] for m in ms)
-            label = (spec if dense_tasks is None or fewest >= dense_tasks
-                     else f"{spec} ({fewest} of {dense_tasks} tasks)")
-            ax.plot([100 * m["density"] for m in ms], [m[key] for m in ms], marker=markers[spec], label=label,
-                    color=colors[spec], markerfacecolor="none", markersize=8 if spec == "openattention" else 6,
-                    linewidth=2.5 if spec == "openattention" else 1.5, zorder=3 if spec == "openattention" else 2)
+            label = (
+                spec if dense_tasks is None or fewest >= dense_tasks else f"{spec} ({fewest} of {dense_tasks} tasks)"
+            )
+            ax.plot(
+                [100 * m["density"] for m in ms],
+                [m[key] for m in ms],
+                marker=markers[spec],
+                label=label,
+                color=colors[spec],
+                markerfacecolor="none",
+                markersize=8 if spec == "openattention" else 6,
+                linewidth=2.5 if spec == "openattention" else 1.5,
+                zorder=3 if spec == "openattention" else 2,
+            )
         ax.set_xscale("log")
         ax.set_xticks(ticks, [f"{t:g}%" for t in ticks])
         ax.minorticks_off()
@@ -256,8 +316,9 @@ def plot_per_task(rows: list[dict], path: Path) -> None:
     tasks = sorted({(r["task"], r["length"]) for r in rows})
     specs = sorted({r["spec"] for r in rows})
     score = {(r["spec"], r["density"], r["task"], r["length"]): r for r in rows}
-    fig, axes = plt.subplots(len(densities), 1, figsize=(max(6.4, 1.2 * len(tasks) + 2), 2.8 * len(densities)),
-                             dpi=120, squeeze=False)
+    fig, axes = plt.subplots(
+        len(densities), 1, figsize=(max(6.4, 1.2 * len(tasks) + 2), 2.8 * len(densities)), dpi=120, squeeze=False
+    )
     width = 0.8 / max(len(specs), 1)
     colors = {**_colors(specs), "dense": (0.2, 0.2, 0.2)}
     for ax, density in zip(axes[:, 0], densities):
@@ -266,8 +327,15 @@ def plot_per_task(rows: list[dict], path: Path) -> None:
             values = [c["score"] if c else math.nan for c in cells]
             below = [c["score"] - c["score_low"] if c else math.nan for c in cells]  # the 95% interval
             above = [c["score_high"] - c["score"] if c else math.nan for c in cells]
-            ax.bar([x + i * width for x in range(len(tasks))], values, width=width, label=spec, color=colors[spec],
-                   yerr=[below, above], error_kw={"elinewidth": 0.6, "capsize": 1.5, "ecolor": (0.3, 0.3, 0.3)})
+            ax.bar(
+                [x + i * width for x in range(len(tasks))],
+                values,
+                width=width,
+                label=spec,
+                color=colors[spec],
+                yerr=[below, above],
+                error_kw={"elinewidth": 0.6, "capsize": 1.5, "ecolor": (0.3, 0.3, 0.3)},
+            )
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tasks))])
         ax.set_xticklabels([f"{t}\n{n}" for t, n in tasks], fontsize=7)
         ax.set_ylabel("score (bars: 95% interval)")

@@ -79,7 +79,9 @@ class Sample:
     def prompt(self) -> str:
         return self.context + self.question
 
+
 # -- scoring -----------------------------------------------------------------------------------------------------
+
 
 def _clean(output: str) -> str:
     """RULER's post-processing of a prediction: control characters become newlines, ends stripped."""
@@ -98,8 +100,10 @@ def string_match_part(output: str, answers: list[str]) -> float:
     return 100.0 * any(answer.lower() in text for answer in answers)
 
 
-METRICS: dict[str, Callable[[str, list[str]], float]] = {"string_match_all": string_match_all,
-                                                         "string_match_part": string_match_part}
+METRICS: dict[str, Callable[[str, list[str]], float]] = {
+    "string_match_all": string_match_all,
+    "string_match_part": string_match_part,
+}
 
 
 def score(metric: str, output: str, answers: list[str]) -> float:
@@ -107,10 +111,19 @@ def score(metric: str, output: str, answers: list[str]) -> float:
         raise ValueError(f"metric: unknown {metric!r}; known: {', '.join(METRICS)}")
     return METRICS[metric](output, answers)
 
+
 # -- generation --------------------------------------------------------------------------------------------------
 
-def generate(task: str, tokenizer, length: int, count: int, seed: int = 0, cache_dir: str | os.PathLike | None = None,
-             use_cache: bool = True) -> list[Sample]:
+
+def generate(
+    task: str,
+    tokenizer,
+    length: int,
+    count: int,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+) -> list[Sample]:
     """``count`` samples of ``task`` whose prompts, with the task's tokens to generate, fit ``length`` tokens of
     ``tokenizer`` (within one haystack unit); the same (task, length, tokenizer, seed) gives the same samples, from
     the cache after the first time (``cache_dir``, default ``$OA_CACHE_DIR`` or ``~/.cache/openattention``, under
@@ -144,8 +157,12 @@ def tokenizer_key(tokenizer) -> str:
     """A short digest of what the tokenizer does: its name (not the folder it was loaded from, so a cache carried to
     another machine still serves), vocabulary size, chat template and a probe's ids."""
     probe = "The special magic number for amber-river is: 1234567. VAR QXKZT = 88. ....\n1. word"
-    parts = [Path(str(getattr(tokenizer, "name_or_path", ""))).name, str(len(tokenizer)),
-             str(getattr(tokenizer, "chat_template", "")), str(tokenizer(probe, add_special_tokens=False).input_ids)]
+    parts = [
+        Path(str(getattr(tokenizer, "name_or_path", ""))).name,
+        str(len(tokenizer)),
+        str(getattr(tokenizer, "chat_template", "")),
+        str(tokenizer(probe, add_special_tokens=False).input_ids),
+    ]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:12]
 
 
@@ -178,8 +195,10 @@ def _sample(task: str, tokenizer, length: int, seed: int, index: int) -> Sample:
         return count_tokens(tokenizer, context + question) <= budget
 
     if not fits(least):
-        raise ValueError(f"{task}: even the smallest prompt, with its {NEW_TOKENS[config.family]} tokens to generate, "
-                         f"is longer than {length} tokens")
+        raise ValueError(
+            f"{task}: even the smallest prompt, with its {NEW_TOKENS[config.family]} tokens to generate, "
+            f"is longer than {length} tokens"
+        )
     low, high = least, 2 * least  # the largest haystack that fits: grow by doubling, then bisect
     while fits(high):
         low, high = high, high * 2
@@ -192,9 +211,18 @@ def _sample(task: str, tokenizer, length: int, seed: int, index: int) -> Sample:
         build(high)
     except HaystackTooLarge:  # the haystack stopped growing because its word list ran out, not at the target
         if count + NEW_TOKENS[config.family] < 0.9 * length:
-            raise ValueError(f"{task}: its word list fills at most {count} prompt tokens, short of {length}; RULER "
-                             "draws past wonderwords' words from its english_words.json, which is not on the package "
-                             "index (docs/evaluation.md)") from None
-    return Sample(task=task, index=index, context=context, question=question, answers=prompt.answers, tokens=count,
-                  max_new_tokens=NEW_TOKENS[config.family], info=dict(prompt.info))
-
+            raise ValueError(
+                f"{task}: its word list fills at most {count} prompt tokens, short of {length}; RULER "
+                "draws past wonderwords' words from its english_words.json, which is not on the package "
+                "index (docs/evaluation.md)"
+            ) from None
+    return Sample(
+        task=task,
+        index=index,
+        context=context,
+        question=question,
+        answers=prompt.answers,
+        tokens=count,
+        max_new_tokens=NEW_TOKENS[config.family],
+        info=dict(prompt.info),
+    )

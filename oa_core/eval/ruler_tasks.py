@@ -25,21 +25,29 @@ NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 
 # scripts/data/synthetic/constants.py: (template, answer prefix) per task family.
 TEMPLATES = {
-    "niah": ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I "
-             "will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
-             "{type_needle_v} for {query} mentioned in the provided text?",
-             " The special magic {type_needle_v} for {query} mentioned in the provided text are"),
-    "vt": ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-           "Question: Find all variables that are assigned the value {query} in the text above.",
-           " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
-           "assigned the value {query}, they are: "),
-    "cwe": ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
-            "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
-            " Answer: The top 10 words that appear most often in the list are:"),
-    "fwe": ("Read the following coded text and track the frequency of each coded word. Find the three most frequently "
-            "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
-            "What are the three most frequently appeared words in the above coded text?",
-            " Answer: According to the coded text above, the three most frequently appeared words are:"),
+    "niah": (
+        "Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. I "
+        "will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
+        "{type_needle_v} for {query} mentioned in the provided text?",
+        " The special magic {type_needle_v} for {query} mentioned in the provided text are",
+    ),
+    "vt": (
+        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+        "Question: Find all variables that are assigned the value {query} in the text above.",
+        " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are "
+        "assigned the value {query}, they are: ",
+    ),
+    "cwe": (
+        "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
+        "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
+        " Answer: The top 10 words that appear most often in the list are:",
+    ),
+    "fwe": (
+        "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+        "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+        "What are the three most frequently appeared words in the above coded text?",
+        " Answer: According to the coded text above, the three most frequently appeared words are:",
+    ),
 }
 NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50}  # tokens_to_generate
 # niah.py's DEPTHS, np.round(np.linspace(0, 100, 40)): the percentages of the essay's sentences a needle goes after.
@@ -85,6 +93,7 @@ HARD_TASKS = ("vt", "cwe", "fwe", "niah_multikey_2", "niah_multikey_3", "niah_mu
 class HaystackTooLarge(Exception):
     """A haystack size past what the task can fill (its word list)."""
 
+
 class Prompt(NamedTuple):
     """A task's prompt before the model's template: the user turn (``content``), worked-example turns before it
     (``history``: (user, assistant) pairs), the part of the content setup B decodes (``question``: the template after
@@ -120,6 +129,7 @@ def _singular(text: str) -> str:
 
 
 # -- word lists and sentences ----------------------------------------------------------------------------------------
+
 
 def _eval_module(name: str):
     import importlib
@@ -176,6 +186,7 @@ def sentence_splitter():
 
 # -- the tasks: each returns (build(size) → Prompt, the least size) ------------------------------------------------
 
+
 class _Stream:
     """An endless list drawn item by item from its own generator: the same prefix however far it was read."""
 
@@ -223,8 +234,11 @@ def _niah(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: i
 
     keys = _distinct(lambda: draw(config.type_needle_k, rng), max(config.num_needle_k, config.num_needle_q))
     values = [[draw(config.type_needle_v, rng) for _ in range(config.num_needle_v)] for _ in keys]
-    needles = [NEEDLE.format(type_needle_v=config.type_needle_v, key=key, value=value)
-               for key, vs in zip(keys, values) for value in vs]
+    needles = [
+        NEEDLE.format(type_needle_v=config.type_needle_v, key=key, value=value)
+        for key, vs in zip(keys, values)
+        for value in vs
+    ]
     rng.shuffle(needles)
     depths = rng.sample(DEPTHS, len(needles))
     asked = rng.sample(range(len(keys)), config.num_needle_q)
@@ -277,8 +291,9 @@ def _vt(config: TaskConfig, rng: random.Random, task_rng: random.Random, tokeniz
     def text(variables: list[str], value: str, size: int, placement: int) -> tuple[str, str, str]:
         """The task's template around ``size`` noise lines with the chain among them, in order."""
         lines = [NOISE] * size
-        for j, (position, statement) in enumerate(zip(sorted(random.Random(f"{placement}:{size}").sample(
-                range(size), hops + 1)), chain(variables, value))):
+        for j, (position, statement) in enumerate(
+            zip(sorted(random.Random(f"{placement}:{size}").sample(range(size), hops + 1)), chain(variables, value))
+        ):
             lines.insert(position + j, statement)
         return fill("vt", "\n".join(lines).replace(". \n", ".\n"), query=value, num_v=hops + 1)
 
@@ -308,11 +323,12 @@ def _vt(config: TaskConfig, rng: random.Random, task_rng: random.Random, tokeniz
 def _cwe(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: int):
     words = sorted(set(wonderwords_list("nounlist") + wonderwords_list("adjectivelist") + wonderwords_list("verblist")))
     # Below 4K, RULER lists the common words 6 times and the others once, after an example of 20 words (3 and 1).
-    (example_words, example_cw, example_ucw), (cw, ucw) = (((20, 3, 1), (6, 1)) if length < 4096 else
-                                                           ((40, 10, 3), (config.freq_cw, config.freq_ucw)))
+    (example_words, example_cw, example_ucw), (cw, ucw) = (
+        ((20, 3, 1), (6, 1)) if length < 4096 else ((40, 10, 3), (config.freq_cw, config.freq_ucw))
+    )
 
     def listing(chosen: list[str], common: int, other: int, r: random.Random) -> str:
-        items = chosen[:config.num_cw] * common + chosen[config.num_cw:] * other
+        items = chosen[: config.num_cw] * common + chosen[config.num_cw :] * other
         r.shuffle(items)
         return " ".join(f"{i + 1}. {word}" for i, word in enumerate(items))
 
@@ -321,7 +337,7 @@ def _cwe(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: in
 
     shown = rng.sample(words, example_words)
     user, _, prefix = fill("cwe", listing(shown, example_cw, example_ucw, rng))
-    history = ((user, prefix + " " + numbered(shown[:config.num_cw])),)
+    history = ((user, prefix + " " + numbered(shown[: config.num_cw])),)
     order = rng.sample(words, len(words))  # the sample's words, drawn without replacement: take the first `size`
     placement = rng.getrandbits(64)
 
@@ -330,15 +346,15 @@ def _cwe(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: in
             raise HaystackTooLarge
         context = listing(order[:size], cw, ucw, random.Random(f"{placement}:{size}"))
         content, question, prefix = fill("cwe", context)
-        return Prompt(content, question, prefix, order[:config.num_cw], history)
+        return Prompt(content, question, prefix, order[: config.num_cw], history)
 
     return build, config.num_cw
 
 
 def _zeta(s: float, terms: int = 1000) -> float:
     """Riemann's ζ(s), s > 1 (scipy.special.zeta in RULER): a partial sum and its Euler–Maclaurin tail."""
-    tail = terms ** (1 - s) / (s - 1) + terms ** -s / 2 + s * terms ** (-s - 1) / 12
-    return sum(k ** -s for k in range(1, terms)) + tail
+    tail = terms ** (1 - s) / (s - 1) + terms**-s / 2 + s * terms ** (-s - 1) / 12
+    return sum(k**-s for k in range(1, terms)) + tail
 
 
 def _fwe(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: int):
@@ -350,7 +366,7 @@ def _fwe(config: TaskConfig, rng: random.Random, task_rng, tokenizer, length: in
     placement = rng.getrandbits(64)
 
     def counts(size: int) -> list[int]:
-        return [int(size * rank ** -config.alpha / norm) for rank in range(1, len(vocabulary) + 1)]
+        return [int(size * rank**-config.alpha / norm) for rank in range(1, len(vocabulary) + 1)]
 
     def build(size: int) -> Prompt:  # size: RULER's num_words, the scale of every count
         coded = [word for word, n in zip(vocabulary, counts(size)) for _ in range(n)]

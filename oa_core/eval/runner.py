@@ -67,17 +67,23 @@ def sample_batches(question_tokens: list[int], size: int) -> list[tuple[int, ...
     groups: dict[int, list[int]] = defaultdict(list)
     for index, tokens in enumerate(question_tokens):
         groups[tokens].append(index)
-    batches = [tuple(group[i:i + size]) for group in groups.values() for i in range(0, len(group), size)]
+    batches = [tuple(group[i : i + size]) for group in groups.values() for i in range(0, len(group), size)]
     return sorted(batches)
 
 
-def cells_of_unit(specs: dict[str, tuple[dict, bool]], densities: Iterable[float], task: str, length: int,
-                  samples: tuple[int, ...], done: AbstractSet[tuple] = frozenset()) -> list[tuple[tuple, dict, tuple]]:
+def cells_of_unit(
+    specs: dict[str, tuple[dict, bool]],
+    densities: Iterable[float],
+    task: str,
+    length: int,
+    samples: tuple[int, ...],
+    done: AbstractSet[tuple] = frozenset(),
+) -> list[tuple[tuple, dict, tuple]]:
     """The unit's cells not yet ``done``, in order — the dense reference first — each (key of its first sample, spec
     mapping with its budget, the samples still missing it)."""
     cells = []
     for name, (data, dense) in sorted(specs.items(), key=lambda item: not item[1][1]):
-        for density in ([None] if dense else densities):
+        for density in [None] if dense else densities:
             spec = data if dense else {**data, "budget": {"density": density}}
             missing = tuple(i for i in samples if cell_key(name, density, task, length, i) not in done)
             if missing:
@@ -134,11 +140,20 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
     pairs = [(unit, cell) for unit in units for cell in cells_of_unit(specs, config.densities, *unit, done)]
     todo = deal_to_ranks(pairs, rank, world)
     total = sum(len(missing) for _, cells in todo for *_, missing in cells)
-    meta = {"model": model_label(config.model), "head_dim": head_dim(model.config), "setup": config.setup,
-            "seed": config.seed, "metric": config.metric,
-            "versions": {"openattention": oa.__version__, "torch": torch.__version__,
-                         "transformers": _transformers_version(), "python": platform.python_version()},
-            "provenance": provenance(model.device)}
+    meta = {
+        "model": model_label(config.model),
+        "head_dim": head_dim(model.config),
+        "setup": config.setup,
+        "seed": config.seed,
+        "metric": config.metric,
+        "versions": {
+            "openattention": oa.__version__,
+            "torch": torch.__version__,
+            "transformers": _transformers_version(),
+            "python": platform.python_version(),
+        },
+        "provenance": provenance(model.device),
+    }
     writer = RecordWriter(out / (f"records-rank{rank}.jsonl" if world > 1 else "records.jsonl"))
     skipped = []
     try:
@@ -150,10 +165,12 @@ def run(config: EvalConfig, model=None, tokenizer=None) -> list[dict] | None:
         writer.close()
     rows = _summarize(out, rank, world)
     if skipped:
-        raise IncompleteRun(f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample, at "
-                            f"their turn and again at the end, and are not in {out}; the summary has the rest. Run the "
-                            "same command again to retry them (with fewer ranks per GPU or a smaller --batch if it "
-                            "happens again)")
+        raise IncompleteRun(
+            f"{len(skipped)} cell(s) on rank {rank} ran out of memory twice with one sample, at "
+            f"their turn and again at the end, and are not in {out}; the summary has the rest. Run the "
+            "same command again to retry them (with fewer ranks per GPU or a smaller --batch if it "
+            "happens again)"
+        )
     return rows
 
 
@@ -162,16 +179,21 @@ def check_generator(records: list[dict], config: EvalConfig, out: Path) -> None:
     generator made: their scores are of other samples and do not compare (a report would have to keep them apart)."""
     others = {generator_of(r) for r in records} - {ruler.GENERATOR, ""}
     if config.metric == "ruler" and others:
-        raise ValueError(f"out: {out} holds RULER records of the generator {', '.join(sorted(others))}, this one is "
-                         f"{ruler.GENERATOR}: their samples differ and their scores do not compare; pass another --out")
+        raise ValueError(
+            f"out: {out} holds RULER records of the generator {', '.join(sorted(others))}, this one is "
+            f"{ruler.GENERATOR}: their samples differ and their scores do not compare; pass another --out"
+        )
 
 
 def _ruler_missing(specs: dict[str, tuple[dict, bool]], config: EvalConfig, done: set[tuple]) -> bool:
     """Whether some RULER cell of the run is not yet ``done``: known without the model or its tokenizer (which the
     units' batches need), from each (task, length)'s samples taken as one unit."""
     every = tuple(range(config.samples))
-    return any(cells_of_unit(specs, config.densities, task, length, every, done)
-               for task in config.tasks for length in config.lengths)
+    return any(
+        cells_of_unit(specs, config.densities, task, length, every, done)
+        for task in config.tasks
+        for length in config.lengths
+    )
 
 
 def _summarize(out: Path, rank: int, world: int) -> list[dict] | None:
@@ -248,15 +270,21 @@ def batch_prompts(tokenizer, batch: list[ruler.Sample]) -> tuple[torch.Tensor, t
     return context_ids, context_mask, torch.stack([encode(tokenizer, s.question) for s in batch])
 
 
-def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict,
-               writer: RecordWriter, rank: int) -> list[tuple]:
+def _run_cells(
+    model, tokenizer, config: EvalConfig, samples: dict, todo, total: int, meta: dict, writer: RecordWriter, rank: int
+) -> list[tuple]:
     """Runs the cells (``WorkQueue`` decides what becomes of those that run out of memory) → the keys of those left
     for a rerun."""
     from tqdm import tqdm
 
     handle = oa.patch(model, {"budget": {"density": 1.0}}, setup=config.setup)
-    bar = tqdm(total=total, desc=f"eval (rank {rank})" if rank else "eval", unit="cell",
-               disable=not config.progress, position=rank)
+    bar = tqdm(
+        total=total,
+        desc=f"eval (rank {rank})" if rank else "eval",
+        unit="cell",
+        disable=not config.progress,
+        position=rank,
+    )
     pad = pad_id(tokenizer)
     device = model.device
     queue = WorkQueue(todo)
@@ -266,23 +294,34 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             batch = [samples[task, length][i] for i in indices]
             context_ids, context_mask, question_ids = batch_prompts(tokenizer, batch)
             question_ids = question_ids.to(device)
-            answer_ids, answer_mask = _padded([encode(tokenizer, reference_answer(s)) for s in batch], pad,
-                                              left=False)
+            answer_ids, answer_mask = _padded([encode(tokenizer, reference_answer(s)) for s in batch], pad, left=False)
             answer_ids, answer_mask = answer_ids.to(device), answer_mask.to(device)
             reset_peak(device)
             start = time.perf_counter()
-            context = retry_after_oom(functools.partial(_prefill, model, context_ids, context_mask, device), handle,
-                                      device)
+            context = retry_after_oom(
+                functools.partial(_prefill, model, context_ids, context_mask, device), handle, device
+            )
             prefill_s, prefill_peak = time.perf_counter() - start, peak_gib(device)
             failed = cells if context is None else []  # this batch's cells that ran out of memory twice
             for cell in cells if context is not None else ():
                 key, spec, missing = cell
                 handle.use(spec)
                 reset_peak(device)
-                answered = retry_after_oom(functools.partial(_answer, model, tokenizer, handle, context, question_ids,
-                                                             answer_ids, answer_mask,
-                                                             config.max_new_tokens or batch[0].max_new_tokens),
-                                           handle, device)
+                answered = retry_after_oom(
+                    functools.partial(
+                        _answer,
+                        model,
+                        tokenizer,
+                        handle,
+                        context,
+                        question_ids,
+                        answer_ids,
+                        answer_mask,
+                        config.max_new_tokens or batch[0].max_new_tokens,
+                    ),
+                    handle,
+                    device,
+                )
                 if answered is None:
                     failed.append(cell)
                     continue
@@ -294,14 +333,32 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
                     if index not in missing:
                         continue
                     output = tokenizer.decode(new[row], skip_special_tokens=True)
-                    writer.write(RulerRecord(
-                        spec=name, density=target, task=task, length=length, sample=index,
-                        score=ruler.score(sample.metric, output, sample.answers), answer_logprob=logprobs[row],
-                        measured_density=density, resolved_spec=resolved, **meta, generator=ruler.GENERATOR,
-                        output=output, answers=sample.answers, prompt_tokens=sample.tokens,
-                        context_tokens=int(context_mask[row].sum()), question_tokens=question_ids.shape[1],
-                        batch=len(indices), prefill_s=round(prefill_s, 3), generate_s=round(seconds, 3),
-                        device=str(device), prefill_peak_gib=prefill_peak, peak_gib=peak))
+                    writer.write(
+                        RulerRecord(
+                            spec=name,
+                            density=target,
+                            task=task,
+                            length=length,
+                            sample=index,
+                            score=ruler.score(sample.metric, output, sample.answers),
+                            answer_logprob=logprobs[row],
+                            measured_density=density,
+                            resolved_spec=resolved,
+                            **meta,
+                            generator=ruler.GENERATOR,
+                            output=output,
+                            answers=sample.answers,
+                            prompt_tokens=sample.tokens,
+                            context_tokens=int(context_mask[row].sum()),
+                            question_tokens=question_ids.shape[1],
+                            batch=len(indices),
+                            prefill_s=round(prefill_s, 3),
+                            generate_s=round(seconds, 3),
+                            device=str(device),
+                            prefill_peak_gib=prefill_peak,
+                            peak_gib=peak,
+                        )
+                    )
                 bar.update(len(missing))
                 release(device)  # ranks sharing a GPU: this cell's peak back to the others
             where = " in the prefill" if context is None else ""
@@ -309,8 +366,10 @@ def _run_cells(model, tokenizer, config: EvalConfig, samples: dict, todo, total:
             if failed:
                 what = queue.out_of_memory(task, length, indices, failed)
                 samples_text = f"sample {indices[0]}" if len(indices) == 1 else f"samples {list(indices)}"
-                bar.write(f"eval (rank {rank}): {len(failed)} cell(s) of {task} ({samples_text}) ran out of memory "
-                          f"twice{where}: {what}")
+                bar.write(
+                    f"eval (rank {rank}): {len(failed)} cell(s) of {task} ({samples_text}) ran out of memory "
+                    f"twice{where}: {what}"
+                )
     finally:
         bar.close()
         handle.unpatch()
@@ -327,8 +386,9 @@ def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_
     """One cell's work on one batch → (new tokens, generation seconds, measured density, answer log-likelihoods)."""
     start = time.perf_counter()
     shared, rest = oa.share_question(model, context, question_ids)  # its leading blocks attended once for both
-    new = oa.generate_from_context(model, shared, rest, max_new_tokens=max_new_tokens,
-                                   pad_token_id=tokenizer.eos_token_id)
+    new = oa.generate_from_context(
+        model, shared, rest, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id
+    )
     seconds = time.perf_counter() - start
     density = handle.stats.density
     handle.reset_stats()
@@ -337,8 +397,9 @@ def _answer(model, tokenizer, handle, context, question_ids, answer_ids, answer_
     return new, seconds, density, logprobs
 
 
-def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: RecordWriter,
-                     rank: int) -> None:
+def _run_error_cells(
+    model, tokenizer, config: EvalConfig, todo, total: int, meta: dict, writer: RecordWriter, rank: int
+) -> None:
     """attention-error (``oa_core.analysis.attention_error``'s protocol): per length, one forward pass over the essay
     haystack captures each layer's attention inputs; a unit is one layer — its first ``length`` keys are the cache,
     the queries of the 256 positions before are QGC's prefill queries, the ``decode`` after are decode queries over
@@ -348,8 +409,13 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
     from oa_core.analysis.attention_error import attend_case, haystack_ids, layer_case
     from oa_core.analysis.offline_model import capture_attention
 
-    bar = tqdm(total=total, desc=f"attention error (rank {rank})" if rank else "attention error", unit="cell",
-               disable=not config.progress, position=rank)
+    bar = tqdm(
+        total=total,
+        desc=f"attention error (rank {rank})" if rank else "attention error",
+        unit="cell",
+        disable=not config.progress,
+        position=rank,
+    )
     captured: dict[int, dict] = {}  # the current length's layers
     try:
         for (_, length, (layer,)), cells in todo:
@@ -362,12 +428,24 @@ def _run_error_cells(model, tokenizer, config: EvalConfig, todo, total: int, met
                 error, stats, pipe, extra = attend_case(spec, case, config.seed, config.diagnostics)
                 error = error.flatten()
                 name, target, *_ = key
-                writer.write(ErrorRecord(
-                    spec=name, density=target, task=ATTENTION_ERROR, length=length, sample=layer,
-                    score=error.mean().item(), answer_logprob=None, measured_density=stats.density,
-                    resolved_spec=pipe.spec.model_dump(mode="json"), **meta, p90_error=error.quantile(0.9).item(),
-                    decode_queries=case.queries.shape[2], seconds=round(time.perf_counter() - start, 3),
-                    diagnostics={k: v.float().mean().item() for k, v in extra.items()}))
+                writer.write(
+                    ErrorRecord(
+                        spec=name,
+                        density=target,
+                        task=ATTENTION_ERROR,
+                        length=length,
+                        sample=layer,
+                        score=error.mean().item(),
+                        answer_logprob=None,
+                        measured_density=stats.density,
+                        resolved_spec=pipe.spec.model_dump(mode="json"),
+                        **meta,
+                        p90_error=error.quantile(0.9).item(),
+                        decode_queries=case.queries.shape[2],
+                        seconds=round(time.perf_counter() - start, 3),
+                        diagnostics={k: v.float().mean().item() for k, v in extra.items()},
+                    )
+                )
                 bar.update()
     finally:
         bar.close()

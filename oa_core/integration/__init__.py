@@ -37,7 +37,24 @@ from oa_core.integration.runtime import (
 )
 from oa_core.integration.stats import GenerationStats, StepRecord
 
-__all__ = ["IMPLEMENTATION", "Context", "GenerationStats", "LayerRuntime", "OpenAttentionHandle", "StepRecord",
-           "answer_logprob", "cache_kwargs", "extend_context", "generate_from_context", "openattention_attention",
-           "patch", "positions", "prefill_context", "register", "runtimes", "share_question", "shared_question_tokens",
-           "unpatch"]
+__all__ = [
+    "IMPLEMENTATION",
+    "Context",
+    "GenerationStats",
+    "LayerRuntime",
+    "OpenAttentionHandle",
+    "StepRecord",
+    "answer_logprob",
+    "cache_kwargs",
+    "extend_context",
+    "generate_from_context",
+    "openattention_attention",
+    "patch",
+    "positions",
+    "prefill_context",
+    "register",
+    "runtimes",
+    "share_question",
+    "shared_question_tokens",
+    "unpatch",
+]

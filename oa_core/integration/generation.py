@@ -55,8 +55,13 @@ def prefill_context(model, input_ids: Tensor, attention_mask: Tensor | None = No
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask),
-                    use_cache=True, **_last_logits_only(model))
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions(attention_mask),
+            use_cache=True,
+            **_last_logits_only(model),
+        )
     return Context(input_ids, attention_mask, _output_cache(out))
 
 
@@ -83,8 +88,10 @@ def _continuation(model, context: Context, question_ids: Tensor):
     layers = runtimes(model)
     for layer, state in (context.states or {}).items():
         if state.pipeline is not layers[layer].pipeline:
-            raise ValueError(f"this context was extended (extend_context) under another spec than layer {layer}'s "
-                             "now: extend the prefilled context again after handle.use")
+            raise ValueError(
+                f"this context was extended (extend_context) under another spec than layer {layer}'s "
+                "now: extend the prefilled context again after handle.use"
+            )
     try:
         for layer, state in (context.states or {}).items():
             layers[layer].live = state.fork()
@@ -99,11 +106,18 @@ def extend_context(model, context: Context, tokens: Tensor) -> Context:
     sparsely in causal blocks, or densely in setup A) → a Context whose continuations start after them, from the
     layers' states as they left them. Valid for the spec in use: after ``handle.use`` extend the prefill again."""
     if tokens.dim() != 2 or tokens.shape[0] != context.input_ids.shape[0] or tokens.shape[1] == 0:
-        raise ValueError(f"extend_context: expected tokens [B={context.input_ids.shape[0]}, T >= 1], got "
-                         f"{tuple(tokens.shape)}")
+        raise ValueError(
+            f"extend_context: expected tokens [B={context.input_ids.shape[0]}, T >= 1], got {tuple(tokens.shape)}"
+        )
     with _continuation(model, context, tokens) as (ids, mask, cache), torch.no_grad():
-        out = model(input_ids=tokens, attention_mask=mask, position_ids=positions(mask)[:, -tokens.shape[1]:],
-                    use_cache=True, **cache_kwargs(model, cache), **_last_logits_only(model))
+        out = model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions(mask)[:, -tokens.shape[1] :],
+            use_cache=True,
+            **cache_kwargs(model, cache),
+            **_last_logits_only(model),
+        )
         states = {layer: runtime.live for layer, runtime in runtimes(model).items() if runtime.live is not None}
     return Context(ids, mask, _output_cache(out), states)
 
@@ -136,11 +150,12 @@ def generate_from_context(model, context: Context, question_ids: Tensor, **gener
     generate_kwargs.setdefault("do_sample", False)
     with _continuation(model, context, question_ids) as (ids, mask, cache), torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), **generate_kwargs)
-    return out[:, ids.shape[1]:]
+    return out[:, ids.shape[1] :]
 
 
-def answer_logprob(model, context: Context, question_ids: Tensor, answer_ids: Tensor,
-                   answer_mask: Tensor | None = None) -> Tensor:
+def answer_logprob(
+    model, context: Context, question_ids: Tensor, answer_ids: Tensor, answer_mask: Tensor | None = None
+) -> Tensor:
     """Teacher-forced log-likelihood of ``answer_ids`` ``[B, A]`` after context + question → ``[B]`` (nats).
 
     ``answer_mask`` ``[B, A]``: answers of different lengths in one batch, right-padded (False: padding, not
@@ -148,8 +163,13 @@ def answer_logprob(model, context: Context, question_ids: Tensor, answer_ids: Te
     tail = torch.cat([question_ids, answer_ids], dim=1)
     with _continuation(model, context, question_ids) as (_, mask, cache), torch.no_grad():
         mask = torch.cat([mask, torch.ones_like(answer_ids)], dim=1)
-        logits = model(input_ids=tail, attention_mask=mask, position_ids=positions(mask)[:, -tail.shape[1]:],
-                       use_cache=True, **cache_kwargs(model, cache)).logits
-    predicted = logits[:, question_ids.shape[1] - 1:-1].float().log_softmax(-1)
+        logits = model(
+            input_ids=tail,
+            attention_mask=mask,
+            position_ids=positions(mask)[:, -tail.shape[1] :],
+            use_cache=True,
+            **cache_kwargs(model, cache),
+        ).logits
+    predicted = logits[:, question_ids.shape[1] - 1 : -1].float().log_softmax(-1)
     token = predicted.gather(-1, answer_ids[..., None]).squeeze(-1)
     return (token if answer_mask is None else token * answer_mask).sum(-1)

@@ -23,7 +23,7 @@ def key_mask(attention_mask: Tensor | None, key: Tensor) -> Tensor:
     """``[B, N]`` valid keys from a 4D prefill mask (the last query row sees every valid key); all True if None."""
     if attention_mask is None:
         return torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
-    row = attention_mask[:, 0, -1, -key.shape[2]:]
+    row = attention_mask[:, 0, -1, -key.shape[2] :]
     # A copy, never a view: the recorded context would keep the whole [B, 1, N, N] mask alive.
     return row.clone() if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
@@ -38,15 +38,21 @@ def model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kw
 
     if attention_mask is None and _grouped_float32_cuda_prefill(module, query, key, kwargs):
         attention_mask = causal_mask(query.shape[2], query.device)
-    return AttentionInterface()["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
-                                        scaling=scaling, **kwargs)
+    return AttentionInterface()["sdpa"](
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
 
 
 def _grouped_float32_cuda_prefill(module, query: Tensor, key: Tensor, kwargs: Mapping[str, Any]) -> bool:
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    return (bool(causal) and query.is_cuda and query.dtype == torch.float32 and key.shape[1] < query.shape[1]
-            and query.shape[2] == key.shape[2] > 1)
+    return (
+        bool(causal)
+        and query.is_cuda
+        and query.dtype == torch.float32
+        and key.shape[1] < query.shape[1]
+        and query.shape[2] == key.shape[2] > 1
+    )
 
 
 def causal_mask(length: int, device: torch.device | str) -> Tensor:

@@ -77,8 +77,9 @@ class LayerRuntime:
 
             if static.prefilled:
                 return static_cache.decode(static, query, key, value, scale)
-            return static_cache.prefill(self, static, module, query, key, value, attention_mask, scaling, dropout,
-                                        scale, **kwargs)
+            return static_cache.prefill(
+                self, static, module, query, key, value, attention_mask, scaling, dropout, scale, **kwargs
+            )
         T, N = query.shape[2], key.shape[2]
         past = N - T
         if self.pipeline is None or past == 0:
@@ -93,15 +94,17 @@ class LayerRuntime:
             state = self._state_for(key, value, past, scale, attention_mask)
             prepare.stop()
             try:
-                return self._attend(state, prepare, module, query, key, value, attention_mask, scaling, dropout,
-                                    **kwargs)
+                return self._attend(
+                    state, prepare, module, query, key, value, attention_mask, scaling, dropout, **kwargs
+                )
             except CacheMismatch:  # raised by the first growth, before anything changed
                 if state is not self.live:
                     raise
                 self.live = None  # a cache of the live state's length, other rows: not its continuation
 
-    def _attend(self, state: PipelineState, prepare: Span, module, query, key, value, attention_mask, scaling,
-                dropout, **kwargs):
+    def _attend(
+        self, state: PipelineState, prepare: Span, module, query, key, value, attention_mask, scaling, dropout, **kwargs
+    ):
         T, past = query.shape[2], key.shape[2] - query.shape[2]
         phase = "question" if T > 1 else "decode"
         attend = Span(key)
@@ -110,8 +113,7 @@ class LayerRuntime:
             state.grow_to(key, value)
             out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.live = state
-            reason = ("dense: question attended densely (setup A)" if dense_question
-                      else f"dense: {state.dense_reason}")
+            reason = "dense: question attended densely (setup A)" if dense_question else f"dense: {state.dense_reason}"
             self.log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
             return out, weights
         pipe = self.pipeline
@@ -120,15 +122,24 @@ class LayerRuntime:
         block = max(pipe.spec.local, 1)
         for first in range(0, T, block):  # a question attends in causal blocks that fit the local window
             last = min(first + block, T)
-            state.grow_to(key[:, :, :past + last], value[:, :, :past + last])  # the cache's rows, not a copy
+            state.grow_to(key[:, :, : past + last], value[:, :, : past + last])  # the cache's rows, not a copy
             out, step = pipe.attend(query[:, :, first:last], state, return_stats=True, causal=True)
             outputs.append(out)
             stats.append(step)
         self.live = state
         proxies = [s.proxies.float().mean() for s in stats if s.proxies is not None]
-        self.log(phase, past, T, dense=False, reason=stats[-1].reason, prepare=prepare, attend=attend.stop(),
-                  density=sum(s.density_tensor for s in stats), proxies=sum(proxies) if proxies else 0.0,
-                  blocks=len(stats))
+        self.log(
+            phase,
+            past,
+            T,
+            dense=False,
+            reason=stats[-1].reason,
+            prepare=prepare,
+            attend=attend.stop(),
+            density=sum(s.density_tensor for s in stats),
+            proxies=sum(proxies) if proxies else 0.0,
+            blocks=len(stats),
+        )
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
     def _record_context(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, scale: float) -> None:
@@ -148,20 +159,31 @@ class LayerRuntime:
         if context is not None and _same_prefix(context.keys, key, past):
             state = context.prepared.get(id(self.pipeline))
             if state is None or state.pipeline is not self.pipeline:
-                state = pipe.prepare(context.keys, context.values, context.queries, context.scale,
-                                     mask=context.mask)
+                state = pipe.prepare(context.keys, context.values, context.queries, context.scale, mask=context.mask)
                 context.prepared[id(self.pipeline)] = state
             return state.fork()
         # A cache this runtime never saw prefilled (e.g. built before patching): no prefill queries to use; the
         # padding comes from this call's mask.
-        return pipe.prepare(key[:, :, :past], value[:, :, :past], None, scale,
-                            mask=key_mask(attention_mask, key)[:, :past])
+        return pipe.prepare(
+            key[:, :, :past], value[:, :, :past], None, scale, mask=key_mask(attention_mask, key)[:, :past]
+        )
 
-    def log(self, phase: str, past: int, tokens: int, dense: bool, reason: str, prepare: Span | float = 0.0,
-             attend: Span | float = 0.0, density: Tensor | float = 1.0, proxies: Tensor | float = 0.0,
-             blocks: int = 1) -> None:
-        self.records.append(StepRecord(self.layer, phase, past, tokens, density, proxies, blocks, dense, reason,
-                                       prepare, attend))
+    def log(
+        self,
+        phase: str,
+        past: int,
+        tokens: int,
+        dense: bool,
+        reason: str,
+        prepare: Span | float = 0.0,
+        attend: Span | float = 0.0,
+        density: Tensor | float = 1.0,
+        proxies: Tensor | float = 0.0,
+        blocks: int = 1,
+    ) -> None:
+        self.records.append(
+            StepRecord(self.layer, phase, past, tokens, density, proxies, blocks, dense, reason, prepare, attend)
+        )
 
 
 def _same_length(known: Tensor, key: Tensor, past: int) -> bool:
@@ -220,8 +242,9 @@ def require_transformers() -> None:
     found = version("transformers")
     if tuple(int(part) for part in re.findall(r"\d+", found)[:2]) < TRANSFORMERS_FLOOR:
         floor = ".".join(map(str, TRANSFORMERS_FLOOR))
-        raise ImportError(f"openattention needs transformers>={floor}, found {found}: "
-                          f"pip install -U 'transformers>={floor}'")
+        raise ImportError(
+            f"openattention needs transformers>={floor}, found {found}: pip install -U 'transformers>={floor}'"
+        )
 
 
 def register() -> None:
@@ -237,12 +260,15 @@ class OpenAttentionHandle:
     """What ``oa.patch`` returns: the patched model's runtimes, their stats, and the way back (also as a context
     manager)."""
 
-    def __init__(self, model, spec, dense_layers: Iterable[int], layer_specs: Mapping[int, Any] | None,
-                 question: Question) -> None:
+    def __init__(
+        self, model, spec, dense_layers: Iterable[int], layer_specs: Mapping[int, Any] | None, question: Question
+    ) -> None:
         attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
         if not attention or not hasattr(model, "config"):
-            raise TypeError(f"{type(model).__name__}: no attention layers with layer_idx found; OpenAttention patches "
-                            "decoder models whose attention goes through transformers' AttentionInterface")
+            raise TypeError(
+                f"{type(model).__name__}: no attention layers with layer_idx found; OpenAttention patches "
+                "decoder models whose attention goes through transformers' AttentionInterface"
+            )
         self.model = model
         self.previous_implementation = model.config._attn_implementation
         self.num_layers = len(attention)
@@ -263,8 +289,9 @@ class OpenAttentionHandle:
         if not 0 <= layer < self.num_layers:
             raise SpecError(f"layers: layer {layer} does not exist (the model has {self.num_layers})")
 
-    def use(self, spec: PipelineSpec | Mapping | str | None = None,
-            layer_specs: Mapping[int, Any] | None = None) -> None:
+    def use(
+        self, spec: PipelineSpec | Mapping | str | None = None, layer_specs: Mapping[int, Any] | None = None
+    ) -> None:
         """Switch to another spec (and per-layer overrides), keeping the recorded contexts: a context prefilled once
         serves every spec."""
         layer_specs = dict(layer_specs or {})
@@ -306,9 +333,15 @@ class OpenAttentionHandle:
         unpatch(self.model)
 
 
-def patch(model, spec: PipelineSpec | Mapping | str | None = None, *, dense_layers: Iterable[int] = (),
-          layer_specs: Mapping[int, Any] | None = None, question: Question | None = None,
-          setup: Literal["A", "B"] | None = None) -> OpenAttentionHandle:
+def patch(
+    model,
+    spec: PipelineSpec | Mapping | str | None = None,
+    *,
+    dense_layers: Iterable[int] = (),
+    layer_specs: Mapping[int, Any] | None = None,
+    question: Question | None = None,
+    setup: Literal["A", "B"] | None = None,
+) -> OpenAttentionHandle:
     """Make ``model`` attend with OpenAttention, in place; returns a handle (``with oa.patch(model, spec): ...``).
 
     ``dense_layers``: layer indices that keep the model's own attention; ``layer_specs``: {layer: spec} overrides;

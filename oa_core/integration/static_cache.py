@@ -83,21 +83,27 @@ class OALayer(StaticLayer):
             return query_length, 0
         decoding = query_length == 1  # a prompt starts the cache anew (``update`` checks that it fits)
         if decoding and not torch.compiler.is_compiling() and int(self.cumulative_length) + 1 > self.max_cache_len:
-            raise ValueError(f"static cache: full at {self.max_cache_len} slots (the prompt and the max_new_tokens "
-                             f"it was made for, {self.max_new_tokens}); make it with max_new_tokens at least "
-                             "generate's")
+            raise ValueError(
+                f"static cache: full at {self.max_cache_len} slots (the prompt and the max_new_tokens "
+                f"it was made for, {self.max_new_tokens}); make it with max_new_tokens at least "
+                "generate's"
+            )
         return self.max_cache_len, 0
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         if key_states.shape[2] > 1 and self.is_initialized and not torch.compiler.is_compiling():
             if self.prefilled:
-                raise ValueError(f"static cache: {key_states.shape[2]} new tokens after its prompt; it decodes one "
-                                 "token per step (call cache.reset() before another prompt; continue a conversation "
-                                 "with the default cache)")
+                raise ValueError(
+                    f"static cache: {key_states.shape[2]} new tokens after its prompt; it decodes one "
+                    "token per step (call cache.reset() before another prompt; continue a conversation "
+                    "with the default cache)"
+                )
             if key_states.shape[2] + self.max_new_tokens > self.max_cache_len:
-                raise ValueError(f"static cache: a prompt of {key_states.shape[2]} tokens and {self.max_new_tokens} "
-                                 f"new ones do not fit its capacity of {self.max_cache_len} (set by the first prompt); "
-                                 "make a new cache")
+                raise ValueError(
+                    f"static cache: a prompt of {key_states.shape[2]} tokens and {self.max_new_tokens} "
+                    f"new ones do not fit its capacity of {self.max_cache_len} (set by the first prompt); "
+                    "make a new cache"
+                )
         self.runtime.static = self
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -118,13 +124,25 @@ class OACache(Cache):
         for layer, runtime in sorted(runtimes.items()):
             why = unsupported(runtime.pipeline) if runtime.pipeline is not None else None
             if why:
-                raise ValueError(f"static cache: layer {layer}'s spec cannot run on the fast path: {why}; use the "
-                                 "default cache")
+                raise ValueError(
+                    f"static cache: layer {layer}'s spec cannot run on the fast path: {why}; use the default cache"
+                )
         super().__init__(layers=[OALayer(runtimes[layer], max_new_tokens) for layer in sorted(runtimes)])
 
 
-def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling,
-            dropout, scale: float, **kwargs) -> tuple[Tensor, None]:
+def prefill(
+    runtime,
+    layer: OALayer,
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    scaling,
+    dropout,
+    scale: float,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """The prompt (of any length, one token included): the model's own dense attention over its rows, then the
     layer's state prepared from them (the last prefill queries give QGC its geometry) and moved into static
     buffers."""
@@ -142,8 +160,9 @@ def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: 
         return out, weights
     prepare = Span(key)
     try:
-        state = runtime.pipeline.prepare(key[:, :, :n], value[:, :, :n], recorded_queries(query, mask), scale,
-                                         mask=mask)
+        state = runtime.pipeline.prepare(
+            key[:, :, :n], value[:, :, :n], recorded_queries(query, mask), scale, mask=mask
+        )
         layer.state = StaticState.from_state(state, layer.max_cache_len, layer.cumulative_length)
         layer.state.key = next(_KEYS)  # a new key per state: a compiled step never reaches a state it was not made for
         _STATES[layer.state.key] = layer.state
@@ -151,14 +170,20 @@ def prefill(runtime, layer: OALayer, module, query: Tensor, key: Tensor, value: 
             torch._dynamo.mark_static_address(buffer)
     except StaticUnsupported as why:
         layer.dense_reason = f"dense: {why}"
-    runtime.log("prefill", 0, n, dense=True, reason=layer.dense_reason or "dense prefill (static cache)",
-                prepare=prepare.stop())
+    runtime.log(
+        "prefill", 0, n, dense=True, reason=layer.dense_reason or "dense prefill (static cache)", prepare=prepare.stop()
+    )
     if layer.state is not None:  # the steps run inside the compiled step: one record says what each will read
         lengths = mask.sum(-1)
-        runtime.log("decode", n, 0, dense=False, density=float((runtime.pipeline.spec.budget.rows(lengths)
-                                                                / lengths).mean()),
-                    reason="static cache: each decode step reads this budget (steps are not recorded one by one; "
-                    + ("the kernel's fused step)" if layer.state.fused is not None else "each component in turn)"))
+        runtime.log(
+            "decode",
+            n,
+            0,
+            dense=False,
+            density=float((runtime.pipeline.spec.budget.rows(lengths) / lengths).mean()),
+            reason="static cache: each decode step reads this budget (steps are not recorded one by one; "
+            + ("the kernel's fused step)" if layer.state.fused is not None else "each component in turn)"),
+        )
     return out, weights
 
 

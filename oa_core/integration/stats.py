@@ -107,7 +107,9 @@ class GenerationStats:
         sparse = self.sparse()
         reasons = sorted({r.reason for r in self.records if r.phase != "prefill"})
         proxies = sum(r.proxies for r in sparse) / len(sparse) if sparse else 0.0
-        return (f"{len(sparse)} sparse and {len(self.records) - len(sparse)} dense layer calls; read density "
-                f"{self.density:.4f} (sparse calls), {proxies:.1f} proxies per query head; prepare "
-                f"{self.prepare_seconds:.2f} s, sparse attend {self.attend_seconds:.2f} s"
-                + "".join(f"; {reason}" for reason in reasons))
+        return (
+            f"{len(sparse)} sparse and {len(self.records) - len(sparse)} dense layer calls; read density "
+            f"{self.density:.4f} (sparse calls), {proxies:.1f} proxies per query head; prepare "
+            f"{self.prepare_seconds:.2f} s, sparse attend {self.attend_seconds:.2f} s"
+            + "".join(f"; {reason}" for reason in reasons)
+        )

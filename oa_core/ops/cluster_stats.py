@@ -18,8 +18,9 @@ from oa_core.ops.scatter import min_by_slot, sum_by_slot
 from oa_core.ops.triton_path import tl, triton
 
 
-def cluster_logit_stats(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float,
-                        use_triton: bool | None = None) -> tuple[Tensor, Tensor]:
+def cluster_logit_stats(
+    query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float, use_triton: bool | None = None
+) -> tuple[Tensor, Tensor]:
     """query ``[B, Hq, T, D]``, key_mean / key_var ``[B, Hkv, C, D]`` → (z̄, σ̂²), each ``[B, Hkv, g, T, C]``, in the
     moments' dtype (float32 from the pipeline). ``use_triton``: None runs the kernel on CUDA tensors and torch
     elsewhere; True runs it wherever Triton can (on the CPU: under ``TRITON_INTERPRET=1``)."""
@@ -31,12 +32,15 @@ def cluster_logit_stats(query: Tensor, key_mean: Tensor, key_var: Tensor, scale:
     if use_triton and triton_path.unavailable_reason(query.device) is None and key_mean.dtype == torch.float32:
         return _stats_triton(query, key_mean, key_var, scale)
     q = query.to(key_mean.dtype).reshape(B, Hkv, g, T, D)
-    return (scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
-            scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var))
+    return (
+        scale * torch.einsum("bhgtd,bhcd->bhgtc", q, key_mean),
+        scale**2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, key_var),
+    )
 
 
-def cluster_logit_stats_from_sums(query: Tensor, count: Tensor, key_sum: Tensor, key_square_sum: Tensor,
-                                  scale: float) -> tuple[Tensor, Tensor]:
+def cluster_logit_stats_from_sums(
+    query: Tensor, count: Tensor, key_sum: Tensor, key_square_sum: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
     """``cluster_logit_stats`` from the pooled sums themselves (count ``[B, Hkv, C]``, Σk and Σk⊙k
     ``[B, Hkv, C, D]``, float32): k̄_b = Σk/n_b and Var_b(k) = Σk⊙k/n_b − k̄_b² (0 at least; n_b ≥ 1), computed
     inside the kernel on CUDA — the fast decode path's step, where the sums change every token."""
@@ -53,8 +57,16 @@ def moments_from_sums(count: Tensor, key_sum: Tensor, key_square_sum: Tensor) ->
     return mean, (key_square_sum / n - mean * mean).clamp_min(0)
 
 
-def tail_logit_variance(query: Tensor, read_logits: Tensor, read_cluster: Tensor, count: Tensor, key_sum: Tensor,
-                        key_square_sum: Tensor, tail_count: Tensor, scale: float) -> Tensor:
+def tail_logit_variance(
+    query: Tensor,
+    read_logits: Tensor,
+    read_cluster: Tensor,
+    count: Tensor,
+    key_sum: Tensor,
+    key_square_sum: Tensor,
+    tail_count: Tensor,
+    scale: float,
+) -> Tensor:
     """The second-order proxy's σ̂_T² (docs/design.md, step 7), 0 at least, ``[B, Hkv, g, T, C]``: each cluster's
     diagonal logit variance σ̂_b² with the rows read taken out exactly, (n_b·σ̂_b² − D2 − D1²/n_T)/n_T, where
     D1 = Σ_{X∩b} (z_i − z̄_b) and D2 = Σ_{X∩b} (z_i − z̄_b)²; at most (M_b − z̄_T)², M_b the least logit read from b
@@ -79,8 +91,9 @@ def tail_logit_variance(query: Tensor, read_logits: Tensor, read_cluster: Tensor
 BLOCK_C = 16  # clusters per program
 
 
-def _stats_triton(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float,
-                  count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _stats_triton(
+    query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float, count: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """With ``count``, ``key_mean`` and ``key_var`` are the pooled Σk and Σk⊙k, turned into moments in the kernel."""
     B, Hq, T, D = query.shape
     Hkv, C = key_mean.shape[1:3]
@@ -90,17 +103,43 @@ def _stats_triton(query: Tensor, key_mean: Tensor, key_var: Tensor, scale: float
     if mean_logit.numel():
         grid = (B * Hkv, triton.cdiv(C, BLOCK_C))
         counts = count.contiguous() if count is not None else mean_logit  # never read without FROM_SUMS
-        _cluster_stats[grid](query.contiguous(), key_mean.contiguous(), key_var.contiguous(), counts, mean_logit,
-                             logit_var, C, D, g * T, scale, FROM_SUMS=count is not None, BLOCK_C=BLOCK_C,
-                             BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        _cluster_stats[grid](
+            query.contiguous(),
+            key_mean.contiguous(),
+            key_var.contiguous(),
+            counts,
+            mean_logit,
+            logit_var,
+            C,
+            D,
+            g * T,
+            scale,
+            FROM_SUMS=count is not None,
+            BLOCK_C=BLOCK_C,
+            BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4,
+        )
     return mean_logit, logit_var
 
 
 if triton is not None:
 
     @triton.jit
-    def _cluster_stats(Q, MEAN, VAR, COUNT, MEAN_LOGIT, LOGIT_VAR, C, D, ROWS, scale, FROM_SUMS: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _cluster_stats(
+        Q,
+        MEAN,
+        VAR,
+        COUNT,
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        C,
+        D,
+        ROWS,
+        scale,
+        FROM_SUMS: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """One program per (batch row, KV head, block of BLOCK_C clusters): the block's moments stay in registers
         while each of the head's ROWS = g·T query rows (a KV head's query heads are adjacent) takes two dot products
         per cluster."""

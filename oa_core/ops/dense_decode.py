@@ -36,17 +36,37 @@ def dense_decode(query: Tensor, keys: Tensor, values: Tensor, length: Tensor, st
     den = torch.empty_like(m)
     acc = torch.empty(B, Hkv, splits, G, D, device=query.device, dtype=torch.float32)
     block_g = max(16, triton.next_power_of_2(G))
-    _split_pass[(B * Hkv, splits)](q, k, v, length, start, m, den, acc, Hkv, capacity, splits, scale,
-                                   G=G, BLOCK_G=block_g, D=D, BLOCK_D=triton.next_power_of_2(D), SPLIT=SPLIT,
-                                   BLOCK_N=BLOCK_N, HALF=triton_path.tensor_core_dots(query.dtype))
+    _split_pass[(B * Hkv, splits)](
+        q,
+        k,
+        v,
+        length,
+        start,
+        m,
+        den,
+        acc,
+        Hkv,
+        capacity,
+        splits,
+        scale,
+        G=G,
+        BLOCK_G=block_g,
+        D=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        SPLIT=SPLIT,
+        BLOCK_N=BLOCK_N,
+        HALF=triton_path.tensor_core_dots(query.dtype),
+    )
     out = torch.empty(B, Hkv, G, D, device=query.device, dtype=query.dtype)
-    _merge[(B * Hkv * G,)](m, den, acc, out, splits, G, D=D, BLOCK_D=triton.next_power_of_2(D),
-                           BLOCK_S=triton.next_power_of_2(splits))
+    _merge[(B * Hkv * G,)](
+        m, den, acc, out, splits, G, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=triton.next_power_of_2(splits)
+    )
     return out.view(B, Hq, T, D)
 
 
-def dense_decode_reference(query: Tensor, keys: Tensor, values: Tensor, length: Tensor, start: Tensor,
-                           scale: float) -> Tensor:
+def dense_decode_reference(
+    query: Tensor, keys: Tensor, values: Tensor, length: Tensor, start: Tensor, scale: float
+) -> Tensor:
     """``dense_decode`` in torch, float32: softmax over the valid slots of each row."""
     B, Hq, T, D = query.shape
     Hkv, capacity = keys.shape[1], keys.shape[2]
@@ -61,9 +81,27 @@ def dense_decode_reference(query: Tensor, keys: Tensor, values: Tensor, length: 
 if triton is not None:
 
     @triton.jit
-    def _split_pass(Q, K, V, LENGTH, START, M, DEN, ACC, Hkv, CAP, SPLITS, scale,
-                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    def _split_pass(
+        Q,
+        K,
+        V,
+        LENGTH,
+        START,
+        M,
+        DEN,
+        ACC,
+        Hkv,
+        CAP,
+        SPLITS,
+        scale,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         """Program (batch row · KV head, split): the split's valid slots, all G query heads of the group at once."""
         head = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
@@ -75,8 +113,9 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         g_ok = offs_g < G
         d_ok = offs_d < D
-        q = tl.load(Q + (head * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        q = tl.load(
+            Q + (head * G + offs_g[:, None]) * D + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+        )
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -119,7 +158,6 @@ if triton is not None:
         top = tl.max(m, axis=0)
         weight = tl.where(s_ok & (m > float("-inf")), tl.exp(m - top), 0.0)
         den = tl.sum(weight * tl.load(DEN + part, mask=s_ok, other=0.0), axis=0)
-        acc = tl.load(ACC + part[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < D),
-                      other=0.0)
+        acc = tl.load(ACC + part[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         out = tl.sum(acc * weight[:, None], axis=0) / den
         tl.store(OUT + row * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)

@@ -28,12 +28,12 @@ def on_gpu(tensor: Tensor) -> bool:
 def check_rank(component: str, rank: int, head_dim: int) -> None:
     """A subspace of ``rank`` dimensions must fit the head dim (a clear error where it would silently shrink)."""
     if rank > head_dim:
-        raise ValueError(f"{component}: rank {rank} is larger than the head dim {head_dim}; a rank of at most "
-                         f"{head_dim} fits")
+        raise ValueError(
+            f"{component}: rank {rank} is larger than the head dim {head_dim}; a rank of at most {head_dim} fits"
+        )
 
 
-def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int,
-                   window: int) -> tuple[Tensor, Tensor]:
+def query_geometry(keys: Tensor, queries: Tensor | None, mask: Tensor, rank: int, window: int) -> tuple[Tensor, Tensor]:
     """Top-``rank`` eigenpairs of the query second moment per KV head.
 
     keys ``[B, Hkv, N, D]``, queries ``[B, Hq, M, D]`` or None (then the second moment of the keys ``mask`` ``[B, N]``
@@ -86,8 +86,14 @@ def top_eigenpairs(moment: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     return tuple(t.to(moment.device) for t in torch.linalg.eigh(moment.cpu()))
 
 
-def subspace_eigenpairs(moment: Tensor, rank: int, tol: float = 1e-9, energy_tol: float = 1e-6,
-                        check_every: int = 8, max_iterations: int = 1000) -> tuple[Tensor, Tensor]:
+def subspace_eigenpairs(
+    moment: Tensor,
+    rank: int,
+    tol: float = 1e-9,
+    energy_tol: float = 1e-6,
+    check_every: int = 8,
+    max_iterations: int = 1000,
+) -> tuple[Tensor, Tensor]:
     """Top-``rank`` eigenpairs of symmetric PSD ``[P, D, D]`` float64 matrices by block subspace iteration on M²
     with Rayleigh–Ritz: a block of 2·rank orthonormal columns (a fixed seeded start: the same on every device) is
     multiplied by M² and re-orthonormalised (``orthonormalize``: one Gram–Schmidt pass, two before a check) until,
@@ -145,8 +151,16 @@ def orthonormalize(columns: Tensor, passes: int = 2) -> Tensor:
         *lead, D, b = columns.shape
         flat = columns.reshape(-1, D, b).contiguous()
         out = torch.empty_like(flat)
-        _gram_schmidt[(flat.shape[0],)](flat, out, D, b, BLOCK_D=triton.next_power_of_2(D),
-                                        BLOCK_B=triton.next_power_of_2(b), PASSES=passes, num_warps=8)
+        _gram_schmidt[(flat.shape[0],)](
+            flat,
+            out,
+            D,
+            b,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_B=triton.next_power_of_2(b),
+            PASSES=passes,
+            num_warps=8,
+        )
         return out.reshape(columns.shape)
     return torch.linalg.qr(columns).Q
 
@@ -191,9 +205,19 @@ def project(keys: Tensor, basis: Tensor) -> Tensor:
     out = torch.empty(B, H, N, r, dtype=torch.float32, device=keys.device)
     if out.numel():
         block_n = 64
-        _project[(triton.cdiv(N, block_n), B * H)](keys, basis.float().contiguous(), out, N, H, *keys.stride()[:3], D=D,
-                                                  R=r, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                                                  BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_N=block_n)
+        _project[(triton.cdiv(N, block_n), B * H)](
+            keys,
+            basis.float().contiguous(),
+            out,
+            N,
+            H,
+            *keys.stride()[:3],
+            D=D,
+            R=r,
+            BLOCK_D=max(16, triton.next_power_of_2(D)),
+            BLOCK_R=max(16, triton.next_power_of_2(r)),
+            BLOCK_N=block_n,
+        )
     return out
 
 
@@ -220,8 +244,21 @@ if triton is not None:
         tl.store(OUT + at, y, mask=inside)
 
     @triton.jit
-    def _project(K, BASIS, OUT, N, H, kb, kh, kn, D: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _project(
+        K,
+        BASIS,
+        OUT,
+        N,
+        H,
+        kb,
+        kh,
+        kn,
+        D: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Program (block of rows, batch row · head): its rows' projections on the head's basis."""
         bh = tl.program_id(1).to(tl.int64)
         b, h = bh // H, bh % H
@@ -229,9 +266,11 @@ if triton is not None:
         offs_d = tl.arange(0, BLOCK_D)
         offs_r = tl.arange(0, BLOCK_R)
         in_n, in_d, in_r = offs_n < N, offs_d < D, offs_r < R
-        k = tl.load(K + b * kb + h * kh + offs_n[:, None] * kn + offs_d[None, :], mask=in_n[:, None] & in_d[None, :],
-                    other=0.0).to(tl.float32)
-        basis = tl.load(BASIS + (bh * D + offs_d[:, None]) * R + offs_r[None, :], mask=in_d[:, None] & in_r[None, :],
-                        other=0.0)
+        k = tl.load(
+            K + b * kb + h * kh + offs_n[:, None] * kn + offs_d[None, :], mask=in_n[:, None] & in_d[None, :], other=0.0
+        ).to(tl.float32)
+        basis = tl.load(
+            BASIS + (bh * D + offs_d[:, None]) * R + offs_r[None, :], mask=in_d[:, None] & in_r[None, :], other=0.0
+        )
         out = tl.dot(k, basis, input_precision="tf32x3")
         tl.store(OUT + (bh * N + offs_n[:, None]) * R + offs_r[None, :], out, mask=in_n[:, None] & in_r[None, :])

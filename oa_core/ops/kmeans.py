@@ -32,8 +32,9 @@ def plus_plus_block(block_r: int) -> int:
     return min(4096, 2**18 // block_r)
 
 
-def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
-          generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def lloyd(
+    points: Tensor, mask: Tensor, num_clusters: int, iterations: int, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
     """Seeded k-means++ initialisation, then Lloyd iterations, batched over leading dims, on the points ``mask``
     selects.
 
@@ -54,8 +55,9 @@ def lloyd(points: Tensor, mask: Tensor, num_clusters: int, iterations: int,
     return assignment.reshape(*lead, n), centroids.reshape(*lead, num_clusters, r)
 
 
-def lloyd_iterations(points: Tensor, weight: Tensor, centroids: Tensor, iterations: int,
-                     check_every: int | None = None) -> tuple[Tensor, Tensor]:
+def lloyd_iterations(
+    points: Tensor, weight: Tensor, centroids: Tensor, iterations: int, check_every: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Lloyd from ``centroids`` ``[P, C, r]``: points ``[P, n, r]``, weight ``[P, n]`` (0: not a point) → (each
     point's nearest centroid ``[P, n]``, the centroids it is nearest to ``[P, C, r]``), after ``iterations`` at most
     of: each cluster's mean of its points (an emptied cluster keeps its centre), then each point's nearest mean.
@@ -79,8 +81,9 @@ def lloyd_iterations(points: Tensor, weight: Tensor, centroids: Tensor, iteratio
     return assignment, centroids
 
 
-def _lloyd_triton(points: Tensor, weight: Tensor, centroids: Tensor, iterations: int,
-                  check_every: int) -> tuple[Tensor, Tensor]:
+def _lloyd_triton(
+    points: Tensor, weight: Tensor, centroids: Tensor, iterations: int, check_every: int
+) -> tuple[Tensor, Tensor]:
     """``lloyd_iterations`` on the Triton kernel ``_lloyd_step``, one launch per iteration (launch 0: the first
     assignment). A launch assigns each point, adds the points that changed cluster to their new cluster's sums and
     takes them from their old one's (float64 deltas: few points move after the first iterations, where every point
@@ -105,8 +108,25 @@ def _lloyd_triton(points: Tensor, weight: Tensor, centroids: Tensor, iterations:
     block_n = lloyd_block(block_r)
     grid = (triton.cdiv(n, block_n), P)
     for i in range(iterations + 1):
-        _lloyd_step[grid](x, w, cents[i % 2], cents[(i + 1) % 2], assignment, sums[0], sums[1], arrived, moved[i:],
-                          n, C, R=r, BLOCK_R=block_r, BLOCK_C=32, BLOCK_N=block_n, PRECISION="tf32x3", FIRST=i == 0)
+        _lloyd_step[grid](
+            x,
+            w,
+            cents[i % 2],
+            cents[(i + 1) % 2],
+            assignment,
+            sums[0],
+            sums[1],
+            arrived,
+            moved[i:],
+            n,
+            C,
+            R=r,
+            BLOCK_R=block_r,
+            BLOCK_C=32,
+            BLOCK_N=block_n,
+            PRECISION="tf32x3",
+            FIRST=i == 0,
+        )
         if i and i % check_every == 0 and not bool(moved[i]):
             break
     return assignment, cents[i % 2]  # the centroids of the last launch's assignment
@@ -147,9 +167,22 @@ def kmeans_plus_plus_triton(points: Tensor, weight: Tensor, draws: Tensor, block
     closest = torch.empty(P, n, dtype=torch.float32, device=points.device)
     block_n = min(block_n or plus_plus_block(triton.next_power_of_2(r)), max(16, triton.next_power_of_2(n)))
     blocks = triton.cdiv(n, block_n)
-    _kmeans_plus_plus[(P,)](points.float().contiguous(), weight.float().contiguous(), draws.double().contiguous(),
-                            centroids, closest, n, C, P, blocks, R=r, BLOCK_R=triton.next_power_of_2(r),
-                            BLOCK_N=block_n, BLOCKS=triton.next_power_of_2(blocks), num_warps=32)
+    _kmeans_plus_plus[(P,)](
+        points.float().contiguous(),
+        weight.float().contiguous(),
+        draws.double().contiguous(),
+        centroids,
+        closest,
+        n,
+        C,
+        P,
+        blocks,
+        R=r,
+        BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_N=block_n,
+        BLOCKS=triton.next_power_of_2(blocks),
+        num_warps=32,
+    )
     return centroids
 
 
@@ -196,16 +229,30 @@ def nearest_triton(points: Tensor, centroids: Tensor, block_n: int | None = None
     block_r = max(16, triton.next_power_of_2(r))
     block_n = block_n or lloyd_block(block_r)
     if out.numel():
-        _nearest[(triton.cdiv(n, block_n), flat.shape[0])](flat, centres, out, n, C, R=r, BLOCK_R=block_r,
-                                                            BLOCK_C=32, BLOCK_N=block_n, PRECISION=precision)
+        _nearest[(triton.cdiv(n, block_n), flat.shape[0])](
+            flat, centres, out, n, C, R=r, BLOCK_R=block_r, BLOCK_C=32, BLOCK_N=block_n, PRECISION=precision
+        )
     return out.reshape(*lead, n)
 
 
 if triton is not None:
 
     @triton.jit
-    def _kmeans_plus_plus(X, W, DRAWS, CENT, CLOSEST, n, C, P, nb, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    def _kmeans_plus_plus(
+        X,
+        W,
+        DRAWS,
+        CENT,
+        CLOSEST,
+        n,
+        C,
+        P,
+        nb,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCKS: tl.constexpr,
+    ):
         """Program (row p): its C k-means++ picks. CLOSEST holds weight·(squared distance to the nearest centre); the
         registers hold its ``nb`` block totals (``block_sums``) and the weights' (``weight_sums``), float64."""
         p = tl.program_id(0).to(tl.int64)
@@ -245,8 +292,9 @@ if triton is not None:
             for b in range(nb):
                 offs = b * BLOCK_N + tl.arange(0, BLOCK_N)
                 in_n = offs < n
-                x = tl.load(X + (p * n + offs[:, None]) * R + offs_r[None, :], mask=in_n[:, None] & in_r[None, :],
-                            other=0.0)
+                x = tl.load(
+                    X + (p * n + offs[:, None]) * R + offs_r[None, :], mask=in_n[:, None] & in_r[None, :], other=0.0
+                )
                 diff = x - centre[None, :]
                 d = tl.sum(diff * diff, axis=1) * tl.load(W + p * n + offs, mask=in_n, other=0.0)
                 if j > 0:
@@ -261,8 +309,17 @@ if triton is not None:
             tl.debug_barrier()  # the next pick reads CLOSEST in another layout: other threads' stores, visible
 
     @triton.jit
-    def _nearest_centroid(x, CENT, p, C, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                          BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    def _nearest_centroid(
+        x,
+        CENT,
+        p,
+        C,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """Points ``x`` ``[BLOCK_N, BLOCK_R]`` → each one's argmin over problem p's centroids CENT ``[C, R]`` of
         ‖μ‖² − 2·x·μ, first of equals, a tile of BLOCK_C centroids at a time (the distances stay in registers)."""
         offs_r = tl.arange(0, BLOCK_R)
@@ -271,8 +328,11 @@ if triton is not None:
         for c0 in range(0, C, BLOCK_C):
             offs_c = c0 + tl.arange(0, BLOCK_C)
             in_c = offs_c < C
-            centre = tl.load(CENT + (p * C + offs_c[:, None]) * R + offs_r[None, :],
-                             mask=in_c[:, None] & (offs_r[None, :] < R), other=0.0)
+            centre = tl.load(
+                CENT + (p * C + offs_c[:, None]) * R + offs_r[None, :],
+                mask=in_c[:, None] & (offs_r[None, :] < R),
+                other=0.0,
+            )
             norm = tl.sum(centre * centre, axis=1)
             distance = norm[None, :] - 2 * tl.dot(x, tl.trans(centre), input_precision=PRECISION)
             distance = tl.where(in_c[None, :], distance, float("inf"))
@@ -289,23 +349,51 @@ if triton is not None:
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         in_n = offs_n < n
-        x = tl.load(X + (p * n + offs_n[:, None]) * R + offs_r[None, :], mask=in_n[:, None] & (offs_r[None, :] < R),
-                    other=0.0)
+        x = tl.load(
+            X + (p * n + offs_n[:, None]) * R + offs_r[None, :], mask=in_n[:, None] & (offs_r[None, :] < R), other=0.0
+        )
         return x, offs_n, in_n
 
     @triton.jit
-    def _nearest(X, CENT, OUT, n, C, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    def _nearest(
+        X,
+        CENT,
+        OUT,
+        n,
+        C,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """Program (block of points, problem): each point's nearest centroid."""
         p = tl.program_id(1).to(tl.int64)
         x, offs_n, in_n = _load_points(X, p, n, R, BLOCK_R, BLOCK_N)
-        tl.store(OUT + p * n + offs_n, _nearest_centroid(x, CENT, p, C, R, BLOCK_R, BLOCK_C, BLOCK_N, PRECISION),
-                 mask=in_n)
+        tl.store(
+            OUT + p * n + offs_n, _nearest_centroid(x, CENT, p, C, R, BLOCK_R, BLOCK_C, BLOCK_N, PRECISION), mask=in_n
+        )
 
     @triton.jit
-    def _lloyd_step(X, W, CENT, CENT_NEXT, ASSIGNMENT, SUMS, DELTAS, ARRIVED, MOVED, n, C, R: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                    FIRST: tl.constexpr):
+    def _lloyd_step(
+        X,
+        W,
+        CENT,
+        CENT_NEXT,
+        ASSIGNMENT,
+        SUMS,
+        DELTAS,
+        ARRIVED,
+        MOVED,
+        n,
+        C,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+        FIRST: tl.constexpr,
+    ):
         """Program (block of points, problem): one Lloyd iteration's assignment and its share of the next means.
 
         Each point of the block takes its nearest centroid in CENT (ASSIGNMENT, in place); one that changed cluster
@@ -330,13 +418,13 @@ if triton is not None:
             go = changed & (w != 0)
             xd, wd = x.to(tl.float64), w.to(tl.float64)
             into = (p * C + best) * (R + 1)
-            tl.atomic_add(DELTAS + into[:, None] + offs_r[None, :], xd, mask=go[:, None] & in_r[None, :],
-                          sem="relaxed")
+            tl.atomic_add(DELTAS + into[:, None] + offs_r[None, :], xd, mask=go[:, None] & in_r[None, :], sem="relaxed")
             tl.atomic_add(DELTAS + into + R, wd, mask=go, sem="relaxed")
             if not FIRST:
                 out_of = (p * C + before) * (R + 1)
-                tl.atomic_add(DELTAS + out_of[:, None] + offs_r[None, :], -xd, mask=go[:, None] & in_r[None, :],
-                              sem="relaxed")
+                tl.atomic_add(
+                    DELTAS + out_of[:, None] + offs_r[None, :], -xd, mask=go[:, None] & in_r[None, :], sem="relaxed"
+                )
                 tl.atomic_add(DELTAS + out_of + R, -wd, mask=go, sem="relaxed")
         # Every thread's adds are done (the barrier) and released (the arrival's release) before the last program's
         # acquire: it reads them past L1 (.cg).
@@ -347,16 +435,21 @@ if triton is not None:
                 in_c = offs_c < C
                 tile = in_c[:, None] & in_r[None, :]
                 row = (p * C + offs_c) * (R + 1)
-                sums = tl.load(SUMS + row[:, None] + offs_r[None, :], mask=tile, other=0.0, cache_modifier=".cg") + \
-                    tl.load(DELTAS + row[:, None] + offs_r[None, :], mask=tile, other=0.0, cache_modifier=".cg")
-                count = tl.load(SUMS + row + R, mask=in_c, other=0.0, cache_modifier=".cg") + \
-                    tl.load(DELTAS + row + R, mask=in_c, other=0.0, cache_modifier=".cg")
+                sums = tl.load(
+                    SUMS + row[:, None] + offs_r[None, :], mask=tile, other=0.0, cache_modifier=".cg"
+                ) + tl.load(DELTAS + row[:, None] + offs_r[None, :], mask=tile, other=0.0, cache_modifier=".cg")
+                count = tl.load(SUMS + row + R, mask=in_c, other=0.0, cache_modifier=".cg") + tl.load(
+                    DELTAS + row + R, mask=in_c, other=0.0, cache_modifier=".cg"
+                )
                 tl.store(SUMS + row[:, None] + offs_r[None, :], sums, mask=tile)
                 tl.store(SUMS + row + R, count, mask=in_c)
                 tl.store(DELTAS + row[:, None] + offs_r[None, :], tl.zeros([BLOCK_C, BLOCK_R], tl.float64), mask=tile)
                 tl.store(DELTAS + row + R, tl.zeros([BLOCK_C], tl.float64), mask=in_c)
                 centre = tl.load(CENT + (p * C + offs_c[:, None]) * R + offs_r[None, :], mask=tile, other=0.0)
                 mean = tl.div_rn(sums.to(tl.float32), tl.maximum(count, 1.0).to(tl.float32)[:, None])
-                tl.store(CENT_NEXT + (p * C + offs_c[:, None]) * R + offs_r[None, :],
-                         tl.where(count[:, None] > 0, mean, centre), mask=tile)
+                tl.store(
+                    CENT_NEXT + (p * C + offs_c[:, None]) * R + offs_r[None, :],
+                    tl.where(count[:, None] > 0, mean, centre),
+                    mask=tile,
+                )
             tl.store(ARRIVED + p, 0)

@@ -114,16 +114,28 @@ def _build() -> ctypes.CDLL:
             source = Path(work) / "oa_native.cpp"
             source.write_text(SOURCE)
             built = Path(work) / target.name
-            done = subprocess.run([compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run(
+                [compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
+            )
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.oa_select_per_cluster.restype = None
-    library.oa_select_per_cluster.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    library.oa_select_per_cluster.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+    ]
     return library
 
 
@@ -140,8 +152,12 @@ def library() -> ctypes.CDLL | None:
                 _reason = str(exc)
     if _library is None and not _warned and _reason != "OA_NATIVE=0":
         _warned = True
-        warnings.warn(f"openattention: the CPU's compiled selection is unavailable ({_reason}); the torch reference "
-                      "runs instead (the same positions, slower)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"openattention: the CPU's compiled selection is unavailable ({_reason}); the torch reference "
+            "runs instead (the same positions, slower)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return _library
 
 
@@ -167,6 +183,18 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     if rows and wide:
         lib = library()
         assert lib is not None  # the caller checked (above)
-        lib.oa_select_per_cluster(scores.data_ptr(), rows, N, members.data_ptr(), members.stride(1), C, S,
-                                  counts.data_ptr(), quotas.data_ptr(), Gs * T, out.data_ptr(), wide)
+        lib.oa_select_per_cluster(
+            scores.data_ptr(),
+            rows,
+            N,
+            members.data_ptr(),
+            members.stride(1),
+            C,
+            S,
+            counts.data_ptr(),
+            quotas.data_ptr(),
+            Gs * T,
+            out.data_ptr(),
+            wide,
+        )
     return out.view(B, Hkv, Gs, T, wide)

@@ -26,8 +26,9 @@ def exact_logits(query: Tensor, keys: Tensor, scale: float) -> Tensor:
     return logits.view(B, Hkv, Gs, G, T, -1).amax(3)
 
 
-def rerank_exact(scores: Tensor, query: Tensor, keys: Tensor, scale: float, multiple: float, budget: Tensor,
-                 width: int) -> Tensor:
+def rerank_exact(
+    scores: Tensor, query: Tensor, keys: Tensor, scale: float, multiple: float, budget: Tensor, width: int
+) -> Tensor:
     """scores ``[B, Hkv, Gs, T, N]`` (-inf: not selectable), query ``[B, Hkv, Gs, G, T, D]``, keys ``[B, Hkv, N, D]``
     → scores of the same shape where each row's shortlist — its best ⌈``multiple`` × budget⌉ positions by
     ``scores``, budget ``[B, Hkv, 1, 1]`` the row's selectable rows, at most ``width`` (a bound known on the host) —
@@ -74,6 +75,7 @@ class ExactRerank:
     def refines(self) -> bool:
         return self.config.rerank > 0
 
-    def refine(self, scores: Tensor, query: Tensor, index, keys: Tensor, scale: float, budget: Tensor,
-               width: int) -> Tensor:
+    def refine(
+        self, scores: Tensor, query: Tensor, index, keys: Tensor, scale: float, budget: Tensor, width: int
+    ) -> Tensor:
         return rerank_exact(scores, query, keys, scale, self.config.rerank, budget, width)

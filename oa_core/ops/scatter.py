@@ -23,9 +23,14 @@ def sum_by_slot(ids: Tensor, values: Tensor, slots: int, total: Tensor | None = 
     return out.scatter_add_(dim, index, values).narrow(dim, 0, slots)
 
 
-def pooled_sums(ids: Tensor, keys: Tensor, values: Tensor, slots: int,
-                totals: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
-                use_triton: bool | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def pooled_sums(
+    ids: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    slots: int,
+    totals: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    use_triton: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The pooled sums of rows by slot: keys/values ``[B, H, n, D]`` (any float dtype), ids ``[B, H, n]`` in [0,
     ``slots``] (``slots``: none) → (count ``[B, H, slots]``, Σk, Σv, Σk⊙k ``[B, H, slots, D]``), float32, added to
     ``totals`` (the same four) when given.
@@ -40,20 +45,40 @@ def pooled_sums(ids: Tensor, keys: Tensor, values: Tensor, slots: int,
     if not (use_triton and triton is not None):
         k, v = keys.float(), values.float()
         count, key_sum, value_sum, key_square_sum = totals if totals is not None else (None,) * 4
-        return (sum_by_slot(ids, torch.ones_like(k[..., 0]), slots, count), sum_by_slot(ids, k, slots, key_sum),
-                sum_by_slot(ids, v, slots, value_sum), sum_by_slot(ids, k * k, slots, key_square_sum))
+        return (
+            sum_by_slot(ids, torch.ones_like(k[..., 0]), slots, count),
+            sum_by_slot(ids, k, slots, key_sum),
+            sum_by_slot(ids, v, slots, value_sum),
+            sum_by_slot(ids, k * k, slots, key_square_sum),
+        )
     B, H, n, D = keys.shape
     counts = count_by_slot(ids, slots)
     starts = counts.cumsum(-1) - counts
     order = ids.argsort(dim=-1, stable=True)
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
-    key_sum, value_sum, key_square_sum = (torch.empty(B, H, slots, D, dtype=torch.float32, device=keys.device)
-                                          for _ in range(3))
+    key_sum, value_sum, key_square_sum = (
+        torch.empty(B, H, slots, D, dtype=torch.float32, device=keys.device) for _ in range(3)
+    )
     if key_sum.numel():
-        _pooled_sums[(slots, B * H)](keys, values, order.contiguous(), starts.contiguous(), counts.contiguous(),
-                                     key_sum, value_sum, key_square_sum, n, H, slots, *keys.stride()[:3],
-                                     *values.stride()[:3], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=32)
+        _pooled_sums[(slots, B * H)](
+            keys,
+            values,
+            order.contiguous(),
+            starts.contiguous(),
+            counts.contiguous(),
+            key_sum,
+            value_sum,
+            key_square_sum,
+            n,
+            H,
+            slots,
+            *keys.stride()[:3],
+            *values.stride()[:3],
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_N=32,
+        )
     sums = (counts.float(), key_sum, value_sum, key_square_sum)
     if totals is None:
         return sums
@@ -94,8 +119,28 @@ def compact(values: Tensor, keep: Tensor, width: int) -> Tensor:
 if triton is not None:
 
     @triton.jit
-    def _pooled_sums(K, V, ORDER, STARTS, COUNTS, KEY_SUM, VALUE_SUM, KEY_SQUARE_SUM, n, H, slots,
-                     kb, kh, kn, vb, vh, vn, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _pooled_sums(
+        K,
+        V,
+        ORDER,
+        STARTS,
+        COUNTS,
+        KEY_SUM,
+        VALUE_SUM,
+        KEY_SQUARE_SUM,
+        n,
+        H,
+        slots,
+        kb,
+        kh,
+        kn,
+        vb,
+        vh,
+        vn,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Program (slot c, batch row · head): the sums of its rows, which ORDER lists from STARTS for COUNTS."""
         c = tl.program_id(0).to(tl.int64)
         bh = tl.program_id(1).to(tl.int64)

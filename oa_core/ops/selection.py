@@ -48,8 +48,13 @@ REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger o
 FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
 
 
-def select(scores: Tensor, assignment: Tensor, quotas: Tensor, width: int | None = None,
-           members: tuple[Tensor, Tensor] | None = None) -> Tensor:
+def select(
+    scores: Tensor,
+    assignment: Tensor,
+    quotas: Tensor,
+    width: int | None = None,
+    members: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """scores ``[B, Hkv, Gs, T, N]`` (-inf outside the clusters), assignment ``[B, Hkv, N]`` (C outside), quotas
     ``[B, Hkv, Gs, T, C]`` (q_b ≤ n_b) → positions ``[B, Hkv, Gs, T, K]``: each cluster's q_b best as one run in
     position order, clusters in order, then -1 padding; the same on every path. Ties go to the earlier position.
@@ -74,7 +79,7 @@ def select_by_sorting(scores: Tensor, assignment: Tensor, quotas: Tensor, width:
     num_clusters = quotas.shape[-1]
     cluster = assignment[:, :, None, None, :].expand_as(scores)
     # int64 keys: the cluster in the high half, the score's order reversed in the low (0 for the best float32).
-    ranked = ((cluster << 32) + (2 ** 31 - 1 - order_keys(scores))).argsort(dim=-1, stable=True)
+    ranked = ((cluster << 32) + (2**31 - 1 - order_keys(scores))).argsort(dim=-1, stable=True)
     cluster = cluster.gather(-1, ranked)
     sizes = count_by_slot(assignment, num_clusters)
     starts = (sizes.cumsum(-1) - sizes)[:, :, None, None, :].expand(*scores.shape[:-1], -1)
@@ -126,8 +131,9 @@ def best_of(scores: Tensor, k: int, counts: Tensor) -> tuple[Tensor, Tensor, Ten
     return values, top, (top_keys >= cut) & (counts > 0) & (values > float("-inf"))
 
 
-def top_counts(scores: Tensor, assignment: Tensor, budget: Tensor, num_clusters: int,
-               width: int | None = None) -> Tensor:
+def top_counts(
+    scores: Tensor, assignment: Tensor, budget: Tensor, num_clusters: int, width: int | None = None
+) -> Tensor:
     """How many of each row's ``budget`` ``[B, Hkv, 1, 1]`` best ``scores`` ``[B, Hkv, Gs, T, N]`` (-inf: none) fall
     in each cluster of ``assignment`` ``[B, Hkv, N]`` → ``[B, Hkv, Gs, T, C]``. ``width``: a bound of the budget known
     on the host (None: read from it, a device sync)."""
@@ -151,9 +157,10 @@ def cluster_members(assignment: Tensor, num_clusters: int, room: int = 0) -> tup
     size = max(int(counts[..., :C].max()) if C else 0, 1) + room
     flat = torch.full((B, H, C * size + 1), -1, dtype=torch.int32, device=assignment.device)
     inside = cluster < C
-    flat.scatter_(-1, (cluster * size + slot).masked_fill(~inside, C * size),
-                  order.masked_fill(~inside, -1).to(torch.int32))
-    return flat[..., :C * size].reshape(B, H, C, size).contiguous(), counts[..., :C].contiguous()
+    flat.scatter_(
+        -1, (cluster * size + slot).masked_fill(~inside, C * size), order.masked_fill(~inside, -1).to(torch.int32)
+    )
+    return flat[..., : C * size].reshape(B, H, C, size).contiguous(), counts[..., :C].contiguous()
 
 
 def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -170,7 +177,7 @@ def add_members(members: Tensor, counts: Tensor, ids: Tensor, positions: Tensor)
     flat = torch.cat([members.reshape(B, H, C * S), members.new_full((B, H, 1), -1)], dim=-1)
     flat.scatter_(-1, slot, positions.to(torch.int32).expand(ids.shape).masked_fill(~inside, -1))
     counts = counts.scatter_add(-1, cluster, inside.long())
-    return flat[..., :C * S].reshape(B, H, C, S), counts
+    return flat[..., : C * S].reshape(B, H, C, S), counts
 
 
 if triton is not None:
@@ -282,8 +289,25 @@ if triton is not None:
             ties_left -= tl.sum((tie & keep).to(tl.int32), axis=0)
 
     @triton.jit
-    def _select_kernel(SCORES, MEMBERS, COUNTS, QUOTAS, OFFSETS, OUT, N, C, S, HEAD_STRIDE, WIDTH, ROWS_PER_HEAD, LOW,
-                       HIGH, BLOCK: tl.constexpr, BLOCKWISE: tl.constexpr, FEW: tl.constexpr):
+    def _select_kernel(
+        SCORES,
+        MEMBERS,
+        COUNTS,
+        QUOTAS,
+        OFFSETS,
+        OUT,
+        N,
+        C,
+        S,
+        HEAD_STRIDE,
+        WIDTH,
+        ROWS_PER_HEAD,
+        LOW,
+        HIGH,
+        BLOCK: tl.constexpr,
+        BLOCKWISE: tl.constexpr,
+        FEW: tl.constexpr,
+    ):
         """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring)."""
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
         c = tl.program_id(1)
@@ -347,13 +371,29 @@ def select_per_cluster(scores: Tensor, members: Tensor, counts: Tensor, quotas: 
     offsets = (quotas.cumsum(-1) - quotas).contiguous()
     out = torch.full((rows, max(width, 1)), -1, dtype=torch.long, device=scores.device)
     if rows and C:  # N / C: about a cluster's size (the positions outside the clusters are a few)
-        launch_select(scores.float().reshape(rows, N).contiguous(), members, counts.contiguous(), quotas, offsets,
-                      out, Gs * T, smallest_block(N / C))
+        launch_select(
+            scores.float().reshape(rows, N).contiguous(),
+            members,
+            counts.contiguous(),
+            quotas,
+            offsets,
+            out,
+            Gs * T,
+            smallest_block(N / C),
+        )
     return out[:, :width].view(B, Hkv, Gs, T, width)
 
 
-def launch_select(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tensor, offsets: Tensor, out: Tensor,
-                  rows_per_head: int, small: int | None = None) -> None:
+def launch_select(
+    scores: Tensor,
+    members: Tensor,
+    counts: Tensor,
+    quotas: Tensor,
+    offsets: Tensor,
+    out: Tensor,
+    rows_per_head: int,
+    small: int | None = None,
+) -> None:
     """``select_per_cluster``'s launches, one per size class: scores ``[rows, N]`` float32, members ``[B, Hkv, C, S]``
     (each head's C × S contiguous) and counts ``[B, Hkv, C]``, quotas ``[rows, C]``; cluster c of row p writes its
     q_b positions at ``out[p, offsets[p, c]:]`` (``out`` ``[rows, width]``, contiguous). ``rows_per_head``: the
@@ -361,6 +401,23 @@ def launch_select(scores: Tensor, members: Tensor, counts: Tensor, quotas: Tenso
     rows, N = scores.shape
     C, S = members.shape[-2:]
     for low, high, block in size_classes(S, small):
-        _select_kernel[(rows, C)](scores, members, counts, quotas, offsets, out, N, C, S, members.stride(1),
-                                  out.shape[-1], rows_per_head, low, high, BLOCK=block, BLOCKWISE=low >= block,
-                                  FEW=FEW_PICKS, num_warps=_warps(block))
+        _select_kernel[(rows, C)](
+            scores,
+            members,
+            counts,
+            quotas,
+            offsets,
+            out,
+            N,
+            C,
+            S,
+            members.stride(1),
+            out.shape[-1],
+            rows_per_head,
+            low,
+            high,
+            BLOCK=block,
+            BLOCKWISE=low >= block,
+            FEW=FEW_PICKS,
+            num_warps=_warps(block),
+        )

@@ -80,8 +80,9 @@ def water_fill_triton(log_priority: Tensor, capacity: Tensor, budget: Tensor | i
     out = torch.empty(rows.shape, dtype=torch.long, device=log_priority.device)
     if rows.numel():
         block, warps = launch_config(C)
-        _water_fill[(rows.shape[0],)](rows, cap, budget.reshape(-1).contiguous(), out, C, BLOCK_C=block,
-                                      num_warps=warps)
+        _water_fill[(rows.shape[0],)](
+            rows, cap, budget.reshape(-1).contiguous(), out, C, BLOCK_C=block, num_warps=warps
+        )
     return out.view(shape)
 
 
@@ -114,8 +115,9 @@ if triton is not None:
         remainder = tl.floor(target - tl.sum(tl.where(ok, floor, 0.0), axis=0) + 0.5)  # an integer in float64
         fraction = tl.where((floor < cap) & ok, quotas - floor, -1.0)
         # Rank by fraction, descending, ties by index (a stable sort's order).
-        ahead = (fraction[:, None] > fraction[None, :]) | ((fraction[:, None] == fraction[None, :])
-                                                           & (offs[:, None] < offs[None, :]))
+        ahead = (fraction[:, None] > fraction[None, :]) | (
+            (fraction[:, None] == fraction[None, :]) & (offs[:, None] < offs[None, :])
+        )
         rank = tl.sum((ahead & ok[:, None]).to(tl.int32), axis=0)
         return floor.to(tl.int64) + (rank < remainder).to(tl.int64)
 
@@ -128,7 +130,6 @@ if triton is not None:
         cap = tl.load(CAPACITY + row * C + offs, mask=ok, other=0.0)
         quotas = water_fill_row(lp, cap, tl.load(BUDGET + row), offs, ok)
         tl.store(OUT + row * C + offs, quotas, mask=ok)
-
 
 
 def log_total(log_values: Tensor) -> Tensor:

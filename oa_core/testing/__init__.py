@@ -11,5 +11,12 @@ from oa_core.testing.conformance import (
     make_inputs,
 )
 
-__all__ = ["check_allocator", "check_clusterer", "check_component", "check_kernel", "check_pipeline",
-           "check_selector", "make_inputs"]
+__all__ = [
+    "check_allocator",
+    "check_clusterer",
+    "check_component",
+    "check_kernel",
+    "check_pipeline",
+    "check_selector",
+    "make_inputs",
+]

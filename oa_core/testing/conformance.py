@@ -41,19 +41,35 @@ from oa_core.registry import default_registry
 from oa_core.testing import references
 
 # Pipelines of the built-in defaults that each check swaps one component into.
-BASE_SPEC = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": "qgs", "allocator": "errorgate",
-             "kernel": "torch", "sink": 4, "local": 16, "budget": {"density": 0.2}}
+BASE_SPEC = {
+    "clusterer": {"name": "qgc", "num_clusters": 8},
+    "selector": "qgs",
+    "allocator": "errorgate",
+    "kernel": "torch",
+    "sink": 4,
+    "local": 16,
+    "budget": {"density": 0.2},
+}
 
 
-def make_inputs(batch: int = 2, kv_heads: int = 2, group: int = 3, tokens: int = 300, dim: int = 32, queries: int = 2,
-                dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def make_inputs(
+    batch: int = 2,
+    kv_heads: int = 2,
+    group: int = 3,
+    tokens: int = 300,
+    dim: int = 32,
+    queries: int = 2,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A cache with clustered, unevenly scaled keys (so attention is peaked, as in real models), prefill queries and
     decode queries drawn near the keys → (keys, values, prefill queries, decode queries). Seeded; CPU."""
     gen = torch.Generator().manual_seed(seed)
     centres = torch.randn(batch, kv_heads, 12, dim, generator=gen) * 2
     member = torch.randint(12, (batch, kv_heads, tokens), generator=gen)
     keys = centres.gather(2, member[..., None].expand(-1, -1, -1, dim)) + 0.7 * torch.randn(
-        batch, kv_heads, tokens, dim, generator=gen)
+        batch, kv_heads, tokens, dim, generator=gen
+    )
     values = torch.randn(batch, kv_heads, tokens, dim, generator=gen)
     heads = kv_heads * group
     prefill = torch.randn(batch, heads, 64, dim, generator=gen) * 1.5
@@ -88,8 +104,9 @@ def _instance(kind: str, component: _ComponentRef, params: dict | None = None) -
     if isinstance(component, str):
         info = default_registry().get(kind, component)
         if info is None:
-            raise ContractViolation(f"no {kind} named {component!r} is registered; known: "
-                                    f"{', '.join(default_registry().names(kind))}")
+            raise ContractViolation(
+                f"no {kind} named {component!r} is registered; known: {', '.join(default_registry().names(kind))}"
+            )
         component = info.cls
     if isinstance(component, type):
         if not issubclass(component, KINDS[kind]):
@@ -116,11 +133,17 @@ def check_clusterer(component, params: dict | None = None) -> None:
     clusters = fit[0]
     check_clusters(clusterer, clusters, mask, H)
     C = clusters.num_clusters
-    expect(torch.equal(clusters.assignment, fit[1].assignment), clusterer,
-           "fit must be deterministic for the same generator seed")
+    expect(
+        torch.equal(clusters.assignment, fit[1].assignment),
+        clusterer,
+        "fit must be deterministic for the same generator seed",
+    )
     new = clusterer.assign(clusters, keys[:, :, :5])
-    expect(new.shape == (B, H, 5) and bool(((new >= 0) & (new < C)).all()), clusterer,
-           "assign must return ids in [0, C) of shape [B, Hkv, t]")
+    expect(
+        new.shape == (B, H, 5) and bool(((new >= 0) & (new < C)).all()),
+        clusterer,
+        "assign must return ids in [0, C) of shape [B, Hkv, t]",
+    )
 
 
 def check_selector(component, params: dict | None = None) -> None:
@@ -143,30 +166,41 @@ def check_selector(component, params: dict | None = None) -> None:
         check_scores(selector, scores, (B, H, query.shape[2], T, N))
         expect(bool(torch.isfinite(scores[..., 4:]).all()), selector, "scores of clustered positions must be finite")
         again = selector.build(keys, prefill, clusters, torch.Generator().manual_seed(3))
-        expect(torch.equal(scores, selector.score(query, again, keys, 0.2)), selector,
-               "build + score must be deterministic for the same seed")
+        expect(
+            torch.equal(scores, selector.score(query, again, keys, 0.2)),
+            selector,
+            "build + score must be deterministic for the same seed",
+        )
         masked = scores.masked_fill((assignment == C)[:, :, None, None], float("-inf"))
         refined = selector.refine(masked, query, index, keys, 0.2, torch.full((B, H, 1, 1), 20), 20)
         check_scores(selector, refined, tuple(masked.shape))
-        expect(bool((refined[..., :4] == float("-inf")).all()), selector,
-               "refine must keep -inf where the scores have it (positions outside every cluster)")
+        expect(
+            bool((refined[..., :4] == float("-inf")).all()),
+            selector,
+            "refine must keep -inf where the scores have it (positions outside every cluster)",
+        )
     # Growth: build on the first N − 10 keys, extend by 10 whose mean is theirs (pairs m ± d) and that no cluster
     # holds (decode keys arrive in the local window), so that an index built on statistics of the keys (LSH centres
     # on their mean; QGS's key spread is the clustered keys') sees the same statistics either way.
-    first = keys[:, :, :N - 10]
+    first = keys[:, :, : N - 10]
     mean = first[:, :, 4:].mean(2, keepdim=True)
     spread = first[:, :, 4:9] - mean
     grown_keys = torch.cat([first, mean + spread, mean - spread], dim=2)
     query = group_queries(decode, H, shared=False)
-    grown = selector.extend(selector.build(first, prefill, Clusters(assignment[..., :N - 10], C),
-                                           torch.Generator().manual_seed(3)), grown_keys[:, :, N - 10:])
+    grown = selector.extend(
+        selector.build(first, prefill, Clusters(assignment[..., : N - 10], C), torch.Generator().manual_seed(3)),
+        grown_keys[:, :, N - 10 :],
+    )
     grown_scores = selector.score(query, grown, grown_keys, 0.2)
     check_scores(selector, grown_scores, (B, H, Hq // H, T, N))
     window = assignment.clone()
-    window[..., N - 10:] = C
+    window[..., N - 10 :] = C
     whole = selector.build(grown_keys, prefill, Clusters(window, C), torch.Generator().manual_seed(3))
-    expect(torch.allclose(grown_scores, selector.score(query, whole, grown_keys, 0.2), rtol=1e-4, atol=1e-4),
-           selector, "build on N − 10 keys then extend by 10 must score like build on all N keys")
+    expect(
+        torch.allclose(grown_scores, selector.score(query, whole, grown_keys, 0.2), rtol=1e-4, atol=1e-4),
+        selector,
+        "build on N − 10 keys then extend by 10 must score like build on all N keys",
+    )
 
 
 def check_allocator(component, params: dict | None = None) -> None:
@@ -183,10 +217,15 @@ def check_allocator(component, params: dict | None = None) -> None:
     budget = torch.tensor([[7, 200], [0, 31]]).view(B, H, 1, 1)
     for shared in (False, True):
         Gs = 1 if shared else g
-        scores = torch.randn(B, H, Gs, T, N, generator=gen).masked_fill((assignment == C)[:, :, None, None],
-                                                                        -math.inf)
-        inputs = AllocationInput(torch.randn(B, H, g, T, C, generator=gen), torch.rand(B, H, g, T, C, generator=gen),
-                                 counts, scores, assignment, budget)
+        scores = torch.randn(B, H, Gs, T, N, generator=gen).masked_fill((assignment == C)[:, :, None, None], -math.inf)
+        inputs = AllocationInput(
+            torch.randn(B, H, g, T, C, generator=gen),
+            torch.rand(B, H, g, T, C, generator=gen),
+            counts,
+            scores,
+            assignment,
+            budget,
+        )
         quotas = allocator.allocate(inputs)
         check_quotas(allocator, quotas, inputs, exact=True)
         expect(torch.equal(quotas, allocator.allocate(inputs)), allocator, "allocate must be deterministic")
@@ -212,8 +251,13 @@ def check_kernel(component, params: dict | None = None) -> None:
     assignment[0, 0] = assignment[0, 0].masked_fill(assignment[0, 0] == 0, 1)
     assignment[0, 0, 4:20] = 0  # a cluster one row of each selection below reads in full: no proxy for it there
     one_hot = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()
-    sums = (one_hot.sum(2), one_hot.transpose(-1, -2) @ keys, one_hot.transpose(-1, -2) @ values, assignment,
-            one_hot.transpose(-1, -2) @ (keys * keys))
+    sums = (
+        one_hot.sum(2),
+        one_hot.transpose(-1, -2) @ keys,
+        one_hot.transpose(-1, -2) @ values,
+        assignment,
+        one_hot.transpose(-1, -2) @ (keys * keys),
+    )
     pooled = {order: PooledClusters(*sums, second_order=order == "second-order") for order in type(kernel).proxies}
     for Gs in (1, Hq // H):
         index = torch.rand(B, H, Gs, T, N, generator=gen).argsort(-1)[..., :24]
@@ -226,20 +270,29 @@ def check_kernel(component, params: dict | None = None) -> None:
         for proxies in (*pooled.values(), None):
             out, used = kernel.attend(decode, keys, values, selection, proxies, 0.2)
             second = proxies is not None and proxies.second_order
-            expected = references.proxy_attention(decode, keys, values, index, assignment if proxies else None, C,
-                                                  0.2, log_weight, second_order=second)
+            expected = references.proxy_attention(
+                decode, keys, values, index, assignment if proxies else None, C, 0.2, log_weight, second_order=second
+            )
             error = _relative_error(out, expected)
             kind = "none" if proxies is None else "second-order" if second else "mean"
-            expect(error < 1e-5, kernel, "differs from Eq. 1 (oa_core.testing.references.proxy_attention): "
-                                         f"relative error {error:.2e}, Gs={Gs}, proxies: {kind}")
+            expect(
+                error < 1e-5,
+                kernel,
+                "differs from Eq. 1 (oa_core.testing.references.proxy_attention): "
+                f"relative error {error:.2e}, Gs={Gs}, proxies: {kind}",
+            )
 
 
 def _relative_error(got: Tensor, expected: Tensor) -> float:
     return float((got.double() - expected).norm() / expected.norm())
 
 
-CHECKS = {"clusterer": check_clusterer, "selector": check_selector, "allocator": check_allocator,
-          "kernel": check_kernel}
+CHECKS = {
+    "clusterer": check_clusterer,
+    "selector": check_selector,
+    "allocator": check_allocator,
+    "kernel": check_kernel,
+}
 
 
 def check_pipeline(kind: str, component, params: dict | None = None) -> None:
@@ -268,8 +321,9 @@ def check_pipeline(kind: str, component, params: dict | None = None) -> None:
         expect(torch.equal(runs[0], runs[1]), tested, "a pipeline must be deterministic for a fixed seed")
 
 
-def check_component(kind: str, component: Component | type[Component] | str, params: dict | None = None,
-                    pipeline: bool = True) -> None:
+def check_component(
+    kind: str, component: Component | type[Component] | str, params: dict | None = None, pipeline: bool = True
+) -> None:
     """Every check of ``kind`` for ``component`` (a class, an instance, or a registered name), then — with
     ``pipeline`` and a registered name — the same component inside a pipeline (``check_pipeline``)."""
     if kind not in CHECKS:
@@ -278,6 +332,8 @@ def check_component(kind: str, component: Component | type[Component] | str, par
     if pipeline:
         registered = component if isinstance(component, str) else getattr(component, "name", None)
         if registered is None or default_registry().get(kind, registered) is None:
-            raise ContractViolation(f"{kind} {registered!r} is not registered through the 'openattention' entry "
-                                    "points, so a spec cannot name it (install the package, or pass pipeline=False)")
+            raise ContractViolation(
+                f"{kind} {registered!r} is not registered through the 'openattention' entry "
+                "points, so a spec cannot name it (install the package, or pass pipeline=False)"
+            )
         check_pipeline(kind, registered, params)

@@ -24,9 +24,17 @@ import torch
 from torch import Tensor
 
 
-def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor | None, assignment: Tensor | None,
-                    num_clusters: int, scale: float, log_weight: Tensor | None = None,
-                    second_order: bool = False) -> Tensor:
+def proxy_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    index: Tensor | None,
+    assignment: Tensor | None,
+    num_clusters: int,
+    scale: float,
+    log_weight: Tensor | None = None,
+    second_order: bool = False,
+) -> Tensor:
     """The estimator's output (Eq. 1), float64, one query vector at a time.
 
     query ``[B, Hq, T, D]``, keys/values ``[B, Hkv, N, D]``; ``index`` ``[B, Hkv, Gs, T, K]`` the exact rows X (-1:
@@ -72,11 +80,12 @@ def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor |
                             if second_order:
                                 members = k[b, h, assignment[b, h] == c]
                                 mean_logit = scale * (members.mean(0) @ qv)
-                                logit_var = scale ** 2 * (qv * qv) @ members.var(0, unbiased=False)
+                                logit_var = scale**2 * (qv * qv) @ members.var(0, unbiased=False)
                                 read_logits = scale * k[b, h, ~unread & (assignment[b, h] == c)] @ qv
                                 tail_mean = logit - math.log(count)
-                                variance = (len(members) * (mean_logit ** 2 + logit_var)
-                                            - (read_logits ** 2).sum()) / count - tail_mean ** 2
+                                variance = (
+                                    len(members) * (mean_logit**2 + logit_var) - (read_logits**2).sum()
+                                ) / count - tail_mean**2
                                 if len(read_logits):  # at most the squared gap to the least logit read
                                     gap = (read_logits.min() - tail_mean).clamp_min(0)
                                     variance = torch.minimum(variance, gap * gap)
@@ -88,8 +97,9 @@ def proxy_attention(query: Tensor, keys: Tensor, values: Tensor, index: Tensor |
     return out
 
 
-def cluster_logit_stats(query: Tensor, keys: Tensor, assignment: Tensor, num_clusters: int,
-                        scale: float) -> tuple[Tensor, Tensor]:
+def cluster_logit_stats(
+    query: Tensor, keys: Tensor, assignment: Tensor, num_clusters: int, scale: float
+) -> tuple[Tensor, Tensor]:
     """z̄_b = s·q·k̄_b and σ̂_b² = s²·Σ_d q_d²·Var_b(k_d) (population variance of the cluster's keys), float64,
     ``[B, Hkv, g, T, C]`` each, computed from the members of each cluster (0 for an empty cluster)."""
     q, k = query.double(), keys.double()
@@ -106,8 +116,10 @@ def cluster_logit_stats(query: Tensor, keys: Tensor, assignment: Tensor, num_clu
                     mean[b, h, c] = members.mean(0)
                     var[b, h, c] = ((members - members.mean(0)) ** 2).mean(0)
     q = q.view(B, Hkv, g, T, D)
-    return (scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean),
-            scale ** 2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, var))
+    return (
+        scale * torch.einsum("bhgtd,bhcd->bhgtc", q, mean),
+        scale**2 * torch.einsum("bhgtd,bhcd->bhgtc", q * q, var),
+    )
 
 
 def errorgate_priority(mean_logit: Tensor, logit_var: Tensor, counts: Tensor, shared: bool) -> Tensor:
@@ -127,8 +139,9 @@ def errorgate_priority(mean_logit: Tensor, logit_var: Tensor, counts: Tensor, sh
     phi = 0.5 * (1 + torch.special.erf(var.sqrt() / math.sqrt(2)))  # Φ(σ̂)
     error = mass * (2 * phi - 1)
     total = mass.sum(-1, keepdim=True)
-    relative = torch.where(total > 0, error / torch.where(total > 0, total, torch.ones_like(total)),
-                           torch.zeros_like(error))
+    relative = torch.where(
+        total > 0, error / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(error)
+    )
     if shared:
         relative = relative.sum(2, keepdim=True)
     return torch.log(relative)
@@ -204,7 +217,7 @@ def query_metric(queries: Tensor, kv_heads: int, rank: int, window: int) -> Tens
     projection = torch.zeros(B, kv_heads, D, rank, dtype=torch.float64)
     for b in range(B):
         for h in range(kv_heads):
-            q = queries[b, h * g:(h + 1) * g, -window:].double().reshape(-1, D)
+            q = queries[b, h * g : (h + 1) * g, -window:].double().reshape(-1, D)
             moment = q.T @ q / len(q)
             eigenvalues, eigenvectors = torch.linalg.eigh(moment)
             top = eigenvalues.argsort(descending=True)[:rank]

@@ -48,9 +48,14 @@ def log_error_estimate(mean_logit: Tensor, logit_var: Tensor, counts: Tensor) ->
 class ErrorGateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    floor: float = Field(default=0.5, ge=0.0, le=1.0, description="share of the budget read first as the globally "
-                         "best-scored rows, the rest water-filled (default 0.5; 0: the paper's ErrorGate, 1: global "
-                         "top-k)")
+    floor: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="share of the budget read first as the globally "
+        "best-scored rows, the rest water-filled (default 0.5; 0: the paper's ErrorGate, 1: global "
+        "top-k)",
+    )
 
 
 class ErrorGate(WaterFillAllocator):
@@ -102,8 +107,12 @@ def fused_applies(inputs: AllocationInput, on_cpu: bool | None = None) -> bool:
     CPU: ``on_cpu``, default INTERPRET_ON_CPU, and the interpreter), and the statistics are float32 (what the kernel
     computes in, as torch does for float32 inputs)."""
     on_cpu = INTERPRET_ON_CPU if on_cpu is None else on_cpu
-    return (triton_applies(inputs.mean_logit, on_cpu) and inputs.mean_logit.dtype == torch.float32
-            and inputs.logit_var.dtype == torch.float32 and inputs.counts.dtype == torch.float32)
+    return (
+        triton_applies(inputs.mean_logit, on_cpu)
+        and inputs.mean_logit.dtype == torch.float32
+        and inputs.logit_var.dtype == torch.float32
+        and inputs.counts.dtype == torch.float32
+    )
 
 
 def allocate_triton(inputs: AllocationInput) -> Tensor:
@@ -121,10 +130,26 @@ def allocate_triton(inputs: AllocationInput) -> Tensor:
     if rows and C:
         block, warps = launch_config(C)
         with quiet_interpreter():
-            _errorgate[(rows,)](mean, var, counts, budget, out, *mean.stride(), *var.stride(), *counts.stride(),
-                                *budget.stride(), Hkv, Gs, T, C, G=G, BLOCK_G=triton.next_power_of_2(G),
-                                BLOCK_C=block, LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
-                                num_warps=warps)
+            _errorgate[(rows,)](
+                mean,
+                var,
+                counts,
+                budget,
+                out,
+                *mean.stride(),
+                *var.stride(),
+                *counts.stride(),
+                *budget.stride(),
+                Hkv,
+                Gs,
+                T,
+                C,
+                G=G,
+                BLOCK_G=triton.next_power_of_2(G),
+                BLOCK_C=block,
+                LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
+                num_warps=warps,
+            )
     return out
 
 
@@ -172,10 +197,38 @@ if triton is not None:
         return row
 
     @triton.jit
-    def _errorgate(MEAN, VAR, COUNT, BUDGET, OUT,
-                   sm_b, sm_h, sm_g, sm_t, sm_c, sv_b, sv_h, sv_g, sv_t, sv_c, sn_b, sn_h, sn_c,
-                   sb_b, sb_h, sb_s, sb_t, Hkv, Gs, T, C,
-                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def _errorgate(
+        MEAN,
+        VAR,
+        COUNT,
+        BUDGET,
+        OUT,
+        sm_b,
+        sm_h,
+        sm_g,
+        sm_t,
+        sm_c,
+        sv_b,
+        sv_h,
+        sv_g,
+        sv_t,
+        sv_c,
+        sn_b,
+        sn_h,
+        sn_c,
+        sb_b,
+        sb_h,
+        sb_s,
+        sb_t,
+        Hkv,
+        Gs,
+        T,
+        C,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
         p = tl.program_id(0)
         b, h, s, t = (p // (T * Gs * Hkv)).to(tl.int64), (p // (T * Gs)) % Hkv, (p // T) % Gs, p % T
         offs_g = tl.arange(0, BLOCK_G)
@@ -184,10 +237,12 @@ if triton is not None:
         head = s * G + offs_g
         tile = (offs_g[:, None] < G) & ok[None, :]
         # Outside the row (padding lanes and heads) every input reads 0: an empty cluster, -inf throughout.
-        mean = tl.load(MEAN + b * sm_b + h * sm_h + t * sm_t + head[:, None] * sm_g + offs_c[None, :] * sm_c,
-                       mask=tile, other=0.0)
-        var = tl.load(VAR + b * sv_b + h * sv_h + t * sv_t + head[:, None] * sv_g + offs_c[None, :] * sv_c,
-                      mask=tile, other=0.0)
+        mean = tl.load(
+            MEAN + b * sm_b + h * sm_h + t * sm_t + head[:, None] * sm_g + offs_c[None, :] * sm_c, mask=tile, other=0.0
+        )
+        var = tl.load(
+            VAR + b * sv_b + h * sv_h + t * sv_t + head[:, None] * sv_g + offs_c[None, :] * sv_c, mask=tile, other=0.0
+        )
         count = tl.load(COUNT + b * sn_b + h * sn_h + offs_c * sn_c, mask=ok, other=0.0)
         row = row_log_priority(mean, var, count, G, LIBDEVICE)
         budget = tl.load(BUDGET + b * sb_b + h * sb_h + s * sb_s + t * sb_t).to(tl.float64)
@@ -196,6 +251,7 @@ if triton is not None:
 
 
 # -- diagnostics -------------------------------------------------------------------------------------------------
+
 
 def _ranks(values: Tensor) -> Tensor:
     return values.argsort(dim=-1, stable=True).argsort(dim=-1).double()
@@ -234,10 +290,13 @@ def errorgate_spearman(state: PipelineState, query: Tensor) -> tuple[Tensor, Ten
 
     nonempty = (counts > 0).expand_as(truth).double()
     low = torch.finfo(torch.float64).min
-    ranked = [_ranks(x.nan_to_num(nan=low, neginf=low).masked_fill(nonempty == 0, low))
-              for x in (estimate, truth, full)]
-    return (_masked_correlation(ranked[0], ranked[1], nonempty).flatten(1, 2),
-            _masked_correlation(ranked[0], ranked[2], nonempty).flatten(1, 2))
+    ranked = [
+        _ranks(x.nan_to_num(nan=low, neginf=low).masked_fill(nonempty == 0, low)) for x in (estimate, truth, full)
+    ]
+    return (
+        _masked_correlation(ranked[0], ranked[1], nonempty).flatten(1, 2),
+        _masked_correlation(ranked[0], ranked[2], nonempty).flatten(1, 2),
+    )
 
 
 @hookimpl

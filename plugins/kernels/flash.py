@@ -25,6 +25,7 @@ and the one-hot sums of v; everything else (and float32 inputs throughout) uses 
 Where there is no CUDA device (and no ``TRITON_INTERPRET=1``) or no Triton, ``attend`` runs the torch reference and
 says why in ``note``.
 """
+
 from __future__ import annotations
 
 import math
@@ -94,16 +95,24 @@ class FlashKernel(Kernel):
             return "triton is not installed"
         return None if device.type == "cuda" else "no CUDA device"
 
-    def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
-               proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
+    def attend(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        selection: Selection | None,
+        proxies: PooledClusters | None,
+        scale: float,
+    ) -> tuple[Tensor, Tensor | None]:
         reason = triton_path.unavailable_reason(query.device)
         if reason is not None:
             self.note = f"torch reference: {reason}"
             return TorchKernel().attend(query, keys, values, selection, proxies, scale)
         if selection is None:  # dense: the fused SDPA of torch
             self.note = "dense: torch SDPA"
-            out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, scale=scale,
-                                                                   enable_gqa=keys.shape[1] != query.shape[1])
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, scale=scale, enable_gqa=keys.shape[1] != query.shape[1]
+            )
             return out, None
         self.note = "triton" + (" (interpreter)" if triton_path.interpreting() else "")
         return self._sparse(query, keys, values, selection, proxies, scale)
@@ -165,18 +174,71 @@ class FlashKernel(Kernel):
         # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
         half = triton_path.tensor_core_dots(query.dtype)
         sparse_pass[(P * parts,)](
-            query, keys, values, index, log_weight, runs, key_sum, value_sum, count, key_square_sum, row_max, den, acc,
+            query,
+            keys,
+            values,
+            index,
+            log_weight,
+            runs,
+            key_sum,
+            value_sum,
+            count,
+            key_square_sum,
+            row_max,
+            den,
+            acc,
             used_parts,
-            query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2), P, Hkv, Gs, T, ksel, C, parts, scale,
-            G=G, BLOCK_G=block_g, BLOCK_K=block_k, CHUNK_C=chunk_c, D=D, BLOCK_D=block_d, PROXY=proxy, SECOND=second,
+            query.stride(0),
+            query.stride(1),
+            query.stride(2),
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            values.stride(0),
+            values.stride(1),
+            values.stride(2),
+            P,
+            Hkv,
+            Gs,
+            T,
+            ksel,
+            C,
+            parts,
+            scale,
+            G=G,
+            BLOCK_G=block_g,
+            BLOCK_K=block_k,
+            CHUNK_C=chunk_c,
+            D=D,
+            BLOCK_D=block_d,
+            PROXY=proxy,
+            SECOND=second,
             HALF=half,
-            **{name: value for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages))
-               if value is not None})
+            **{
+                name: value
+                for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages))
+                if value is not None
+            },
+        )
         out = empty(B, Hq, T, D, dtype=query.dtype)
         used = empty(P, dtype=torch.int32)
-        merge[(P,)](row_max, den, acc, used_parts, out, used, Hkv, Gs, T, parts,
-                     G=G, BLOCK_G=block_g, D=D, BLOCK_D=block_d, BLOCK_PARTS=_pow2(parts, 2))
+        merge[(P,)](
+            row_max,
+            den,
+            acc,
+            used_parts,
+            out,
+            used,
+            Hkv,
+            Gs,
+            T,
+            parts,
+            G=G,
+            BLOCK_G=block_g,
+            D=D,
+            BLOCK_D=block_d,
+            BLOCK_PARTS=_pow2(parts, 2),
+        )
         return out, used.view(B, Hkv, Gs, T) if proxy else None
 
 

@@ -9,7 +9,6 @@ if triton is not None:
     from oa_core.ops.cluster_stats import moments_tile
 
 
-
 if triton is not None:
 
     @triton.jit
@@ -19,8 +18,30 @@ if triton is not None:
         return (p // (T * Gs * Hkv)).to(tl.int64), (p // (T * Gs)) % Hkv, (p // T) % Gs, p % T
 
     @triton.jit
-    def _gather_block(Q_TILE, K, V, IDX, LW, p, b, h, offs_k, in_range, g_ok, offs_d, d_ok, sk_b, sk_h, sk_n, sv_b,
-                      sv_h, sv_n, KSEL, scale, HALF: tl.constexpr):
+    def _gather_block(
+        Q_TILE,
+        K,
+        V,
+        IDX,
+        LW,
+        p,
+        b,
+        h,
+        offs_k,
+        in_range,
+        g_ok,
+        offs_d,
+        d_ok,
+        sk_b,
+        sk_h,
+        sk_n,
+        sv_b,
+        sv_h,
+        sv_n,
+        KSEL,
+        scale,
+        HALF: tl.constexpr,
+    ):
         """BLOCK_K index columns of row p → (s·q·k_i ``[BLOCK_G, BLOCK_K]``, the logits z_i = s·q·k_i + ln η_i (-inf
         for padding and padded heads), the columns that hold a row, v_i ``[BLOCK_K, BLOCK_D]``); the keys and values
         of padding columns are not read (zeros)."""
@@ -52,12 +73,48 @@ if triton is not None:
         return m_new, den * alpha + tl.sum(e, axis=1), acc
 
     @triton.jit
-    def sparse_pass(Q, K, V, IDX, LW, RUNS, KSUM, VSUM, COUNT, KSQ, M_OUT, L_OUT, ACC_OUT, USED_OUT,
-                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     ROWS, Hkv, Gs, T, KSEL, C, PARTS, scale,
-                     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_C: tl.constexpr,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, PROXY: tl.constexpr, SECOND: tl.constexpr,
-                     HALF: tl.constexpr):
+    def sparse_pass(
+        Q,
+        K,
+        V,
+        IDX,
+        LW,
+        RUNS,
+        KSUM,
+        VSUM,
+        COUNT,
+        KSQ,
+        M_OUT,
+        L_OUT,
+        ACC_OUT,
+        USED_OUT,
+        sq_b,
+        sq_h,
+        sq_t,
+        sk_b,
+        sk_h,
+        sk_n,
+        sv_b,
+        sv_h,
+        sv_n,
+        ROWS,
+        Hkv,
+        Gs,
+        T,
+        KSEL,
+        C,
+        PARTS,
+        scale,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        CHUNK_C: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PROXY: tl.constexpr,
+        SECOND: tl.constexpr,
+        HALF: tl.constexpr,
+    ):
         """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the PARTS parts
         share every column; with proxies part j holds the runs of clusters jC', ..., jC' + C' − 1 (C' = CHUNK_C),
         their proxies, and its share of the columns outside the runs (the sink, the window, padding). SECOND: the
@@ -70,8 +127,11 @@ if triton is not None:
         g_ok = offs_g < G
         d_ok = offs_d < D
         head = h * (G * Gs) + s * G + offs_g
-        q = tl.load(Q + b * sq_b + head[:, None] * sq_h + t * sq_t + offs_d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            Q + b * sq_b + head[:, None] * sq_h + t * sq_t + offs_d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -82,8 +142,30 @@ if triton is not None:
             stop = tl.minimum(KSEL, part * per + per)
             for k0 in range(part * per, stop, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                _, z, _, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_k < stop, g_ok, offs_d, d_ok, sk_b,
-                                           sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
+                _, z, _, v = _gather_block(
+                    q,
+                    K,
+                    V,
+                    IDX,
+                    LW,
+                    p,
+                    b,
+                    h,
+                    offs_k,
+                    offs_k < stop,
+                    g_ok,
+                    offs_d,
+                    d_ok,
+                    sk_b,
+                    sk_h,
+                    sk_n,
+                    sv_b,
+                    sv_h,
+                    sv_n,
+                    KSEL,
+                    scale,
+                    HALF,
+                )
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
         else:
             # The chunk's share of the free columns (the sink, the window, padding: the chunks split them evenly),
@@ -112,23 +194,52 @@ if triton is not None:
                 offs_x = part * per + offs_f  # among the free columns
                 offs_x = tl.where(offs_x < first, offs_x, offs_x - first + resume)
                 offs_k = tl.where(offs_f < own_free, offs_x, run_start + offs_f - own_free)
-                qk, z, valid, v = _gather_block(q, K, V, IDX, LW, p, b, h, offs_k, offs_f < total, g_ok, offs_d,
-                                                d_ok, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, KSEL, scale, HALF)
+                qk, z, valid, v = _gather_block(
+                    q,
+                    K,
+                    V,
+                    IDX,
+                    LW,
+                    p,
+                    b,
+                    h,
+                    offs_k,
+                    offs_f < total,
+                    g_ok,
+                    offs_d,
+                    d_ok,
+                    sk_b,
+                    sk_h,
+                    sk_n,
+                    sv_b,
+                    sv_h,
+                    sv_n,
+                    KSEL,
+                    scale,
+                    HALF,
+                )
                 member = valid[None, :] & (offs_k[None, :] >= lo[:, None]) & (offs_k[None, :] < hi[:, None])
-                read_z += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk, 0.0), tl.trans(member.to(tl.float32)),
-                                 input_precision="ieee")
+                read_z += tl.dot(
+                    tl.where(g_ok[:, None] & valid[None, :], qk, 0.0),
+                    tl.trans(member.to(tl.float32)),
+                    input_precision="ieee",
+                )
                 read_n += tl.sum(member.to(tl.int32), axis=1)
                 if HALF:  # a one-hot tile is exact in 16 bits
                     read_v += tl.dot(member.to(v.dtype), v)
                 else:
                     read_v += tl.dot(member.to(tl.float32), v.to(tl.float32), input_precision="ieee")
                 if SECOND:
-                    read_zz += tl.dot(tl.where(g_ok[:, None] & valid[None, :], qk * qk, 0.0),
-                                      tl.trans(member.to(tl.float32)), input_precision="ieee")
+                    read_zz += tl.dot(
+                        tl.where(g_ok[:, None] & valid[None, :], qk * qk, 0.0),
+                        tl.trans(member.to(tl.float32)),
+                        input_precision="ieee",
+                    )
                     for gi in tl.static_range(G):  # head by head: a [CHUNK_C, BLOCK_K] tile, not all BLOCK_G lanes
                         lane = offs_g[:, None] == gi
-                        least = tl.min(tl.where(member, tl.sum(tl.where(lane, qk, 0.0), axis=0)[None, :],
-                                                float("inf")), axis=1)
+                        least = tl.min(
+                            tl.where(member, tl.sum(tl.where(lane, qk, 0.0), axis=0)[None, :], float("inf")), axis=1
+                        )
                         read_lo = tl.where(lane, tl.minimum(read_lo, least[None, :]), read_lo)
                 m, den, acc = _accumulate(m, den, acc, z, v, HALF)
             pooled = (b * Hkv + h) * C + offs_c
@@ -141,16 +252,18 @@ if triton is not None:
             qk = tl.dot(q.to(tl.float32), tl.trans(key_sum), input_precision="ieee")  # [BLOCK_G, CHUNK_C]
             ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]
             if SECOND:  # + ln(1 + σ̂_T²/2), the reference kernel's arithmetic
-                _, variance = moments_tile(key_sum, tl.load(KSQ + tile, mask=c_ok[:, None] & d_ok[None, :],
-                                                               other=0.0), count)
+                _, variance = moments_tile(
+                    key_sum, tl.load(KSQ + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0), count
+                )
                 q32 = q.to(tl.float32)
                 logit_var = tl.dot(q32 * q32, tl.trans(variance), input_precision="ieee") * (scale * scale)
                 mean_logit = qk * scale / tl.maximum(count, 1.0)[None, :]
                 n_read = read_n.to(tl.float32)[None, :]
                 d1 = read_z - n_read * mean_logit  # Σ_{X∩b} (z_i − z̄_b), and Σ_{X∩b} (z_i − z̄_b)²:
                 d2 = read_zz - 2.0 * mean_logit * read_z + n_read * mean_logit * mean_logit
-                tail_var = tl.maximum((count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :]) / n_tail[None, :],
-                                      0.0)
+                tail_var = tl.maximum(
+                    (count[None, :] * logit_var - d2 - d1 * d1 / n_tail[None, :]) / n_tail[None, :], 0.0
+                )
                 gap = tl.maximum(read_lo - (mean_logit - d1 / n_tail[None, :]), 0.0)  # M_b − z̄_T (inf: none read)
                 ell += tl.log(1.0 + 0.5 * tl.minimum(tail_var, gap * gap))
             ell = tl.where(g_ok[:, None] & has_tail[None, :], ell, float("-inf"))
@@ -170,9 +283,23 @@ if triton is not None:
         tl.store(USED_OUT + p * PARTS + part, used)
 
     @triton.jit
-    def merge(M_IN, L_IN, ACC_IN, USED_IN, OUT, USED, Hkv, Gs, T, PARTS,
-               G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_PARTS: tl.constexpr):
+    def merge(
+        M_IN,
+        L_IN,
+        ACC_IN,
+        USED_IN,
+        OUT,
+        USED,
+        Hkv,
+        Gs,
+        T,
+        PARTS,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_PARTS: tl.constexpr,
+    ):
         """The parts' numerators and denominators rescaled to one max and summed, divided, written in the query's
         layout and dtype; the proxies used, summed."""
         p = tl.program_id(0)
@@ -182,8 +309,14 @@ if triton is not None:
         offs_p = tl.arange(0, BLOCK_PARTS)
         g_ok = offs_g < G
         both = g_ok[:, None] & (offs_d[None, :] < D)
-        top = tl.max(tl.load(M_IN + (p * PARTS + offs_p[:, None]) * G + offs_g[None, :],
-                             mask=(offs_p[:, None] < PARTS) & g_ok[None, :], other=float("-inf")), axis=0)
+        top = tl.max(
+            tl.load(
+                M_IN + (p * PARTS + offs_p[:, None]) * G + offs_g[None, :],
+                mask=(offs_p[:, None] < PARTS) & g_ok[None, :],
+                other=float("-inf"),
+            ),
+            axis=0,
+        )
         top = tl.where(top == float("-inf"), 0.0, top)
         den = tl.zeros([BLOCK_G], tl.float32)
         numerator = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -194,8 +327,9 @@ if triton is not None:
             numerator += w[:, None] * tl.load(ACC_IN + rows[:, None] * D + offs_d[None, :], mask=both, other=0.0)
         head = h * (G * Gs) + s * G + offs_g
         out = numerator / tl.where(g_ok, den, 1.0)[:, None]  # padding lanes: no 0/0
-        tl.store(OUT + ((b * (Hkv * G * Gs) + head[:, None]) * T + t) * D + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=both)
+        tl.store(
+            OUT + ((b * (Hkv * G * Gs) + head[:, None]) * T + t) * D + offs_d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=both,
+        )
         tl.store(USED + p, tl.sum(tl.load(USED_IN + p * PARTS + offs_p, mask=offs_p < PARTS, other=0), axis=0))
-
-

@@ -104,20 +104,25 @@ class FusedStep:
         spec = state.pipeline.spec
         self.fixed = spec.sink + spec.local
         self.width = self.fixed + state.width()
-        self.density = torch.tensor(spec.budget.density if spec.budget.density is not None else 0.0,
-                                    dtype=torch.float64, device=state.length.device)
+        self.density = torch.tensor(
+            spec.budget.density if spec.budget.density is not None else 0.0,
+            dtype=torch.float64,
+            device=state.length.device,
+        )
         self.tokens = spec.budget.tokens if spec.budget.tokens is not None else -1
         self.shared = spec.gqa == "shared"
         # Constant through decoding, read by every step's grow: row-major copies.
         projection, centroids = state.clusters.space
-        self.basis, self.projection, self.centroids = (t.float().contiguous()
-                                                        for t in (state.index.basis, projection, centroids))
+        self.basis, self.projection, self.centroids = (
+            t.float().contiguous() for t in (state.index.basis, projection, centroids)
+        )
         # The selection's smallest block, from the clusters' mean size at the prefill (one read, here: not in a step).
         self.select_block = smallest_block(float(state.member_counts.float().mean()))
         self.side = side_stream(state.length.device) if state.length.device.type == "cuda" else None
         rerank, floor = state.pipeline.selector.config.rerank, state.pipeline.allocator.config.floor
-        self.two_stage = TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) \
-            if rerank > 0 else None
+        self.two_stage = (
+            TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) if rerank > 0 else None
+        )
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -142,9 +147,26 @@ class FusedStep:
         r, rc = self.basis.shape[-1], self.projection.shape[-1]
         device = query.device
         projected = torch.empty(B, H, g, r, dtype=torch.float32, device=device)
-        project[(B * H,)](keys, query, state.length, self.basis, index.codes, index.scales, projected,
-                           *keys.stride()[:3], query.stride(0), query.stride(1), H, cap, G=g, D=D,
-                           BLOCK_D=triton.next_power_of_2(D), R=r, BLOCK_R=triton.next_power_of_2(r), num_warps=4)
+        project[(B * H,)](
+            keys,
+            query,
+            state.length,
+            self.basis,
+            index.codes,
+            index.scales,
+            projected,
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            cap,
+            G=g,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            R=r,
+            BLOCK_R=triton.next_power_of_2(r),
+            num_warps=4,
+        )
         # The growth and the plan, and QGS's scores, do not read what the other writes: in a CUDA graph the growth
         # and the plan run on a second stream of high priority beside the scores (the graph holds two branches).
         # The scores fill the device with programs; the priority lets the short chain's programs in first. Every
@@ -167,13 +189,40 @@ class FusedStep:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             grow[(B * H, triton.cdiv(C, STATS_CLUSTERS))](
-                keys, values, query, state.length, self.projection, self.centroids,
-                state.assignment, state.pooled.count, state.pooled.key_sum, state.pooled.value_sum,
-                state.pooled.key_square_sum, state.members, state.member_counts, mean_logit, logit_var,
-                *keys.stride()[:3], *values.stride()[:3], query.stride(0), query.stride(1), H, cap, C,
-                state.members.shape[-1], pipe.spec.local, state.scale, G=g, D=D, BLOCK_D=triton.next_power_of_2(D),
-                RC=rc, BLOCK_RC=triton.next_power_of_2(rc), BLOCK_C=max(16, triton.next_power_of_2(C)),
-                STATS_C=STATS_CLUSTERS, num_warps=4)
+                keys,
+                values,
+                query,
+                state.length,
+                self.projection,
+                self.centroids,
+                state.assignment,
+                state.pooled.count,
+                state.pooled.key_sum,
+                state.pooled.value_sum,
+                state.pooled.key_square_sum,
+                state.members,
+                state.member_counts,
+                mean_logit,
+                logit_var,
+                *keys.stride()[:3],
+                *values.stride()[:3],
+                query.stride(0),
+                query.stride(1),
+                H,
+                cap,
+                C,
+                state.members.shape[-1],
+                pipe.spec.local,
+                state.scale,
+                G=g,
+                D=D,
+                BLOCK_D=triton.next_power_of_2(D),
+                RC=rc,
+                BLOCK_RC=triton.next_power_of_2(rc),
+                BLOCK_C=max(16, triton.next_power_of_2(C)),
+                STATS_C=STATS_CLUSTERS,
+                num_warps=4,
+            )
             if first is None:
                 self.plan(state, mean_logit, logit_var, None, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
         group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G, out=scores)
@@ -185,10 +234,12 @@ class FusedStep:
             self.two_stage.refine(scores, state, budget_args, Gs, listing, first)
         if first is not None:  # the plan waits for the floor
             self.plan(state, mean_logit, logit_var, first, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
-        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs,
-                      self.select_block)
-        selection = Selection(chosen.view(B, H, Gs, 1, self.width), log_weight.view(B, H, Gs, 1, self.width),
-                              runs.view(B, H, Gs, 1, C + 1))
+        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block)
+        selection = Selection(
+            chosen.view(B, H, Gs, 1, self.width),
+            log_weight.view(B, H, Gs, 1, self.width),
+            runs.view(B, H, Gs, 1, C + 1),
+        )
         proxies = pipe.tail_proxies(state.pooled, state.assignment)
         out, _ = pipe.kernel.attend(query, keys, values, selection, proxies, state.scale)
         return out, selection
@@ -198,11 +249,31 @@ class FusedStep:
         block_c, warps = launch_config(C)
         with quiet_interpreter():
             plan[(quotas.shape[0],)](
-                mean_logit, logit_var, state.pooled.count, state.length, state.start, self.density,
-                state.fixed_base, state.fixed_moves, first if first is not None else quotas, quotas, offsets, runs,
-                chosen, log_weight, H, Gs, C, self.fixed, self.width, self.tokens, G=G,
-                BLOCK_G=triton.next_power_of_2(G), BLOCK_C=block_c, BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
-                HAS_FIRST=first is not None, LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
-                num_warps=warps)
-
-
+                mean_logit,
+                logit_var,
+                state.pooled.count,
+                state.length,
+                state.start,
+                self.density,
+                state.fixed_base,
+                state.fixed_moves,
+                first if first is not None else quotas,
+                quotas,
+                offsets,
+                runs,
+                chosen,
+                log_weight,
+                H,
+                Gs,
+                C,
+                self.fixed,
+                self.width,
+                self.tokens,
+                G=G,
+                BLOCK_G=triton.next_power_of_2(G),
+                BLOCK_C=block_c,
+                BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
+                HAS_FIRST=first is not None,
+                LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
+                num_warps=warps,
+            )

@@ -13,7 +13,6 @@ if triton is not None:
     from oa_plugins.kernels.two_stage_programs import row_budget
 
 
-
 if triton is not None:
 
     @triton.jit
@@ -26,8 +25,27 @@ if triton is not None:
         return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
 
     @triton.jit
-    def project(K, Q, LENGTH, BASIS, CODES, SCALES, QP, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, CAP, G: tl.constexpr,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    def project(
+        K,
+        Q,
+        LENGTH,
+        BASIS,
+        CODES,
+        SCALES,
+        QP,
+        sk_b,
+        sk_h,
+        sk_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        CAP,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
         """Program (batch row, KV head): the new row's QGS codes (quantize of kᵀU_r: symmetric int8, a scale per
         row) and the G query heads projected on the same basis (U_rᵀq: what QGS scores with)."""
         head = tl.program_id(0).to(tl.int64)
@@ -38,8 +56,9 @@ if triton is not None:
         d_ok = offs_d < D
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
-        basis = tl.load(BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :],
-                        mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+        basis = tl.load(
+            BASIS + (head * D + offs_d[:, None]) * R + offs_r[None, :], mask=d_ok[:, None] & r_ok[None, :], other=0.0
+        )
         k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         projected = tl.sum(k[:, None] * basis, axis=0)
         row_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(projected), axis=0), 1e-12), 127.0)
@@ -51,10 +70,44 @@ if triton is not None:
             tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
 
     @triton.jit
-    def grow(K, V, Q, LENGTH, PROJ, CENT, ASSIGNMENT, COUNT, KSUM, VSUM, KSQ, MEMBERS, MEMBER_COUNT, MEAN_LOGIT,
-              LOGIT_VAR, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sq_b, sq_h, Hkv, CAP, C, S, LOCAL, scale,
-              G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, RC: tl.constexpr, BLOCK_RC: tl.constexpr,
-              BLOCK_C: tl.constexpr, STATS_C: tl.constexpr):
+    def grow(
+        K,
+        V,
+        Q,
+        LENGTH,
+        PROJ,
+        CENT,
+        ASSIGNMENT,
+        COUNT,
+        KSUM,
+        VSUM,
+        KSQ,
+        MEMBERS,
+        MEMBER_COUNT,
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        sk_b,
+        sk_h,
+        sk_n,
+        sv_b,
+        sv_h,
+        sv_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        CAP,
+        C,
+        S,
+        LOCAL,
+        scale,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        RC: tl.constexpr,
+        BLOCK_RC: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        STATS_C: tl.constexpr,
+    ):
         """Program (batch row, KV head, chunk of STATS_C clusters): the chunk's clusters after the leaving row's join
         and their logit statistics. It reads no codes, so it runs beside QGS's scores."""
         head = tl.program_id(0).to(tl.int64)
@@ -69,13 +122,15 @@ if triton is not None:
         k = tl.load(K + b * sk_b + h * sk_h + leaving * sk_n + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         offs_rc = tl.arange(0, BLOCK_RC)
         rc_ok = offs_rc < RC
-        projection = tl.load(PROJ + (head * D + offs_d[:, None]) * RC + offs_rc[None, :],
-                             mask=d_ok[:, None] & rc_ok[None, :], other=0.0)
+        projection = tl.load(
+            PROJ + (head * D + offs_d[:, None]) * RC + offs_rc[None, :], mask=d_ok[:, None] & rc_ok[None, :], other=0.0
+        )
         point = tl.sum(k[:, None] * projection, axis=0)
         offs_c = tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
-        centre = tl.load(CENT + (head * C + offs_c[:, None]) * RC + offs_rc[None, :],
-                         mask=c_ok[:, None] & rc_ok[None, :], other=0.0)
+        centre = tl.load(
+            CENT + (head * C + offs_c[:, None]) * RC + offs_rc[None, :], mask=c_ok[:, None] & rc_ok[None, :], other=0.0
+        )
         distance = tl.sum(centre * centre, axis=1) - 2 * tl.sum(centre * point[None, :], axis=1)
         distance = tl.where(c_ok, distance, float("inf"))
         c = tl.min(tl.where(distance == tl.min(distance, axis=0), offs_c, C), axis=0).to(tl.int64)
@@ -107,9 +162,34 @@ if triton is not None:
             store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * G + i) * C + offs_s, s_ok)
 
     @triton.jit
-    def plan(MEAN_LOGIT, LOGIT_VAR, COUNT, LENGTH, START, DENSITY, FIXED_BASE, FIXED_MOVES, FIRST, QUOTAS, OFFSETS,
-              RUNS, INDEX, LW, Hkv, Gs, C, F, WIDTH, TOKENS, G: tl.constexpr, BLOCK_G: tl.constexpr,
-              BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, HAS_FIRST: tl.constexpr, LIBDEVICE: tl.constexpr):
+    def plan(
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        COUNT,
+        LENGTH,
+        START,
+        DENSITY,
+        FIXED_BASE,
+        FIXED_MOVES,
+        FIRST,
+        QUOTAS,
+        OFFSETS,
+        RUNS,
+        INDEX,
+        LW,
+        Hkv,
+        Gs,
+        C,
+        F,
+        WIDTH,
+        TOKENS,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+        HAS_FIRST: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
         """Program (batch row, KV head, selection head): the quotas, and the row's index laid out."""
         p = tl.program_id(0).to(tl.int64)
         b = p // (Gs * Hkv)
@@ -122,7 +202,7 @@ if triton is not None:
         # The row's heads' z̄_b and σ̂_b² (``grow``'s, one launch before, over every head's chunks).
         offs_g = tl.arange(0, BLOCK_G)
         inside = (offs_g[:, None] < G) & c_ok[None, :]
-        stats = ((head * (G * Gs) + s * G + offs_g[:, None]) * C + offs_c[None, :])
+        stats = (head * (G * Gs) + s * G + offs_g[:, None]) * C + offs_c[None, :]
         mean_logit = tl.load(MEAN_LOGIT + stats, mask=inside, other=0.0)
         logit_var = tl.load(LOGIT_VAR + stats, mask=inside, other=0.0)
         row = row_log_priority(mean_logit, logit_var, count, G, LIBDEVICE)
@@ -130,8 +210,13 @@ if triton is not None:
         budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
         if HAS_FIRST:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
             first = tl.load(FIRST + p * C + offs_c, mask=c_ok, other=0).to(tl.int64)
-            rest = water_fill_row(row.to(tl.float64), (count - first.to(tl.float32)).to(tl.float64),
-                                  (budget - tl.sum(first, axis=0)).to(tl.float64), offs_c, c_ok)
+            rest = water_fill_row(
+                row.to(tl.float64),
+                (count - first.to(tl.float32)).to(tl.float64),
+                (budget - tl.sum(first, axis=0)).to(tl.float64),
+                offs_c,
+                c_ok,
+            )
             quotas = first + rest
         else:
             quotas = water_fill_row(row.to(tl.float64), count.to(tl.float64), budget.to(tl.float64), offs_c, c_ok)
@@ -144,8 +229,9 @@ if triton is not None:
         # (written by the selection), then -1 up to the width; every column's log weight 0 (all are exact rows).
         offs_f = tl.arange(0, BLOCK_F)
         f_ok = offs_f < F
-        fixed = tl.load(FIXED_BASE + b * F + offs_f, mask=f_ok, other=0) + length * tl.load(FIXED_MOVES + offs_f,
-                                                                                              mask=f_ok, other=0)
+        fixed = tl.load(FIXED_BASE + b * F + offs_f, mask=f_ok, other=0) + length * tl.load(
+            FIXED_MOVES + offs_f, mask=f_ok, other=0
+        )
         tl.store(INDEX + p * WIDTH + offs_f, fixed, mask=f_ok)
         end = F + tl.sum(quotas, axis=0)
         for start in range(0, WIDTH, BLOCK_F):

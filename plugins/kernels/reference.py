@@ -27,8 +27,15 @@ class TorchKernel(Kernel):
     priority = 1  # what ``kernel: auto`` falls back to
     proxies = ("second-order", "mean")
 
-    def attend(self, query: Tensor, keys: Tensor, values: Tensor, selection: Selection | None,
-               proxies: PooledClusters | None, scale: float) -> tuple[Tensor, Tensor | None]:
+    def attend(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        selection: Selection | None,
+        proxies: PooledClusters | None,
+        scale: float,
+    ) -> tuple[Tensor, Tensor | None]:
         B, Hq, T, D = query.shape
         Hkv = keys.shape[1]
         g = Hq // Hkv
@@ -61,13 +68,18 @@ class TorchKernel(Kernel):
         proxy_logits = tail_sum / n + torch.log(n)
         if proxies.second_order:
             assert proxies.key_square_sum is not None  # second-order proxies come with it (PooledClusters)
-            proxy_logits = proxy_logits + torch.log1p(0.5 * tail_logit_variance(
-                q, read_logits, heads, proxies.count, proxies.key_sum, proxies.key_square_sum, tail_count, scale))
+            proxy_logits = proxy_logits + torch.log1p(
+                0.5
+                * tail_logit_variance(
+                    q, read_logits, heads, proxies.count, proxies.key_sum, proxies.key_square_sum, tail_count, scale
+                )
+            )
         proxy_logits = proxy_logits.masked_fill(~has_tail, float("-inf"))
         weights = torch.softmax(torch.cat([logits, proxy_logits], dim=-1), dim=-1)
-        share = weights[..., logits.shape[-1]:] / n  # c_b
-        row_weights = weights[..., :logits.shape[-1]] - torch.cat([share, torch.zeros_like(share[..., :1])],
-                                                                  -1).gather(-1, leaves)
+        share = weights[..., logits.shape[-1] :] / n  # c_b
+        row_weights = weights[..., : logits.shape[-1]] - torch.cat(
+            [share, torch.zeros_like(share[..., :1])], -1
+        ).gather(-1, leaves)
         out = weighted(row_weights) + torch.einsum("bhgtc,bhcd->bhgtd", share, proxies.value_sum)
         return out.reshape(B, Hq, T, D).to(query.dtype), has_tail.sum(-1)
 

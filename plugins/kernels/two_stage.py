@@ -51,8 +51,9 @@ class TwoStage:
         self.multiple_t = torch.tensor(multiple, dtype=torch.float64, device=device)
         self.floor_t = torch.tensor(floor, dtype=torch.float64, device=device)
 
-    def shortlist(self, scores: Tensor, keys: Tensor, query: Tensor, state, budget_args: tuple, Gs: int, G: int,
-                  local: int) -> tuple[Tensor, ...]:
+    def shortlist(
+        self, scores: Tensor, keys: Tensor, query: Tensor, state, budget_args: tuple, Gs: int, G: int, local: int
+    ) -> tuple[Tensor, ...]:
         """``scores`` ``[rows, capacity]`` (QGS's) → the shortlist (its positions, exact logits, length, last key and
         ties at it, and each segment's place in it): launches 1–7. The row leaving the window counts as joined (the
         join may run beside these)."""
@@ -71,21 +72,74 @@ class TwoStage:
         hist = torch.zeros(rows, 3, 256, dtype=torch.int32, device=device)
         last_digit = torch.empty(rows, S, 257, dtype=torch.int32, device=device)
         length, start, density, fixed, tokens = budget_args
-        args = (scores, state.assignment, length, start, density, self.multiple_t, hist, last_digit, H, Gs,
-                state.num_clusters, cap, fixed, tokens, local, L, S)
+        args = (
+            scores,
+            state.assignment,
+            length,
+            start,
+            density,
+            self.multiple_t,
+            hist,
+            last_digit,
+            H,
+            Gs,
+            state.num_clusters,
+            cap,
+            fixed,
+            tokens,
+            local,
+            L,
+            S,
+        )
         for level in range(4):
             radix_pass[(rows, S)](*args, LEVEL=level, BLOCK=SEGMENT, num_warps=SEGMENT_WARPS)
-        cut_row[(rows,)](hist, last_digit, length, start, density, self.multiple_t, counts, cut, ties, places, H, Gs,
-                          fixed, tokens, L, S, BLOCK_S=triton.next_power_of_2(S), num_warps=4)
-        compact[(rows, S)](scores, length, listed, cut, ties, places, cap, L, S, BLOCK=SEGMENT,
-                            num_warps=SEGMENT_WARPS)
+        cut_row[(rows,)](
+            hist,
+            last_digit,
+            length,
+            start,
+            density,
+            self.multiple_t,
+            counts,
+            cut,
+            ties,
+            places,
+            H,
+            Gs,
+            fixed,
+            tokens,
+            L,
+            S,
+            BLOCK_S=triton.next_power_of_2(S),
+            num_warps=4,
+        )
+        compact[(rows, S)](scores, length, listed, cut, ties, places, cap, L, S, BLOCK=SEGMENT, num_warps=SEGMENT_WARPS)
         exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
-            keys, query, listed, counts, exact, *keys.stride()[:3], query.stride(0), query.stride(1), H, Gs, L, cap,
-            state.scale, G=G, GQ=G * Gs, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=LIST_BLOCK, num_warps=4)
+            keys,
+            query,
+            listed,
+            counts,
+            exact,
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            Gs,
+            L,
+            cap,
+            state.scale,
+            G=G,
+            GQ=G * Gs,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_L=LIST_BLOCK,
+            num_warps=4,
+        )
         return listed, exact, counts, cut, ties, places
 
-    def refine(self, scores: Tensor, state, budget_args: tuple, Gs: int, listing: tuple[Tensor, ...],
-               first: Tensor | None) -> None:
+    def refine(
+        self, scores: Tensor, state, budget_args: tuple, Gs: int, listing: tuple[Tensor, ...], first: Tensor | None
+    ) -> None:
         """Launch 8: ``scores`` rewritten in place, a program per segment; ``first`` ``[rows, C]`` int32 (with a floor)
         receives each cluster's floor rows, from one more program per row. After the join (the floor reads its rows'
         clusters)."""
@@ -95,9 +149,29 @@ class TwoStage:
         C = state.num_clusters
         S = places.shape[1]
         refine[(rows, S + (first is not None))](
-            scores, state.assignment, length, start, density, self.floor_t, listed, counts, exact, cut, ties, places,
-            first if first is not None else counts, state.assignment.shape[1], Gs, C, cap, fixed, tokens,
-            listed.shape[-1], S, SEGMENT=SEGMENT, BLOCK=RADIX_BLOCK, BLOCK_C=max(16, triton.next_power_of_2(C)),
-            num_warps=SEGMENT_WARPS)
-
-
+            scores,
+            state.assignment,
+            length,
+            start,
+            density,
+            self.floor_t,
+            listed,
+            counts,
+            exact,
+            cut,
+            ties,
+            places,
+            first if first is not None else counts,
+            state.assignment.shape[1],
+            Gs,
+            C,
+            cap,
+            fixed,
+            tokens,
+            listed.shape[-1],
+            S,
+            SEGMENT=SEGMENT,
+            BLOCK=RADIX_BLOCK,
+            BLOCK_C=max(16, triton.next_power_of_2(C)),
+            num_warps=SEGMENT_WARPS,
+        )

@@ -92,8 +92,27 @@ if triton is not None:
         return prefix, rest
 
     @triton.jit
-    def radix_pass(SCORES, ASSIGNMENT, LENGTH, START, DENSITY, MULTIPLE, HIST, LAST, Hkv, Gs, C, CAP, F, TOKENS,
-                    LOCAL, L, S, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    def radix_pass(
+        SCORES,
+        ASSIGNMENT,
+        LENGTH,
+        START,
+        DENSITY,
+        MULTIPLE,
+        HIST,
+        LAST,
+        Hkv,
+        Gs,
+        C,
+        CAP,
+        F,
+        TOKENS,
+        LOCAL,
+        L,
+        S,
+        LEVEL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """Program (selection row, segment), digit LEVEL of the shortlist's cut: the segment's histogram of that
         digit among the keys whose higher digits are the cut's, added to the row's (the last digit's: kept per
         segment, with the count above the prefix, for ``compact``). Level 0 first sets the scores outside the
@@ -129,8 +148,25 @@ if triton is not None:
                 tl.store(LAST + (p * S + segment) * 257 + 256, above)
 
     @triton.jit
-    def cut_row(HIST, LAST, LENGTH, START, DENSITY, MULTIPLE, COUNTS, CUT, TIES, PLACES, Hkv, Gs, F, TOKENS, L, S,
-                 BLOCK_S: tl.constexpr):
+    def cut_row(
+        HIST,
+        LAST,
+        LENGTH,
+        START,
+        DENSITY,
+        MULTIPLE,
+        COUNTS,
+        CUT,
+        TIES,
+        PLACES,
+        Hkv,
+        Gs,
+        F,
+        TOKENS,
+        L,
+        S,
+        BLOCK_S: tl.constexpr,
+    ):
         """Program per selection row: the shortlist's length k, its cut key τ (every key above it is listed), the
         ties at τ listed, and each segment's place: (entries before it, ties at τ before it)."""
         p = tl.program_id(0).to(tl.int64)
@@ -163,14 +199,39 @@ if triton is not None:
         if segment * BLOCK < n:
             offs = segment * BLOCK + tl.arange(0, BLOCK)
             value = tl.load(SCORES + p * CAP + offs, mask=offs < n, other=float("-inf"))
-            keep, _ = _kept(_unsigned_key(value), (offs < n) & (value > float("-inf")), tl.load(CUT + p),
-                            tl.load(TIES + p), tl.load(PLACES + (p * S + segment) * 2 + 1))
+            keep, _ = _kept(
+                _unsigned_key(value),
+                (offs < n) & (value > float("-inf")),
+                tl.load(CUT + p),
+                tl.load(TIES + p),
+                tl.load(PLACES + (p * S + segment) * 2 + 1),
+            )
             slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
             tl.store(LISTED + p * L + slot, offs.to(tl.int32), mask=keep & (slot >= 0) & (slot < L))  # never past it
 
     @triton.jit
-    def exact_logits(K, Q, LISTED, COUNTS, EXACT, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, Gs, L, CAP, scale, G: tl.constexpr,
-               GQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    def exact_logits(
+        K,
+        Q,
+        LISTED,
+        COUNTS,
+        EXACT,
+        sk_b,
+        sk_h,
+        sk_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        Gs,
+        L,
+        CAP,
+        scale,
+        G: tl.constexpr,
+        GQ: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+    ):
         """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows."""
         p = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * BLOCK_L
@@ -185,8 +246,11 @@ if triton is not None:
             pos_ok = ok & (pos >= 0) & (pos < CAP)  # a listed position is a slot of the cache (never read past it)
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
-            k = tl.load(K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
-                        mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            k = tl.load(
+                K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
+                mask=pos_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
             best = tl.full([BLOCK_L], float("-inf"), tl.float32)
             for j in tl.static_range(G):
                 q = tl.load(Q + b * sq_b + (h * GQ + s * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
@@ -194,9 +258,32 @@ if triton is not None:
             tl.store(EXACT + p * L + offs, best * scale, mask=ok)
 
     @triton.jit
-    def refine(SCORES, ASSIGNMENT, LENGTH, START, DENSITY, FLOOR_SHARE, LISTED, COUNTS, EXACT, CUT, TIES, PLACES,
-                FIRST, Hkv, Gs, C, CAP, F, TOKENS, L, S, SEGMENT: tl.constexpr, BLOCK: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+    def refine(
+        SCORES,
+        ASSIGNMENT,
+        LENGTH,
+        START,
+        DENSITY,
+        FLOOR_SHARE,
+        LISTED,
+        COUNTS,
+        EXACT,
+        CUT,
+        TIES,
+        PLACES,
+        FIRST,
+        Hkv,
+        Gs,
+        C,
+        CAP,
+        F,
+        TOKENS,
+        L,
+        S,
+        SEGMENT: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         """Program (selection row, segment): the segment's scores re-ranked in place — a listed position its exact
         logit, the others shifted below the shortlist; program (selection row, S), with a floor: the floor's rows
         counted per cluster."""
@@ -220,8 +307,9 @@ if triton is not None:
                     value = tl.load(exact + offs, mask=offs < k, other=float("-inf"))
                     keep, block_ties = _kept(_unsigned_key(value), offs < k, tau2, ties2, tied)
                     pos = tl.load(LISTED + p * L + offs, mask=keep, other=0).to(tl.int64)
-                    cluster = tl.load(ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep & (pos >= 0) & (pos < CAP),
-                                      other=0).to(tl.int32)
+                    cluster = tl.load(
+                        ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep & (pos >= 0) & (pos < CAP), other=0
+                    ).to(tl.int32)
                     hist += tl.histogram(cluster, BLOCK_C, mask=keep)
                     tied += block_ties
             offs_c = tl.arange(0, BLOCK_C)
@@ -233,8 +321,9 @@ if triton is not None:
                 lowest = tl.full([], float("inf"), tl.float32)
                 for start in range(0, k, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
-                    lowest = tl.minimum(lowest, tl.min(tl.load(exact + offs, mask=offs < k, other=float("inf")),
-                                                       axis=0))
+                    lowest = tl.minimum(
+                        lowest, tl.min(tl.load(exact + offs, mask=offs < k, other=float("inf")), axis=0)
+                    )
                 bits = (tau - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
                 last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
                 shift = tl.where(k > 0, (lowest - last) - 1.0, 0.0)
@@ -242,8 +331,13 @@ if triton is not None:
                 offs = segment * SEGMENT + tl.arange(0, SEGMENT)
                 row = SCORES + p * CAP + offs
                 value = tl.load(row, mask=offs < n, other=float("-inf"))
-                keep, _ = _kept(_unsigned_key(value), (offs < n) & (value > float("-inf")), tau, ties,
-                                tl.load(PLACES + (p * S + segment) * 2 + 1))
+                keep, _ = _kept(
+                    _unsigned_key(value),
+                    (offs < n) & (value > float("-inf")),
+                    tau,
+                    ties,
+                    tl.load(PLACES + (p * S + segment) * 2 + 1),
+                )
                 slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 listed_exact = tl.load(exact + slot, mask=keep & (slot >= 0) & (slot < L), other=0.0)
                 tl.store(row, tl.where(keep, listed_exact, value + shift), mask=offs < n)

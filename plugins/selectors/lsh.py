@@ -34,8 +34,9 @@ class LSHConfig(BaseModel):
 
     K: int = Field(default=10, ge=0, le=62, description="bits (hyperplanes) per table")
     L: int = Field(default=150, ge=1, description="hash tables")
-    min_collisions: int = Field(default=2, ge=1, description="tables a key must share with the query to be a "
-                                                             "candidate (MagicPIG: 2)")
+    min_collisions: int = Field(
+        default=2, ge=1, description="tables a key must share with the query to be a candidate (MagicPIG: 2)"
+    )
     center: bool = Field(default=True, description="subtract the keys' mean before hashing (MagicPIG)")
 
 
@@ -53,8 +54,9 @@ class SimHashSelector(Selector):
     Config = LSHConfig
     config: LSHConfig
 
-    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
-              generator: torch.Generator | None = None) -> LSHIndex:
+    def build(
+        self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator | None = None
+    ) -> LSHIndex:
         B, Hkv, N, D = keys.shape
         K, L = self.config.K, self.config.L
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -81,7 +83,7 @@ class SimHashSelector(Selector):
         powers = 2 ** torch.arange(K, device=vectors.device)
         buckets = []
         for tables in _chunks(L, vectors[..., 0].numel() * max(K, 1)):
-            bits = (vectors @ index.planes[:, :, tables.start * K:tables.stop * K].unsqueeze(0)) > 0
+            bits = (vectors @ index.planes[:, :, tables.start * K : tables.stop * K].unsqueeze(0)) > 0
             per_table = bits.view(*bits.shape[:-1], tables.stop - tables.start, K)
             buckets.append((per_table.long() * powers).sum(-1).to(_bucket_dtype(K)))
         return torch.cat(buckets, -1)
@@ -123,12 +125,14 @@ class SimHashSelector(Selector):
         q = query.double().reshape(B, Hkv, Gs * G * T, D)
         k = keys.double() - index.center.double()
         cosine = (q @ k.transpose(-1, -2)) / (q.norm(dim=-1, keepdim=True) * k.norm(dim=-1).unsqueeze(-2)).clamp_min(
-            1e-30)
+            1e-30
+        )
         candidate = collisions >= self.config.min_collisions
         theta = torch.arccos(cosine[candidate].clamp(-1, 1))
         log_p = torch.full(collisions.shape, -math.inf, dtype=torch.float64, device=query.device)
-        log_p[candidate] = log_candidate_probability(1 - theta / math.pi, self.config.K, self.config.L,
-                                                     self.config.min_collisions)
+        log_p[candidate] = log_candidate_probability(
+            1 - theta / math.pi, self.config.K, self.config.L, self.config.min_collisions
+        )
         return log_p.float().view(B, Hkv, Gs, G, T, -1)
 
 
@@ -182,8 +186,14 @@ def log_candidate_probability(u: Tensor, K: int, L: int, min_collisions: int) ->
     log_hit = K * torch.log(u)  # ln u^K, per table
     log_miss = torch.log1p(-torch.exp(log_hit).clamp_max(1.0))  # ln(1 − u^K); −inf when u = 1
     j = torch.arange(min_collisions, L + 1, dtype=torch.float64, device=u.device)
-    choose = torch.tensor([math.lgamma(L + 1) - math.lgamma(i + 1) - math.lgamma(L - i + 1)  # ln C(L, j), exactly 0
-                           for i in range(min_collisions, L + 1)], dtype=torch.float64, device=u.device)  # at j = L
+    choose = torch.tensor(
+        [
+            math.lgamma(L + 1) - math.lgamma(i + 1) - math.lgamma(L - i + 1)  # ln C(L, j), exactly 0
+            for i in range(min_collisions, L + 1)
+        ],
+        dtype=torch.float64,
+        device=u.device,
+    )  # at j = L
     total = torch.empty_like(log_hit).view(-1)
     log_hit, log_miss = log_hit.reshape(-1, 1), log_miss.reshape(-1, 1)
     for rows in _chunks(total.numel(), max(len(j), 1)):

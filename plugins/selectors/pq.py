@@ -41,10 +41,18 @@ class PQSConfig(BaseModel):
     dims: int = Field(default=2, ge=1, description="dimensions per sub-space: D / dims codes per key")
     bits: Literal[4, 8] = Field(default=4, description="bits per code: 2^bits centroids per sub-space")
     iterations: int = Field(default=8, ge=0, description="Lloyd iterations of each sub-space's k-means")
-    train: int = Field(default=4096, ge=256, description="keys per (batch row, KV head) the centroids are learnt "
-                       "from, evenly spaced over the context (all of them when it has fewer)")
-    rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
-                          "selectable budget (0: the codes' scores alone)")
+    train: int = Field(
+        default=4096,
+        ge=256,
+        description="keys per (batch row, KV head) the centroids are learnt "
+        "from, evenly spaced over the context (all of them when it has fewer)",
+    )
+    rerank: float = Field(
+        default=4.0,
+        ge=0.0,
+        description="shortlist re-ranked by exact logits, in multiples of the "
+        "selectable budget (0: the codes' scores alone)",
+    )
 
 
 @dataclass
@@ -72,7 +80,7 @@ def training_positions(region: Tensor, most: int) -> tuple[Tensor, Tensor]:
     (deterministic, spread over the whole context); a row with fewer fills its end with other positions, not chosen."""
     stride = (region.sum(-1, keepdim=True) + most - 1) // most
     chosen = region & ((region.cumsum(-1) - 1) % stride.clamp_min(1) == 0)
-    positions = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)[:, :min(most, region.shape[-1])]
+    positions = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)[:, : min(most, region.shape[-1])]
     return positions, chosen.gather(-1, positions)
 
 
@@ -93,13 +101,14 @@ class ProductQuantisedSelector(ExactRerank, Selector):
     Config = PQSConfig
     config: PQSConfig
 
-    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
-              generator: torch.Generator | None = None) -> PQSIndex:
+    def build(
+        self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator | None = None
+    ) -> PQSIndex:
         B, Hkv, N, D = keys.shape
         dims = self.config.dims
         if D % dims:
             raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
-        M, count = D // dims, 2 ** self.config.bits
+        M, count = D // dims, 2**self.config.bits
         positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
         n = positions.shape[-1]
         points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
@@ -133,8 +142,16 @@ class ProductQuantisedSelector(ExactRerank, Selector):
         return scores.amax(3)
 
 
-def group_lut_scores(tables: Tensor, codes: Tensor, scale: float, queries: int, group: int, *,
-                     block_n: int | None = None, num_warps: int = 4) -> Tensor:
+def group_lut_scores(
+    tables: Tensor,
+    codes: Tensor,
+    scale: float,
+    queries: int,
+    group: int,
+    *,
+    block_n: int | None = None,
+    num_warps: int = 4,
+) -> Tensor:
     """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, M]`` uint8, ``scale`` s > 0; ``group``: the
     heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group): s·max over the selection head's
@@ -147,17 +164,43 @@ def group_lut_scores(tables: Tensor, codes: Tensor, scale: float, queries: int, 
         return out
     block_n = block_n or min(256, max(16, triton.next_power_of_2(N)))
     num_blocks = triton.cdiv(N, block_n)
-    _group_lut_scores[(B * Hkv * num_blocks,)](tables.contiguous(), codes.contiguous(), out, N, queries, rows,
-                                               num_blocks, scale, G=group, M=M, C=C, BLOCK_M=triton.next_power_of_2(M),
-                                               BLOCK_N=block_n, num_warps=num_warps)
+    _group_lut_scores[(B * Hkv * num_blocks,)](
+        tables.contiguous(),
+        codes.contiguous(),
+        out,
+        N,
+        queries,
+        rows,
+        num_blocks,
+        scale,
+        G=group,
+        M=M,
+        C=C,
+        BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _group_lut_scores(TABLES, CODES, OUT, N, T, ROWS, num_blocks, scale, G: tl.constexpr, M: tl.constexpr,
-                          C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _group_lut_scores(
+        TABLES,
+        CODES,
+        OUT,
+        N,
+        T,
+        ROWS,
+        num_blocks,
+        scale,
+        G: tl.constexpr,
+        M: tl.constexpr,
+        C: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """One program per (batch row, KV head, block of BLOCK_N tokens): the block's codes ``[BLOCK_N, M]`` stay in
         registers while each of the ROWS output rows (selection head · T + query) takes the maximum over its G query
         heads of a gather from that head's table (a C-entry row per sub-space) summed over the M sub-spaces."""

@@ -33,19 +33,29 @@ class QGSConfig(BaseModel):
 
     rank: int = Field(default=16, ge=1, description="r: code bytes per key")
     query_window: int = Field(default=QUERY_WINDOW, ge=1, description="last prefill queries that estimate the basis")
-    rerank: float = Field(default=4.0, ge=0.0, description="shortlist re-ranked by exact logits, in multiples of the "
-                          "selectable budget (default 4; 0: the paper's QGS, no re-rank)")
-    key_rank: int | None = Field(default=None, ge=0, description="of the rank, dimensions along the keys' spread "
-                                 "outside the query subspace (default: half the rank; 0: the query geometry alone, "
-                                 "the paper's)")
+    rerank: float = Field(
+        default=4.0,
+        ge=0.0,
+        description="shortlist re-ranked by exact logits, in multiples of the "
+        "selectable budget (default 4; 0: the paper's QGS, no re-rank)",
+    )
+    key_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="of the rank, dimensions along the keys' spread "
+        "outside the query subspace (default: half the rank; 0: the query geometry alone, "
+        "the paper's)",
+    )
 
     @model_validator(mode="after")
     def _key_rank_below_rank(self) -> QGSConfig:
         if self.key_rank is None:
             self.key_rank = self.rank // 2
         elif self.key_rank >= self.rank:
-            raise ValueError(f"key_rank ({self.key_rank}) must be below rank ({self.rank}): the query geometry keeps "
-                             "at least one dimension")
+            raise ValueError(
+                f"key_rank ({self.key_rank}) must be below rank ({self.rank}): the query geometry keeps "
+                "at least one dimension"
+            )
         return self
 
 
@@ -69,8 +79,9 @@ class QuerySubspaceSelector(ExactRerank, Selector):
     Config = QGSConfig
     config: QGSConfig
 
-    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
-              generator: torch.Generator | None = None) -> QGSIndex:
+    def build(
+        self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator | None = None
+    ) -> QGSIndex:
         region = clusters.assignment[:, 0] < clusters.num_clusters
         cfg = self.config
         assert cfg.key_rank is not None  # QGSConfig resolves None to half the rank
@@ -99,8 +110,18 @@ class QuerySubspaceSelector(ExactRerank, Selector):
         return scores.view(B, Hkv, Gs, G, T, -1).amax(3)
 
 
-def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: float, queries: int, group: int, *,
-                      block_n: int | None = None, num_warps: int = 4, out: Tensor | None = None) -> Tensor:
+def group_int8_scores(
+    projected: Tensor,
+    codes: Tensor,
+    scales: Tensor,
+    scale: float,
+    queries: int,
+    group: int,
+    *,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    out: Tensor | None = None,
+) -> Tensor:
     """The selection scores in one pass over the int8 codes: projected queries ``[B, Hkv, g·T, r]`` (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, r]`` int8, scales ``[B, Hkv, N]`` (> 0),
     ``scale`` s > 0; ``group``: the heads that share one selection (g: ``gqa: shared``, 1: per head) →
@@ -116,24 +137,51 @@ def group_int8_scores(projected: Tensor, codes: Tensor, scales: Tensor, scale: f
     if out is None:
         out = torch.empty(B, Hkv, Gs, T, N, device=projected.device, dtype=torch.float32)
     elif out.numel() != B * Hkv * Gs * T * N or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out: a contiguous float32 tensor of {B * Hkv * Gs * T * N} elements, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out: a contiguous float32 tensor of {B * Hkv * Gs * T * N} elements, got {out.dtype} {tuple(out.shape)}"
+        )
     if out.numel() == 0:
         return out
     if block_n is None:
         block_n = min(512, max(16, triton.next_power_of_2(N)))
     num_blocks = triton.cdiv(N, block_n)
     _group_int8_scores[(B * Hkv * num_blocks,)](
-        projected.contiguous(), codes.contiguous(), scales.float().contiguous(), out, N, T, Gs * T, num_blocks, scale,
-        G=group, R=r, BLOCK_R=triton.next_power_of_2(r), BLOCK_N=block_n, num_warps=num_warps)
+        projected.contiguous(),
+        codes.contiguous(),
+        scales.float().contiguous(),
+        out,
+        N,
+        T,
+        Gs * T,
+        num_blocks,
+        scale,
+        G=group,
+        R=r,
+        BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _group_int8_scores(QP, CODES, SCALES, OUT, N, T, ROWS, num_blocks, scale,
-                           G: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _group_int8_scores(
+        QP,
+        CODES,
+        SCALES,
+        OUT,
+        N,
+        T,
+        ROWS,
+        num_blocks,
+        scale,
+        G: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """One program per (batch row, KV head, block of BLOCK_N tokens): the block's codes stay in registers while
         each of the ROWS = Gs·T output rows (row = selection head · T + query) takes the maximum over its G query
         heads of a broadcast multiply-and-sum over r (no padded dot), times s·scale_i. R (the rank) is a constexpr:
@@ -143,8 +191,11 @@ if triton is not None:
         offs_n = (pid % num_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, BLOCK_R)
         in_n = offs_n < N
-        codes = tl.load(CODES + (head * N + offs_n[:, None]) * R + offs_r[None, :],
-                        mask=in_n[:, None] & (offs_r[None, :] < R), other=0).to(tl.float32)
+        codes = tl.load(
+            CODES + (head * N + offs_n[:, None]) * R + offs_r[None, :],
+            mask=in_n[:, None] & (offs_r[None, :] < R),
+            other=0,
+        ).to(tl.float32)
         factor = scale * tl.load(SCALES + head * N + offs_n, mask=in_n, other=1.0)
         for row in range(0, ROWS):
             s = (row // T).to(tl.int64)

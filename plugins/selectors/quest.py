@@ -47,12 +47,14 @@ class QuestSelector(Selector):
     def scoring_bytes(self, head_dim: int) -> float:
         return 2 * 2 * head_dim / self.config.page_size  # a page's min and max keys in bf16, over its tokens
 
-    def build(self, keys: Tensor, queries: Tensor | None, clusters: Clusters,
-              generator: torch.Generator | None = None) -> QuestIndex:
+    def build(
+        self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator | None = None
+    ) -> QuestIndex:
         B, Hkv, N, D = keys.shape
-        region = (clusters.assignment[:, 0] < clusters.num_clusters)  # [B, N], the same for every KV head
-        first = torch.where(region.any(-1), region.float().argmax(-1), torch.full_like(region[:, 0], N,
-                                                                                       dtype=torch.long))
+        region = clusters.assignment[:, 0] < clusters.num_clusters  # [B, N], the same for every KV head
+        first = torch.where(
+            region.any(-1), region.float().argmax(-1), torch.full_like(region[:, 0], N, dtype=torch.long)
+        )
         empty = keys.new_zeros(B, Hkv, 0, D, dtype=torch.float32)
         return self.extend(QuestIndex(first.view(B, 1, 1), empty, empty, 0), keys)
 
@@ -91,8 +93,9 @@ class QuestSelector(Selector):
         N = index.num_tokens
         bounds = self.page_bounds(query, index, scale)  # [B, Hkv, g·T, P]
         pages = self._pages(index, torch.arange(N, device=query.device))  # [B, 1, N]
-        per_token = bounds.gather(-1, pages.clamp_min(0).expand(*bounds.shape[:2], N).unsqueeze(2)
-                                  .expand(*bounds.shape[:3], N))
+        per_token = bounds.gather(
+            -1, pages.clamp_min(0).expand(*bounds.shape[:2], N).unsqueeze(2).expand(*bounds.shape[:3], N)
+        )
         per_token = per_token.masked_fill((pages < 0).unsqueeze(2), -math.inf)
         return per_token.view(B, Hkv, Gs, G, T, N).amax(3)
 

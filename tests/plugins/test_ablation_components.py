@@ -18,9 +18,14 @@ from oa_plugins.clusterers.position import PositionBlocks, PositionConfig
 
 def allocation(mean_logit, logit_var, counts, budget):
     shape = (1, 1, 1, 1, -1)
-    return AllocationInput(mean_logit.view(shape), logit_var.view(shape), counts.view(1, 1, -1),
-                           torch.zeros(1, 1, 1, 1, 1), torch.zeros(1, 1, 1, dtype=torch.long),
-                           torch.tensor(budget).view(1, 1, 1, 1))
+    return AllocationInput(
+        mean_logit.view(shape),
+        logit_var.view(shape),
+        counts.view(1, 1, -1),
+        torch.zeros(1, 1, 1, 1, 1),
+        torch.zeros(1, 1, 1, dtype=torch.long),
+        torch.tensor(budget).view(1, 1, 1, 1),
+    )
 
 
 def test_uniform_allocation_splits_evenly():
@@ -42,10 +47,14 @@ def test_mass_follows_the_mean_logit_and_variance_the_spread():
     assert flat.max() - flat.min() <= 1
 
 
-@pytest.mark.parametrize("allocator, priority", [
-    (MassAllocator, lambda z, var, n: n * z.exp()),  # n_b e^{z̄_b}: the cluster's attention mass
-    (VarianceAllocator, lambda z, var, n: var.sqrt()),  # σ̂_b
-], ids=["mass", "variance"])
+@pytest.mark.parametrize(
+    "allocator, priority",
+    [
+        (MassAllocator, lambda z, var, n: n * z.exp()),  # n_b e^{z̄_b}: the cluster's attention mass
+        (VarianceAllocator, lambda z, var, n: var.sqrt()),  # σ̂_b
+    ],
+    ids=["mass", "variance"],
+)
 def test_mass_and_variance_water_fill_their_priorities(allocator, priority):
     """Eq. 7 with the ablations' priorities against the float64 reference, clusters of different sizes."""
     from oa_core.testing import references
@@ -84,8 +93,9 @@ def test_position_rejects_both_size_and_count():
 def test_key_kmeans_converges_to_a_fixed_point():
     keys = make_inputs(batch=2, kv_heads=2, tokens=200, seed=4)[0]
     mask = torch.ones(2, 200, dtype=torch.bool)
-    clusters = KeyKMeans(KMeansConfig(num_clusters=10, iterations=100)).fit(keys, None, mask,
-                                                                          torch.Generator().manual_seed(0))
+    clusters = KeyKMeans(KMeansConfig(num_clusters=10, iterations=100)).fit(
+        keys, None, mask, torch.Generator().manual_seed(0)
+    )
     centroids = clusters.space
     assert torch.equal(nearest(keys.float(), centroids), clusters.assignment)
     one_hot = torch.nn.functional.one_hot(clusters.assignment, 10).float()
@@ -93,13 +103,29 @@ def test_key_kmeans_converges_to_a_fixed_point():
     assert torch.allclose(means, centroids, atol=1e-4)
 
 
-@pytest.mark.parametrize("component", [{"clusterer": "kmeans"}, {"clusterer": {"name": "position", "block_size": 20}},
-                                       {"allocator": "mass"}, {"allocator": "variance"}, {"allocator": "uniform"}])
+@pytest.mark.parametrize(
+    "component",
+    [
+        {"clusterer": "kmeans"},
+        {"clusterer": {"name": "position", "block_size": 20}},
+        {"allocator": "mass"},
+        {"allocator": "variance"},
+        {"allocator": "uniform"},
+    ],
+)
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_each_component_runs_in_a_pipeline_within_its_budget(component, gqa):
     keys, values, prefill, decode = make_inputs(batch=2, kv_heads=2, group=4, tokens=300, seed=5)
-    pipe = oa.build({"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "gqa": gqa,
-                     "budget": {"density": 0.1}, **component})
+    pipe = oa.build(
+        {
+            "clusterer": {"name": "qgc", "num_clusters": 16},
+            "sink": 4,
+            "local": 16,
+            "gqa": gqa,
+            "budget": {"density": 0.1},
+            **component,
+        }
+    )
     state = pipe.prepare(keys, values, prefill)
     state.append(keys[:, :, :5], values[:, :, :5])  # growth: tokens leaving the local window join a cluster
     out, stats = pipe.attend(decode, state, return_stats=True)

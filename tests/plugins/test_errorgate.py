@@ -14,9 +14,14 @@ def allocation(mean_logit, logit_var, counts, budget, shared=False):
     """AllocationInput for one batch row and KV head, one query: [C] tensors."""
     shape = (1, 1, 1, 1, -1)
     scores = torch.zeros(1, 1, 1, 1, int(counts.sum()))
-    return AllocationInput(mean_logit.view(shape), logit_var.view(shape), counts.view(1, 1, -1), scores,
-                           torch.zeros(1, 1, int(counts.sum()), dtype=torch.long),
-                           torch.tensor(budget).view(1, 1, 1, 1))
+    return AllocationInput(
+        mean_logit.view(shape),
+        logit_var.view(shape),
+        counts.view(1, 1, -1),
+        scores,
+        torch.zeros(1, 1, int(counts.sum()), dtype=torch.long),
+        torch.tensor(budget).view(1, 1, 1, 1),
+    )
 
 
 def test_quotas_are_monotone_in_the_estimated_error():
@@ -61,8 +66,14 @@ def test_shared_selection_sums_each_heads_relative_error():
     counts = torch.full((1, 1, 4), 10.0)
     # Head 0 wants cluster 0, head 1 wants cluster 3, equally strongly: the shared split is symmetric.
     mean_logit = torch.tensor([[5.0, 0, 0, 0], [0, 0, 0, 5.0]]).view(1, 1, 2, 1, 4)
-    inputs = AllocationInput(mean_logit, torch.ones_like(mean_logit), counts, torch.zeros(1, 1, 1, 1, 40),
-                             torch.zeros(1, 1, 40, dtype=torch.long), torch.tensor(12).view(1, 1, 1, 1))
+    inputs = AllocationInput(
+        mean_logit,
+        torch.ones_like(mean_logit),
+        counts,
+        torch.zeros(1, 1, 1, 1, 40),
+        torch.zeros(1, 1, 40, dtype=torch.long),
+        torch.tensor(12).view(1, 1, 1, 1),
+    )
     quotas = ErrorGate(PAPER).allocate(inputs)
     assert quotas.shape == (1, 1, 1, 1, 4)
     assert quotas.flatten().tolist()[0] == quotas.flatten().tolist()[3] and int(quotas.sum()) == 12
@@ -81,7 +92,7 @@ def fused_inputs(seed, B=2, H=2, g=4, T=2, C=20, shared=False):
     counts[0, 0, 7] = 0
     counts[0, 1, :3] = 0
     counts[-1, -1] = 0
-    budget = torch.tensor([0, 150, 100_000, 37] * B)[:B * H].view(B, H, 1, 1)
+    budget = torch.tensor([0, 150, 100_000, 37] * B)[: B * H].view(B, H, 1, 1)
     scores = torch.zeros(B, H, Gs, T, 8)
     return AllocationInput(mean, var, counts, scores, torch.zeros(B, H, 8, dtype=torch.long), budget)
 
@@ -156,10 +167,11 @@ def heads_that_differ(seed, shared):
     var = torch.rand(B, H, g, T, C, generator=gen) * 3
     var[..., 5] = 0  # identical logits: no error
     counts = torch.randint(1, 60, (B, H, C), generator=gen).float()
-    budget = torch.tensor([40, 150, 7, 600])[:B * H].view(B, H, 1, 1)
+    budget = torch.tensor([40, 150, 7, 600])[: B * H].view(B, H, 1, 1)
     Gs = 1 if shared else g
-    return AllocationInput(mean, var, counts, torch.zeros(B, H, Gs, T, 8), torch.zeros(B, H, 8, dtype=torch.long),
-                           budget)
+    return AllocationInput(
+        mean, var, counts, torch.zeros(B, H, Gs, T, 8), torch.zeros(B, H, 8, dtype=torch.long), budget
+    )
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -190,8 +202,7 @@ def _floor_case(seed=0, C=6, N=240, budget=30):
     gen = torch.Generator().manual_seed(seed)
     assignment = torch.randint(0, C, (1, 1, N), generator=gen)
     assignment[..., :10] = C  # outside the clusters
-    counts = torch.zeros(1, 1, C).scatter_add_(-1, assignment.clamp_max(C - 1),
-                                               (assignment < C).float())
+    counts = torch.zeros(1, 1, C).scatter_add_(-1, assignment.clamp_max(C - 1), (assignment < C).float())
     scores = torch.randn(1, 1, 1, 1, N, generator=gen).masked_fill(assignment[:, :, None, None] == C, -math.inf)
     mean = torch.randn(1, 1, 1, 1, C, generator=gen)
     var = torch.rand(1, 1, 1, 1, C, generator=gen)
@@ -208,7 +219,7 @@ def test_a_floor_reads_the_best_scored_rows_first_and_keeps_the_quota_contract(f
         counts = inputs.counts[:, :, None, None, :]
         assert (quotas >= 0).all() and (quotas <= counts).all() and int(quotas.sum()) == 30
         chosen = set(select(inputs.scores, inputs.assignment, quotas, 30).flatten().tolist())
-        best = inputs.scores.flatten().argsort(descending=True)[:math.floor(floor * 30)]
+        best = inputs.scores.flatten().argsort(descending=True)[: math.floor(floor * 30)]
         assert set(best.tolist()) <= chosen  # every one of the floor's rows is read
 
 

@@ -19,16 +19,43 @@ from oa_core.ops import triton_path
 from oa_plugins.kernels.flash import FlashKernel, block_columns
 from oa_plugins.kernels.reference import TorchKernel
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the CPU run of the Triton kernels needs TRITON_INTERPRET=1 from the start")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the CPU run of the Triton kernels needs TRITON_INTERPRET=1 from the start",
+)
 
 
-def _case(tokens=203, batch=2, kv_heads=2, group=3, dim=32, queries=2, gqa="per_head", tail="proxy", density=0.15,
-          clusters=8, dtype=torch.float32, seed=0, proxy="second-order"):
-    keys, values, prefill, decode = make_inputs(batch=batch, kv_heads=kv_heads, group=group, tokens=tokens, dim=dim,
-                                                queries=queries, seed=seed)
-    pipe = oa.build({"kernel": "torch", "gqa": gqa, "tail": tail, "proxy": proxy, "sink": 4, "local": 16, "seed": seed,
-                     "budget": {"density": density}, "clusterer": {"name": "qgc", "num_clusters": clusters}})
+def _case(
+    tokens=203,
+    batch=2,
+    kv_heads=2,
+    group=3,
+    dim=32,
+    queries=2,
+    gqa="per_head",
+    tail="proxy",
+    density=0.15,
+    clusters=8,
+    dtype=torch.float32,
+    seed=0,
+    proxy="second-order",
+):
+    keys, values, prefill, decode = make_inputs(
+        batch=batch, kv_heads=kv_heads, group=group, tokens=tokens, dim=dim, queries=queries, seed=seed
+    )
+    pipe = oa.build(
+        {
+            "kernel": "torch",
+            "gqa": gqa,
+            "tail": tail,
+            "proxy": proxy,
+            "sink": 4,
+            "local": 16,
+            "seed": seed,
+            "budget": {"density": density},
+            "clusterer": {"name": "qgc", "num_clusters": clusters},
+        }
+    )
     state = pipe.prepare(keys, values, prefill)
     selection = pipe.explain(decode, state).selection
     proxies = pipe.tail_proxies(state.pooled)
@@ -90,11 +117,12 @@ def test_free_columns_that_do_not_divide_evenly_among_the_chunks():
     # window's last rows, the free sequence's last columns), so that a column left unread shows.
     query, keys, values, selection, proxies, scale = _case(gqa="shared", batch=1, tokens=400, clusters=40, density=0.3)
     heads = torch.arange(query.shape[1]) // (query.shape[1] // keys.shape[1])
-    query = 0.5 * keys[:, heads, -query.shape[2]:] / scale ** 0.5
+    query = 0.5 * keys[:, heads, -query.shape[2] :] / scale**0.5
     columns = torch.arange(selection.index.shape[-1])
     width = int(torch.where(selection.index >= 0, columns, -1).amax()) + 1
-    cut = Selection(selection.index[..., :width].contiguous(), selection.log_weight[..., :width].contiguous(),
-                    selection.runs)
+    cut = Selection(
+        selection.index[..., :width].contiguous(), selection.log_weight[..., :width].contiguous(), selection.runs
+    )
     runs = cut.runs.reshape(-1, cut.runs.shape[-1])
     free = runs[:, 0] + width - runs[:, -1]
     assert int(free.min()) == 20 and 20 % 3 != 0  # a row without padding: 3 chunks of 16 share 20 columns

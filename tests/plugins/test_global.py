@@ -30,8 +30,14 @@ def test_global_quotas_select_the_global_top_k():
     scores = torch.randn(1, 2, 2, 3, 80, generator=gen)
     assignment = torch.randint(6, (1, 2, 80), generator=gen)
     counts = torch.nn.functional.one_hot(assignment, 6).sum(2).float()
-    inputs = AllocationInput(torch.zeros(1, 2, 2, 3, 6), torch.zeros(1, 2, 2, 3, 6), counts, scores, assignment,
-                             torch.tensor([17, 9]).view(1, 2, 1, 1))
+    inputs = AllocationInput(
+        torch.zeros(1, 2, 2, 3, 6),
+        torch.zeros(1, 2, 2, 3, 6),
+        counts,
+        scores,
+        assignment,
+        torch.tensor([17, 9]).view(1, 2, 1, 1),
+    )
     quotas = GlobalTopK().allocate(inputs)
     assert (quotas[:, 0].sum(-1) == 17).all() and (quotas[:, 1].sum(-1) == 9).all()  # each KV head its own budget
     chosen = select_by_sorting(scores, assignment, quotas)

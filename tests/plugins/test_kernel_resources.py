@@ -23,14 +23,24 @@ def _nvidia_tools() -> bool:
 @pytest.mark.skipif(not _nvidia_tools(), reason="Triton's NVIDIA backend (ptxas, cuobjdump) is not installed")
 def test_every_kernel_fits_an_sm90_gpu_at_head_dims_64_to_256():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # compiled, not interpreted
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dims", "64", "128", "256"], capture_output=True,
-                          text=True, env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dims", "64", "128", "256"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.stdout, done.stderr
     report = json.loads(done.stdout)
     kernels = {(row["kernel"], row["dim"]) for row in report["rows"]}
-    assert {kernel for kernel, _ in kernels} == {"flash_programs.sparse_pass", "kmeans._lloyd_step", "kmeans._nearest",
-                                                "kmeans._kmeans_plus_plus"}
-    too_big = [row for row in report["rows"]
-               if row["shared"] > report["shared_limit"] or row["stack"] > report["stack_limit"]]
+    assert {kernel for kernel, _ in kernels} == {
+        "flash_programs.sparse_pass",
+        "kmeans._lloyd_step",
+        "kmeans._nearest",
+        "kmeans._kmeans_plus_plus",
+    }
+    too_big = [
+        row for row in report["rows"] if row["shared"] > report["shared_limit"] or row["stack"] > report["stack_limit"]
+    ]
     assert not too_big, json.dumps(too_big, indent=1)
     assert done.returncode == 0

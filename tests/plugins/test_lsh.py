@@ -20,9 +20,10 @@ def _clusters(batch, heads, tokens):
 def test_candidate_probability_is_the_binomial_tail():
     u = torch.linspace(0.05, 0.99, 30, dtype=torch.float64)
     for K, L, c in ((10, 150, 2), (3, 8, 1), (5, 20, 4), (0, 5, 2)):
-        expected = stats.binom.sf(c - 1, L, (u ** K).numpy())
-        assert torch.allclose(log_candidate_probability(u, K, L, c).exp(), torch.from_numpy(expected), rtol=1e-9,
-                              atol=1e-300)
+        expected = stats.binom.sf(c - 1, L, (u**K).numpy())
+        assert torch.allclose(
+            log_candidate_probability(u, K, L, c).exp(), torch.from_numpy(expected), rtol=1e-9, atol=1e-300
+        )
 
 
 def test_k_zero_puts_every_token_in_every_bucket():
@@ -35,8 +36,16 @@ def test_k_zero_puts_every_token_in_every_bucket():
     scores = selector.score(query, index, keys, 0.2)
     assert bool((scores == scores[..., :1]).all())  # no token preferred over another
     # So a MagicPIG pipeline with K = 0 is plain uniform sampling over the whole tail: the same draws and weights.
-    common = {"clusterer": {"name": "position", "num_blocks": 4}, "allocator": "uniform", "tail": "sample",
-              "tail_samples": 1.0, "sink": 4, "local": 16, "budget": {"tokens": 50}, "kernel": "torch"}
+    common = {
+        "clusterer": {"name": "position", "num_blocks": 4},
+        "allocator": "uniform",
+        "tail": "sample",
+        "tail_samples": 1.0,
+        "sink": 4,
+        "local": 16,
+        "budget": {"tokens": 50},
+        "kernel": "torch",
+    }
     lsh = oa.build({**common, "selector": {"name": "lsh", "K": 0, "L": 4}})
     uniform = oa.build({**common, "selector": "oracle"})
     out = [p.attend(decode, p.prepare(keys, values, prefill)) for p in (lsh, uniform)]
@@ -73,8 +82,9 @@ def test_extend_matches_building_on_all_keys():
     region = torch.ones(2, 2, 150, dtype=torch.long)
     region[:, :, :100] = 0  # the centre is the mean of the region: the first 100 keys in both builds
     whole = selector.build(keys, None, Clusters(region, 1), torch.Generator().manual_seed(1))
-    grown = selector.extend(selector.build(keys[:, :, :100], None, _clusters(2, 2, 100),
-                                           torch.Generator().manual_seed(1)), keys[:, :, 100:])
+    grown = selector.extend(
+        selector.build(keys[:, :, :100], None, _clusters(2, 2, 100), torch.Generator().manual_seed(1)), keys[:, :, 100:]
+    )
     assert torch.allclose(whole.center, grown.center)
     assert torch.equal(whole.buckets, grown.buckets)
 
@@ -90,9 +100,17 @@ def test_importance_weighted_sampling_is_unbiased():
     new subsample (the budget is smaller than a typical pool, so both stages are exercised)."""
     keys, values, prefill, decode = make_inputs(batch=1, kv_heads=1, group=1, tokens=160, dim=8, queries=1, seed=5)
     scale = 0.25
-    spec = {"clusterer": {"name": "position", "num_blocks": 4}, "selector": {"name": "lsh", "K": 2, "L": 6},
-            "allocator": "uniform", "tail": "sample", "tail_samples": 1.0, "sink": 4, "local": 16,
-            "budget": {"tokens": 60}, "kernel": "torch"}
+    spec = {
+        "clusterer": {"name": "position", "num_blocks": 4},
+        "selector": {"name": "lsh", "K": 2, "L": 6},
+        "allocator": "uniform",
+        "tail": "sample",
+        "tail_samples": 1.0,
+        "sink": 4,
+        "local": 16,
+        "budget": {"tokens": 60},
+        "kernel": "torch",
+    }
     draws = 300
     den, num, pools = [], [], []
     for seed in range(draws):

@@ -28,10 +28,11 @@ def test_a_sub_space_of_at_most_its_centroids_keys_is_coded_exactly(bits, tokens
     selector = ProductQuantisedSelector(PQSConfig(dims=8, bits=bits))
     index = selector.build(keys, None, _everywhere(2, 2, tokens))
     assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, tokens, 4)
-    assert index.centroids.shape == (2, 2, 4, 2 ** bits, 8)
+    assert index.centroids.shape == (2, 2, 4, 2**bits, 8)
     assert torch.allclose(_reconstructed(index), keys)
-    assert torch.allclose(selector.score(query, index, keys, 0.25), OracleSelector().score(query, None, keys, 0.25),
-                          atol=1e-5)
+    assert torch.allclose(
+        selector.score(query, index, keys, 0.25), OracleSelector().score(query, None, keys, 0.25), atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
@@ -54,8 +55,11 @@ def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret,
     error = keys - _reconstructed(index)  # [B, Hkv, N, D]
     per_head = decode.view(B, Hkv, g, T, D)
     exact = 0.3 * torch.einsum("bhgtd,bhnd->bhgtn", per_head, keys)
-    bound = 0.3 * torch.einsum("bhgtm,bhnm->bhgtn", per_head.unflatten(-1, (-1, dims)).norm(dim=-1),
-                               error.unflatten(-1, (-1, dims)).norm(dim=-1))
+    bound = 0.3 * torch.einsum(
+        "bhgtm,bhnm->bhgtn",
+        per_head.unflatten(-1, (-1, dims)).norm(dim=-1),
+        error.unflatten(-1, (-1, dims)).norm(dim=-1),
+    )
     if shared:  # |max_j a_j − max_j b_j| ≤ max_j |a_j − b_j|
         exact, bound = exact.amax(2, keepdim=True), bound.amax(2, keepdim=True)
     assert scores.shape == exact.shape == (B, Hkv, 1 if shared else g, T, N)
@@ -64,8 +68,9 @@ def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret,
     points = sub_spaces(keys, dims)  # [B, Hkv, M, N, dims]
     nearest = (points[..., :, None, :] - index.centroids[..., None, :, :]).norm(dim=-1).amin(-1)  # (not cdist's
     # matmul form, whose rounding at these norms is larger than the gaps it would judge)
-    chosen = (points - index.centroids.gather(
-        3, index.codes.long().permute(0, 1, 3, 2)[..., None].expand(*points.shape))).norm(dim=-1)
+    chosen = (
+        points - index.centroids.gather(3, index.codes.long().permute(0, 1, 3, 2)[..., None].expand(*points.shape))
+    ).norm(dim=-1)
     assert torch.allclose(chosen, nearest, atol=1e-4)
 
 
@@ -130,16 +135,27 @@ def _outlier_case():
     return keys, prefill, decode
 
 
-@pytest.mark.parametrize("selector, found", [({"name": "pq", "rerank": 0}, True),
-                                             ({"name": "qgs", "rank": 4, "key_rank": 0, "rerank": 0}, False)],
-                         ids=["pq", "qgs in the query subspace"])
+@pytest.mark.parametrize(
+    "selector, found",
+    [({"name": "pq", "rerank": 0}, True), ({"name": "qgs", "rank": 4, "key_rank": 0, "rerank": 0}, False)],
+    ids=["pq", "qgs in the query subspace"],
+)
 def test_a_key_where_no_context_query_looks_is_selected(selector, found):
     """PQ codes every dimension, so the key reaches the selection whatever direction the query takes; a code of the
     context queries' subspace does not see it."""
     keys, prefill, decode = _outlier_case()
-    pipe = oa.build({"clusterer": {"name": "qgc", "num_clusters": 4, "rank": 4}, "kernel": "torch",
-                     "selector": selector, "allocator": "global", "tail": "discard", "budget": {"tokens": 20},
-                     "sink": 4, "local": 8})
+    pipe = oa.build(
+        {
+            "clusterer": {"name": "qgc", "num_clusters": 4, "rank": 4},
+            "kernel": "torch",
+            "selector": selector,
+            "allocator": "global",
+            "tail": "discard",
+            "budget": {"tokens": 20},
+            "sink": 4,
+            "local": 8,
+        }
+    )
     state = pipe.prepare(keys, keys.clone(), prefill)
     assert bool((pipe.explain(decode, state).selection.index == 300).any()) is found
 

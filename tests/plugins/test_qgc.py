@@ -10,7 +10,8 @@ def test_keys_that_differ_only_outside_the_query_subspace_share_a_cluster():
     queries = torch.zeros(1, 1, 64, 8)
     queries[..., 0] = torch.randn(1, 1, 64, generator=gen)
     clusters = QueryGeometryClusterer(QGCConfig(num_clusters=2, rank=1)).fit(
-        keys, queries, torch.ones(1, 200, dtype=torch.bool), torch.Generator().manual_seed(0))
+        keys, queries, torch.ones(1, 200, dtype=torch.bool), torch.Generator().manual_seed(0)
+    )
     assert clusters.assignment[0, 0, ::2].unique().numel() == 1
     assert clusters.assignment[0, 0, 1::2].unique().numel() == 1
     assert clusters.assignment[0, 0, 0] != clusters.assignment[0, 0, 1]
@@ -40,8 +41,9 @@ def test_points_outside_the_mask_are_never_clustered():
     keys[0, :, :30] = 1e3  # padding with wild values must not pull any centre
     mask = torch.ones(2, 100, dtype=torch.bool)
     mask[0, :30] = False
-    clusters = QueryGeometryClusterer(QGCConfig(num_clusters=5, rank=4)).fit(keys, None, mask,
-                                                                            torch.Generator().manual_seed(0))
+    clusters = QueryGeometryClusterer(QGCConfig(num_clusters=5, rank=4)).fit(
+        keys, None, mask, torch.Generator().manual_seed(0)
+    )
     assert (clusters.assignment[0, :, :30] == 5).all()
     assert (clusters.assignment[mask[:, None].expand(2, 2, 100)] < 5).all()
     _, centroids = clusters.space

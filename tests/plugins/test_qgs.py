@@ -21,7 +21,7 @@ def test_int8_codes_round_trip_within_half_a_step():
 def test_scores_equal_exact_logits_for_keys_in_the_query_subspace_up_to_quantisation():
     gen = torch.Generator().manual_seed(0)
     basis = torch.linalg.qr(torch.randn(32, 4, generator=gen)).Q  # [D, r]
-    keys = (torch.randn(1, 2, 200, 4, generator=gen) @ basis.T)  # keys live in the subspace
+    keys = torch.randn(1, 2, 200, 4, generator=gen) @ basis.T  # keys live in the subspace
     query = group_queries(torch.randn(1, 6, 3, 32, generator=gen), 2, shared=False)
     selector = QuerySubspaceSelector(QGSConfig(rank=4))
     index = selector.build(keys, None, _everywhere(1, 2, 200))  # no queries: the keys' own subspace
@@ -183,9 +183,18 @@ def test_a_key_outside_the_query_subspace_is_selected_with_a_key_rank(rank, key_
     import oa_core as oa
 
     keys, prefill, decode = _outlier_case()
-    pipe = oa.build({"clusterer": {"name": "qgc", "num_clusters": 4, "rank": 4}, "kernel": "torch",
-                     "selector": {"name": "qgs", "rank": rank, "key_rank": key_rank, "rerank": 0},
-                     "allocator": "global", "tail": "discard", "budget": {"tokens": 20}, "sink": 4, "local": 8})
+    pipe = oa.build(
+        {
+            "clusterer": {"name": "qgc", "num_clusters": 4, "rank": 4},
+            "kernel": "torch",
+            "selector": {"name": "qgs", "rank": rank, "key_rank": key_rank, "rerank": 0},
+            "allocator": "global",
+            "tail": "discard",
+            "budget": {"tokens": 20},
+            "sink": 4,
+            "local": 8,
+        }
+    )
     state = pipe.prepare(keys, keys.clone(), prefill)
     chosen = pipe.explain(decode, state).selection.index
     assert bool((chosen == 50).any()) is found

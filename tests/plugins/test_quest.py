@@ -33,7 +33,7 @@ def test_page_bound_is_at_least_every_logit_in_its_page():
     assert torch.allclose(exact[..., paged], logits[..., paged], atol=1e-5)
     # Tokens of one page share one score, different pages differ.
     page = (torch.arange(203) - 7) // 16
-    same = (page[7:, None] == page[None, 7:])
+    same = page[7:, None] == page[None, 7:]
     equal = scores[0, 0, 0, 0, 7:, None] == scores[0, 0, 0, 0, None, 7:]
     assert torch.equal(equal, same)
 
@@ -43,12 +43,13 @@ def test_extend_matches_building_on_all_keys():
     selector = QuestSelector(QuestConfig(page_size=16))
     clusters = _region(2, 100, 4, 90)
     whole = selector.extend(selector.build(keys[:, :, :100], None, clusters), keys[:, :, 100:])
-    parts = selector.extend(selector.extend(selector.build(keys[:, :, :100], None, clusters), keys[:, :, 100:103]),
-                            keys[:, :, 103:])
+    parts = selector.extend(
+        selector.extend(selector.build(keys[:, :, :100], None, clusters), keys[:, :, 100:103]), keys[:, :, 103:]
+    )
     for grown in (whole, parts):
         # Pages start at position 4: page j holds positions [4 + 16j, 20 + 16j).
         for j in range(grown.page_min.shape[2]):
-            rows = keys[:, :, 4 + 16 * j:20 + 16 * j]
+            rows = keys[:, :, 4 + 16 * j : 20 + 16 * j]
             assert torch.equal(grown.page_min[:, :, j], rows.amin(2))
             assert torch.equal(grown.page_max[:, :, j], rows.amax(2))
         assert grown.num_tokens == 150 and grown.page_min.shape[2] == math.ceil(146 / 16)
@@ -56,8 +57,17 @@ def test_extend_matches_building_on_all_keys():
 
 def test_selection_is_whole_pages_with_global_allocation():
     keys, values, prefill, decode = make_inputs(batch=2, kv_heads=2, group=2, tokens=400, queries=3, seed=3)
-    pipe = oa.build({"clusterer": {"name": "position", "num_blocks": 8}, "selector": {"name": "quest", "page_size": 8},
-                     "allocator": "global", "tail": "discard", "sink": 4, "local": 16, "budget": {"tokens": 84}})
+    pipe = oa.build(
+        {
+            "clusterer": {"name": "position", "num_blocks": 8},
+            "selector": {"name": "quest", "page_size": 8},
+            "allocator": "global",
+            "tail": "discard",
+            "sink": 4,
+            "local": 16,
+            "budget": {"tokens": 84},
+        }
+    )
     state = pipe.prepare(keys, values, prefill)
     index = pipe.explain(decode, state).selection.index  # [B, Hkv, g, T, K]
     selected = index[..., 20:]  # after the 4 sink and 16 local rows: 64 selected rows
@@ -75,8 +85,18 @@ def test_a_left_padded_row_pages_its_tokens_as_alone():
     padded = [torch.cat([torch.randn(1, 2, pad, t.shape[-1]), t], 2) for t in (keys, values)]
     mask = torch.ones(1, 200 + pad, dtype=torch.bool)
     mask[:, :pad] = False
-    pipe = oa.build({"clusterer": {"name": "position", "num_blocks": 8}, "selector": "quest", "allocator": "global",
-                     "tail": "discard", "sink": 4, "local": 16, "budget": {"tokens": 60}, "kernel": "torch"})
+    pipe = oa.build(
+        {
+            "clusterer": {"name": "position", "num_blocks": 8},
+            "selector": "quest",
+            "allocator": "global",
+            "tail": "discard",
+            "sink": 4,
+            "local": 16,
+            "budget": {"tokens": 60},
+            "kernel": "torch",
+        }
+    )
     alone = pipe.attend(decode, pipe.prepare(keys, values, prefill))
     shifted = pipe.attend(decode, pipe.prepare(*padded, prefill, mask=mask))
     assert torch.allclose(alone, shifted, atol=1e-6)

@@ -10,8 +10,9 @@ from oa_plugins.kernels.reference import TorchKernel
 
 def pooled(keys, values, assignment, clusters):
     one_hot = torch.nn.functional.one_hot(assignment, clusters + 1)[..., :clusters].float()
-    return PooledClusters(one_hot.sum(2), one_hot.transpose(-1, -2) @ keys.float(),
-                          one_hot.transpose(-1, -2) @ values.float(), assignment)
+    return PooledClusters(
+        one_hot.sum(2), one_hot.transpose(-1, -2) @ keys.float(), one_hot.transpose(-1, -2) @ values.float(), assignment
+    )
 
 
 def test_matches_the_formula_with_ragged_clusters_full_reads_and_empty_selections():
@@ -30,8 +31,9 @@ def test_matches_the_formula_with_ragged_clusters_full_reads_and_empty_selection
     index[1, 1, 1, 1, :] = -1  # an empty selection: proxies only
     index[1, 0, 0, 0, 1:4] = torch.tensor([9, 10, 11])
     log_weight = torch.zeros(index.shape, dtype=torch.float64)
-    out, proxies = TorchKernel().attend(query, keys, values, Selection(index, log_weight),
-                                        pooled(keys, values, assignment, C), 0.3)
+    out, proxies = TorchKernel().attend(
+        query, keys, values, Selection(index, log_weight), pooled(keys, values, assignment, C), 0.3
+    )
     assert out.shape == query.shape and torch.isfinite(out).all()
     expected = references.proxy_attention(query, keys, values, index, assignment, C, 0.3, log_weight)
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6)
@@ -54,8 +56,14 @@ def test_shared_selection_serves_the_whole_group():
 def test_log_weight_multiplies_a_rows_weight():
     keys, values = torch.zeros(1, 1, 2, 4), torch.eye(4)[:2].view(1, 1, 2, 4)
     index = torch.tensor([0, 1]).view(1, 1, 1, 1, 2)
-    out, _ = TorchKernel().attend(torch.zeros(1, 1, 1, 4), keys, values,
-                                  Selection(index, torch.tensor([0.0, math.log(3)]).view(1, 1, 1, 1, 2)), None, 1.0)
+    out, _ = TorchKernel().attend(
+        torch.zeros(1, 1, 1, 4),
+        keys,
+        values,
+        Selection(index, torch.tensor([0.0, math.log(3)]).view(1, 1, 1, 1, 2)),
+        None,
+        1.0,
+    )
     assert torch.allclose(out.flatten()[:2], torch.tensor([0.25, 0.75]))
 
 
@@ -64,8 +72,9 @@ def test_dense_path_matches_softmax_attention():
     keys, values = torch.randn(2, 3, 40, 16, generator=gen), torch.randn(2, 3, 40, 16, generator=gen)
     query = torch.randn(2, 12, 3, 16, generator=gen)
     out, proxies = TorchKernel().attend(query, keys, values, None, None, 0.25)
-    expected = torch.nn.functional.scaled_dot_product_attention(query, keys.repeat_interleave(4, 1),
-                                                                values.repeat_interleave(4, 1), scale=0.25)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(4, 1), values.repeat_interleave(4, 1), scale=0.25
+    )
     assert proxies is None and torch.allclose(out, expected, atol=1e-5)
 
 
@@ -76,8 +85,9 @@ def _tail_share(second_order: bool, spread: float, seed: int, read: str = "top")
     share, the exact share)."""
     gen = torch.Generator().manual_seed(seed)
     D, N = 16, 201
-    keys = torch.randn(1, 1, N, D, generator=gen, dtype=torch.float64) * spread + torch.randn(D, generator=gen,
-                                                                                              dtype=torch.float64)
+    keys = torch.randn(1, 1, N, D, generator=gen, dtype=torch.float64) * spread + torch.randn(
+        D, generator=gen, dtype=torch.float64
+    )
     query = torch.randn(1, 1, 1, D, generator=gen, dtype=torch.float64)
     scale = 1 / math.sqrt(D)
     logits = scale * keys[0, 0] @ query[0, 0, 0]
@@ -87,8 +97,14 @@ def _tail_share(second_order: bool, spread: float, seed: int, read: str = "top")
     values[..., row, :2] = torch.tensor([0.0, 1.0], dtype=torch.float64)
     assignment = torch.zeros(1, 1, N, dtype=torch.long)
     sums = pooled(keys, values, assignment, 1)
-    sums = PooledClusters(sums.count, sums.key_sum, sums.value_sum, assignment,
-                          (keys * keys).sum(2, keepdim=True).float(), second_order=second_order)
+    sums = PooledClusters(
+        sums.count,
+        sums.key_sum,
+        sums.value_sum,
+        assignment,
+        (keys * keys).sum(2, keepdim=True).float(),
+        second_order=second_order,
+    )
     index = torch.full((1, 1, 1, 1, 1), row, dtype=torch.long)
     out, _ = TorchKernel().attend(query, keys, values, Selection(index, torch.zeros(index.shape)), sums, scale)
     exact = 1.0 - torch.softmax(logits, 0)[row]
@@ -134,12 +150,13 @@ def test_gathered_rows_and_one_read_of_the_cache_give_the_formula(T, shared, tai
     assignment = torch.randint(C, (B, Hkv, N), generator=gen)
     assignment[..., 0] = C  # the sink
     Gs = 1 if shared else g
-    rows = torch.rand(B, Hkv, Gs, T, N - 1, generator=gen).argsort(-1)[..., :K - 1] + 1  # distinct, past the sink
+    rows = torch.rand(B, Hkv, Gs, T, N - 1, generator=gen).argsort(-1)[..., : K - 1] + 1  # distinct, past the sink
     index = torch.cat([torch.zeros_like(rows[..., :1]), rows], -1)
     index = torch.where(torch.rand(index.shape, generator=gen) < 0.2, -1, index)  # padding
     log_weight = torch.zeros(index.shape, dtype=torch.float64)
     proxies = pooled(keys, values, assignment, C) if tail == "proxy" else None
     out, _ = TorchKernel().attend(query, keys, values, Selection(index, log_weight), proxies, 0.4)
-    expected = references.proxy_attention(query, keys, values, index, assignment if proxies else None, C, 0.4,
-                                          log_weight)
+    expected = references.proxy_attention(
+        query, keys, values, index, assignment if proxies else None, C, 0.4, log_weight
+    )
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6)
