@@ -1,15 +1,18 @@
-"""The headline results tables of README.md and docs/results.md, rendered from the JSON in benchmarks/results.
+"""The results tables of README.md, docs/results.md and docs/evaluation.md, rendered from the JSON in
+benchmarks/results.
 
     python benchmarks/results_tables.py            # print the tables
-    python benchmarks/results_tables.py --write    # rewrite the marked blocks in README.md and docs/results.md,
+    python benchmarks/results_tables.py --write    # rewrite the marked blocks of the pages in TARGETS,
                                                    # and draw benchmarks/results/headline_accuracy.png
     python benchmarks/results_tables.py --check    # exit 1 when a committed block differs (tests/test_readme.py)
 
 A block sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->``. Its figures come from the files below,
 never typed by hand. A method is found in a result by what it ran, not by its name: the records' and the results'
 resolved specs are compared with ``specs/openattention.yaml`` (the default), ``specs/ablate-selector-qgs.yaml`` (QGS,
-the default's selector until issue 54) and ``specs/oracle-topk.yaml`` (exact top-k), budget, sink and local window
-aside (each benchmark sets its own). A result measured before a spec got its present name still counts as that spec.
+the default's selector until issue 54) and ``specs/oracle-topk.yaml`` (exact top-k) — and, for the RULER grid of
+docs/evaluation.md, ``specs/vattention.yaml`` and ``specs/quest.yaml`` — budget, sink and local window aside (each
+benchmark sets its own). A result measured before a spec got its present name still counts as that spec. Figures
+quoted in the pages' sentences are compared with the results by tests/test_doc_figures.py.
 
 Each figure says what made it (``made_by``): the machine the result names (its ``provenance``, or the device fields
 it had before that: a ``machine`` or ``device`` field, the records' ``device``), and the commit — the one it records,
@@ -38,6 +41,8 @@ COLUMNS = {
     "QGS": "specs/ablate-selector-qgs.yaml",
     "exact top-k": "specs/oracle-topk.yaml",
 }
+# Every method a RULER grid is summarised by: the columns, then the baselines (docs/evaluation.md's grid).
+METHODS = {**COLUMNS, "vAttention-like": "specs/vattention.yaml", "Quest-like": "specs/quest.yaml"}
 DENSITIES = (0.03, 0.01)
 # (model, folder of `oa eval` records): RULER, mean retention over the tasks dense can do.
 RULER = [
@@ -64,8 +69,14 @@ OTHERS = [
     "cuda_consistency_static.json",
     "mutations.json",
 ]
+# The RULER grid docs/evaluation.md shows in full: every method at every density.
+GRID = "ruler_c3f5e3b_smollm2_4k"
 PLOT = "headline_accuracy.png"  # written by --write beside the tables (not checked: a PNG's bytes vary)
-TARGETS = {"README.md": ["demo", "accuracy", "speed"], "docs/results.md": ["accuracy", "speed", "provenance"]}
+TARGETS = {
+    "README.md": ["demo", "accuracy", "speed"],
+    "docs/results.md": ["accuracy", "speed", "provenance"],
+    "docs/evaluation.md": ["accuracy", "needles", "bytes", "ruler-dense", "ruler-grid"],
+}
 # What --check does not compare: the commits git gives (see the module's docstring).
 GIT_LABEL = re.compile(r"committed in [0-9a-f]{4,40}|uncommitted \(HEAD [0-9a-f]{4,40}\)|commit unknown")
 
@@ -99,16 +110,27 @@ def identity(spec: dict) -> str:
 
 
 @cache
-def column_identities() -> dict[str, str]:
+def method_identities() -> dict[str, str]:
     import yaml
 
-    return {column: identity(yaml.safe_load((ROOT / path).read_text())) for column, path in COLUMNS.items()}
+    return {method: identity(yaml.safe_load((ROOT / path).read_text())) for method, path in METHODS.items()}
+
+
+def method_of(spec: dict) -> str | None:
+    """Which of METHODS a resolved spec is (a column, the vAttention-like or the Quest-like spec), or None."""
+    found = identity(spec)
+    return next((method for method, known in method_identities().items() if known == found), None)
 
 
 def column_of(spec: dict) -> str | None:
     """Which table column a resolved spec is: the default, QGS, exact top-k, or None."""
-    found = identity(spec)
-    return next((column for column, known in column_identities().items() if known == found), None)
+    method = method_of(spec)
+    return method if method in COLUMNS else None
+
+
+def signed(value: float, spec: str = "+.2f") -> str:
+    """``format(value, spec)`` with a typographic minus, as the pages write a negative figure."""
+    return format(value, spec).replace("-", "−")
 
 
 @dataclass(frozen=True)
@@ -257,51 +279,117 @@ class Row:
         )
 
 
-def ruler_rows() -> list[Row]:
+@dataclass
+class Mean:
+    """A method's mean over a grid's usable tasks at one density: ``oa report``'s row, the samples it rests on and
+    the name its records give the spec."""
+
+    row: dict
+    samples: int
+    name: str
+
+
+@dataclass
+class RulerGrid:
+    """An ``oa eval`` folder summarised as ``oa report`` does (``summarize``, the tasks dense scores at least
+    ``DENSE_FLOOR`` on, ``means_over_tasks``), each record's spec found among METHODS by what it ran."""
+
+    folder: str
+    records: list[dict]
+    names: dict[str, str | None]  # the records' spec name → the method it ran (None: none of METHODS)
+    summary: list[dict]  # summarize's RULER rows
+    dense: dict[tuple, float]  # (task, length) → dense's score
+    usable: list[dict]  # the summary's rows of the tasks dense can do
+    wanted: int  # the samples a complete cell has: dense's over the usable tasks
+    means: dict[tuple, Mean]  # (method, density) → its mean
+
+    def tasks(self) -> list[str]:
+        """The tasks dense can do, in RULER's order."""
+        from oa_core.eval.ruler_tasks import TASKS
+
+        usable = {r["task"] for r in self.usable}
+        return [task for task in TASKS if task in usable] + sorted(usable - set(TASKS))
+
+    def dense_mean(self) -> float:
+        """Dense's mean score over the tasks it can do (``oa report``'s "dense on its tasks")."""
+        scores = [r["score"] for r in self.usable if r["spec"] == "dense"]
+        return sum(scores) / len(scores) if scores else math.nan
+
+    def rows(self, method: str, task: str) -> dict[float, dict]:
+        """density → summarize's row of ``method`` on ``task``."""
+        return {
+            r["density"]: r
+            for r in self.summary
+            if r["task"] == task
+            and (r["spec"] == "dense" if method == "dense" else self.names.get(r["spec"]) == method)
+        }
+
+    def used(self, record: dict, methods=COLUMNS, densities=DENSITIES) -> bool:
+        """Whether a record is dense or one of ``methods`` at one of ``densities`` (None: any)."""
+        return record["spec"] == "dense" or (
+            self.names.get(record["spec"]) in methods and (densities is None or record["density"] in densities)
+        )
+
+
+@cache
+def ruler_grid(folder: str) -> RulerGrid:
     from oa_core.eval.records import read_records, summarize
     from oa_core.eval.report import DENSE_FLOOR, means_over_tasks
 
+    records = read_records(RESULTS / folder)
+    names: dict[str, str | None] = {}
+    for r in records:
+        if r["density"] is not None and r["spec"] not in names:
+            names[r["spec"]] = method_of(r["resolved_spec"])
+    summary = [r for r in summarize(records) if r["metric"] == "ruler"]
+    dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
+    usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
+    wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")
+    means: dict[tuple, Mean] = {}
+    for m in means_over_tasks(usable):
+        key = (names.get(m["spec"]), m["density"])
+        if m["spec"] == "dense" or key[0] is None:
+            continue
+        have = sum(r["samples"] for r in usable if (r["spec"], r["density"]) == (m["spec"], m["density"]))
+        if key in means and means[key].samples >= have:
+            continue  # the same method under two names (records from before a rename): the fuller one
+        means[key] = Mean(m, have, m["spec"])
+    return RulerGrid(folder, records, names, summary, dense, usable, wanted, means)
+
+
+def ruler_rows() -> list[Row]:
+    from oa_core.eval.report import DENSE_FLOOR
+
     rows = []
     for model, folder in RULER:
-        records = read_records(RESULTS / folder)
-        columns = {}
-        for r in records:
-            if r["density"] is not None and r["spec"] not in columns:
-                columns[r["spec"]] = column_of(r["resolved_spec"])
-        summary = [r for r in summarize(records) if r["metric"] == "ruler"]
-        dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
-        usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
-        wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")  # a complete cell has dense's samples
-
-        def used(record: dict, columns: dict = columns) -> bool:  # the records the row's figures rest on
-            return record["spec"] == "dense" or (
-                columns.get(record["spec"]) is not None and record["density"] in DENSITIES
-            )
-
-        row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", made_by(RESULTS / folder, used), scale=1.0)
-        counted: dict = {}  # (column, density) → the samples its figure rests on
-        for m in means_over_tasks(usable):
-            key = (columns.get(m["spec"]), m["density"])
-            if m["spec"] == "dense" or key[0] is None:
-                continue
-            have = sum(r["samples"] for r in usable if (r["spec"], r["density"]) == (m["spec"], m["density"]))
-            if counted.get(key, -1) >= have:
-                continue  # the same method under two names (records from before a rename): the fuller one
-            counted[key] = have
-            row.values[key] = m["retention"]
-            row.notes.pop(key, None)
-            if have < wanted:
-                row.notes[key] = f"{have} of {wanted} samples so far"
-        tasks = len({key for key, score in dense.items() if score >= DENSE_FLOOR})
-        row.benchmark = f"RULER {summary[0]['length'] // 1024}K, {tasks} tasks: retention"
+        grid = ruler_grid(folder)
+        row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", made_by(RESULTS / folder, grid.used), scale=1.0)
+        for (method, density), mean in grid.means.items():
+            if method in COLUMNS and density in DENSITIES:
+                row.values[method, density] = mean.row["retention"]
+                if mean.samples < grid.wanted:
+                    row.notes[method, density] = f"{mean.samples} of {grid.wanted} samples so far"
+        tasks = len({key for key, score in grid.dense.items() if score >= DENSE_FLOOR})
+        row.benchmark = f"RULER {grid.summary[0]['length'] // 1024}K, {tasks} tasks: retention"
         rows.append(row)
     return rows
+
+
+def needle_methods(result: dict) -> dict[tuple, str]:
+    """A retrieval result's (column, density) → the key its summaries and ``scoring_bytes_per_key`` use."""
+    found = {}
+    for key, spec in result["specs"].items():
+        column = column_of(spec)
+        if key != "dense" and column is not None:
+            found.setdefault((column, spec["budget"]["density"]), key)
+    return found
 
 
 def needle_rows() -> list[Row]:
     rows = []
     for model, name in NEEDLES:
         result = json.loads((RESULTS / name).read_text())
+        methods = needle_methods(result)
         for length, entry in result["lengths"].items():
             summary = entry["summary"]
             row = Row(
@@ -314,10 +402,9 @@ def needle_rows() -> list[Row]:
                 made_by(RESULTS / name),
                 scale=summary["dense"]["correct"] or None,
             )
-            for key, spec in result["specs"].items():
-                column = column_of(spec)
-                if key != "dense" and key in summary and column is not None:
-                    row.values[column, spec["budget"]["density"]] = summary[key]["correct"]
+            for column_density, key in methods.items():
+                if key in summary:
+                    row.values[column_density] = summary[key]["correct"]
             rows.append(row)
     return rows
 
@@ -400,6 +487,160 @@ def plot_accuracy(path: Path) -> None:
     plt.close(fig)
 
 
+def _pairs(cells: dict, column: str, spec) -> str:
+    """'a / b': a column's figures at 3% and at 1% (``spec``: a format or a function), "—" where it has none."""
+    keys = [(column, density) for density in DENSITIES]
+    if all(key not in cells for key in keys):
+        return "—"
+    show = spec if callable(spec) else (lambda value: format(value, spec))
+    return " / ".join(show(cells[key]) if key in cells else "—" for key in keys)
+
+
+def needles_table() -> str:
+    """Per model and needle length, beside the accuracy table's counts: the answer's log-likelihood gap to dense and
+    the selector's recall of exact top-k's rows for the answer."""
+    rows = []
+    for model, name in NEEDLES:
+        result = json.loads((RESULTS / name).read_text())
+        methods = needle_methods(result)
+        layers = ", ".join(str(layer) for layer in result["recall_layers"])
+        for length, entry in result["lengths"].items():
+            summary = entry["summary"]
+            where = [model, f"{int(length) // 1024}K, {summary['dense']['samples']}"]
+            gaps = {key: summary[k]["logprob_gap"] for key, k in methods.items() if k in summary}
+            recall = {
+                key: summary[k]["answer_rows_in_shortlist"]
+                for key, k in methods.items()
+                if summary.get(k, {}).get("answer_rows_in_shortlist") is not None
+            }
+            rows.append([*where, "answer log-likelihood gap, nats", "0", *(_pairs(gaps, c, signed) for c in COLUMNS)])
+            rows.append(
+                [
+                    *where,
+                    f"exact top-k's rows in the shortlist (layers {layers})",
+                    "—",
+                    *(_pairs(recall, c, ".0%") for c in COLUMNS),
+                ]
+            )
+    made = "; ".join(f"{made_by(RESULTS / name).short()} (`{name}`)" for _, name in NEEDLES)
+    caption = (
+        "The answer's log-likelihood gap to dense, teacher-forced (mean over the samples, nats), and the share of the "
+        "rows exact top-k reads for the answer's first token that the selector's shortlist holds (mean over the "
+        f"layers named and the samples; exact top-k's own is 1 by definition). Made by: {made}."
+    )
+    return caption + "\n\n" + _table(["model", "needles", "measure (3% / 1% read)", "dense", *COLUMNS], rows)
+
+
+def bytes_table() -> str:
+    """What choosing the rows reads per key, as the needle results record it (``scoring_bytes_per_key``)."""
+    rows = []
+    for model, name in NEEDLES:
+        result = json.loads((RESULTS / name).read_text())
+        read = {key: result["scoring_bytes_per_key"][k] for key, k in needle_methods(result).items()}
+        dense_row = {entry["dense_row"] for entry in read.values()}
+        rerank = {key: entry["rerank"] for key, entry in read.items()}
+        cells = []
+        for column in COLUMNS:
+            codes = {read[column, d]["codes"] for d in DENSITIES if (column, d) in read}
+            cells.append(
+                "—"
+                if not codes
+                else f"{'/'.join(format(c, 'g') for c in sorted(codes))}; {_pairs(rerank, column, 'g')}"
+            )
+        rows.append(
+            [f"{model} ({result['head_dim']})", *cells, "/".join(str(d) for d in sorted(dense_row)), f"`{name}`"]
+        )
+    caption = (
+        "Bytes read per key of the context to choose the rows, keys and values in bf16: the selector's codes (exact "
+        "top-k: the keys), then the re-rank's share of the shortlist's exact keys at 3% / 1% read; a dense row is "
+        "2·D·2 bytes."
+    )
+    return caption + "\n\n" + _table(["model (head dim)", *COLUMNS, "dense row", "result"], rows)
+
+
+def _ruler_score(row: dict, spec: str = ".1f") -> str:
+    """A summary row's score to one decimal as ``oa report`` writes it (``spec="g"``: without a trailing .0), with
+    its 95% interval: '52.5 (32–72)'."""
+    from oa_core.eval.records import interval
+
+    return format(round(row["score"], 1), spec) + interval(row)
+
+
+def ruler_dense_table(folder: str = GRID) -> str:
+    """Dense's score on every task of a grid, with its 95% interval, and whether the methods ran on it."""
+    from oa_core.eval.report import DENSE_FLOOR
+    from oa_core.eval.ruler_tasks import TASKS
+
+    grid = ruler_grid(folder)
+    dense = {task: rows[1.0] for task in TASKS if (rows := grid.rows("dense", task))}
+    usable = set(grid.tasks())
+    samples = sorted({row["samples"] for row in dense.values()})
+    caption = (
+        f"Dense, {'/'.join(map(str, samples))} samples a task (95% intervals), `{folder}/`; the methods run on the "
+        f"tasks it scores at least {DENSE_FLOOR:g} on."
+    )
+    return (
+        caption
+        + "\n\n"
+        + _table(
+            ["task", *dense],
+            [
+                ["score", *(_ruler_score(row, "g") for row in dense.values())],
+                ["methods run", *("yes" if task in usable else "no" for task in dense)],
+            ],
+        )
+    )
+
+
+def ruler_grid_table(folder: str = GRID) -> str:
+    """Every method of a grid at every density: mean score over the usable tasks (95% interval) / retention /
+    log-likelihood gap, as ``oa report``'s means; a method named by the spec it ran and the name its records give."""
+    import yaml
+
+    grid = ruler_grid(folder)
+    densities = sorted({density for _, density in grid.means}, reverse=True)
+    per_task = sorted({r["samples"] for r in grid.usable if r["spec"] == "dense"})
+    rows, renamed = [], []
+    for method in METHODS:
+        means = {density: grid.means[method, density] for density in densities if (method, density) in grid.means}
+        if not means:
+            continue
+        names = sorted({mean.name for mean in means.values()})
+        ran = next(r["resolved_spec"] for r in grid.records if r["spec"] in names)
+        cells = []
+        for density in densities:
+            mean = means.get(density)
+            if mean is None:
+                cells.append("—")
+                continue
+            m = mean.row
+            cell = f"{_ruler_score(m)} / {m['retention']:.2f} / {signed(m['logprob_gap'])}"
+            if mean.samples < grid.wanted:
+                cell += f" ({mean.samples} of {grid.wanted} samples so far)"
+            cells.append(cell)
+        rows.append([method, f"`{ran['selector']['name']}`", ", ".join(f"`{name}`" for name in names), *cells])
+        for name in names:
+            path = ROOT / "specs" / f"{name}.yaml"
+            if path.is_file() and name != Path(METHODS[method]).stem:
+                now = method_of(yaml.safe_load(path.read_text()))
+                renamed.append(f"`specs/{name}.yaml` held {_the(method)} when `{name}` ran; it now holds {_the(now)}")
+    caption = (
+        f"Mean over the {len(grid.tasks())} tasks dense can do ({', '.join(grid.tasks())}; dense "
+        f"{grid.dense_mean():.1f} on them; {'/'.join(map(str, per_task))} samples a task, {grid.wanted} a cell), "
+        f"`{folder}/`. Each cell: mean score (95% interval) / retention (the mean over tasks of score / dense score) "
+        "/ the answer's log-likelihood gap to dense, teacher-forced, in nats; — where the method did not run. A method "
+        "is found by the spec it ran, whatever its records call it"
+        + (f" ({'; '.join(renamed)})" if renamed else "")
+        + f". Made by: {made_by(RESULTS / folder, lambda r: grid.used(r, METHODS, None)).short()}."
+    )
+    header = ["method", "selector", "records' name", *(f"{density:.0%}" for density in densities)]
+    return caption + "\n\n" + _table(header, rows)
+
+
+def _the(method: str | None) -> str:
+    return "the default" if method == "default" else method or "another method"
+
+
 def speed_table() -> str:
     result = json.loads((RESULTS / SPEED).read_text())
     machine = result["machine"]
@@ -452,7 +693,16 @@ def provenance_table() -> str:
     )
 
 
-BLOCKS = {"demo": demo_output, "accuracy": accuracy_table, "speed": speed_table, "provenance": provenance_table}
+BLOCKS = {
+    "demo": demo_output,
+    "accuracy": accuracy_table,
+    "speed": speed_table,
+    "provenance": provenance_table,
+    "needles": needles_table,
+    "bytes": bytes_table,
+    "ruler-dense": ruler_dense_table,
+    "ruler-grid": ruler_grid_table,
+}
 
 
 def render(text: str, tables: dict[str, str]) -> str:
