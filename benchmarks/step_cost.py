@@ -1,0 +1,233 @@
+"""The decode step's cost model (issue 56): what one layer's step reads from memory, part by part, against dense.
+
+Per configuration (batch × context, density, ``gqa``) on the Llama-3.1-8B shape (32 query heads, 8 KV heads, head
+dim 128, bf16 keys and values), for the default spec (``specs/openattention.yaml``: PQS, a re-ranked shortlist,
+ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in bytes:
+
+- ``codes``: the selector's codes of every clusterable row (``Selector.scoring_bytes``: PQS reads D/4 a key), read
+  once for all the group's query heads;
+- ``shortlist_keys``: the K rows of the shortlist re-scored by exact logits (⌈rerank × E_sel⌉ rows, D·2 bytes each),
+  times the union factor of the group's shortlists;
+- ``selected_rows``: K and V of the rows read exactly: sink and local window once for the group, the selected rows
+  times the union factor of the group's selections;
+- ``proxies``: each cluster's pooled sums (Σk, Σv, Σk⊙k for second-order proxies, the count) in float32;
+- ``state``: the step's growth and bookkeeping: the new row's codes, the leaving row's K and V and its cluster's sums
+  (read and written), the cluster numbers of the shortlist's rows.
+
+A union factor is |∪_g rows of query head g| / (rows of one head): 1 when the group's heads read the same rows (always
+so with ``gqa: shared``, one selection per group), G when they share none. With ``gqa: per_head`` the model states
+both bounds, and — unless ``--no-measure`` — the factors measured on both offline models (essays, 4096 tokens of
+context, the model's own queries at the next 16 positions, three layers; sink 4 and local 16 as the accuracy
+benchmarks run), carried to the shape's group of 4 as the same share of the way from agreeing heads to disjoint ones
+(SmolLM2's groups have 3 heads, Gemma-3-270M's 4).
+
+``launches`` is left null: the one-program step of issue 56 does not exist yet, and this model does not guess it.
+
+    python benchmarks/step_cost.py                 # writes benchmarks/results/step_cost.json
+    python benchmarks/step_cost.py --no-measure    # the bounds only, no model loaded
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+import oa_core as oa
+from oa_core.analysis.provenance import provenance
+from oa_core.components import group_queries
+
+OUT = Path(__file__).resolve().parent / "results" / "step_cost.json"
+SPEC = Path(__file__).resolve().parents[1] / "specs" / "openattention.yaml"
+# Llama-3.1-8B's attention: query heads, KV heads, head dim
+SHAPE = {"model": "Llama-3.1-8B", "query_heads": 32, "kv_heads": 8, "head_dim": 128}
+CONFIGS = [(16, 16384), (8, 32768), (32, 32768)]
+DENSITIES = [0.01, 0.03]
+MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
+KV_BYTES = 2  # bf16 keys and values
+
+
+def step_bytes(
+    pipe: oa.Pipeline,
+    batch: int,
+    context: int,
+    kv_heads: int,
+    head_dim: int,
+    shortlist_union: float = 1.0,
+    selected_union: float = 1.0,
+) -> dict[str, float]:
+    """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens (see the module's
+    docstring); ``dense`` is what dense decoding reads (every K and V row once)."""
+    spec, D = pipe.spec, head_dim
+    fixed = min(spec.sink + spec.local, context)
+    clusterable = context - fixed
+    selectable = max(spec.budget.rows(context) - fixed, 0)
+    multiple = getattr(pipe.selector.config, "rerank", 0.0) if pipe.selector.refines else 0.0
+    shortlist = min(math.ceil(multiple * selectable), clusterable)
+    codes = pipe.selector.scoring_bytes(D)
+    if codes is None:
+        raise ValueError(f"selector {pipe.selector.name!r} does not state its scoring bytes")
+    clusters = min(getattr(pipe.clusterer.config, "num_clusters", 0), clusterable)
+    sums = (3 if spec.proxy == "second-order" else 2) * D + 1  # float32 each
+    row = 2 * D * KV_BYTES  # a K and a V row
+    per_head = {
+        "codes": clusterable * codes,
+        "shortlist_keys": shortlist_union * shortlist * D * KV_BYTES,
+        "selected_rows": (fixed + selected_union * selectable) * row,
+        "proxies": clusters * sums * 4,
+        "state": codes + row + 2 * sums * 4 + shortlist_union * shortlist * 4,
+    }
+    out = {part: batch * kv_heads * value for part, value in per_head.items()}
+    out["total"] = sum(out.values())
+    out["dense"] = batch * kv_heads * context * row
+    return out
+
+
+def union_factors(pipe: oa.Pipeline, state, queries: torch.Tensor) -> tuple[float, float]:
+    """(shortlist, selection) union factors of one attend of ``queries`` ``[B, Hq, T, D]`` over ``state``: the mean
+    over (batch row, KV head, query) of |∪_g rows of head g| / the mean rows of one head, for the shortlist (the best
+    ⌈rerank × E_sel⌉ rows by the selector's own scores) and for the selected rows (sink and window left out)."""
+    explanation = pipe.explain(queries, state)
+    plan = state.plan()
+    Hkv, n = state.keys.shape[1], state.num_tokens
+    grouped = group_queries(queries, Hkv, False)
+    scores = pipe.selector.score(grouped, state.index, state.keys, state.scale)
+    assert plan.unclustered is not None
+    scores = scores.masked_fill(plan.unclustered, -math.inf)  # [B, Hkv, G, T, N]
+    multiple = getattr(pipe.selector.config, "rerank", 0.0)
+    length = max(1, math.ceil(multiple * int(plan.max_selectable)))
+    top = scores.topk(min(length, n), dim=-1).indices
+    listed = torch.zeros(*scores.shape, dtype=torch.bool).scatter_(-1, top, True)
+    shortlist = listed.any(2).sum(-1).double().mean() / listed.sum(-1).double().mean()
+
+    index = explanation.selection.index  # [B, Hkv, G, T, K], -1 padding
+    fixed = plan.fixed[:, :, None, None, :]  # [B, Hkv, 1, 1, F]
+    chosen = (index >= 0) & ~(index[..., :, None] == fixed[..., None, :]).any(-1)
+    rows = torch.zeros(*index.shape[:-1], n + 1, dtype=torch.bool)
+    rows.scatter_(-1, torch.where(chosen, index, n), True)
+    rows = rows[..., :n]
+    selected = rows.any(2).sum(-1).double().mean() / rows.sum(-1).double().mean().clamp_min(1)
+    return float(shortlist), float(selected)
+
+
+def measure(model: str | None, densities: list[float]) -> dict:
+    """Union factors of the default spec per head on an offline model: per density, the mean over three layers."""
+    from oa_core.analysis.attention_error import PREFILL_QUERIES, default_layers, haystack_ids, layer_case
+    from oa_core.analysis.offline_model import capture_attention, load_offline_model, model_label
+
+    lm, tokenizer = load_offline_model(model)
+    tokens, decode = MEASURE["tokens"], MEASURE["decode"]
+    layers = default_layers(lm.config.num_hidden_layers, MEASURE["layers"])
+    captured = capture_attention(lm, haystack_ids(tokenizer, tokens + decode), layers)
+    heads_q, heads_kv = lm.config.num_attention_heads, lm.config.num_key_value_heads
+    del lm
+    out: dict = {"model": model_label(model), "heads_per_group": heads_q // heads_kv, "layers": layers, "densities": {}}
+    for density in densities:
+        spec = {"budget": {"density": density}, "sink": MEASURE["sink"], "local": MEASURE["local"], "gqa": "per_head"}
+        pipe = oa.build({**oa.load_spec(SPEC).model_dump(mode="json"), **spec})
+        found = []
+        for layer in layers:
+            case = layer_case(captured[layer], tokens, decode)
+            state = pipe.prepare(case.keys, case.values, case.prefill[:, :, -PREFILL_QUERIES:], scale=case.scale)
+            found.append(union_factors(pipe, state, case.queries))
+        out["densities"][str(density)] = {
+            "shortlist_union": round(sum(s for s, _ in found) / len(found), 3),
+            "selected_union": round(sum(s for _, s in found) / len(found), 3),
+        }
+    return out
+
+
+def transfer(union: float, measured_group: int, group: int) -> float:
+    """A union factor measured on groups of ``measured_group`` heads, carried to groups of ``group``: the same share
+    (u − 1) / (G − 1) of the way from heads that agree (1) to heads that share no row (G)."""
+    if measured_group <= 1:
+        return 1.0
+    return round(1 + (union - 1) / (measured_group - 1) * (group - 1), 3)
+
+
+def configs(pipe_for, measured: list[dict]) -> list[dict]:
+    """Every configuration's bytes: shared (union 1), and per head at both bounds and at each measured factor."""
+    G = SHAPE["query_heads"] // SHAPE["kv_heads"]
+    rows = []
+    for batch, context in CONFIGS:
+        for density in DENSITIES:
+            for gqa in ("per_head", "shared"):
+                pipe = pipe_for(density, gqa)
+                cases = (
+                    {"shared": (1.0, 1.0)} if gqa == "shared" else {"heads agree": (1.0, 1.0), "heads disjoint": (G, G)}
+                )
+                if gqa == "per_head":
+                    for m in measured:
+                        found = m["densities"].get(str(density))
+                        if found:  # the measured share of the way from agreeing to disjoint, on this shape's G
+                            cases[f"measured on {m['model']}"] = tuple(
+                                transfer(found[key], m["heads_per_group"], G)
+                                for key in ("shortlist_union", "selected_union")
+                            )
+                for case, (short, sel) in cases.items():
+                    parts = step_bytes(pipe, batch, context, SHAPE["kv_heads"], SHAPE["head_dim"], short, sel)
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "context": context,
+                            "density": density,
+                            "gqa": gqa,
+                            "overlap": case,
+                            "shortlist_union": short,
+                            "selected_union": sel,
+                            "bytes": {k: round(v) for k, v in parts.items() if k not in ("total", "dense")},
+                            "total_bytes": round(parts["total"]),
+                            "dense_bytes": int(parts["dense"]),
+                            "share_of_dense": round(parts["total"] / parts["dense"], 4),
+                            "launches": None,
+                        }
+                    )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-measure", action="store_true", help="the bounds only: load no model")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+
+    base = oa.load_spec(SPEC).model_dump(mode="json")
+
+    def pipe_for(density: float, gqa: str) -> oa.Pipeline:
+        return oa.build({**base, "budget": {"density": density}, "gqa": gqa})
+
+    measured = [] if args.no_measure else [measure(model, DENSITIES) for model in (None, "gemma3-270m")]
+    rows = configs(pipe_for, measured)
+    result = {
+        "shape": SHAPE,
+        "spec": "specs/openattention.yaml",
+        "kv_bytes": KV_BYTES,
+        "measured_overlap": measured,
+        "measure_setting": MEASURE,
+        "configs": rows,
+        "launches_note": "null: the one-program PQS step (issue 56) does not exist yet",
+        "provenance": provenance("cpu"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"{'batch × context':>16} {'density':>7} {'gqa':>9} {'overlap':>34} {'codes':>6} {'short':>6} {'rows':>6} "
+        f"{'proxy':>6} {'state':>6} {'total':>6}  (share of dense)"
+    )
+    for r in rows:
+        share = {k: v / r["dense_bytes"] for k, v in r["bytes"].items()}
+        print(
+            f"{r['batch']:>6} × {r['context']:>7} {r['density']:>7.0%} {r['gqa']:>9} {r['overlap']:>34} "
+            + " ".join(f"{share[k]:>6.1%}" for k in ("codes", "shortlist_keys", "selected_rows", "proxies", "state"))
+            + f" {r['share_of_dense']:>6.1%}"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

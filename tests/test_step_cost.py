@@ -1,0 +1,70 @@
+"""The decode step's cost model (benchmarks/step_cost.py): its bytes follow the spec and the shape, and its union
+factors measure how far a GQA group's heads read the same rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import oa_core as oa
+from conftest import load_benchmark
+
+step_cost = load_benchmark("step_cost")
+
+
+def _pipe(density: float = 0.01, **spec) -> oa.Pipeline:
+    return oa.build({"budget": {"density": density}, "sink": 4, "local": 64, **spec})
+
+
+def test_the_parts_follow_the_spec_and_the_shape():
+    pipe, D, N = _pipe(), 128, 16384
+    parts = step_cost.step_bytes(pipe, batch=2, context=N, kv_heads=8, head_dim=D)
+    heads, fixed = 2 * 8, 4 + 64
+    selectable = math.floor(0.01 * N) - fixed
+    assert parts["codes"] == heads * (N - fixed) * D / 4  # PQS: two 4-bit codes a byte, one per pair of dimensions
+    assert parts["shortlist_keys"] == heads * math.ceil(4.0 * selectable) * D * 2  # rerank 4 × E_sel K rows, bf16
+    assert parts["selected_rows"] == heads * (fixed + selectable) * 2 * D * 2
+    assert parts["proxies"] == heads * 64 * (3 * D + 1) * 4  # Σk, Σv, Σk⊙k and the count of 64 clusters, float32
+    assert parts["dense"] == heads * N * 2 * D * 2
+    assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k not in ("total", "dense")))
+    mean = step_cost.step_bytes(_pipe(proxy="mean"), 2, N, 8, D)
+    assert mean["proxies"] == heads * 64 * (2 * D + 1) * 4
+
+
+def test_disjoint_heads_read_their_shortlists_and_selections_once_each():
+    pipe = _pipe()
+    agree = step_cost.step_bytes(pipe, 1, 32768, 8, 128, 1.0, 1.0)
+    disjoint = step_cost.step_bytes(pipe, 1, 32768, 8, 128, 4.0, 4.0)
+    assert disjoint["shortlist_keys"] == 4 * agree["shortlist_keys"]
+    fixed_rows = 8 * (4 + 64) * 2 * 128 * 2
+    assert disjoint["selected_rows"] - fixed_rows == 4 * (agree["selected_rows"] - fixed_rows)  # the window once
+    assert disjoint["codes"] == agree["codes"] and disjoint["proxies"] == agree["proxies"]
+    assert step_cost.step_bytes(_pipe(0.03), 1, 32768, 8, 128)["total"] > agree["total"]
+
+
+def _state(pipe, heads_alike: bool):
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, G, N, D = 1, 2, 4, 600, 32
+    keys, values = torch.randn(B, Hkv, N, D, generator=gen), torch.randn(B, Hkv, N, D, generator=gen)
+    prefill = torch.randn(B, Hkv * G, 64, D, generator=gen)
+    state = pipe.prepare(keys, values, prefill)
+    queries = torch.randn(B, Hkv, 1, 3, D, generator=gen)
+    queries = queries.expand(B, Hkv, G, 3, D) if heads_alike else torch.randn(B, Hkv, G, 3, D, generator=gen)
+    return state, queries.reshape(B, Hkv * G, 3, D).contiguous()
+
+
+def test_a_group_of_identical_heads_has_union_factor_one_and_distinct_heads_more():
+    pipe = oa.build({"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"})
+    state, same = _state(pipe, heads_alike=True)
+    assert step_cost.union_factors(pipe, state, same) == pytest.approx((1.0, 1.0))
+    state, different = _state(pipe, heads_alike=False)
+    shortlist, selected = step_cost.union_factors(pipe, state, different)
+    assert 1.2 < shortlist <= 4.0 and 1.2 < selected <= 4.0
+
+
+def test_a_measured_union_keeps_its_share_of_the_way_to_disjoint_on_another_group():
+    assert step_cost.transfer(2.0, 3, 4) == pytest.approx(2.5)  # halfway from 1 to 3 → halfway from 1 to 4
+    assert step_cost.transfer(1.0, 3, 4) == 1.0 and step_cost.transfer(3.0, 3, 4) == 4.0
+    assert step_cost.transfer(2.4, 4, 4) == 2.4
