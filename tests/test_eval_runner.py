@@ -678,9 +678,21 @@ def test_sink_and_local_are_the_specs_own_unless_overridden(tmp_path):
     assert all(data["sink"] == 2 and data["local"] == 8 for data, dense in overridden.values() if not dense)
 
 
-def test_a_kernel_the_driver_cannot_load_for_memory_is_retried_and_other_errors_are_raised():
-    """Triton reports the driver's out-of-memory as a RuntimeError ("Triton Error [CUDA]: out of memory") when ranks
-    sharing a GPU leave no room to load a kernel: it is retried like torch's; any other RuntimeError is raised."""
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("Triton Error [CUDA]: out of memory"),
+        getattr(torch, "AcceleratorError", RuntimeError)(
+            "CUDA error: out of memory\nSearch for `cudaErrorMemoryAllocation'"
+        ),
+    ],
+    ids=["triton-driver", "cuda-runtime"],
+)
+def test_the_driver_or_runtime_running_out_of_memory_is_retried_and_other_errors_are_raised(error):
+    """Ranks sharing a GPU see its out-of-memory outside torch's allocator too: Triton reports the driver's as a
+    RuntimeError ("Triton Error [CUDA]: out of memory") when no room is left to load a kernel, and under CUDA MPS torch
+    raises the runtime's as ``torch.AcceleratorError`` ("CUDA error: out of memory"). Both are retried like torch's;
+    any other RuntimeError is raised."""
 
     class Stats:
         resets = 0
@@ -693,7 +705,7 @@ def test_a_kernel_the_driver_cannot_load_for_memory_is_retried_and_other_errors_
     def loads_the_second_time():
         tries.append(1)
         if len(tries) == 1:
-            raise RuntimeError("Triton Error [CUDA]: out of memory")
+            raise error
         return "answered"
 
     assert memory.retry_after_oom(loads_the_second_time, stats, cpu) == "answered"
