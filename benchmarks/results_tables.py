@@ -163,6 +163,13 @@ def recorded_commit(provenance: dict) -> str:
     return f"commit {provenance['commit'][:7]}" + (" with uncommitted changes" if provenance.get("dirty") else "")
 
 
+def gpu_name(machine: str) -> str:
+    """A GPU by its model, the way a records file names it: "NVIDIA H100 80GB HBM3" → "H100" (one machine, one
+    label, whichever of the two recorded it)."""
+    found = re.fullmatch(r"NVIDIA (?:GeForce )?(\S+).*", machine)
+    return found[1] if found else machine
+
+
 def _json_machine(result: dict) -> tuple[str, str]:
     """(machine, the field it was read from) for a JSON result without provenance: a GPU's name where the file has
     one (``machine.gpu``, ``machine.device``, ``device``), else the CPU (with ``machine.cpus``' count)."""
@@ -199,7 +206,7 @@ def _records_made_by(folder: Path, keep=None) -> MadeBy:
                 continue
             provenance = record.get("provenance") or {}
             if provenance.get("machine"):
-                machine = provenance["machine"]
+                machine = gpu_name(provenance["machine"])
             elif str(record.get("device", "cpu")).startswith("cuda"):
                 machine = named[1].upper() if named else "a CUDA GPU"
             else:
@@ -234,6 +241,7 @@ def made_by(path: Path, keep=None) -> MadeBy:
         machine, machine_how = provenance["machine"], "`provenance.machine`"
     else:
         machine, machine_how = _json_machine(result)
+    machine = gpu_name(machine)
     if provenance.get("commit"):
         commit, commit_how = recorded_commit(provenance), "`provenance.commit`"
     elif isinstance(result.get("commit"), str):

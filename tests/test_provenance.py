@@ -86,7 +86,7 @@ def test_a_result_s_own_provenance_comes_first(tables, tmp_path):
         )
     )
     made = tables.made_by(tmp_path / "new.json")
-    assert made.short() == "NVIDIA H100 80GB HBM3; commit 0123456 with uncommitted changes"
+    assert made.short() == "H100; commit 0123456 with uncommitted changes"  # a GPU by its model, as records files
 
 
 def test_a_result_from_before_is_read_from_its_device_fields_and_git(tables, tmp_path):
@@ -103,8 +103,8 @@ def test_a_result_from_before_is_read_from_its_device_fields_and_git(tables, tmp
         for name in ("gpu.json", "device.json", "cpu.json", "bare.json", "mutations.json")
     }
     assert short == {
-        "gpu.json": "NVIDIA H200; committed in def5678",
-        "device.json": "NVIDIA H200; committed in def5678",
+        "gpu.json": "H200; committed in def5678",
+        "device.json": "H200; committed in def5678",
         "cpu.json": "CPU (2 cores); committed in def5678",
         "bare.json": "not recorded; committed in def5678",
         "mutations.json": "CPU (2 cores); commit e195285",
@@ -131,6 +131,11 @@ def test_an_eval_folder_names_each_record_s_machine(tables, tmp_path):
                     "device": "cpu",
                     "provenance": {"commit": "7654321", "dirty": False, "machine": "Xeon, 2 cores"},
                 },
+                {  # the same GPU as records-h100.jsonl's, named by its provenance: one machine, not two
+                    **record,
+                    "device": "cuda:0",
+                    "provenance": {"commit": "7654321", "dirty": False, "machine": "NVIDIA H100 80GB HBM3"},
+                },
                 {"spec": "quest", "density": 0.03, "device": "cpu"},
             ]
         )
@@ -139,7 +144,7 @@ def test_an_eval_folder_names_each_record_s_machine(tables, tmp_path):
     made = tables.made_by(folder, keep=lambda r: r["spec"] == "dense")
     assert made.machine == "H100 + CPU + a CUDA GPU + Xeon, 2 cores"
     assert made.commit == "commit 7654321, committed in def5678"
-    assert "H100 1, CPU 1, a CUDA GPU 1, Xeon, 2 cores 1" in made.how and "1 records name 7654321" in made.how
+    assert "H100 2, CPU 1, a CUDA GPU 1, Xeon, 2 cores 1" in made.how and "2 records name 7654321" in made.how
 
 
 def test_check_compares_the_figures_not_git_s_commits(tables):
