@@ -845,6 +845,37 @@ MUTATIONS = [
         "the new row's codes round halves up, where QGS's quantize rounds them to even",
     ),
     mutation(
+        "fused-pq-code-last-of-equals-across-tiles",
+        "plugins/kernels/flash_step_programs.py",
+        [("better = low < best  # a later tile's", "better = low <= best  # a later tile's")],
+        ("tests/test_flash_step.py::test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles",),
+        "the new row's PQS code takes a later tile's equal centroid, where encode takes the first",
+    ),
+    mutation(
+        "fused-pq-code-without-the-centroid-norm",
+        "plugins/kernels/flash_step_programs.py",
+        [
+            (
+                "distance = tl.sum(centre * centre, axis=2) - 2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
+                "distance = -2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
+            )
+        ],
+        FUSED_TESTS,
+        "the new row's PQS code is the centroid of largest dot product, not the nearest",
+    ),
+    mutation(
+        "fused-pq-tables-of-one-head",
+        "plugins/kernels/flash_step_programs.py",
+        [
+            (
+                "q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + sub, mask=sub_ok, other=0.0).to(tl.float32)",
+                "q = tl.load(Q + b * sq_b + (h * G) * sq_h + sub, mask=sub_ok, other=0.0).to(tl.float32)",
+            )
+        ],
+        FUSED_TESTS,
+        "every query head of a KV group scores by the group's first head's tables",
+    ),
+    mutation(
         "fused-budget-ignores-left-padding",
         "plugins/kernels/two_stage_programs.py",
         [("valid = length - tl.load(START + b)", "valid = length")],

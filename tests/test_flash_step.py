@@ -1,7 +1,8 @@
-"""flash's fused static step (oa_plugins.kernels.flash_step) under Triton's interpreter: at every step the rows it
-reads are the reference pipeline's and its output is the reference's; the state it leaves (codes, clusters, pooled
-sums, member lists) is the composed step's. With GQA shared and per head, a left-padded row, growth across the local
-window's edge, both tails, bfloat16, and a cache filled to its capacity."""
+"""flash's fused static step (oa_plugins.kernels.flash_step) under Triton's interpreter, for both selectors it fuses
+(QGS and PQS, the default): at every step the rows it reads are the reference pipeline's and its output is the
+reference's; the state it leaves (codes, clusters, pooled sums, member lists) is the composed step's. With GQA shared
+and per head (3:1, 4:1 and 1:1), a left-padded row, growth across the local window's edge, both tails, bfloat16, and a
+cache filled to its capacity."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import oa_core as oa
 from conftest import make_inputs, relative_error
 from oa_core.static import StaticState
 from oa_plugins.allocators import errorgate
+from oa_plugins.kernels.flash_step import PQSScoring, QGSScoring
 
 # The paper's pipeline (no re-rank, no floor): the fused step's seven launches; the two-stage tests below add the
 # default's re-rank and floor (its eight more launches) to it.
@@ -39,12 +41,16 @@ def _rows(index):
     return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]
 
 
-def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, repeat=None):
+PQS = {"name": "pq", "rerank": 0}  # the default's selector, without its re-rank (as SPEC's QGS)
+
+
+def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, repeat=None, group=3):
     """Decode ``steps`` tokens through the reference pipeline, a composed static state and a fused one → per step
     (reference rows, fused rows, reference output, fused output), and the two static states at the end. At every
     step the fused index — sink, window, each cluster's run, padding — and its runs are the composed step's, column
-    for column. ``repeat`` (a slice): those keys repeated right after them (tied scores and logits)."""
-    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype)
+    for column. ``repeat`` (a slice): those keys repeated right after them (tied scores and logits); ``group``: query
+    heads per KV head."""
+    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype, group=group)
     if repeat is not None:
         keys[:, :, repeat.stop : 2 * repeat.stop - repeat.start] = keys[:, :, repeat]
     B, H, _, D = keys.shape
@@ -97,15 +103,30 @@ def assert_same_state(composed, fused):
     assert torch.equal(fused.members, composed.members)
     for name in ("count", "key_sum", "value_sum", "key_square_sum"):
         assert torch.allclose(getattr(fused.pooled, name), getattr(composed.pooled, name), rtol=1e-6, atol=1e-5), name
-    assert torch.equal(fused.index.codes, composed.index.codes)
-    assert torch.allclose(fused.index.scales, composed.index.scales, rtol=1e-6, atol=0)
+    assert fused.token_fields == composed.token_fields and "codes" in fused.token_fields
+    for name in fused.token_fields:  # the selector's per-token codes (QGS: codes and scales; PQS: codes)
+        ours, theirs = getattr(fused.index, name), getattr(composed.index, name)
+        if ours.is_floating_point():
+            assert torch.allclose(ours, theirs, rtol=1e-6, atol=0), name
+        else:
+            assert torch.equal(ours, theirs), name
 
 
 @pytest.mark.parametrize(
-    "gqa,tail,room", [("shared", "proxy", 0), ("per_head", "proxy", 9), ("per_head", "discard", 0)]
+    "selector,gqa,tail,room,group",
+    [
+        (SPEC["selector"], "shared", "proxy", 0, 3),
+        (SPEC["selector"], "per_head", "discard", 0, 3),
+        (PQS, "per_head", "proxy", 9, 4),
+        (PQS, "shared", "proxy", 0, 4),
+        (PQS, "per_head", "discard", 0, 1),
+    ],
+    ids=["qgs-shared", "qgs-per_head-discard", "pq-per_head-4:1", "pq-shared-4:1", "pq-1:1-discard"],
 )
-def test_each_fused_step_reads_the_reference_rows_and_gives_its_output(gqa, tail, room):
-    steps, composed, fused = run_fused({**SPEC, "gqa": gqa, "tail": tail}, room=room)
+def test_each_fused_step_reads_the_reference_rows_and_gives_its_output(selector, gqa, tail, room, group):
+    spec = {**SPEC, "selector": selector, "gqa": gqa, "tail": tail}
+    steps, composed, fused = run_fused(spec, room=room, group=group)
+    assert isinstance(fused.fused.scoring, PQSScoring if selector is PQS else QGSScoring)
     for ref_rows, rows, ref_out, out in steps:
         assert rows == ref_rows
         assert relative_error(out, ref_out) < 1e-4
@@ -139,14 +160,15 @@ def test_clusters_over_several_chunks_join_and_count_where_they_are():
 
 
 TWO_STAGE = {"selector": {"name": "qgs", "rerank": 4}, "allocator": {"name": "errorgate", "floor": 0.5}}
+PQS_TWO_STAGE = {"selector": {"name": "pq", "rerank": 4}, "allocator": {"name": "errorgate", "floor": 0.5}}  # default
 
 
 @pytest.mark.parametrize(
     "gqa,stages,block",
     [
-        ("per_head", TWO_STAGE, 16),
+        ("per_head", PQS_TWO_STAGE, 16),
         ("shared", TWO_STAGE, 1024),
-        ("per_head", {"selector": {"name": "qgs", "rerank": 2}}, 1024),
+        ("shared", {"selector": {"name": "pq", "rerank": 2}}, 1024),
         # most clusters read whole: the floor's reads bind the rest's caps
         ("shared", {**TWO_STAGE, "budget": {"density": 0.7}}, 16),
     ],
@@ -168,7 +190,10 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
         assert rows == ref_rows
         assert relative_error(out, ref_out) < 1e-4
     assert_same_state(composed, fused)
-    plain, _, _ = run_fused({**SPEC, "gqa": gqa, "budget": spec["budget"]}, room=3, repeat=slice(40, 70))
+    no_rerank = {**spec["selector"], "rerank": 0}
+    plain, _, _ = run_fused(
+        {**SPEC, "gqa": gqa, "budget": spec["budget"], "selector": no_rerank}, room=3, repeat=slice(40, 70)
+    )
     assert any(rows != plain_rows for (_, rows, _, _), (_, plain_rows, _, _) in zip(steps, plain))
 
 
@@ -183,9 +208,12 @@ def test_a_floor_above_the_shortlist_composes_its_own_step():
         assert "errorgate floor: 0.5 above qgs rerank" in fused_unsupported(state)
 
 
-def test_bfloat16_and_a_cache_filled_to_its_capacity():
-    steps, composed, fused = run_fused({**SPEC, "budget": {"tokens": 40}}, tokens=100, steps=8, dtype=torch.bfloat16)
-    assert bool((fused.index.scales[..., -1] > 0).all())  # the last step wrote the last slot's codes
+@pytest.mark.parametrize("selector", [SPEC["selector"], PQS], ids=["qgs", "pq"])
+def test_bfloat16_and_a_cache_filled_to_its_capacity(selector):
+    spec = {**SPEC, "selector": selector, "budget": {"tokens": 40}}
+    steps, composed, fused = run_fused(spec, tokens=100, steps=8, dtype=torch.bfloat16)
+    if selector is not PQS:  # the last step wrote the last slot's codes (PQS's: compared with the composed step's)
+        assert bool((fused.index.scales[..., -1] > 0).all())
     for ref_rows, rows, ref_out, out in steps:
         assert rows == ref_rows
         assert out.dtype == torch.bfloat16 and relative_error(out, ref_out) < 1e-2
@@ -222,18 +250,41 @@ def test_the_new_rows_codes_are_qgs_quantize_with_halves_to_even():
     keys, values, prefill, _ = make_inputs(tokens=140)
     pipe = oa.build(SPEC)
     state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
-    r = state.fused.basis.shape[-1]
-    state.fused.basis.zero_()
-    state.fused.basis[..., torch.arange(r), torch.arange(r)] = 1.0  # kᵀU_r: the key's first r coordinates
+    r = state.fused.scoring.basis.shape[-1]
+    state.fused.scoring.basis.zero_()
+    state.fused.scoring.basis[..., torch.arange(r), torch.arange(r)] = 1.0  # kᵀU_r: the key's first r coordinates
     cache_k, cache_v = keys[:, :, :130].clone(), values[:, :, :130].clone()
     halves = torch.tensor([127.0, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5, 10.25, 7.0, -1.5, 4.5, 0.0, 9.5])
     cache_k[:, :, 120, :r] = halves[:r]
     state.length += 1
     state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
-    codes, scales = quantize(cache_k[:, :, 120:121].float() @ state.fused.basis)
+    codes, scales = quantize(cache_k[:, :, 120:121].float() @ state.fused.scoring.basis)
     assert torch.equal(state.index.codes[:, :, 120:121], codes)
     assert torch.equal(state.index.scales[:, :, 120:121], scales)
     assert codes[0, 0, 0, 1] == 2 and codes[0, 0, 0, 2] == 4  # the case tested: 2.5 → 2, 3.5 → 4
+
+
+def test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles():
+    """``pq_project`` codes the new row as PQS's ``encode`` does: each sub-space's nearest centroid, the first of
+    equals — within a tile of 16 centroids and across tiles (8-bit codes: 256 centroids, 16 tiles)."""
+    from oa_plugins.selectors.pq import encode
+
+    keys, values, prefill, _ = make_inputs(tokens=140)
+    pipe = oa.build({**SPEC, "selector": {"name": "pq", "bits": 8, "rerank": 0}})
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
+    centroids = state.fused.scoring.centroids  # [B, Hkv, M, 256, 2]
+    assert centroids.shape[3] == 256
+    cache_k, cache_v = keys[:, :, :130].clone(), values[:, :, :130].clone()
+    # (Fewer training keys than centroids: the learnt ones repeat. Each tie below is a point of its own.)
+    centroids[:, :, 0, [3, 40]] = torch.tensor([50.0, -50.0])  # sub-space 0: equal centroids in tiles 0 and 2
+    centroids[:, :, 1, [5, 7]] = torch.tensor([-60.0, 60.0])  # sub-space 1: equal centroids in one tile
+    cache_k[:, :, 120, 0:2] = torch.tensor([49.0, -49.0])
+    cache_k[:, :, 120, 2:4] = torch.tensor([-59.0, 59.0])
+    state.length += 1
+    state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
+    codes = state.index.codes[:, :, 120]
+    assert bool((codes[..., 0] == 3).all()) and bool((codes[..., 1] == 5).all())
+    assert torch.equal(codes, encode(cache_k[:, :, 120:121], centroids)[:, :, 0])
 
 
 def test_generate_through_the_fused_step_gives_the_default_caches_logits():
@@ -247,7 +298,7 @@ def test_generate_through_the_fused_step_gives_the_default_caches_logits():
     model, (ids, mask) = tiny_llama(), padded_batch()
     config = CompileConfig(backend="aot_eager", fullgraph=True)
     config._compile_all_devices = True
-    with oa.patch(model, {**SPARSE, "selector": "qgs", "kernel": "flash"}) as handle:  # the components it fuses
+    with oa.patch(model, {**SPARSE, "kernel": "flash"}) as handle:  # the default's components (PQS)
         tokens, scores = generate(model, ids, mask, 3)
         cache = handle.static_cache(max_new_tokens=3)
         fast_tokens, fast_scores = generate(model, ids, mask, 3, cache=cache)

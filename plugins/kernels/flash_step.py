@@ -1,13 +1,14 @@
-"""The fast decode path's whole step in seven launches, for QGC's clusters, QGS's codes, ErrorGate's allocation and
-flash's kernels (docs/design.md §2). QGS was the default selector until PQS; the one-program step for PQS is issue 56's.
+"""The fast decode path's whole step in seven launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
+allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
 most of the step. Where the pipeline is made of the components below, ``FlashKernel.static_step`` takes the step:
 
-1. ``project``, a program per (batch row, KV head): the new row's QGS codes and the query heads projected on the
-   QGS basis;
-2. QGS's score kernel over the codes (``group_int8_scores``);
+1. the selector's ``project``, a program per (batch row, KV head): the new row's codes and the query heads in the
+   codes' terms — QGS: its int8 codes and the heads projected on its basis (``project``); PQS, the default: each
+   sub-space's nearest centroid and the heads' tables q_m·μ_{m,c} (``pq_project``);
+2. the selector's score kernel over the codes (``group_int8_scores``, ``group_lut_scores``);
 3. ``grow``, a program per (batch row, KV head, chunk of 16 clusters): the row leaving the local window placed in
    its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the chunk that
    holds it, and the chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
@@ -17,7 +18,7 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
 5. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
    the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
 
-With QGS's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) eight more launches follow the scores
+With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) eight more launches follow the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor and the re-ranked scores), and the plan
 waits for the floor.
 
@@ -43,7 +44,7 @@ import functools
 import torch
 from torch import Tensor
 
-from oa_core.components import Selection
+from oa_core.components import Selection, Selector
 from oa_core.ops import triton_path
 from oa_core.ops.cluster_stats import BLOCK_C as STATS_CLUSTERS
 from oa_core.ops.selection import launch_select, smallest_block
@@ -51,17 +52,17 @@ from oa_core.ops.triton_path import libdevice, triton
 from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
 from oa_plugins.kernels.two_stage import TwoStage
-from oa_plugins.selectors.qgs import group_int8_scores
+from oa_plugins.selectors.pq import ProductQuantisedSelector, group_lut_scores
+from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
 if triton is not None:
-    from oa_plugins.kernels.flash_step_programs import grow, plan, project
+    from oa_plugins.kernels.flash_step_programs import grow, plan, pq_project, project
 
 
 def fused_unsupported(state) -> str | None:
     """Why ``FusedStep`` cannot run this ``StaticState``'s step (None: it can)."""
     from oa_plugins.allocators.errorgate import ErrorGate
     from oa_plugins.clusterers.qgc import QueryGeometryClusterer
-    from oa_plugins.selectors.qgs import QuerySubspaceSelector
 
     pipeline = state.pipeline
     reason = triton_path.unavailable_reason(state.length.device)
@@ -70,13 +71,14 @@ def fused_unsupported(state) -> str | None:
     # Exact types: a subclass may change the arithmetic (assign, token_codes, score) that the kernels repeat.
     if type(pipeline.clusterer) is not QueryGeometryClusterer:
         return f"clusterer {pipeline.clusterer.name!r} (fused: qgc)"
-    if type(pipeline.selector) is not QuerySubspaceSelector:
-        return f"selector {pipeline.selector.name!r} (fused: qgs)"
+    if type(pipeline.selector) not in SCORING:
+        return f"selector {pipeline.selector.name!r} (fused: {', '.join(s.name for s in SCORING)})"
     if type(pipeline.allocator) is not ErrorGate:
         return f"allocator {pipeline.allocator.name!r} (fused: errorgate)"
     rerank, floor = pipeline.selector.config.rerank, pipeline.allocator.config.floor
     if floor > rerank:  # the floor's rows must be the shortlist's best (with no shortlist: none)
-        return f"errorgate floor: {floor:g} above qgs rerank: {rerank:g} (fused: floor ≤ rerank)"
+        name = pipeline.selector.name
+        return f"errorgate floor: {floor:g} above {name} rerank: {rerank:g} (fused: floor ≤ rerank)"
     if pipeline.spec.tail not in ("proxy", "discard"):
         return f"tail: {pipeline.spec.tail}"
     if state.num_clusters > MAX_TRITON_CLUSTERS:
@@ -95,10 +97,103 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 
+class QGSScoring:
+    """QGS's part of the step: ``project`` writes the new row's int8 codes and projects the query heads on the QGS
+    basis; ``group_int8_scores`` scores every position's codes."""
+
+    def __init__(self, state) -> None:
+        index = state.index
+        if not (index.codes.is_contiguous() and index.scales.is_contiguous()):
+            raise ValueError("fused static step: the codes and scales must be contiguous (the kernels' layout)")
+        self.basis = index.basis.float().contiguous()  # constant through decoding: a row-major copy
+
+    def project(self, state, query: Tensor, keys: Tensor) -> Tensor:
+        B, Hq, _, D = query.shape
+        H, cap = keys.shape[1], keys.shape[2]
+        g, r = Hq // H, self.basis.shape[-1]
+        projected = torch.empty(B, H, g, r, dtype=torch.float32, device=query.device)
+        project[(B * H,)](
+            keys,
+            query,
+            state.length,
+            self.basis,
+            state.index.codes,
+            state.index.scales,
+            projected,
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            cap,
+            G=g,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            R=r,
+            BLOCK_R=triton.next_power_of_2(r),
+            num_warps=4,
+        )
+        return projected
+
+    def score(self, state, projected: Tensor, scores: Tensor, G: int) -> None:
+        group_int8_scores(projected, state.index.codes, state.index.scales, state.scale, 1, G, out=scores)
+
+
+class PQSScoring:
+    """PQS's part of the step: ``pq_project`` writes the new row's codes (each sub-space's nearest centroid) and the
+    query heads' tables; ``group_lut_scores`` sums every position's table entries."""
+
+    BLOCK_C = 16  # centroids per tile of ``pq_project``
+
+    def __init__(self, state) -> None:
+        if not state.index.codes.is_contiguous():
+            raise ValueError("fused static step: the codes must be contiguous (the kernels' layout)")
+        self.centroids = state.index.centroids.float().contiguous()  # [B, Hkv, M, C, dims], constant
+
+    def project(self, state, query: Tensor, keys: Tensor) -> Tensor:
+        B, Hq = query.shape[:2]
+        H, cap = keys.shape[1], keys.shape[2]
+        M, C, dims = self.centroids.shape[2:]
+        g = Hq // H
+        tables = torch.empty(B, H, g, M, C, dtype=torch.float32, device=query.device)
+        pq_project[(B * H,)](
+            keys,
+            query,
+            state.length,
+            self.centroids,
+            state.index.codes,
+            tables,
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            cap,
+            G=g,
+            M=M,
+            C=C,
+            DIMS=dims,
+            BLOCK_M=triton.next_power_of_2(M),
+            BLOCK_C=min(self.BLOCK_C, triton.next_power_of_2(C)),
+            BLOCK_DIMS=triton.next_power_of_2(dims),
+            num_warps=4,
+        )
+        return tables
+
+    def score(self, state, tables: Tensor, scores: Tensor, G: int) -> None:
+        B, H = tables.shape[:2]
+        group_lut_scores(tables, state.index.codes, state.scale, 1, G, out=scores.view(B, H, -1, scores.shape[-1]))
+
+
+# The selectors the step fuses, by exact type (a subclass may change the arithmetic the kernels repeat).
+SCORING: dict[type[Selector], type[QGSScoring | PQSScoring]] = {
+    QuerySubspaceSelector: QGSScoring,
+    ProductQuantisedSelector: PQSScoring,
+}
+
+
 class FusedStep:
     """One layer's fused step (``StaticState.fused``); made once per prepared state, it holds the step's constant
-    tensors: the budget's density, the QGS basis and QGC's space (nothing is allocated lazily: a step may run inside
-    a CUDA graph's capture)."""
+    tensors: the budget's density, the selector's constants (``scoring``: QGS's basis or PQS's centroids) and QGC's
+    space (nothing is allocated lazily: a step may run inside a CUDA graph's capture)."""
 
     def __init__(self, state) -> None:
         spec = state.pipeline.spec
@@ -111,11 +206,9 @@ class FusedStep:
         )
         self.tokens = spec.budget.tokens if spec.budget.tokens is not None else -1
         self.shared = spec.gqa == "shared"
+        self.scoring = SCORING[type(state.pipeline.selector)](state)
         # Constant through decoding, read by every step's grow: row-major copies.
-        projection, centroids = state.clusters.space
-        self.basis, self.projection, self.centroids = (
-            t.float().contiguous() for t in (state.index.basis, projection, centroids)
-        )
+        self.projection, self.centroids = (t.float().contiguous() for t in state.clusters.space)
         # The selection's smallest block, from the clusters' mean size at the prefill (one read, here: not in a step).
         self.select_block = smallest_block(float(state.member_counts.float().mean()))
         self.side = side_stream(state.length.device) if state.length.device.type == "cuda" else None
@@ -133,8 +226,6 @@ class FusedStep:
         pipe = state.pipeline
         if query.shape[2] != 1:
             raise ValueError(f"fused static step: one decode query per row, got {query.shape[2]}")
-        if not (state.index.codes.is_contiguous() and state.index.scales.is_contiguous()):
-            raise ValueError("fused static step: the codes and scales must be contiguous (the kernels' layout)")
         if query.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
             query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()  # the kernels' layout
         B, Hq, _, D = query.shape
@@ -143,32 +234,11 @@ class FusedStep:
         g = Hq // H
         Gs, G = (1, g) if self.shared else (g, 1)
         rows = B * H * Gs
-        index = state.index
-        r, rc = self.basis.shape[-1], self.projection.shape[-1]
+        rc = self.projection.shape[-1]
         device = query.device
-        projected = torch.empty(B, H, g, r, dtype=torch.float32, device=device)
-        project[(B * H,)](
-            keys,
-            query,
-            state.length,
-            self.basis,
-            index.codes,
-            index.scales,
-            projected,
-            *keys.stride()[:3],
-            query.stride(0),
-            query.stride(1),
-            H,
-            cap,
-            G=g,
-            D=D,
-            BLOCK_D=triton.next_power_of_2(D),
-            R=r,
-            BLOCK_R=triton.next_power_of_2(r),
-            num_warps=4,
-        )
-        # The growth and the plan, and QGS's scores, do not read what the other writes: in a CUDA graph the growth
-        # and the plan run on a second stream of high priority beside the scores (the graph holds two branches).
+        prepared = self.scoring.project(state, query, keys)
+        # The growth and the plan, and the selector's scores, do not read what the other writes: in a CUDA graph the
+        # growth and the plan run on a second stream of high priority beside the scores (the graph holds two branches).
         # The scores fill the device with programs; the priority lets the short chain's programs in first. Every
         # tensor the second stream touches is allocated on the first, which waits for it.
         scores = torch.empty(rows, cap, dtype=torch.float32, device=device)
@@ -225,7 +295,7 @@ class FusedStep:
             )
             if first is None:
                 self.plan(state, mean_logit, logit_var, None, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
-        group_int8_scores(projected, index.codes, index.scales, state.scale, 1, G, out=scores)
+        self.scoring.score(state, prepared, scores, G)
         if self.two_stage is not None:  # the shortlist and its exact logits
             listing = self.two_stage.shortlist(scores, keys, query, state, budget_args, Gs, G, pipe.spec.local)
         if side is not None:

@@ -1,5 +1,5 @@
-"""The Triton programs of the fused decode step (``flash_step.py`` launches them): the new row's codes, the state's
-growth, and the read plan of each step."""
+"""The Triton programs of the fused decode step (``flash_step.py`` launches them): the new row's codes (QGS's or
+PQS's), the state's growth, and the read plan of each step."""
 
 from __future__ import annotations
 
@@ -68,6 +68,69 @@ if triton is not None:
         for j in tl.static_range(G):
             q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
+
+    @triton.jit
+    def pq_project(
+        K,
+        Q,
+        LENGTH,
+        CENT,
+        CODES,
+        TABLES,
+        sk_b,
+        sk_h,
+        sk_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        CAP,
+        G: tl.constexpr,
+        M: tl.constexpr,
+        C: tl.constexpr,
+        DIMS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_DIMS: tl.constexpr,
+    ):
+        """Program (batch row, KV head): the new row's PQS codes — in each of the M sub-spaces the nearest of the C
+        centroids, argmin of ‖μ‖² − 2·k·μ, the first of equals (``oa_core.ops.kmeans.nearest``) — and the G query
+        heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a tile of BLOCK_C centroids at a time."""
+        head = tl.program_id(0).to(tl.int64)
+        b = head // Hkv
+        h = head % Hkv
+        newest = tl.load(LENGTH).to(tl.int64) - 1
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        offs_e = tl.arange(0, BLOCK_DIMS)
+        sub = offs_m[:, None] * DIMS + offs_e[None, :]  # [sub-space, dimension in it] → the head's dimension
+        sub_ok = m_ok[:, None] & (offs_e[None, :] < DIMS)
+        k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + sub, mask=sub_ok, other=0.0).to(tl.float32)
+        best = tl.full([BLOCK_M], float("inf"), tl.float32)
+        code = tl.zeros([BLOCK_M], tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            c_ok = offs_c < C
+            tile_ok = sub_ok[:, None, :] & c_ok[None, :, None]
+            centre = tl.load(
+                CENT + ((head * M + offs_m[:, None, None]) * C + offs_c[None, :, None]) * DIMS + offs_e[None, None, :],
+                mask=tile_ok,
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_C, BLOCK_DIMS]
+            distance = tl.sum(centre * centre, axis=2) - 2.0 * tl.sum(k[:, None, :] * centre, axis=2)
+            distance = tl.where(c_ok[None, :], distance, float("inf"))
+            low = tl.min(distance, axis=1)
+            first = tl.min(tl.where(distance == low[:, None], offs_c[None, :], C), axis=1)
+            better = low < best  # a later tile's equal does not displace an earlier centroid
+            code = tl.where(better, first, code)
+            best = tl.where(better, low, best)
+            for j in tl.static_range(G):
+                q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + sub, mask=sub_ok, other=0.0).to(tl.float32)
+                tl.store(
+                    TABLES + ((head * G + j) * M + offs_m[:, None]) * C + offs_c[None, :],
+                    tl.sum(q[:, None, :] * centre, axis=2),
+                    mask=m_ok[:, None] & c_ok[None, :],
+                )
+        tl.store(CODES + (head * CAP + newest) * M + offs_m, code.to(tl.uint8), mask=m_ok)
 
     @triton.jit
     def grow(

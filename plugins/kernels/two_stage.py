@@ -1,12 +1,12 @@
-"""The fused step's two-stage selection: QGS's ``rerank`` and ErrorGate's ``floor`` (``oa_core.ops.rerank``,
-``ErrorGate.allocate``) in eight launches (their programs: ``two_stage_programs.py``) between QGS's scores and the
-plan, the same rows as the composed step.
+"""The fused step's two-stage selection: the selector's ``rerank`` (QGS's or PQS's) and ErrorGate's ``floor``
+(``oa_core.ops.rerank``, ``ErrorGate.allocate``) in eight launches (their programs: ``two_stage_programs.py``) between
+the selector's scores and the plan, the same rows as the composed step.
 
-A row's shortlist is its ⌈m·E_sel⌉ best positions by QGS's score, ties to the earlier position (the reference's
-stable sort). Its cut — the shortlist's last order key (``order_key``) — comes from a radix select of four 8-bit
-digits, each pass a program per (selection row, segment of SEGMENT positions) that adds its segment's histogram of
-the digit, among the keys whose higher digits are the cut's so far, to the row's (one pass over the row each, from
-many programs: one program per row made each pass a chain of latencies):
+A row's shortlist is its ⌈m·E_sel⌉ best positions by the selector's score, ties to the earlier position (the
+reference's stable sort). Its cut — the shortlist's last order key (``order_key``) — comes from a radix select of
+four 8-bit digits, each pass a program per (selection row, segment of SEGMENT positions) that adds its segment's
+histogram of the digit, among the keys whose higher digits are the cut's so far, to the row's (one pass over the row
+each, from many programs: one program per row made each pass a chain of latencies):
 
 1–4. ``radix_pass``, levels 0–3; level 0 first sets the scores outside the clusters (sink, window, padding) to
    -inf as the reference masks them, and the last level keeps its histogram per segment;
@@ -54,9 +54,9 @@ class TwoStage:
     def shortlist(
         self, scores: Tensor, keys: Tensor, query: Tensor, state, budget_args: tuple, Gs: int, G: int, local: int
     ) -> tuple[Tensor, ...]:
-        """``scores`` ``[rows, capacity]`` (QGS's) → the shortlist (its positions, exact logits, length, last key and
-        ties at it, and each segment's place in it): launches 1–7. The row leaving the window counts as joined (the
-        join may run beside these)."""
+        """``scores`` ``[rows, capacity]`` (the selector's) → the shortlist (its positions, exact logits, length, last
+        key and ties at it, and each segment's place in it): launches 1–7. The row leaving the window counts as joined
+        (the join may run beside these)."""
         rows, cap = scores.shape
         H, D = keys.shape[1], keys.shape[-1]
         L = max(self.longest, 1)

@@ -151,15 +151,20 @@ def group_lut_scores(
     *,
     block_n: int | None = None,
     num_warps: int = 4,
+    out: Tensor | None = None,
 ) -> Tensor:
     """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, M]`` uint8, ``scale`` s > 0; ``group``: the
-    heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group): s·max over the selection head's
-    group of Σ_m table[m, code_m]. Launches one kernel and waits for nothing."""
+    heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group; into ``out``, contiguous, where
+    given): s·max over the selection head's group of Σ_m table[m, code_m]. Launches one kernel and waits for
+    nothing."""
     B, Hkv, Q, M, C = tables.shape
     N = codes.shape[2]
     rows = Q // group
-    out = torch.empty(B, Hkv, rows, N, device=tables.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(B, Hkv, rows, N, device=tables.device, dtype=torch.float32)
+    elif out.shape != (B, Hkv, rows, N) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"group_lut_scores: out must be a contiguous float32 [{B}, {Hkv}, {rows}, {N}] tensor")
     if out.numel() == 0:
         return out
     block_n = block_n or min(256, max(16, triton.next_power_of_2(N)))
