@@ -152,6 +152,8 @@ def group_lut_scores(
     block_n: int | None = None,
     num_warps: int = 4,
     out: Tensor | None = None,
+    unroll_g: bool = True,
+    registers: bool = False,
 ) -> Tensor:
     """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, M]`` uint8, ``scale`` s > 0; ``group``: the
@@ -183,6 +185,8 @@ def group_lut_scores(
         C=C,
         BLOCK_M=triton.next_power_of_2(M),
         BLOCK_N=block_n,
+        UNROLL_G=unroll_g,
+        REGISTERS=registers,
         num_warps=num_warps,
     )
     return out
@@ -205,6 +209,8 @@ if triton is not None:
         C: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        UNROLL_G: tl.constexpr,
+        REGISTERS: tl.constexpr,
     ):
         """One program per (batch row, KV head, block of BLOCK_N tokens): the block's codes ``[BLOCK_N, M]`` stay in
         registers while each of the ROWS output rows (selection head · T + query) takes the maximum over its G query
@@ -221,9 +227,22 @@ if triton is not None:
             s = (row // T).to(tl.int64)
             t = (row % T).to(tl.int64)
             best = tl.full([BLOCK_N], float("-inf"), tl.float32)
-            for j in tl.static_range(G):
-                table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
-                best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
+            if REGISTERS:  # each head's table in registers [M, C], gathered by the block's codes (transposed)
+                for j in range(G):
+                    table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
+                    entries = tl.load(
+                        table + offs_m[:, None] * C + tl.arange(0, C)[None, :], mask=(offs_m < M)[:, None], other=0.0
+                    )
+                    picked = tl.gather(entries, tl.trans(codes), axis=1)  # [BLOCK_M, BLOCK_N]
+                    best = tl.maximum(best, tl.sum(tl.where(tl.trans(both), picked, 0.0), axis=0))
+            elif UNROLL_G:
+                for j in tl.static_range(G):
+                    table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
+                    best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
+            else:  # one head's gather in flight at a time
+                for j in range(G):
+                    table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
+                    best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
             tl.store(OUT + (head * ROWS + row) * N + offs_n, best * scale, mask=in_n)
 
 
