@@ -111,12 +111,38 @@ MUTATIONS = [
         "plugins/selectors/pq.py",
         [
             (
-                "offsets = (index.codes.long().view(B * Hkv, N, M) + place).view(-1, M)",
-                "offsets = (index.codes.long().view(B * Hkv, N, M) + place)[..., 1:].reshape(-1, M - 1)",
+                "offsets = (codes.long().view(B * Hkv, N, M) + place).view(-1, M)",
+                "offsets = (codes.long().view(B * Hkv, N, M) + place)[..., 1:].reshape(-1, M - 1)",
             )
         ],
         PQ_TESTS,
         "the torch scores add the tables of every sub-space but the first",
+    ),
+    mutation(
+        "pq-packs-the-high-nibble-first",
+        "plugins/selectors/pq.py",
+        [
+            (
+                "return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()",
+                "return (pairs[..., 1] | (pairs[..., 0] << 4)).contiguous()",
+            )
+        ],
+        PQ_TESTS,
+        "the index packs sub-space 2j + 1 in a byte's low nibble, where every reader takes 2j's",
+    ),
+    mutation(
+        "pq-triton-reads-the-nibbles-swapped",
+        "plugins/selectors/pq.py",
+        [("codes = tl.interleave(raw & 15, raw >> 4)", "codes = tl.interleave(raw >> 4, raw & 15)")],
+        PQ_TESTS,
+        "the score kernel takes a byte's high nibble for the even sub-space",
+    ),
+    mutation(
+        "fused-pq-packs-the-high-nibble-first",
+        "plugins/kernels/flash_step_programs.py",
+        [("(low | (high << 4)).to(tl.uint8)", "(high | (low << 4)).to(tl.uint8)")],
+        FUSED_TESTS,
+        "the fused step writes the new row's codes with the nibbles swapped",
     ),
     mutation(
         "pq-triton-score-skips-a-sub-space",
@@ -130,8 +156,8 @@ MUTATIONS = [
         "plugins/selectors/pq.py",
         [
             (
-                "return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8)",
-                "return ((nearest(sub_spaces(keys, dims), centroids) + 1) % 256).to(torch.uint8)",
+                "codes = nearest(sub_spaces(keys, dims), centroids).to(torch.uint8)",
+                "codes = ((nearest(sub_spaces(keys, dims), centroids) + 1) % count).to(torch.uint8)",
             )
         ],
         PQ_TESTS,
@@ -904,7 +930,7 @@ MUTATIONS = [
     mutation(
         "fused-queries-projected-from-one-head",
         "plugins/kernels/flash_step_programs.py",
-        [("(h * G + j) * sq_h", "(h * G) * sq_h")],
+        [("(h * G + j) * sq_h + offs_d", "(h * G) * sq_h + offs_d")],
         FUSED_TESTS,
         "every query head of a group is scored with the group's first head",
     ),

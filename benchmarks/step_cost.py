@@ -5,8 +5,7 @@ dim 128, bf16 keys and values), for the default spec (``specs/openattention.yaml
 ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in bytes:
 
 - ``codes``: the selector's codes of every clusterable row (``Selector.scoring_bytes``: PQS's 4-bit codes packed two
-  a byte, D/4 a key), read once for all the group's query heads. Today's index keeps a code a byte (D/2 a key, what
-  ``group_lut_scores`` reads); the one-program step is to pack them;
+  a byte, D/4 a key, as the index keeps them), read once for all the group's query heads;
 - ``shortlist_keys``: the K rows of the shortlist re-scored by exact logits (⌈rerank × E_sel⌉ rows, D·2 bytes each),
   times the union factor of the group's shortlists;
 - ``selected_rows``: K and V of the rows read exactly: sink and local window once for the group, the selected rows
@@ -211,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         "measure_setting": MEASURE,
         "configs": rows,
         "launches_note": "null: the one-program PQS step (issue 56) does not exist yet",
-        "codes_note": "codes counted packed, two 4-bit codes a byte (Selector.scoring_bytes); today's PQS index keeps "
-        "one a byte, twice as many bytes",
+        "codes_note": "codes counted packed, two 4-bit codes a byte, as the PQS index keeps them "
+        "(Selector.scoring_bytes)",
         "provenance": provenance("cpu"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

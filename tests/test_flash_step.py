@@ -282,9 +282,26 @@ def test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles():
     cache_k[:, :, 120, 2:4] = torch.tensor([-59.0, 59.0])
     state.length += 1
     state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
-    codes = state.index.codes[:, :, 120]
-    assert bool((codes[..., 0] == 3).all()) and bool((codes[..., 1] == 5).all())
-    assert torch.equal(codes, encode(cache_k[:, :, 120:121], centroids)[:, :, 0])
+    kept = state.index.codes[:, :, 120]  # 8-bit codes: a byte each
+    assert bool((kept[..., 0] == 3).all()) and bool((kept[..., 1] == 5).all())
+    assert torch.equal(kept, encode(cache_k[:, :, 120:121], centroids)[:, :, 0])
+
+
+def test_the_new_rows_4_bit_pqs_codes_are_packed_as_the_index_keeps_them():
+    """With 16 centroids (the default) ``pq_project`` writes the new row's codes two a byte, as ``encode`` packs
+    them, over an odd count of sub-spaces (the last byte's high nibble 0)."""
+    from oa_plugins.selectors.pq import encode
+
+    keys, values, prefill, _ = make_inputs(tokens=140, dim=24)  # 3 sub-spaces of 8 dimensions: 2 bytes a key
+    pipe = oa.build({**SPEC, "selector": {"name": "pq", "dims": 8, "rerank": 0}})
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
+    assert state.index.codes.shape[-1] == 2
+    cache_k, cache_v = keys[:, :, :130].clone(), values[:, :, :130].clone()
+    state.length += 1
+    state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
+    expected = encode(cache_k[:, :, 120:121], state.index.centroids)
+    assert torch.equal(state.index.codes[:, :, 120:121], expected)
+    assert not (expected[..., -1] >> 4).any()
 
 
 def test_generate_through_the_fused_step_gives_the_default_caches_logits():

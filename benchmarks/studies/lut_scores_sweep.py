@@ -1,10 +1,10 @@
 """Which launch suits PQS's table-lookup scores (``group_lut_scores``) on the GPU: keys per program, warps, the
 query heads of a shared selection unrolled or looped, and the table gathered from memory or from registers?
 
-At the Llama-3.1-8B shape (8 KV heads, 4 query heads each, head dim 128: 64 sub-spaces of 16 centroids), batch 16 ×
-16K, per head (4 selection rows of one head each) and shared (one row, the maximum over 4 heads): each launch's
-median in a CUDA graph, beside dense SDPA decode attention over the same cache, and its bytes: the codes a byte each.
-The scores of every launch are checked against the first's.
+At the Llama-3.1-8B shape (8 KV heads, 4 query heads each, head dim 128: 64 sub-spaces of 16 centroids), batch
+16 × 16K, per head (4 selection rows of one head each) and shared (one row, the maximum over 4 heads): each launch's
+median in a CUDA graph, beside dense SDPA decode attention over the same cache, and its bytes: the codes two a byte,
+as the index keeps them. The scores of every launch are checked against the first's.
 
     python benchmarks/studies/lut_scores_sweep.py                 # on the GPU: results/lut_scores_sweep_<gpu>.json
 """
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from kernel_h200 import bench, graphed  # noqa: E402
 from oa_core.analysis.provenance import provenance  # noqa: E402
-from oa_plugins.selectors.pq import group_lut_scores  # noqa: E402
+from oa_plugins.selectors.pq import group_lut_scores, pack_codes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     M = D // 2
     gen = torch.Generator(device=device).manual_seed(0)
     tables = torch.randn(B, H, g, M, C, device=device, generator=gen)
-    codes = torch.randint(0, C, (B, H, N, M), device=device, generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes = pack_codes(torch.randint(0, C, (B, H, N, M), device=device, generator=gen).to(torch.uint8))
     rows = []
     dense_ms = None
     if device.type == "cuda":
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     result = {
         "what": __doc__.split("\n\n")[0],
         "shape": {"batch": B, "kv_heads": H, "group": g, "context": N, "head_dim": D, "sub_spaces": M, "centroids": C},
-        "codes_bytes": B * H * N * M,
+        "codes_bytes": codes.numel(),
         "dense_sdpa_graph_ms": dense_ms,
         "runs": rows,
         "provenance": provenance(device),

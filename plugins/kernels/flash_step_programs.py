@@ -88,13 +88,17 @@ if triton is not None:
         M: tl.constexpr,
         C: tl.constexpr,
         DIMS: tl.constexpr,
+        W: tl.constexpr,
+        PACKED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_DIMS: tl.constexpr,
     ):
         """Program (batch row, KV head): the new row's PQS codes — in each of the M sub-spaces the nearest of the C
         centroids, argmin of ‖μ‖² − 2·k·μ, the first of equals (``oa_core.ops.kmeans.nearest``) — and the G query
-        heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a tile of BLOCK_C centroids at a time."""
+        heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a tile of BLOCK_C centroids at a time. The codes
+        are stored as the index keeps them: W bytes, two codes a byte where PACKED (``pack_codes``; a sub-space past
+        M, of no key coordinate, codes 0)."""
         head = tl.program_id(0).to(tl.int64)
         b = head // Hkv
         h = head % Hkv
@@ -130,7 +134,12 @@ if triton is not None:
                     tl.sum(q[:, None, :] * centre, axis=2),
                     mask=m_ok[:, None] & c_ok[None, :],
                 )
-        tl.store(CODES + (head * CAP + newest) * M + offs_m, code.to(tl.uint8), mask=m_ok)
+        if PACKED:
+            low, high = tl.split(tl.reshape(code, [BLOCK_M // 2, 2]))
+            offs_w = tl.arange(0, BLOCK_M // 2)
+            tl.store(CODES + (head * CAP + newest) * W + offs_w, (low | (high << 4)).to(tl.uint8), mask=offs_w < W)
+        else:
+            tl.store(CODES + (head * CAP + newest) * W + offs_m, code.to(tl.uint8), mask=m_ok)
 
     @triton.jit
     def grow(

@@ -9,7 +9,8 @@ into M = D / ``dims`` sub-spaces; in each, 2^``bits`` centroids are learnt from 
 z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
 s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query.
 
-The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte): 1/16 of a
+The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte, as the index
+keeps them): 1/16 of a
 key and value in bf16 on every head size, the scoring bytes following the head rather than a constant. The
 shortlist's best ``rerank`` × budget rows are re-scored from their keys, as QGS's (``oa_core.ops.rerank``).
 
@@ -58,7 +59,26 @@ class PQSConfig(BaseModel):
 @dataclass
 class PQSIndex:
     centroids: Tensor  # [B, Hkv, M, 2^bits, dims] float32
-    codes: Tensor  # [B, Hkv, N, M] uint8 (4-bit codes are kept a byte each here; a deployment packs two a byte)
+    codes: Tensor  # [B, Hkv, N, W] uint8: 4-bit codes two a byte (W = ⌈M/2⌉, ``pack_codes``), 8-bit a byte (W = M)
+
+
+def packed(centroids: int) -> bool:
+    """Whether the codes of sub-spaces of ``centroids`` centroids are kept two a byte (at most 16: 4 bits)."""
+    return centroids <= 16
+
+
+def pack_codes(codes: Tensor) -> Tensor:
+    """4-bit codes ``[..., M]`` uint8 → ``[..., ⌈M/2⌉]`` uint8: sub-space 2j in byte j's low nibble, 2j + 1 in its high
+    one (0 past M)."""
+    if codes.shape[-1] % 2:
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], 1)], dim=-1)
+    pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def unpack_codes(codes: Tensor, sub_spaces: int) -> Tensor:
+    """``pack_codes``' inverse: ``[..., ⌈M/2⌉]`` → ``[..., M]`` uint8, M = ``sub_spaces``."""
+    return torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)[..., :sub_spaces]
 
 
 def sub_spaces(keys: Tensor, dims: int) -> Tensor:
@@ -68,10 +88,11 @@ def sub_spaces(keys: Tensor, dims: int) -> Tensor:
 
 
 def encode(keys: Tensor, centroids: Tensor) -> Tensor:
-    """keys ``[B, Hkv, N, D]``, centroids ``[B, Hkv, M, C, dims]`` → codes ``[B, Hkv, N, M]`` uint8: each sub-space's
-    nearest centroid."""
-    dims = centroids.shape[-1]
-    return nearest(sub_spaces(keys, dims), centroids).to(torch.uint8).transpose(-1, -2).contiguous()
+    """keys ``[B, Hkv, N, D]``, centroids ``[B, Hkv, M, C, dims]`` → codes ``[B, Hkv, N, W]`` uint8: each sub-space's
+    nearest centroid, packed two a byte where C ≤ 16 (``PQSIndex``)."""
+    dims, count = centroids.shape[-1], centroids.shape[-2]
+    codes = nearest(sub_spaces(keys, dims), centroids).to(torch.uint8).transpose(-1, -2).contiguous()
+    return pack_codes(codes) if packed(count) else codes
 
 
 def training_positions(region: Tensor, most: int) -> tuple[Tensor, Tensor]:
@@ -133,9 +154,10 @@ class ProductQuantisedSelector(ExactRerank, Selector):
             return group_lut_scores(tables, index.codes, scale, T, G).view(B, Hkv, Gs, T, -1)
         # Each key a bag of its M table entries (head h's sub-space m's code j at (h·M + m)·C + j), summed by one
         # embedding_bag over the codes of every (batch row, KV head), not a gather of rows × N × M entries.
-        N, rows = index.codes.shape[2], tables.shape[2]
+        codes = unpack_codes(index.codes, M) if packed(C) else index.codes
+        N, rows = codes.shape[2], tables.shape[2]
         place = C * torch.arange(B * Hkv * M, device=query.device).view(B * Hkv, 1, M)
-        offsets = (index.codes.long().view(B * Hkv, N, M) + place).view(-1, M)  # [B·Hkv·N, M]
+        offsets = (codes.long().view(B * Hkv, N, M) + place).view(-1, M)  # [B·Hkv·N, M]
         entries = tables.reshape(B * Hkv, rows, M * C).transpose(1, 2).reshape(-1, rows)  # [B·Hkv·M·C, rows]
         sums = F.embedding_bag(offsets, entries, mode="sum").view(B * Hkv, N, rows)
         scores = scale * sums.transpose(1, 2).reshape(B, Hkv, Gs, G, T, N)
@@ -156,12 +178,15 @@ def group_lut_scores(
     registers: bool = False,
 ) -> Tensor:
     """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
-    (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, M]`` uint8, ``scale`` s > 0; ``group``: the
-    heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group; into ``out``, contiguous, where
-    given): s·max over the selection head's group of Σ_m table[m, code_m]. Launches one kernel and waits for
-    nothing."""
+    (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, W]`` uint8 (``PQSIndex``), ``scale``
+    s > 0; ``group``: the heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group; into
+    ``out``, contiguous, where given): s·max over the selection head's group of Σ_m table[m, code_m]. Launches one
+    kernel and waits for nothing."""
     B, Hkv, Q, M, C = tables.shape
-    N = codes.shape[2]
+    N, W = codes.shape[2:]
+    pack = packed(C)
+    if ((M + 1) // 2 if pack else M) != W:
+        raise ValueError(f"group_lut_scores: {W} code bytes per key for {M} sub-spaces of {C} centroids")
     rows = Q // group
     if out is None:
         out = torch.empty(B, Hkv, rows, N, device=tables.device, dtype=torch.float32)
@@ -183,7 +208,9 @@ def group_lut_scores(
         G=group,
         M=M,
         C=C,
-        BLOCK_M=triton.next_power_of_2(M),
+        W=W,
+        PACKED=pack,
+        BLOCK_M=2 * triton.next_power_of_2(W) if pack else triton.next_power_of_2(M),
         BLOCK_N=block_n,
         UNROLL_G=unroll_g,
         REGISTERS=registers,
@@ -207,6 +234,8 @@ if triton is not None:
         G: tl.constexpr,
         M: tl.constexpr,
         C: tl.constexpr,
+        W: tl.constexpr,
+        PACKED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         UNROLL_G: tl.constexpr,
@@ -221,7 +250,16 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         in_n = offs_n < N
         both = in_n[:, None] & (offs_m[None, :] < M)
-        codes = tl.load(CODES + (head * N + offs_n[:, None]) * M + offs_m[None, :], mask=both, other=0).to(tl.int32)
+        if PACKED:  # two codes a byte: byte j's low nibble is sub-space 2j's, its high one 2j + 1's
+            offs_w = tl.arange(0, BLOCK_M // 2)
+            raw = tl.load(
+                CODES + (head * N + offs_n[:, None]) * W + offs_w[None, :],
+                mask=in_n[:, None] & (offs_w[None, :] < W),
+                other=0,
+            ).to(tl.int32)
+            codes = tl.interleave(raw & 15, raw >> 4)  # [BLOCK_N, BLOCK_M] in sub-space order
+        else:
+            codes = tl.load(CODES + (head * N + offs_n[:, None]) * M + offs_m[None, :], mask=both, other=0).to(tl.int32)
         entry = offs_m[None, :] * C + codes  # each code's place in its sub-space's row of the table
         for row in range(0, ROWS):
             s = (row // T).to(tl.int64)

@@ -4,17 +4,30 @@ import torch
 import oa_core as oa
 from oa_core.components import Clusters, group_queries
 from oa_plugins.selectors.oracle import OracleSelector
-from oa_plugins.selectors.pq import PQSConfig, ProductQuantisedSelector, sub_spaces, training_positions
+from oa_plugins.selectors.pq import (
+    PQSConfig,
+    ProductQuantisedSelector,
+    pack_codes,
+    sub_spaces,
+    training_positions,
+    unpack_codes,
+)
 
 
 def _everywhere(batch, heads, tokens):
     return Clusters(torch.zeros(batch, heads, tokens, dtype=torch.long), 1)
 
 
+def _codes(index):
+    """The index's codes a sub-space each, ``[B, Hkv, N, M]`` long (4-bit ones are kept two a byte)."""
+    M, C = index.centroids.shape[2:4]
+    return (unpack_codes(index.codes, M) if C <= 16 else index.codes).long()
+
+
 def _reconstructed(index):
     """Each key as its codes say: the centroid of its code in every sub-space, ``[B, Hkv, N, D]``."""
     B, Hkv, M, C, dims = index.centroids.shape
-    codes = index.codes.long().permute(0, 1, 3, 2)  # [B, Hkv, M, N]
+    codes = _codes(index).permute(0, 1, 3, 2)  # [B, Hkv, M, N]
     picked = index.centroids.gather(3, codes[..., None].expand(*codes.shape, dims))  # [B, Hkv, M, N, dims]
     return picked.permute(0, 1, 3, 2, 4).reshape(B, Hkv, -1, M * dims)
 
@@ -27,7 +40,7 @@ def test_a_sub_space_of_at_most_its_centroids_keys_is_coded_exactly(bits, tokens
     query = group_queries(torch.randn(2, 6, 2, 32, generator=gen), 2, shared=False)
     selector = ProductQuantisedSelector(PQSConfig(dims=8, bits=bits))
     index = selector.build(keys, None, _everywhere(2, 2, tokens))
-    assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, tokens, 4)
+    assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, tokens, 4 if bits == 8 else 2)
     assert index.centroids.shape == (2, 2, 4, 2**bits, 8)
     assert torch.allclose(_reconstructed(index), keys)
     assert torch.allclose(
@@ -69,7 +82,7 @@ def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret,
     nearest = (points[..., :, None, :] - index.centroids[..., None, :, :]).norm(dim=-1).amin(-1)  # (not cdist's
     # matmul form, whose rounding at these norms is larger than the gaps it would judge)
     chosen = (
-        points - index.centroids.gather(3, index.codes.long().permute(0, 1, 3, 2)[..., None].expand(*points.shape))
+        points - index.centroids.gather(3, _codes(index).permute(0, 1, 3, 2)[..., None].expand(*points.shape))
     ).norm(dim=-1)
     assert torch.allclose(chosen, nearest, atol=1e-4)
 
@@ -104,6 +117,25 @@ def test_the_fused_scores_match_the_torch_path(bits, launch, monkeypatch):
     assert torch.allclose(fused, selector.score(query, index, keys, 0.5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sub_spaces", [1, 4, 7])
+def test_4_bit_codes_are_kept_two_a_byte_low_nibble_first(sub_spaces):
+    """The index keeps 16-centroid codes two a byte — byte j holds sub-space 2j in its low nibble, 2j + 1 in its high
+    one, 0 past the last — so a key costs the D/4 bytes ``scoring_bytes`` counts; unpacking gives the codes back."""
+    codes = torch.randint(0, 16, (2, 3, 5, sub_spaces), generator=torch.Generator().manual_seed(4)).to(torch.uint8)
+    kept = pack_codes(codes)
+    assert kept.dtype == torch.uint8 and kept.shape == (2, 3, 5, (sub_spaces + 1) // 2)
+    assert torch.equal(kept[..., 0] & 15, codes[..., 0])
+    if sub_spaces > 1:
+        assert torch.equal(kept[..., 0] >> 4, codes[..., 1])
+    else:
+        assert not (kept >> 4).any()
+    assert torch.equal(unpack_codes(kept, sub_spaces), codes)
+    keys = torch.randn(1, 2, 300, 64, generator=torch.Generator().manual_seed(5))
+    selector = ProductQuantisedSelector(PQSConfig())  # the default: 16 centroids a pair of dimensions
+    index = selector.build(keys, None, _everywhere(1, 2, 300))
+    assert index.codes.shape[-1] * index.codes.element_size() == selector.scoring_bytes(64) == 16
+
+
 def test_new_keys_are_coded_by_the_centroids_prepare_learnt():
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 2, 600, 16, generator=gen)
@@ -113,7 +145,7 @@ def test_new_keys_are_coded_by_the_centroids_prepare_learnt():
     assert torch.equal(grown.centroids, first.centroids) and torch.equal(grown.codes[:, :, :500], first.codes)
     points = sub_spaces(keys[:, :, 500:], 4)
     expected = (points[..., :, None, :] - first.centroids[..., None, :, :]).norm(dim=-1).argmin(-1).permute(0, 1, 3, 2)
-    assert torch.equal(grown.codes[:, :, 500:].long(), expected)
+    assert torch.equal(_codes(grown)[:, :, 500:], expected)
     assert torch.equal(selector.extend(grown, keys[:, :, :0]).codes, grown.codes)  # no new keys: no growth
 
 
