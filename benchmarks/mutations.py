@@ -902,6 +902,37 @@ MUTATIONS = [
         "every query head of a KV group scores by the group's first head's tables",
     ),
     mutation(
+        "pq-shortlist-takes-one-tie-too-many",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))",
+                "keep = ok & ((key > taus[:, None]) | (tie & (rank <= ties[:, None])))",
+            )
+        ],
+        ("tests/test_flash_step.py::test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "the one-program shortlist lists one more tie at the cut than the reference's stable sort",
+    ),
+    mutation(
+        "pq-shortlist-reads-k-for-the-rows-all-heads-list",
+        "plugins/kernels/two_stage_programs.py",
+        [("union = tl.max(keep.to(tl.int32), axis=0) > 0", "union = tl.min(keep.to(tl.int32), axis=0) > 0")],
+        ("tests/test_flash_step.py::test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "the one-program shortlist reads a K row only where every head lists it: the others' exact logits are 0",
+    ),
+    mutation(
+        "pq-shortlist-leaves-the-leaving-row-out",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "mask=in_n, other=C) == C) & (offs != n - 1 - LOCAL)",
+                "mask=in_n, other=C) == C) & (offs != -1)",
+            )
+        ],
+        ("tests/test_flash_step.py::test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "the one-program shortlist masks the row leaving the window, which joins a cluster in this step",
+    ),
+    mutation(
         "fused-budget-ignores-left-padding",
         "plugins/kernels/two_stage_programs.py",
         [("valid = length - tl.load(START + b)", "valid = length")],
@@ -1055,7 +1086,7 @@ MUTATIONS = [
     mutation(
         "fused-two-stage-leaving-row-outside",
         "plugins/kernels/two_stage_programs.py",
-        [("== C) & (offs != n - 1 - LOCAL)", "== C)")],
+        [("mask=ok, other=C) == C) & (offs != n - 1 - LOCAL)", "mask=ok, other=C) == C)")],
         FUSED_TWO_STAGE_TESTS,
         "the row joining a cluster in this step is not shortlisted when the join has not run yet (a CUDA graph "
         "runs it beside the shortlist)",

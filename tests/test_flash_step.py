@@ -197,6 +197,47 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
     assert any(rows != plain_rows for (_, rows, _, _), (_, plain_rows, _, _) in zip(steps, plain))
 
 
+@pytest.mark.parametrize("gqa,group", [("per_head", 4), ("shared", 4), ("per_head", 1)])
+def test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave(gqa, group, monkeypatch):
+    """``pq_shortlist``, a program per (batch row, KV head), leaves what PQS's score kernel and the shortlist's seven
+    launches leave: the masked scores, each row's length, cut and ties at it, its positions and exact logits in
+    position order, each segment's place — over repeated keys (ties), a left-padded row, segments of 16 positions."""
+    from oa_plugins.kernels import two_stage
+
+    monkeypatch.setattr(two_stage, "SEGMENT", 16)
+    monkeypatch.setattr(two_stage, "RADIX_BLOCK", 16)
+    monkeypatch.setattr(two_stage, "LIST_BLOCK", 4)
+    keys, values, prefill, _ = make_inputs(tokens=141, group=group)
+    keys[:, :, 70:100] = keys[:, :, 40:70]
+    mask = torch.ones(2, 140, dtype=torch.bool)
+    mask[1, :25] = False
+    pipe = oa.build({**SPEC, "gqa": gqa, **PQS_TWO_STAGE})
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :140], values[:, :, :140], prefill, mask=mask), 150)
+    fused = state.fused
+    B, H, _, D = keys.shape
+    cache_k = keys.new_zeros(B, H, 150, D)
+    cache_k[:, :, :141] = keys
+    state.length += 1
+    query = keys[:, torch.arange(H * group) // group, 140:141] * 1.1
+    Gs, G = (1, group) if gqa == "shared" else (group, 1)
+    budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
+    tables = fused.scoring.project(state, query, cache_k)
+    seven = torch.empty(B * H * Gs, 150)
+    fused.scoring.score(state, tables, seven, G)
+    expected = fused.two_stage.shortlist(seven, cache_k, query, state, budget_args, Gs, G, pipe.spec.local)
+    one = torch.full_like(seven, float("nan"))
+    got = fused.two_stage.pq_shortlist(tables, state, one, cache_k, query, budget_args, Gs, G)
+    assert torch.equal(one[:, :141], seven[:, :141])
+    (listed, exact, counts, cut, ties, places), (listed2, exact2, counts2, cut2, ties2, places2) = got, expected
+    assert torch.equal(counts, counts2) and torch.equal(cut, cut2) and torch.equal(ties, ties2)
+    assert int(counts.min()) > 0 and int(ties.max()) > 0  # rows listed, ties at the cut taken in part
+    segments = -(-141 // 16)
+    assert torch.equal(places[:, :segments], places2[:, :segments])
+    for row, count in enumerate(counts.tolist()):
+        assert torch.equal(listed[row, :count], listed2[row, :count])
+        assert torch.equal(exact[row, :count], exact2[row, :count])
+
+
 def test_a_floor_above_the_shortlist_composes_its_own_step():
     from oa_plugins.kernels.flash_step import fused_unsupported
 

@@ -18,9 +18,12 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
 5. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
    the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
 
-With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) eight more launches follow the scores
+With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor and the re-ranked scores), and the plan
-waits for the floor.
+waits for the floor. QGS's takes eight more launches after its scores. PQS's — the default's — takes two in all:
+its scores and the shortlist in one program per (batch row, KV head) (``pq_shortlist``: the codes read once for the
+group's selection rows, each K row once for the rows that list it), then the refine; the default's step is then
+eight launches a layer (nine or ten where the selection needs more size classes).
 
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
 cluster after its codes are written, in an earlier step or by ``project`` in the same one), so in a CUDA graph's
@@ -137,6 +140,11 @@ class QGSScoring:
     def score(self, state, projected: Tensor, scores: Tensor, G: int) -> None:
         group_int8_scores(projected, state.index.codes, state.index.scales, state.scale, 1, G, out=scores)
 
+    def shortlist(self, two_stage, state, projected, scores, keys, query, budget_args, Gs: int, G: int):
+        """The scores, then the two-stage shortlist's seven launches."""
+        self.score(state, projected, scores, G)
+        return two_stage.shortlist(scores, keys, query, state, budget_args, Gs, G, state.pipeline.spec.local)
+
 
 class PQSScoring:
     """PQS's part of the step: ``pq_project`` writes the new row's codes (each sub-space's nearest centroid) and the
@@ -183,6 +191,10 @@ class PQSScoring:
     def score(self, state, tables: Tensor, scores: Tensor, G: int) -> None:
         B, H = tables.shape[:2]
         group_lut_scores(tables, state.index.codes, state.scale, 1, G, out=scores.view(B, H, -1, scores.shape[-1]))
+
+    def shortlist(self, two_stage, state, tables, scores, keys, query, budget_args, Gs: int, G: int):
+        """The scores and the two-stage shortlist in one program per (batch row, KV head) (``pq_shortlist``)."""
+        return two_stage.pq_shortlist(tables, state, scores, keys, query, budget_args, Gs, G)
 
 
 # The selectors the step fuses, by exact type (a subclass may change the arithmetic the kernels repeat).
@@ -297,9 +309,10 @@ class FusedStep:
             )
             if first is None:
                 self.plan(state, mean_logit, logit_var, None, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
-        self.scoring.score(state, prepared, scores, G)
-        if self.two_stage is not None:  # the shortlist and its exact logits
-            listing = self.two_stage.shortlist(scores, keys, query, state, budget_args, Gs, G, pipe.spec.local)
+        if self.two_stage is None:
+            self.scoring.score(state, prepared, scores, G)
+        else:  # the scores, the shortlist and its exact logits
+            listing = self.scoring.shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         if self.two_stage is not None:  # the scores re-ranked in place, the floor's rows counted (after the join)

@@ -34,7 +34,7 @@ from torch import Tensor
 from oa_core.ops.triton_path import triton
 
 if triton is not None:
-    from oa_plugins.kernels.two_stage_programs import compact, cut_row, exact_logits, radix_pass, refine
+    from oa_plugins.kernels.two_stage_programs import compact, cut_row, exact_logits, pq_shortlist, radix_pass, refine
 
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
@@ -133,6 +133,76 @@ class TwoStage:
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
             BLOCK_L=LIST_BLOCK,
+            num_warps=4,
+        )
+        return listed, exact, counts, cut, ties, places
+
+    def pq_shortlist(
+        self, tables: Tensor, state, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs: int, G: int
+    ) -> tuple[Tensor, ...]:
+        """PQS's scores into ``scores`` ``[rows, capacity]`` and ``shortlist``'s outputs, in one launch: a program
+        per (batch row, KV head) reads the codes once for its selection rows, selects each row's cut, and lists the
+        rows with their exact logits in one more pass (each K row read once for the rows that list it)."""
+        rows, cap = scores.shape
+        B, H, _, M, CC = tables.shape
+        D = keys.shape[-1]
+        codes = state.index.codes
+        W = codes.shape[-1]
+        packed = CC <= 16
+        L = max(self.longest, 1)
+        S = triton.cdiv(cap, SEGMENT)
+        device = scores.device
+        listed = torch.empty(rows, L, dtype=torch.int32, device=device)
+        exact = torch.empty(rows, L, dtype=torch.float32, device=device)
+        counts = torch.empty(rows, dtype=torch.int32, device=device)
+        cut = torch.empty(rows, dtype=torch.int64, device=device)
+        ties = torch.empty(rows, dtype=torch.int32, device=device)
+        places = torch.empty(rows, S, 2, dtype=torch.int32, device=device)
+        length, start, density, fixed, tokens = budget_args
+        block_m = 2 * triton.next_power_of_2(W) if packed else triton.next_power_of_2(M)
+        pq_shortlist[(B * H,)](
+            tables,
+            codes,
+            state.assignment,
+            length,
+            start,
+            density,
+            self.multiple_t,
+            keys,
+            query,
+            scores,
+            listed,
+            exact,
+            counts,
+            cut,
+            ties,
+            places,
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            state.num_clusters,
+            cap,
+            fixed,
+            tokens,
+            state.pipeline.spec.local,
+            L,
+            S,
+            state.scale,
+            GS=Gs,
+            G=G,
+            M=M,
+            CC=CC,
+            W=W,
+            PACKED=packed,
+            BLOCK_M=block_m,
+            BLOCK_GS=max(2, triton.next_power_of_2(Gs)),
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            SEGMENT=SEGMENT,
+            BLOCK_A=max(16, min(256, 4096 // block_m)),
+            BLOCK_R=RADIX_BLOCK,
+            BLOCK_L=min(LIST_BLOCK, SEGMENT),
             num_warps=4,
         )
         return listed, exact, counts, cut, ties, places

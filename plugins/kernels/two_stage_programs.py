@@ -341,3 +341,145 @@ if triton is not None:
                 slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 listed_exact = tl.load(exact + slot, mask=keep & (slot >= 0) & (slot < L), other=0.0)
                 tl.store(row, tl.where(keep, listed_exact, value + shift), mask=offs < n)
+
+    @triton.jit
+    def pq_shortlist(
+        TABLES,
+        CODES,
+        ASSIGNMENT,
+        LENGTH,
+        START,
+        DENSITY,
+        MULTIPLE,
+        K,
+        Q,
+        SCORES,
+        LISTED,
+        EXACT,
+        COUNTS,
+        CUT,
+        TIES,
+        PLACES,
+        sk_b,
+        sk_h,
+        sk_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        C,
+        CAP,
+        F,
+        TOKENS,
+        LOCAL,
+        L,
+        S,
+        scale,
+        GS: tl.constexpr,
+        G: tl.constexpr,
+        M: tl.constexpr,
+        CC: tl.constexpr,
+        W: tl.constexpr,
+        PACKED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_GS: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SEGMENT: tl.constexpr,
+        BLOCK_A: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+    ):
+        """Program (batch row, KV head): PQS's scores and the two-stage shortlist of its GS selection rows — what
+        ``group_lut_scores`` and launches 1–7 of ``TwoStage.shortlist`` leave, in one program:
+
+        A. one pass over the codes, read once for every selection row: each row's scores (s·max over its G query
+           heads of the table sums; -inf outside the clusters, as ``radix_pass`` masks them) to SCORES;
+        B. per row, the cut τ of its ⌈m·E_sel⌉ best and the ties at τ it takes (``_radix_select``: four passes over
+           the row's scores, which the program has just written: the GPU's L2 holds them);
+        C. one pass over the positions for all rows at once: each row's listed positions in position order, each
+           segment's place, and the listed rows' exact logits — a K row read once for every row that lists it."""
+        head = tl.program_id(0).to(tl.int64)
+        b = head // Hkv
+        h = head % Hkv
+        n = tl.load(LENGTH).to(tl.int64)
+        rows = tl.arange(0, BLOCK_GS)
+        row_ok = rows < GS
+        # A. The scores, every selection row's from one read of the codes.
+        offs_m = tl.arange(0, BLOCK_M)
+        inside_count = tl.zeros([], tl.int32)
+        for start in range(0, n, BLOCK_A):
+            offs = start + tl.arange(0, BLOCK_A)
+            in_n = offs < n
+            both = in_n[:, None] & (offs_m[None, :] < M)
+            if PACKED:
+                offs_w = tl.arange(0, BLOCK_M // 2)
+                raw = tl.load(
+                    CODES + (head * CAP + offs[:, None]) * W + offs_w[None, :],
+                    mask=in_n[:, None] & (offs_w[None, :] < W),
+                    other=0,
+                ).to(tl.int32)
+                codes = tl.interleave(raw & 15, raw >> 4)
+            else:
+                codes = tl.load(CODES + (head * CAP + offs[:, None]) * W + offs_m[None, :], mask=both, other=0)
+                codes = codes.to(tl.int32)
+            entry = offs_m[None, :] * CC + codes
+            outside = (tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C) == C) & (offs != n - 1 - LOCAL)
+            inside_count += tl.sum((in_n & ~outside).to(tl.int32), axis=0)
+            for s in tl.static_range(GS):
+                best = tl.full([BLOCK_A], float("-inf"), tl.float32)
+                for j in tl.static_range(G):
+                    table = TABLES + ((head * GS + s) * G + j) * (M * CC)
+                    best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
+                value = tl.where(outside, float("-inf"), best * scale)
+                tl.store(SCORES + (head * GS + s) * CAP + offs, value, mask=in_n)
+        # B. Each row's cut: the k-th best score's key τ and the ties at τ among the k.
+        budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
+        k = tl.ceil(tl.load(MULTIPLE) * budget.to(tl.float64)).to(tl.int64)
+        k = tl.minimum(tl.minimum(k, L), inside_count.to(tl.int64)).to(tl.int32)
+        taus = tl.full([BLOCK_GS], 4294967296, tl.int64)  # no shortlist: above every key
+        ties = tl.zeros([BLOCK_GS], tl.int32)
+        if k > 0:
+            for s in tl.static_range(GS):
+                tau, tie = _radix_select(SCORES + (head * GS + s) * CAP, n, k, BLOCK_R)
+                taus = tl.where(rows == s, tau, taus)
+                ties = tl.where(rows == s, tie, ties)
+        p = head * GS + rows  # each selection row's number
+        tl.store(COUNTS + p, tl.zeros([BLOCK_GS], tl.int32) + k, mask=row_ok)
+        tl.store(CUT + p, taus, mask=row_ok)
+        tl.store(TIES + p, ties, mask=row_ok)
+        # C. The listed positions, the segments' places and the exact logits, all rows in one pass.
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        counts = tl.zeros([BLOCK_GS], tl.int32)
+        tied = tl.zeros([BLOCK_GS], tl.int32)
+        for start in range(0, n, BLOCK_L):
+            if start % SEGMENT == 0:  # the segment's place: entries and ties at τ before it
+                segment = start // SEGMENT
+                tl.store(PLACES + (p * S + segment) * 2, counts, mask=row_ok)
+                tl.store(PLACES + (p * S + segment) * 2 + 1, tied, mask=row_ok)
+            offs = start + tl.arange(0, BLOCK_L)
+            in_n = offs < n
+            grid_ok = row_ok[:, None] & in_n[None, :]
+            value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
+            key = _unsigned_key(value)
+            ok = grid_ok & (value > float("-inf"))
+            tie = ok & (key == taus[:, None])
+            rank = tied[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
+            keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))
+            slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+            listed = keep & (slot >= 0) & (slot < L)
+            tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
+            union = tl.max(keep.to(tl.int32), axis=0) > 0
+            krows = tl.load(
+                K + b * sk_b + h * sk_h + offs[:, None].to(tl.int64) * sk_n + offs_d[None, :],
+                mask=union[:, None] & d_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            exact = tl.full([BLOCK_GS, BLOCK_L], float("-inf"), tl.float32)
+            for j in tl.static_range(GS * G):
+                q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                logit = tl.sum(krows * q[None, :], axis=1)
+                exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
+            tl.store(EXACT + p[:, None] * L + slot, exact * scale, mask=listed)
+            counts += tl.sum(keep.to(tl.int32), axis=1)
+            tied += tl.sum(tie.to(tl.int32), axis=1)
