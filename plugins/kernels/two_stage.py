@@ -59,16 +59,10 @@ class TwoStage:
         (the join may run beside these)."""
         rows, cap = scores.shape
         H, D = keys.shape[1], keys.shape[-1]
-        L = max(self.longest, 1)
-        S = triton.cdiv(cap, SEGMENT)
+        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device)
+        L, S = listed.shape[1], places.shape[1]
         device = scores.device
-        listed = torch.empty(rows, L, dtype=torch.int32, device=device)
-        exact = torch.empty(rows, L, dtype=torch.float32, device=device)
-        # Per row: length, last key, ties at it; per segment: slot and ties before it; the radix histograms.
-        counts = torch.empty(rows, dtype=torch.int32, device=device)
-        cut = torch.empty(rows, dtype=torch.int64, device=device)
-        ties = torch.empty(rows, dtype=torch.int32, device=device)
-        places = torch.empty(rows, S, 2, dtype=torch.int32, device=device)
+        # The radix histograms.
         hist = torch.zeros(rows, 3, 256, dtype=torch.int32, device=device)
         last_digit = torch.empty(rows, S, 257, dtype=torch.int32, device=device)
         length, start, density, fixed, tokens = budget_args
@@ -135,7 +129,20 @@ class TwoStage:
             BLOCK_L=LIST_BLOCK,
             num_warps=4,
         )
-        return listed, exact, counts, cut, ties, places
+        return listing
+
+    def listing(self, rows: int, cap: int, device: torch.device) -> tuple[Tensor, ...]:
+        """A shortlist's buffers: per row its positions and exact logits ``[rows, L]``, its length, cut key and ties
+        at it; per segment of SEGMENT positions its place (entries and ties before it) ``[rows, S, 2]``."""
+        L, S = max(self.longest, 1), triton.cdiv(cap, SEGMENT)
+        return (
+            torch.empty(rows, L, dtype=torch.int32, device=device),
+            torch.empty(rows, L, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.int32, device=device),
+            torch.empty(rows, dtype=torch.int64, device=device),
+            torch.empty(rows, dtype=torch.int32, device=device),
+            torch.empty(rows, S, 2, dtype=torch.int32, device=device),
+        )
 
     def pq_shortlist(
         self, tables: Tensor, state, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs: int, G: int
@@ -149,15 +156,8 @@ class TwoStage:
         codes = state.index.codes
         W = codes.shape[-1]
         packed = CC <= 16
-        L = max(self.longest, 1)
-        S = triton.cdiv(cap, SEGMENT)
-        device = scores.device
-        listed = torch.empty(rows, L, dtype=torch.int32, device=device)
-        exact = torch.empty(rows, L, dtype=torch.float32, device=device)
-        counts = torch.empty(rows, dtype=torch.int32, device=device)
-        cut = torch.empty(rows, dtype=torch.int64, device=device)
-        ties = torch.empty(rows, dtype=torch.int32, device=device)
-        places = torch.empty(rows, S, 2, dtype=torch.int32, device=device)
+        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device)
+        L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
         block_m = 2 * triton.next_power_of_2(W) if packed else triton.next_power_of_2(M)
         pq_shortlist[(B * H,)](
@@ -205,7 +205,7 @@ class TwoStage:
             BLOCK_L=min(LIST_BLOCK, SEGMENT),
             num_warps=4,
         )
-        return listed, exact, counts, cut, ties, places
+        return listing
 
     def refine(
         self, scores: Tensor, state, budget_args: tuple, Gs: int, listing: tuple[Tensor, ...], first: Tensor | None

@@ -7,6 +7,7 @@ from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
     from oa_core.ops.selection import order_key
+    from oa_plugins.selectors.pq import load_codes
 
     @triton.jit
     def row_budget(LENGTH, START, DENSITY, b, F, TOKENS):
@@ -411,17 +412,7 @@ if triton is not None:
             offs = start + tl.arange(0, BLOCK_A)
             in_n = offs < n
             both = in_n[:, None] & (offs_m[None, :] < M)
-            if PACKED:
-                offs_w = tl.arange(0, BLOCK_M // 2)
-                raw = tl.load(
-                    CODES + (head * CAP + offs[:, None]) * W + offs_w[None, :],
-                    mask=in_n[:, None] & (offs_w[None, :] < W),
-                    other=0,
-                ).to(tl.int32)
-                codes = tl.interleave(raw & 15, raw >> 4)
-            else:
-                codes = tl.load(CODES + (head * CAP + offs[:, None]) * W + offs_m[None, :], mask=both, other=0)
-                codes = codes.to(tl.int32)
+            codes = load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M)
             entry = offs_m[None, :] * CC + codes
             outside = (tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C) == C) & (offs != n - 1 - LOCAL)
             inside_count += tl.sum((in_n & ~outside).to(tl.int32), axis=0)

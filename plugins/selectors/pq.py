@@ -222,6 +222,24 @@ def group_lut_scores(
 if triton is not None:
 
     @triton.jit
+    def load_codes(CODES, offs, in_n, W, M, PACKED: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The codes of the positions ``offs`` (``in_n``: those that exist; CODES: the (batch row, KV head)'s first
+        position, W bytes each) → ``[len(offs), BLOCK_M]`` int32 in sub-space order, 0 past M. PACKED: two codes a
+        byte, byte j's low nibble sub-space 2j's and its high one 2j + 1's (``pack_codes``)."""
+        if PACKED:
+            offs_w = tl.arange(0, BLOCK_M // 2)
+            raw = tl.load(
+                CODES + offs[:, None] * W + offs_w[None, :], mask=in_n[:, None] & (offs_w[None, :] < W), other=0
+            ).to(tl.int32)
+            codes = tl.interleave(raw & 15, raw >> 4)
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            codes = tl.load(
+                CODES + offs[:, None] * W + offs_m[None, :], mask=in_n[:, None] & (offs_m[None, :] < M), other=0
+            ).to(tl.int32)
+        return codes
+
+    @triton.jit
     def _group_lut_scores(
         TABLES,
         CODES,
@@ -250,16 +268,7 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         in_n = offs_n < N
         both = in_n[:, None] & (offs_m[None, :] < M)
-        if PACKED:  # two codes a byte: byte j's low nibble is sub-space 2j's, its high one 2j + 1's
-            offs_w = tl.arange(0, BLOCK_M // 2)
-            raw = tl.load(
-                CODES + (head * N + offs_n[:, None]) * W + offs_w[None, :],
-                mask=in_n[:, None] & (offs_w[None, :] < W),
-                other=0,
-            ).to(tl.int32)
-            codes = tl.interleave(raw & 15, raw >> 4)  # [BLOCK_N, BLOCK_M] in sub-space order
-        else:
-            codes = tl.load(CODES + (head * N + offs_n[:, None]) * M + offs_m[None, :], mask=both, other=0).to(tl.int32)
+        codes = load_codes(CODES + head * N * W, offs_n, in_n, W, M, PACKED, BLOCK_M)
         entry = offs_m[None, :] * C + codes  # each code's place in its sub-space's row of the table
         for row in range(0, ROWS):
             s = (row // T).to(tl.int64)
