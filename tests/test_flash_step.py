@@ -166,7 +166,7 @@ PQS_TWO_STAGE = {"selector": {"name": "pq", "rerank": 4}, "allocator": {"name": 
 @pytest.mark.parametrize(
     "gqa,stages,block",
     [
-        ("per_head", PQS_TWO_STAGE, 16),
+        ("per_head", PQS_TWO_STAGE, 1024),  # 16-position segments: the one-program shortlist's own test below
         ("shared", TWO_STAGE, 1024),
         ("shared", {"selector": {"name": "pq", "rerank": 2}}, 1024),
         # most clusters read whole: the floor's reads bind the rest's caps
