@@ -21,7 +21,9 @@ context, the model's own queries at the next 16 positions, three layers; sink 4 
 benchmarks run), carried to the shape's group of 4 as the same share of the way from agreeing heads to disjoint ones
 (SmolLM2's groups have 3 heads, Gemma-3-270M's 4).
 
-``launches`` is left null: the one-program step of issue 56 does not exist yet, and this model does not guess it.
+``launches``: the fused step's own count for the default (``FusedStep.launch_names``: seven launches and one per
+size class of clusters), at one size class — the selection takes one more launch per further class, which depends on
+the largest cluster (``oa_core.ops.selection.size_classes``).
 
     python benchmarks/step_cost.py                 # writes benchmarks/results/step_cost.json
     python benchmarks/step_cost.py --no-measure    # the bounds only, no model loaded
@@ -149,6 +151,14 @@ def transfer(union: float, measured_group: int, group: int) -> float:
     return round(1 + (union - 1) / (measured_group - 1) * (group - 1), 3)
 
 
+def fused_launches(pipe: oa.Pipeline) -> int:
+    """The fused step's launches a layer for ``pipe``'s components, at one size class of clusters."""
+    from oa_plugins.kernels.flash_step import SCORING, FusedStep
+
+    rerank, floor = pipe.selector.config.rerank > 0, pipe.allocator.config.floor > 0
+    return len(FusedStep.launch_names(SCORING[type(pipe.selector)], rerank, floor, classes=1))
+
+
 def configs(pipe_for, measured: list[dict]) -> list[dict]:
     """Every configuration's bytes: shared (union 1), and per head at both bounds and at each measured factor."""
     G = SHAPE["query_heads"] // SHAPE["kv_heads"]
@@ -157,6 +167,7 @@ def configs(pipe_for, measured: list[dict]) -> list[dict]:
         for density in DENSITIES:
             for gqa in ("per_head", "shared"):
                 pipe = pipe_for(density, gqa)
+                launches = fused_launches(pipe)
                 cases = (
                     {"shared": (1.0, 1.0)} if gqa == "shared" else {"heads agree": (1.0, 1.0), "heads disjoint": (G, G)}
                 )
@@ -183,7 +194,7 @@ def configs(pipe_for, measured: list[dict]) -> list[dict]:
                             "total_bytes": round(parts["total"]),
                             "dense_bytes": int(parts["dense"]),
                             "share_of_dense": round(parts["total"] / parts["dense"], 4),
-                            "launches": None,
+                            "launches": launches,
                         }
                     )
     return rows
@@ -209,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "measured_overlap": measured,
         "measure_setting": MEASURE,
         "configs": rows,
-        "launches_note": "null: the one-program PQS step (issue 56) does not exist yet",
+        "launches_note": "the fused step's launches (FusedStep.launch_names) at one size class of clusters; one more "
+        "per further size class (the largest cluster's)",
         "codes_note": "codes counted packed, two 4-bit codes a byte, as the PQS index keeps them "
         "(Selector.scoring_bytes)",
         "provenance": provenance("cpu"),

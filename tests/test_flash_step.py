@@ -238,6 +238,38 @@ def test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_lea
         assert torch.equal(exact[row, :count], exact2[row, :count])
 
 
+@pytest.mark.parametrize(
+    "stages",
+    [{}, {"selector": PQS}, TWO_STAGE, PQS_TWO_STAGE, {"selector": {"name": "pq", "rerank": 2}}],
+    ids=["qgs", "pq", "qgs-two-stage", "default", "pq-rerank-no-floor"],
+)
+def test_a_step_launches_what_it_declares(stages, monkeypatch):
+    """``FusedStep.launches`` — what the cost model counts — is what a step launches, program for program (counted
+    at the interpreter's launch); the default's step is eight launches with one size class of clusters."""
+    from collections import Counter
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launched = []
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    keys, values, prefill, _ = make_inputs(tokens=140)
+    pipe = oa.build({**SPEC, **stages})
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
+    cache_k, cache_v = keys[:, :, :130].clone(), values[:, :, :130].clone()
+    state.length += 1
+    declared = state.fused.launches(state)
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
+    assert Counter(launched) == Counter(declared)
+    if stages is PQS_TWO_STAGE:
+        assert len(declared) == 7 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
+
+
 def test_a_floor_above_the_shortlist_composes_its_own_step():
     from oa_plugins.kernels.flash_step import fused_unsupported
 

@@ -4,6 +4,7 @@ factors measure how far a GQA group's heads read the same rows."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,3 +69,13 @@ def test_a_measured_union_keeps_its_share_of_the_way_to_disjoint_on_another_grou
     assert step_cost.transfer(2.0, 3, 4) == pytest.approx(2.5)  # halfway from 1 to 3 → halfway from 1 to 4
     assert step_cost.transfer(1.0, 3, 4) == 1.0 and step_cost.transfer(3.0, 3, 4) == 4.0
     assert step_cost.transfer(2.4, 4, 4) == 2.4
+
+
+def test_the_launches_are_the_fused_step_s_own_count():
+    """The cost model's launches are the fused step's declaration (``FusedStep.launch_names``, which
+    ``tests/test_flash_step.py`` checks against a step's launches): the default's eight at one size class, QGS's
+    fifteen with its re-rank, the paper's pipeline seven."""
+    assert step_cost.fused_launches(_pipe()) == 8
+    specs = Path(__file__).resolve().parents[1] / "specs"
+    assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 15
+    assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 7

@@ -23,7 +23,7 @@ With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) t
 waits for the floor. QGS's takes eight more launches after its scores. PQS's — the default's — takes two in all:
 its scores and the shortlist in one program per (batch row, KV head) (``pq_shortlist``: the codes read once for the
 group's selection rows, each K row once for the rows that list it), then the refine; the default's step is then
-eight launches a layer (nine or ten where the selection needs more size classes).
+seven launches a layer and one per size class of clusters in the selection (``FusedStep.launches``).
 
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
 cluster after its codes are written, in an earlier step or by ``project`` in the same one), so in a CUDA graph's
@@ -50,7 +50,7 @@ from torch import Tensor
 from oa_core.components import Selection, Selector
 from oa_core.ops import triton_path
 from oa_core.ops.cluster_stats import BLOCK_C as STATS_CLUSTERS
-from oa_core.ops.selection import launch_select, smallest_block
+from oa_core.ops.selection import launch_select, size_classes, smallest_block
 from oa_core.ops.triton_path import libdevice, triton
 from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
@@ -104,6 +104,10 @@ class QGSScoring:
     """QGS's part of the step: ``project`` writes the new row's int8 codes and projects the query heads on the QGS
     basis; ``group_int8_scores`` scores every position's codes."""
 
+    # The programs it launches: the projection, the scores; with a re-rank, the scores and the shortlist's seven.
+    LAUNCHES = ("project", "_group_int8_scores")
+    SHORTLIST = ("_group_int8_scores", *["radix_pass"] * 4, "cut_row", "compact", "exact_logits")
+
     def __init__(self, state) -> None:
         index = state.index
         if not (index.codes.is_contiguous() and index.scales.is_contiguous()):
@@ -151,6 +155,8 @@ class PQSScoring:
     query heads' tables; ``group_lut_scores`` sums every position's table entries."""
 
     BLOCK_C = 16  # centroids per tile of ``pq_project``
+    LAUNCHES = ("pq_project", "_group_lut_scores")
+    SHORTLIST = ("pq_shortlist",)  # the scores and the shortlist in one program per (batch row, KV head)
 
     def __init__(self, state) -> None:
         if not state.index.codes.is_contiguous():
@@ -230,6 +236,25 @@ class FusedStep:
         self.two_stage = (
             TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) if rerank > 0 else None
         )
+
+    def launches(self, state) -> list[str]:
+        """The Triton programs one step launches, in the order of the code (the growth and the plan may run on a second
+        stream beside the scores): the step's own declaration, which ``tests/test_flash_step.py`` checks against the
+        launches a step makes. The selection takes one launch per size class of clusters (``size_classes``: from the
+        largest cluster's slots)."""
+        classes = len(size_classes(state.members.shape[-1], self.select_block))
+        floor = self.two_stage is not None and self.two_stage.floor > 0
+        return self.launch_names(type(self.scoring), self.two_stage is not None, floor, classes)
+
+    @staticmethod
+    def launch_names(scoring: type, rerank: bool, floor: bool, classes: int) -> list[str]:
+        """``launches`` for a selector's part of the step (``SCORING``'s value), with or without a re-rank and a
+        floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state)."""
+        project, scores = scoring.LAUNCHES
+        names = [project, "grow", *([] if floor else ["plan"])]
+        names += [*scoring.SHORTLIST, "refine"] if rerank else [scores]
+        names += ["plan"] if floor else []
+        return [*names, *["_select_kernel"] * classes, "sparse_pass", "merge"]
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
