@@ -247,7 +247,7 @@ class FusedStep:
         return self.launch_names(type(self.scoring), self.two_stage is not None, floor, classes)
 
     @staticmethod
-    def launch_names(scoring: type, rerank: bool, floor: bool, classes: int) -> list[str]:
+    def launch_names(scoring: type[QGSScoring | PQSScoring], rerank: bool, floor: bool, classes: int) -> list[str]:
         """``launches`` for a selector's part of the step (``SCORING``'s value), with or without a re-rank and a
         floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state)."""
         project, scores = scoring.LAUNCHES
