@@ -28,6 +28,16 @@ def test_the_checkout_s_commit_and_the_cpu():
         assert made["commit"] == head and isinstance(made["dirty"], bool)
 
 
+def test_a_stated_commit_names_a_copied_checkout_s_code(monkeypatch, tmp_path):
+    """A copy of the working tree on another machine keeps an older ``.git``: ``$OA_COMMIT`` names its commit (the
+    copy is clean by the caller's word), and anything but a hash is refused."""
+    monkeypatch.setenv("OA_COMMIT", "4983d7b1c0ffee")
+    assert provenance(root=tmp_path) == {"commit": "4983d7b", "dirty": False, "machine": provenance()["machine"]}
+    monkeypatch.setenv("OA_COMMIT", "HEAD")
+    with pytest.raises(ValueError, match="OA_COMMIT: expected a commit's hash"):
+        provenance()
+
+
 def test_without_a_repository_the_commit_is_none_not_an_error(tmp_path):
     assert provenance(root=tmp_path) == {"commit": None, "dirty": None, "machine": provenance()["machine"]}
 

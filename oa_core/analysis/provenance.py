@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,19 @@ def machine(device: Any = None) -> str:
     return cpu_model()
 
 
+COMMIT_ENV = "OA_COMMIT"  # the commit of a copied working tree whose git history is not its code's
+
+
 def provenance(device: Any = None, root: Path = CHECKOUT) -> dict[str, Any]:
-    """``{"commit": short hash or None, "dirty": bool or None, "machine": str}`` for a run on ``device``."""
+    """``{"commit": short hash or None, "dirty": bool or None, "machine": str}`` for a run on ``device``.
+
+    ``$OA_COMMIT``, where set, names the commit instead of git: for a copy of a clean checkout on another machine
+    whose ``.git`` is older than its files (a device that receives the working tree), the files are that commit's."""
+    stated = os.environ.get(COMMIT_ENV, "").strip()
+    if stated:
+        if not re.fullmatch(r"[0-9a-f]{7,40}", stated):
+            raise ValueError(f"{COMMIT_ENV}: expected a commit's hash (7 to 40 hex digits), got {stated!r}")
+        return {"commit": stated[:7], "dirty": False, "machine": machine(device)}
     commit = git("rev-parse", "--short", "HEAD", root=root)
     changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE, root=root) if commit else None
     return {"commit": commit, "dirty": None if changed is None else bool(changed), "machine": machine(device)}
