@@ -55,7 +55,7 @@ from oa_core.ops.triton_path import libdevice, triton
 from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
 from oa_plugins.kernels.two_stage import TwoStage
-from oa_plugins.selectors.pq import ProductQuantisedSelector, group_lut_scores, packed
+from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_lut_scores, packed
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
 if triton is not None:
@@ -187,7 +187,7 @@ class PQSScoring:
             DIMS=dims,
             W=state.index.codes.shape[-1],
             PACKED=packed(C),
-            BLOCK_M=max(2, triton.next_power_of_2(M)),
+            BLOCK_M=code_block(M),
             BLOCK_C=min(self.BLOCK_C, triton.next_power_of_2(C)),
             BLOCK_DIMS=triton.next_power_of_2(dims),
             num_warps=4,

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from oa_core.ops.triton_path import triton
+from oa_plugins.selectors.pq import code_block, packed
 
 if triton is not None:
     from oa_plugins.kernels.two_stage_programs import compact, cut_row, exact_logits, pq_shortlist, radix_pass, refine
@@ -155,11 +156,10 @@ class TwoStage:
         D = keys.shape[-1]
         codes = state.index.codes
         W = codes.shape[-1]
-        packed = CC <= 16
         listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device)
         L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
-        block_m = 2 * triton.next_power_of_2(W) if packed else triton.next_power_of_2(M)
+        block_m = code_block(M)
         pq_shortlist[(B * H,)](
             tables,
             codes,
@@ -194,7 +194,7 @@ class TwoStage:
             M=M,
             CC=CC,
             W=W,
-            PACKED=packed,
+            PACKED=packed(CC),
             BLOCK_M=block_m,
             BLOCK_GS=max(2, triton.next_power_of_2(Gs)),
             D=D,

@@ -67,6 +67,12 @@ def packed(centroids: int) -> bool:
     return centroids <= 16
 
 
+def code_block(sub_spaces: int) -> int:
+    """The Triton programs' block of a key's codes (``load_codes``): the sub-spaces rounded up to a power of two, at
+    least 2 — for packed codes, twice the bytes' block."""
+    return 1 << max(1, (sub_spaces - 1).bit_length())
+
+
 def pack_codes(codes: Tensor) -> Tensor:
     """4-bit codes ``[..., M]`` uint8 → ``[..., ⌈M/2⌉]`` uint8: sub-space 2j in byte j's low nibble, 2j + 1 in its high
     one (0 past M)."""
@@ -210,7 +216,7 @@ def group_lut_scores(
         C=C,
         W=W,
         PACKED=pack,
-        BLOCK_M=2 * triton.next_power_of_2(W) if pack else triton.next_power_of_2(M),
+        BLOCK_M=code_block(M),
         BLOCK_N=block_n,
         UNROLL_G=unroll_g,
         REGISTERS=registers,
