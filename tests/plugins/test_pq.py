@@ -209,3 +209,16 @@ def test_a_head_dim_the_sub_spaces_do_not_divide_is_refused():
         selector.build(torch.randn(1, 1, 300, 12), None, _everywhere(1, 1, 300))
     with pytest.raises(oa.SpecError, match="dims"):
         oa.build({"selector": {"name": "pq", "dims": 0}})
+
+
+def test_the_score_kernel_refuses_codes_and_buffers_of_another_layout():
+    """``group_lut_scores`` names what does not fit before it launches: codes whose bytes per key are not the
+    sub-spaces' (4-bit codes kept a byte each), and an ``out`` buffer of another shape."""
+    pytest.importorskip("triton")
+    from oa_plugins.selectors import pq
+
+    tables = torch.zeros(1, 2, 3, 4, 16)  # 4 sub-spaces of 16 centroids: 2 bytes a key
+    with pytest.raises(ValueError, match="4 code bytes per key for 4 sub-spaces of 16 centroids"):
+        pq.group_lut_scores(tables, torch.zeros(1, 2, 10, 4, dtype=torch.uint8), 0.5, 1, 3)
+    with pytest.raises(ValueError, match=r"out must be a contiguous float32 \[1, 2, 1, 10\] tensor"):
+        pq.group_lut_scores(tables, torch.zeros(1, 2, 10, 2, dtype=torch.uint8), 0.5, 1, 3, out=torch.zeros(1, 2, 10))
