@@ -198,13 +198,15 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
 
 
 @pytest.mark.parametrize("gqa,group", [("per_head", 4), ("shared", 4), ("per_head", 1)])
-def test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave(gqa, group, monkeypatch):
-    """``pq_shortlist``, a program per (batch row, KV head), leaves what PQS's score kernel and the shortlist's seven
-    launches leave: the masked scores, each row's length, cut and ties at it, its positions and exact logits in
-    position order, each segment's place — over repeated keys (ties), a left-padded row, segments of 16 positions."""
+def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave(gqa, group, monkeypatch):
+    """``pq_shortlist`` (PQS's scores with the first digit's histogram, the cut, the listing) leaves what PQS's score
+    kernel and the shortlist's seven launches leave: the masked scores, each row's length, cut and ties at it, its
+    positions and exact logits in position order, each segment's place — over repeated keys (ties), a left-padded
+    row, segments of 16 positions and score chunks of 32 (a chunk's histogram added to the row's)."""
     from oa_plugins.kernels import two_stage
 
     monkeypatch.setattr(two_stage, "SEGMENT", 16)
+    monkeypatch.setattr(two_stage, "SCORE_CHUNK", 32)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", 16)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4)
     keys, values, prefill, _ = make_inputs(tokens=141, group=group)
@@ -267,7 +269,7 @@ def test_a_step_launches_what_it_declares(stages, monkeypatch):
     state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
     assert Counter(launched) == Counter(declared)
     if stages is PQS_TWO_STAGE:
-        assert len(declared) == 7 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
+        assert len(declared) == 9 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
 
 
 def test_a_floor_above_the_shortlist_composes_its_own_step():

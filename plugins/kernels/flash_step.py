@@ -156,7 +156,7 @@ class PQSScoring:
 
     BLOCK_C = 16  # centroids per tile of ``pq_project``
     LAUNCHES = ("pq_project", "_group_lut_scores")
-    SHORTLIST = ("pq_shortlist",)  # the scores and the shortlist in one program per (batch row, KV head)
+    SHORTLIST = ("pq_scores", "pq_cut", "pq_list")  # the scores and the shortlist in three launches
 
     def __init__(self, state) -> None:
         if not state.index.codes.is_contiguous():

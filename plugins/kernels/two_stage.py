@@ -32,15 +32,25 @@ import torch
 from torch import Tensor
 
 from oa_core.ops.triton_path import triton
-from oa_plugins.selectors.pq import code_block, packed
+from oa_plugins.selectors.pq import LUT_BLOCK, code_block, packed
 
 if triton is not None:
-    from oa_plugins.kernels.two_stage_programs import compact, cut_row, exact_logits, pq_shortlist, radix_pass, refine
+    from oa_plugins.kernels.two_stage_programs import (
+        compact,
+        cut_row,
+        exact_logits,
+        pq_cut,
+        pq_list,
+        pq_scores,
+        radix_pass,
+        refine,
+    )
 
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
-LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program
+LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program (positions per block of ``pq_list``)
+SCORE_CHUNK = 1024  # positions per program of ``pq_scores`` (one atomic add of its histograms)
 
 
 class TwoStage:
@@ -148,32 +158,71 @@ class TwoStage:
     def pq_shortlist(
         self, tables: Tensor, state, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs: int, G: int
     ) -> tuple[Tensor, ...]:
-        """PQS's scores into ``scores`` ``[rows, capacity]`` and ``shortlist``'s outputs, in one launch: a program
-        per (batch row, KV head) reads the codes once for its selection rows, selects each row's cut, and lists the
-        rows with their exact logits in one more pass (each K row read once for the rows that list it)."""
+        """PQS's scores into ``scores`` ``[rows, capacity]`` and ``shortlist``'s outputs, in three launches:
+        ``pq_scores`` reads each key's codes once for the (batch row, KV head)'s selection rows and counts their
+        first digit, ``pq_cut`` finds each row's cut and its segments' places, ``pq_list`` lists each segment's rows
+        with their exact logits (each K row read once for the rows that list it)."""
         rows, cap = scores.shape
         B, H, _, M, CC = tables.shape
         D = keys.shape[-1]
         codes = state.index.codes
-        W = codes.shape[-1]
         listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device)
         L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
-        block_m = code_block(M)
-        pq_shortlist[(B * H,)](
+        block_m, block_gs = code_block(M), max(2, triton.next_power_of_2(Gs))
+        hist = torch.zeros(rows, 256, dtype=torch.int32, device=scores.device)
+        pq_scores[(B * H, triton.cdiv(cap, SCORE_CHUNK))](
             tables,
             codes,
             state.assignment,
             length,
+            scores,
+            hist,
+            state.num_clusters,
+            cap,
+            state.pipeline.spec.local,
+            state.scale,
+            GS=Gs,
+            G=G,
+            M=M,
+            CC=CC,
+            W=codes.shape[-1],
+            PACKED=packed(CC),
+            BLOCK_M=block_m,
+            BLOCK_GS=block_gs,
+            CHUNK=SCORE_CHUNK,
+            BLOCK_N=min(LUT_BLOCK, SCORE_CHUNK),
+            num_warps=4,
+        )
+        pq_cut[(rows,)](
+            scores,
+            hist,
+            length,
             start,
             density,
             self.multiple_t,
+            counts,
+            cut,
+            ties,
+            places,
+            H,
+            Gs,
+            cap,
+            fixed,
+            tokens,
+            L,
+            S,
+            SEGMENT=SEGMENT,
+            BLOCK=RADIX_BLOCK,
+            num_warps=SEGMENT_WARPS,
+        )
+        pq_list[(B * H, S)](
             keys,
             query,
             scores,
+            length,
             listed,
             exact,
-            counts,
             cut,
             ties,
             places,
@@ -181,27 +230,16 @@ class TwoStage:
             query.stride(0),
             query.stride(1),
             H,
-            state.num_clusters,
             cap,
-            fixed,
-            tokens,
-            state.pipeline.spec.local,
             L,
             S,
             state.scale,
             GS=Gs,
             G=G,
-            M=M,
-            CC=CC,
-            W=W,
-            PACKED=packed(CC),
-            BLOCK_M=block_m,
-            BLOCK_GS=max(2, triton.next_power_of_2(Gs)),
+            BLOCK_GS=block_gs,
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
             SEGMENT=SEGMENT,
-            BLOCK_A=max(16, min(256, 4096 // block_m)),
-            BLOCK_R=RADIX_BLOCK,
             BLOCK_L=min(LIST_BLOCK, SEGMENT),
             num_warps=4,
         )

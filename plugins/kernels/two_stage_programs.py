@@ -7,7 +7,7 @@ from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
     from oa_core.ops.selection import order_key
-    from oa_plugins.selectors.pq import load_codes
+    from oa_plugins.selectors.pq import load_codes, lut_sums
 
     @triton.jit
     def row_budget(LENGTH, START, DENSITY, b, F, TOKENS):
@@ -59,9 +59,13 @@ if triton is not None:
         """The ``k``-th largest (1 ≤ k ≤ their count) of ``VALUES[:n]`` (-inf excluded) as its unsigned key τ, and how
         many of those tied at τ are among the k (the rest of k is above τ): four digits of 8 bits, a pass each, in one
         program (the floor's select over a shortlist; a row's scores take ``radix_pass``'s segments instead)."""
-        prefix = tl.zeros([], tl.int64)
-        rest = k
-        for d in tl.static_range(4):
+        return _radix_finish(VALUES, n, tl.zeros([], tl.int64), k, 0, BLOCK)
+
+    @triton.jit
+    def _radix_finish(VALUES, n, prefix, rest, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+        """``_radix_select`` from digit FIRST on, the digits before it (``prefix``) known and ``rest`` of k left for
+        the keys that share them: a pass over ``VALUES[:n]`` per digit left → (τ, ties at τ among the k)."""
+        for d in tl.static_range(FIRST, 4):
             digit, rest = _pick(_histogram(VALUES, n, prefix, 24 - 8 * d, 8, BLOCK), rest, 8)
             prefix = prefix * 256 + digit
         return prefix, rest
@@ -344,36 +348,16 @@ if triton is not None:
                 tl.store(row, tl.where(keep, listed_exact, value + shift), mask=offs < n)
 
     @triton.jit
-    def pq_shortlist(
+    def pq_scores(
         TABLES,
         CODES,
         ASSIGNMENT,
         LENGTH,
-        START,
-        DENSITY,
-        MULTIPLE,
-        K,
-        Q,
         SCORES,
-        LISTED,
-        EXACT,
-        COUNTS,
-        CUT,
-        TIES,
-        PLACES,
-        sk_b,
-        sk_h,
-        sk_n,
-        sq_b,
-        sq_h,
-        Hkv,
+        HIST,
         C,
         CAP,
-        F,
-        TOKENS,
         LOCAL,
-        L,
-        S,
         scale,
         GS: tl.constexpr,
         G: tl.constexpr,
@@ -383,94 +367,168 @@ if triton is not None:
         PACKED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_GS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Program (batch row · KV head, chunk of CHUNK positions): PQS's scores of the head's GS selection rows from
+        one read of each key's codes — s·max over a row's G query heads of the table sums (``lut_sums``), -inf
+        outside the clusters (the sink, the window, padding; the row leaving the window joins a cluster in this step:
+        inside), as ``radix_pass`` masks them — to SCORES, and each row's histogram of the scores' first 8-bit digit
+        over the chunk added to its row of HIST ``[rows, 256]``."""
+        head = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) * CHUNK
+        n = tl.load(LENGTH).to(tl.int64)
+        rows = tl.arange(0, BLOCK_GS)
+        if first < n:
+            offs_m = tl.arange(0, BLOCK_M)
+            hist = tl.zeros([BLOCK_GS, 256], tl.int32)
+            for start in range(first, tl.minimum(first + CHUNK, n), BLOCK_N):
+                offs = start + tl.arange(0, BLOCK_N)
+                in_n = offs < n
+                both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))
+                codes_t = tl.trans(load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M))
+                cluster = tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C)
+                inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))
+                for s in tl.static_range(GS):
+                    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+                    for j in range(G):
+                        table = TABLES + ((head * GS + s) * G + j) * (M * CC)
+                        best = tl.maximum(best, lut_sums(table, codes_t, both_t, M, CC, BLOCK_M))
+                    value = tl.where(inside, best * scale, float("-inf"))
+                    tl.store(SCORES + (head * GS + s) * CAP + offs, value, mask=in_n)
+                    digits = tl.histogram(_digit(_unsigned_key(value), 24, 8), 256, mask=inside)
+                    hist = tl.where(rows[:, None] == s, hist + digits[None, :], hist)
+            bins = tl.arange(0, 256)
+            tl.atomic_add(
+                HIST + (head * GS + rows[:, None]) * 256 + bins[None, :], hist, mask=(rows < GS)[:, None], sem="relaxed"
+            )
+
+    @triton.jit
+    def pq_cut(
+        SCORES,
+        HIST,
+        LENGTH,
+        START,
+        DENSITY,
+        MULTIPLE,
+        COUNTS,
+        CUT,
+        TIES,
+        PLACES,
+        Hkv,
+        GS,
+        CAP,
+        F,
+        TOKENS,
+        L,
+        S,
+        SEGMENT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Program per selection row: the shortlist's length k (⌈m·E_sel⌉, at most L and the selectable positions),
+        its cut key τ — the first digit from ``pq_scores``' histogram, the other three a pass over the row each
+        (``_radix_finish``) —, the ties at τ it takes, and each segment's place (entries and ties at τ before it),
+        from one more pass."""
+        p = tl.program_id(0).to(tl.int64)
+        row = SCORES + p * CAP
+        n = tl.load(LENGTH).to(tl.int64)
+        hist = tl.load(HIST + p * 256 + tl.arange(0, 256))
+        budget = row_budget(LENGTH, START, DENSITY, p // (GS * Hkv), F, TOKENS)
+        k = tl.ceil(tl.load(MULTIPLE) * budget.to(tl.float64)).to(tl.int64)
+        k = tl.minimum(tl.minimum(k, L), tl.sum(hist, axis=0).to(tl.int64)).to(tl.int32)
+        tau = tl.full([], 4294967296, tl.int64)  # no shortlist: above every key
+        ties = tl.zeros([], tl.int32)
+        if k > 0:
+            digit, rest = _pick(hist, k, 8)
+            tau, ties = _radix_finish(row, n, digit.to(tl.int64), rest, 1, BLOCK)
+        tl.store(COUNTS + p, k)
+        tl.store(CUT + p, tau)
+        tl.store(TIES + p, ties)
+        listed = tl.zeros([], tl.int32)  # entries above τ before the segment
+        tied = tl.zeros([], tl.int32)  # keys at τ before it
+        for segment in range(0, S):
+            tl.store(PLACES + (p * S + segment) * 2, listed + tl.minimum(tied, ties))
+            tl.store(PLACES + (p * S + segment) * 2 + 1, tied)
+            for start in range(segment * SEGMENT, tl.minimum((segment + 1) * SEGMENT, n), BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                value = tl.load(row + offs, mask=offs < n, other=float("-inf"))
+                key = _unsigned_key(value)
+                ok = (offs < n) & (value > float("-inf"))
+                listed += tl.sum((ok & (key > tau)).to(tl.int32), axis=0)
+                tied += tl.sum((ok & (key == tau)).to(tl.int32), axis=0)
+
+    @triton.jit
+    def pq_list(
+        K,
+        Q,
+        SCORES,
+        LENGTH,
+        LISTED,
+        EXACT,
+        CUT,
+        TIES,
+        PLACES,
+        sk_b,
+        sk_h,
+        sk_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        CAP,
+        L,
+        S,
+        scale,
+        GS: tl.constexpr,
+        G: tl.constexpr,
+        BLOCK_GS: tl.constexpr,
         D: tl.constexpr,
         BLOCK_D: tl.constexpr,
         SEGMENT: tl.constexpr,
-        BLOCK_A: tl.constexpr,
-        BLOCK_R: tl.constexpr,
         BLOCK_L: tl.constexpr,
     ):
-        """Program (batch row, KV head): PQS's scores and the two-stage shortlist of its GS selection rows — what
-        ``group_lut_scores`` and launches 1–7 of ``TwoStage.shortlist`` leave, in one program:
-
-        A. one pass over the codes, read once for every selection row: each row's scores (s·max over its G query
-           heads of the table sums; -inf outside the clusters, as ``radix_pass`` masks them) to SCORES;
-        B. per row, the cut τ of its ⌈m·E_sel⌉ best and the ties at τ it takes (``_radix_select``: four passes over
-           the row's scores, which the program has just written: the GPU's L2 holds them);
-        C. one pass over the positions for all rows at once: each row's listed positions in position order, each
-           segment's place, and the listed rows' exact logits — a K row read once for every row that lists it."""
+        """Program (batch row · KV head, segment): the segment's listed positions of each of the head's GS selection
+        rows, at the segment's place in the row's shortlist (position order: every key above τ, the ties at τ until
+        the row's are taken), and their exact logits (s·max over the row's G query heads of q·k) — a K row read once
+        for every row that lists it."""
         head = tl.program_id(0).to(tl.int64)
+        segment = tl.program_id(1)
         b = head // Hkv
         h = head % Hkv
         n = tl.load(LENGTH).to(tl.int64)
-        rows = tl.arange(0, BLOCK_GS)
-        row_ok = rows < GS
-        # A. The scores, every selection row's from one read of the codes.
-        offs_m = tl.arange(0, BLOCK_M)
-        inside_count = tl.zeros([], tl.int32)
-        for start in range(0, n, BLOCK_A):
-            offs = start + tl.arange(0, BLOCK_A)
-            in_n = offs < n
-            both = in_n[:, None] & (offs_m[None, :] < M)
-            codes = load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M)
-            entry = offs_m[None, :] * CC + codes
-            outside = (tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C) == C) & (offs != n - 1 - LOCAL)
-            inside_count += tl.sum((in_n & ~outside).to(tl.int32), axis=0)
-            for s in tl.static_range(GS):
-                best = tl.full([BLOCK_A], float("-inf"), tl.float32)
-                for j in tl.static_range(G):
-                    table = TABLES + ((head * GS + s) * G + j) * (M * CC)
-                    best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
-                value = tl.where(outside, float("-inf"), best * scale)
-                tl.store(SCORES + (head * GS + s) * CAP + offs, value, mask=in_n)
-        # B. Each row's cut: the k-th best score's key τ and the ties at τ among the k.
-        budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
-        k = tl.ceil(tl.load(MULTIPLE) * budget.to(tl.float64)).to(tl.int64)
-        k = tl.minimum(tl.minimum(k, L), inside_count.to(tl.int64)).to(tl.int32)
-        taus = tl.full([BLOCK_GS], 4294967296, tl.int64)  # no shortlist: above every key
-        ties = tl.zeros([BLOCK_GS], tl.int32)
-        if k > 0:
-            for s in tl.static_range(GS):
-                tau, tie = _radix_select(SCORES + (head * GS + s) * CAP, n, k, BLOCK_R)
-                taus = tl.where(rows == s, tau, taus)
-                ties = tl.where(rows == s, tie, ties)
-        p = head * GS + rows  # each selection row's number
-        tl.store(COUNTS + p, tl.zeros([BLOCK_GS], tl.int32) + k, mask=row_ok)
-        tl.store(CUT + p, taus, mask=row_ok)
-        tl.store(TIES + p, ties, mask=row_ok)
-        # C. The listed positions, the segments' places and the exact logits, all rows in one pass.
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        counts = tl.zeros([BLOCK_GS], tl.int32)
-        tied = tl.zeros([BLOCK_GS], tl.int32)
-        for start in range(0, n, BLOCK_L):
-            if start % SEGMENT == 0:  # the segment's place: entries and ties at τ before it
-                segment = start // SEGMENT
-                tl.store(PLACES + (p * S + segment) * 2, counts, mask=row_ok)
-                tl.store(PLACES + (p * S + segment) * 2 + 1, tied, mask=row_ok)
-            offs = start + tl.arange(0, BLOCK_L)
-            in_n = offs < n
-            grid_ok = row_ok[:, None] & in_n[None, :]
-            value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
-            key = _unsigned_key(value)
-            ok = grid_ok & (value > float("-inf"))
-            tie = ok & (key == taus[:, None])
-            rank = tied[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
-            keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))
-            slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
-            listed = keep & (slot >= 0) & (slot < L)
-            tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
-            union = tl.max(keep.to(tl.int32), axis=0) > 0
-            krows = tl.load(
-                K + b * sk_b + h * sk_h + offs[:, None].to(tl.int64) * sk_n + offs_d[None, :],
-                mask=union[:, None] & d_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            exact = tl.full([BLOCK_GS, BLOCK_L], float("-inf"), tl.float32)
-            for j in tl.static_range(GS * G):
-                q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                logit = tl.sum(krows * q[None, :], axis=1)
-                exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
-            tl.store(EXACT + p[:, None] * L + slot, exact * scale, mask=listed)
-            counts += tl.sum(keep.to(tl.int32), axis=1)
-            tied += tl.sum(tie.to(tl.int32), axis=1)
+        if segment * SEGMENT < n:
+            rows = tl.arange(0, BLOCK_GS)
+            row_ok = rows < GS
+            p = head * GS + rows  # each selection row's number
+            taus = tl.load(CUT + p, mask=row_ok, other=4294967296)
+            ties = tl.load(TIES + p, mask=row_ok, other=0)
+            counts = tl.load(PLACES + (p * S + segment) * 2, mask=row_ok, other=0)
+            tied = tl.load(PLACES + (p * S + segment) * 2 + 1, mask=row_ok, other=0)
+            offs_d = tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            for start in range(segment * SEGMENT, tl.minimum((segment + 1) * SEGMENT, n), BLOCK_L):
+                offs = start + tl.arange(0, BLOCK_L)
+                in_n = offs < n
+                grid_ok = row_ok[:, None] & in_n[None, :]
+                value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
+                key = _unsigned_key(value)
+                ok = grid_ok & (value > float("-inf"))
+                tie = ok & (key == taus[:, None])
+                rank = tied[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
+                keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))
+                slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+                listed = keep & (slot >= 0) & (slot < L)
+                tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
+                union = tl.max(keep.to(tl.int32), axis=0) > 0
+                krows = tl.load(
+                    K + b * sk_b + h * sk_h + offs[:, None].to(tl.int64) * sk_n + offs_d[None, :],
+                    mask=union[:, None] & d_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                exact = tl.full([BLOCK_GS, BLOCK_L], float("-inf"), tl.float32)
+                for j in tl.static_range(GS * G):
+                    q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                    logit = tl.sum(krows * q[None, :], axis=1)
+                    exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
+                tl.store(EXACT + p[:, None] * L + slot, exact * scale, mask=listed)
+                counts += tl.sum(keep.to(tl.int32), axis=1)
+                tied += tl.sum(tie.to(tl.int32), axis=1)

@@ -56,6 +56,11 @@ class PQSConfig(BaseModel):
     )
 
 
+# Keys per program of the table-lookup scores: 128 at 4 warps was the fastest launch on an H100 (within 2% of the
+# best, per head and shared: ``benchmarks/studies/results/lut_scores_sweep_h100.json``).
+LUT_BLOCK = 128
+
+
 @dataclass
 class PQSIndex:
     centroids: Tensor  # [B, Hkv, M, 2^bits, dims] float32
@@ -180,8 +185,6 @@ def group_lut_scores(
     block_n: int | None = None,
     num_warps: int = 4,
     out: Tensor | None = None,
-    unroll_g: bool = True,
-    registers: bool = False,
 ) -> Tensor:
     """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
     (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, W]`` uint8 (``PQSIndex``), ``scale``
@@ -200,7 +203,7 @@ def group_lut_scores(
         raise ValueError(f"group_lut_scores: out must be a contiguous float32 [{B}, {Hkv}, {rows}, {N}] tensor")
     if out.numel() == 0:
         return out
-    block_n = block_n or min(256, max(16, triton.next_power_of_2(N)))
+    block_n = block_n or min(LUT_BLOCK, max(16, triton.next_power_of_2(N)))
     num_blocks = triton.cdiv(N, block_n)
     _group_lut_scores[(B * Hkv * num_blocks,)](
         tables.contiguous(),
@@ -218,8 +221,6 @@ def group_lut_scores(
         PACKED=pack,
         BLOCK_M=code_block(M),
         BLOCK_N=block_n,
-        UNROLL_G=unroll_g,
-        REGISTERS=registers,
         num_warps=num_warps,
     )
     return out
@@ -246,6 +247,16 @@ if triton is not None:
         return codes
 
     @triton.jit
+    def lut_sums(TABLE, codes_t, both_t, M, C: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Σ_m TABLE[m, code_m] for a block of keys: TABLE one query head's table ``[M, C]``, held in registers and
+        gathered by the block's codes transposed, ``codes_t`` ``[BLOCK_M, BLOCK_N]`` (``both_t``: the codes that
+        exist) → ``[BLOCK_N]`` float32. (Gathers from memory, an address per code, took 1.3× as long at 16 × 16K on
+        an H100: ``benchmarks/studies/results/lut_scores_sweep_h100.json``.)"""
+        offs_m = tl.arange(0, BLOCK_M)
+        entries = tl.load(TABLE + offs_m[:, None] * C + tl.arange(0, C)[None, :], mask=(offs_m < M)[:, None], other=0.0)
+        return tl.sum(tl.where(both_t, tl.gather(entries, codes_t, axis=1), 0.0), axis=0)
+
+    @triton.jit
     def _group_lut_scores(
         TABLES,
         CODES,
@@ -262,40 +273,24 @@ if triton is not None:
         PACKED: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        UNROLL_G: tl.constexpr,
-        REGISTERS: tl.constexpr,
     ):
         """One program per (batch row, KV head, block of BLOCK_N tokens): the block's codes ``[BLOCK_N, M]`` stay in
         registers while each of the ROWS output rows (selection head · T + query) takes the maximum over its G query
-        heads of a gather from that head's table (a C-entry row per sub-space) summed over the M sub-spaces."""
+        heads of that head's table entries summed over the M sub-spaces (``lut_sums``)."""
         pid = tl.program_id(0)
         head = (pid // num_blocks).to(tl.int64)
         offs_n = (pid % num_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         in_n = offs_n < N
-        both = in_n[:, None] & (offs_m[None, :] < M)
-        codes = load_codes(CODES + head * N * W, offs_n, in_n, W, M, PACKED, BLOCK_M)
-        entry = offs_m[None, :] * C + codes  # each code's place in its sub-space's row of the table
+        both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))
+        codes_t = tl.trans(load_codes(CODES + head * N * W, offs_n, in_n, W, M, PACKED, BLOCK_M))
         for row in range(0, ROWS):
             s = (row // T).to(tl.int64)
             t = (row % T).to(tl.int64)
             best = tl.full([BLOCK_N], float("-inf"), tl.float32)
-            if REGISTERS:  # each head's table in registers [M, C], gathered by the block's codes (transposed)
-                for j in range(G):
-                    table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
-                    entries = tl.load(
-                        table + offs_m[:, None] * C + tl.arange(0, C)[None, :], mask=(offs_m < M)[:, None], other=0.0
-                    )
-                    picked = tl.gather(entries, tl.trans(codes), axis=1)  # [BLOCK_M, BLOCK_N]
-                    best = tl.maximum(best, tl.sum(tl.where(tl.trans(both), picked, 0.0), axis=0))
-            elif UNROLL_G:
-                for j in tl.static_range(G):
-                    table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
-                    best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
-            else:  # one head's gather in flight at a time
-                for j in range(G):
-                    table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
-                    best = tl.maximum(best, tl.sum(tl.load(table + entry, mask=both, other=0.0), axis=1))
+            for j in range(G):
+                table = TABLES + (head * (ROWS * G) + (s * G + j) * T + t) * (M * C)
+                best = tl.maximum(best, lut_sums(table, codes_t, both_t, M, C, BLOCK_M))
             tl.store(OUT + (head * ROWS + row) * N + offs_n, best * scale, mask=in_n)
 
 
