@@ -51,6 +51,8 @@ SEGMENT_WARPS = 8
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
 LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program (positions per block of ``pq_list``)
 SCORE_CHUNK = 1024  # positions per program of ``pq_scores`` (one atomic add of its histograms)
+# Warps of PQS's three launches (``benchmarks/studies/shortlist_launch_sweep.py`` compares others).
+SCORE_WARPS, CUT_WARPS, LIST_WARPS = 4, 8, 4
 
 
 class TwoStage:
@@ -192,7 +194,7 @@ class TwoStage:
             BLOCK_GS=block_gs,
             CHUNK=SCORE_CHUNK,
             BLOCK_N=min(LUT_BLOCK, SCORE_CHUNK),
-            num_warps=4,
+            num_warps=SCORE_WARPS,
         )
         pq_cut[(rows,)](
             scores,
@@ -214,7 +216,7 @@ class TwoStage:
             S,
             SEGMENT=SEGMENT,
             BLOCK=RADIX_BLOCK,
-            num_warps=SEGMENT_WARPS,
+            num_warps=CUT_WARPS,
         )
         pq_list[(B * H, S)](
             keys,
@@ -241,7 +243,7 @@ class TwoStage:
             BLOCK_D=triton.next_power_of_2(D),
             SEGMENT=SEGMENT,
             BLOCK_L=min(LIST_BLOCK, SEGMENT),
-            num_warps=4,
+            num_warps=LIST_WARPS,
         )
         return listing
 

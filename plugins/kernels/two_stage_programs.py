@@ -399,9 +399,8 @@ if triton is not None:
                     digits = tl.histogram(_digit(_unsigned_key(value), 24, 8), 256, mask=inside)
                     hist = tl.where(rows[:, None] == s, hist + digits[None, :], hist)
             bins = tl.arange(0, 256)
-            tl.atomic_add(
-                HIST + (head * GS + rows[:, None]) * 256 + bins[None, :], hist, mask=(rows < GS)[:, None], sem="relaxed"
-            )
+            counted = (rows < GS)[:, None] & (hist > 0)  # the first digit: a few exponents, most bins empty
+            tl.atomic_add(HIST + (head * GS + rows[:, None]) * 256 + bins[None, :], hist, mask=counted, sem="relaxed")
 
     @triton.jit
     def pq_cut(
