@@ -147,7 +147,12 @@ MUTATIONS = [
     mutation(
         "pq-triton-score-skips-a-sub-space",
         "plugins/selectors/pq.py",
-        [("both = in_n[:, None] & (offs_m[None, :] < M)", "both = in_n[:, None] & (offs_m[None, :] < M - 1)")],
+        [
+            (
+                "both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))",
+                "both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M - 1))",
+            )
+        ],
         PQ_TESTS,
         "the fused scores read the codes of every sub-space but the last",
     ),
@@ -910,27 +915,46 @@ MUTATIONS = [
                 "keep = ok & ((key > taus[:, None]) | (tie & (rank <= ties[:, None])))",
             )
         ],
-        ("tests/test_flash_step.py::test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
-        "the one-program shortlist lists one more tie at the cut than the reference's stable sort",
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "PQS's shortlist lists one more tie at the cut than the reference's stable sort",
     ),
     mutation(
         "pq-shortlist-reads-k-for-the-rows-all-heads-list",
         "plugins/kernels/two_stage_programs.py",
         [("union = tl.max(keep.to(tl.int32), axis=0) > 0", "union = tl.min(keep.to(tl.int32), axis=0) > 0")],
-        ("tests/test_flash_step.py::test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
-        "the one-program shortlist reads a K row only where every head lists it: the others' exact logits are 0",
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "PQS's shortlist reads a K row only where every head lists it: the others' exact logits are 0",
     ),
     mutation(
         "pq-shortlist-leaves-the-leaving-row-out",
         "plugins/kernels/two_stage_programs.py",
         [
             (
-                "mask=in_n, other=C) == C) & (offs != n - 1 - LOCAL)",
-                "mask=in_n, other=C) == C) & (offs != -1)",
+                "inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))",
+                "inside = in_n & (cluster != C)",
             )
         ],
-        ("tests/test_flash_step.py::test_pqs_one_program_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
-        "the one-program shortlist masks the row leaving the window, which joins a cluster in this step",
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "PQS's shortlist masks the row leaving the window, which joins a cluster in this step",
+    ),
+    mutation(
+        "pq-shortlist-drops-single-count-bins",
+        "plugins/kernels/two_stage_programs.py",
+        [("counted = (rows < GS)[:, None] & (hist > 0)", "counted = (rows < GS)[:, None] & (hist > 1)")],
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "a score chunk adds only the first-digit bins it counts twice or more: the row's histogram loses keys",
+    ),
+    mutation(
+        "pq-shortlist-places-count-every-tie-before",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "tl.store(PLACES + (p * S + segment) * 2, listed + tl.minimum(tied, ties))",
+                "tl.store(PLACES + (p * S + segment) * 2, listed + tied)",
+            )
+        ],
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "a segment's place counts every tie at the cut before it, not only those the shortlist takes",
     ),
     mutation(
         "fused-budget-ignores-left-padding",

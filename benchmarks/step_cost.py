@@ -12,7 +12,11 @@ ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in b
   times the union factor of the group's selections;
 - ``proxies``: each cluster's pooled sums (Σk, Σv, Σk⊙k for second-order proxies, the count) in float32;
 - ``state``: the step's growth and bookkeeping: the new row's codes, the leaving row's K and V and its cluster's sums
-  (read and written), the cluster numbers of the shortlist's rows.
+  (read and written), the cluster numbers of the shortlist's rows;
+- ``scores``: the selection scores' trips through memory, float32, one row per selection head (G per KV head with
+  ``gqa: per_head``, 1 shared) over the clusterable positions, ``SCORE_PASSES`` times: an upper bound, as if the
+  GPU's L2 held none of them (at 16 × 16K a layer's rows are 33 MB per head, within an H100's 50 MB of L2; at
+  32 × 32K, 134 MB, they are not).
 
 A union factor is |∪_g rows of query head g| / (rows of one head): 1 when the group's heads read the same rows (always
 so with ``gqa: shared``, one selection per group), G when they share none. With ``gqa: per_head`` the model states
@@ -21,7 +25,7 @@ context, the model's own queries at the next 16 positions, three layers; sink 4 
 benchmarks run), carried to the shape's group of 4 as the same share of the way from agreeing heads to disjoint ones
 (SmolLM2's groups have 3 heads, Gemma-3-270M's 4).
 
-``launches``: the fused step's own count for the default (``FusedStep.launch_names``: seven launches and one per
+``launches``: the fused step's own count for the default (``FusedStep.launch_names``: nine launches and one per
 size class of clusters), at one size class — the selection takes one more launch per further class, which depends on
 the largest cluster (``oa_core.ops.selection.size_classes``).
 
@@ -51,6 +55,11 @@ CONFIGS = [(16, 16384), (8, 32768), (32, 32768)]
 DENSITIES = [0.01, 0.03]
 MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
+# The default's fused step writes or reads a row of scores whole this many times: ``pq_scores`` writes it, ``pq_cut``
+# reads it for three digits and the segments' places, ``pq_list`` once, ``refine`` reads and rewrites it, the
+# selection reads its clusters' members (counted whole).
+SCORE_PASSES = 9
+PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
 
 
 def step_bytes(
@@ -61,9 +70,11 @@ def step_bytes(
     head_dim: int,
     shortlist_union: float = 1.0,
     selected_union: float = 1.0,
+    group: int = SHAPE["query_heads"] // SHAPE["kv_heads"],
 ) -> dict[str, float]:
-    """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens (see the module's
-    docstring); ``dense`` is what dense decoding reads (every K and V row once)."""
+    """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
+    heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
+    once)."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -74,6 +85,7 @@ def step_bytes(
     if codes is None:
         raise ValueError(f"selector {pipe.selector.name!r} does not state its scoring bytes")
     clusters = min(getattr(pipe.clusterer.config, "num_clusters", 0), clusterable)
+    score_rows = 1 if spec.gqa == "shared" else group
     sums = (3 if spec.proxy == "second-order" else 2) * D + 1  # float32 each
     row = 2 * D * KV_BYTES  # a K and a V row
     per_head = {
@@ -82,6 +94,7 @@ def step_bytes(
         "selected_rows": (fixed + selected_union * selectable) * row,
         "proxies": clusters * sums * 4,
         "state": codes + row + 2 * sums * 4 + shortlist_union * shortlist * 4,
+        "scores": score_rows * clusterable * 4 * SCORE_PASSES,
     }
     out = {part: batch * kv_heads * value for part, value in per_head.items()}
     out["total"] = sum(out.values())
@@ -230,13 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(
         f"{'batch × context':>16} {'density':>7} {'gqa':>9} {'overlap':>34} {'codes':>6} {'short':>6} {'rows':>6} "
-        f"{'proxy':>6} {'state':>6} {'total':>6}  (share of dense)"
+        f"{'proxy':>6} {'state':>6} {'scores':>6} {'total':>6}  (share of dense)"
     )
     for r in rows:
         share = {k: v / r["dense_bytes"] for k, v in r["bytes"].items()}
         print(
             f"{r['batch']:>6} × {r['context']:>7} {r['density']:>7.0%} {r['gqa']:>9} {r['overlap']:>34} "
-            + " ".join(f"{share[k]:>6.1%}" for k in ("codes", "shortlist_keys", "selected_rows", "proxies", "state"))
+            + " ".join(f"{share[k]:>6.1%}" for k in PARTS)
             + f" {r['share_of_dense']:>6.1%}"
         )
     print(f"wrote {args.out}")

@@ -166,7 +166,7 @@ PQS_TWO_STAGE = {"selector": {"name": "pq", "rerank": 4}, "allocator": {"name": 
 @pytest.mark.parametrize(
     "gqa,stages,block",
     [
-        ("per_head", PQS_TWO_STAGE, 1024),  # 16-position segments: the one-program shortlist's own test below
+        ("per_head", PQS_TWO_STAGE, 1024),  # 16-position segments: PQS's shortlist's own test below
         ("shared", TWO_STAGE, 1024),
         ("shared", {"selector": {"name": "pq", "rerank": 2}}, 1024),
         # most clusters read whole: the floor's reads bind the rest's caps
@@ -174,7 +174,7 @@ PQS_TWO_STAGE = {"selector": {"name": "pq", "rerank": 4}, "allocator": {"name": 
     ],
 )
 def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stages, block, monkeypatch):
-    """QGS's rerank and ErrorGate's floor in the fused step (``two_stage``'s three launches): the composed step's
+    """The rerank and ErrorGate's floor in the fused step (``two_stage``'s launches): the composed step's
     index column for column, the reference's rows and output, over repeated keys (ties in the codes and in the exact
     logits, taken by position) — and with blocks of 16 positions and 4 shortlist entries, every pass crosses
     blocks. The rows are not the paper pipeline's: the re-ranking is not a no-op."""
@@ -183,6 +183,7 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
     monkeypatch.setattr(two_stage, "SEGMENT", block)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", block)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4 if block == 16 else two_stage.LIST_BLOCK)
+    monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 4 if block == 16 else two_stage.PQ_LIST_BLOCK)
     spec = {**SPEC, "gqa": gqa, **stages}
     steps, composed, fused = run_fused(spec, room=3, repeat=slice(40, 70))
     assert fused.fused.two_stage is not None
@@ -209,6 +210,7 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     monkeypatch.setattr(two_stage, "SCORE_CHUNK", 32)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", 16)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4)
+    monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 4)
     keys, values, prefill, _ = make_inputs(tokens=141, group=group)
     keys[:, :, 70:100] = keys[:, :, 40:70]
     mask = torch.ones(2, 140, dtype=torch.bool)

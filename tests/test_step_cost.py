@@ -29,6 +29,9 @@ def test_the_parts_follow_the_spec_and_the_shape():
     assert parts["selected_rows"] == heads * (fixed + selectable) * 2 * D * 2
     assert parts["proxies"] == heads * 64 * (3 * D + 1) * 4  # Σk, Σv, Σk⊙k and the count of 64 clusters, float32
     assert parts["dense"] == heads * N * 2 * D * 2
+    shared = step_cost.step_bytes(_pipe(gqa="shared"), batch=2, context=N, kv_heads=8, head_dim=D, group=4)
+    assert shared["scores"] == heads * (N - fixed) * 4 * step_cost.SCORE_PASSES  # one float32 row per KV head
+    assert parts["scores"] == 4 * shared["scores"]  # per head (the default): a row per query head of the group
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k not in ("total", "dense")))
     mean = step_cost.step_bytes(_pipe(proxy="mean"), 2, N, 8, D)
     assert mean["proxies"] == heads * 64 * (2 * D + 1) * 4
@@ -73,9 +76,9 @@ def test_a_measured_union_keeps_its_share_of_the_way_to_disjoint_on_another_grou
 
 def test_the_launches_are_the_fused_step_s_own_count():
     """The cost model's launches are the fused step's declaration (``FusedStep.launch_names``, which
-    ``tests/test_flash_step.py`` checks against a step's launches): the default's eight at one size class, QGS's
+    ``tests/test_flash_step.py`` checks against a step's launches): the default's ten at one size class, QGS's
     fifteen with its re-rank, the paper's pipeline seven."""
-    assert step_cost.fused_launches(_pipe()) == 8
+    assert step_cost.fused_launches(_pipe()) == 10
     specs = Path(__file__).resolve().parents[1] / "specs"
     assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 15
     assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 7

@@ -27,10 +27,10 @@ from oa_plugins.kernels import two_stage  # noqa: E402
 
 KNOBS = {
     "SCORE_CHUNK": [128, 256, 512, 1024, 2048],
-    "SCORE_WARPS": [2, 4, 8],
+    "SCORE_WARPS": [1, 2, 4, 8],
     "RADIX_BLOCK": [256, 512, 1024, 2048],
     "CUT_WARPS": [4, 8, 16],
-    "LIST_BLOCK": [16, 32, 64, 128],
+    "PQ_LIST_BLOCK": [16, 32, 64, 128],
     "LIST_WARPS": [2, 4, 8],
 }
 KERNELS = ("pq_scores", "pq_cut", "pq_list", "refine")

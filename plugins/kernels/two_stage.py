@@ -49,10 +49,12 @@ if triton is not None:
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
-LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program (positions per block of ``pq_list``)
+LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program
+PQ_LIST_BLOCK = 64  # positions per block of ``pq_list`` (32: 1.25× its time on an H100, 128: 1.2×)
 SCORE_CHUNK = 1024  # positions per program of ``pq_scores`` (one atomic add of its histograms)
-# Warps of PQS's three launches (``benchmarks/studies/shortlist_launch_sweep.py`` compares others).
-SCORE_WARPS, CUT_WARPS, LIST_WARPS = 4, 8, 4
+# Warps of PQS's three launches: the fastest of 2, 4, 8 (4, 8, 16 for the cut) at 16 × 16K and 2 × 128K on an H100
+# (``benchmarks/studies/shortlist_launch_sweep.py``; 4 warps of scores took 1.5× the time of 2).
+SCORE_WARPS, CUT_WARPS, LIST_WARPS = 2, 8, 4
 
 
 class TwoStage:
@@ -242,7 +244,7 @@ class TwoStage:
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
             SEGMENT=SEGMENT,
-            BLOCK_L=min(LIST_BLOCK, SEGMENT),
+            BLOCK_L=min(PQ_LIST_BLOCK, SEGMENT),
             num_warps=LIST_WARPS,
         )
         return listing
