@@ -957,6 +957,19 @@ MUTATIONS = [
         "a segment's place counts every tie at the cut before it, not only those the shortlist takes",
     ),
     mutation(
+        "pq-cut-counts-past-its-segment",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                'value = tl.load(row + offs, mask=offs < end, other=float("-inf"))',
+                'value = tl.load(row + offs, mask=offs < n, other=float("-inf"))',
+            ),
+            ('ok = (offs < end) & (value > float("-inf"))', 'ok = (offs < n) & (value > float("-inf"))'),
+        ],
+        ("tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",),
+        "a segment's place counts the keys of a block that runs past the segment's end (a block wider than it)",
+    ),
+    mutation(
         "fused-budget-ignores-left-padding",
         "plugins/kernels/two_stage_programs.py",
         [("valid = length - tl.load(START + b)", "valid = length")],

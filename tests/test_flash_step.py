@@ -166,7 +166,7 @@ PQS_TWO_STAGE = {"selector": {"name": "pq", "rerank": 4}, "allocator": {"name": 
 @pytest.mark.parametrize(
     "gqa,stages,block",
     [
-        ("per_head", PQS_TWO_STAGE, 1024),  # 16-position segments: PQS's shortlist's own test below
+        ("per_head", PQS_TWO_STAGE, 32),  # PQS's listing and refine by 16 positions, the QGS passes' by 32
         ("shared", TWO_STAGE, 1024),
         ("shared", {"selector": {"name": "pq", "rerank": 2}}, 1024),
         # most clusters read whole: the floor's reads bind the rest's caps
@@ -181,6 +181,7 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
     from oa_plugins.kernels import two_stage
 
     monkeypatch.setattr(two_stage, "SEGMENT", block)
+    monkeypatch.setattr(two_stage, "PQ_SEGMENT", block // 2)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", block)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4 if block == 16 else two_stage.LIST_BLOCK)
     monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 4 if block == 16 else two_stage.PQ_LIST_BLOCK)
@@ -206,7 +207,8 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     row, segments of 16 positions and score chunks of 32 (a chunk's histogram added to the row's)."""
     from oa_plugins.kernels import two_stage
 
-    monkeypatch.setattr(two_stage, "SEGMENT", 16)
+    monkeypatch.setattr(two_stage, "SEGMENT", 32)
+    monkeypatch.setattr(two_stage, "PQ_SEGMENT", 16)
     monkeypatch.setattr(two_stage, "SCORE_CHUNK", 32)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", 16)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4)
@@ -235,8 +237,8 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     (listed, exact, counts, cut, ties, places), (listed2, exact2, counts2, cut2, ties2, places2) = got, expected
     assert torch.equal(counts, counts2) and torch.equal(cut, cut2) and torch.equal(ties, ties2)
     assert int(counts.min()) > 0 and int(ties.max()) > 0  # rows listed, ties at the cut taken in part
-    segments = -(-141 // 16)
-    assert torch.equal(places[:, :segments], places2[:, :segments])
+    segments = -(-141 // 32)  # the seven launches' segments of 32 positions, PQS's of 16: every other one's place
+    assert torch.equal(places[:, : 2 * segments : 2], places2[:, :segments])
     for row, count in enumerate(counts.tolist()):
         assert torch.equal(listed[row, :count], listed2[row, :count])
         assert torch.equal(exact[row, :count], exact2[row, :count])

@@ -1,5 +1,6 @@
-"""Which launch suits PQS's table-lookup scores (``group_lut_scores``) on the GPU: keys per program, warps, the
-query heads of a shared selection unrolled or looped, and the table gathered from memory or from registers?
+"""Which launch suits PQS's table-lookup scores (``group_lut_scores``) on the GPU: keys per program and warps?
+(Its first run, at 73c848f, also compared the query heads of a shared selection unrolled or looped and the tables
+gathered from memory: the tables in registers won, and the others were dropped.)
 
 At the Llama-3.1-8B shape (8 KV heads, 4 query heads each, head dim 128: 64 sub-spaces of 16 centroids), batch
 16 × 16K, per head (4 selection rows of one head each) and shared (one row, the maximum over 4 heads): each launch's
@@ -50,31 +51,19 @@ def main(argv=None) -> int:
         dense_ms = bench(graphed(lambda: sdpa(q, k, v, enable_gqa=True)))
     for gqa, group in (("per_head", 1), ("shared", g)):
         first = None
-        for unroll, registers in ((True, False), (False, False), (False, True)):
-            for block in args.blocks:
-                for warps in args.warps:
-                    run = functools.partial(
-                        group_lut_scores,
-                        tables,
-                        codes,
-                        0.1,
-                        1,
-                        group,
-                        block_n=block,
-                        num_warps=warps,
-                        unroll_g=unroll,
-                        registers=registers,
-                    )
-                    row = {"gqa": gqa, "unroll_g": unroll, "registers": registers, "block_n": block, "warps": warps}
-                    try:
-                        out = run()
-                        first = out if first is None else first
-                        row["same"] = bool(torch.allclose(out, first, rtol=1e-5, atol=1e-5))
-                        row["ms"] = bench(graphed(run)) if device.type == "cuda" else None
-                    except Exception as exc:  # a launch the compiler refuses: recorded, the sweep goes on
-                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    rows.append(row)
-                    print(rows[-1], flush=True)
+        for block in args.blocks:
+            for warps in args.warps:
+                run = functools.partial(group_lut_scores, tables, codes, 0.1, 1, group, block_n=block, num_warps=warps)
+                row = {"gqa": gqa, "block_n": block, "warps": warps}
+                try:
+                    out = run()
+                    first = out if first is None else first
+                    row["same"] = bool(torch.allclose(out, first, rtol=1e-5, atol=1e-5))
+                    row["ms"] = bench(graphed(run)) if device.type == "cuda" else None
+                except Exception as exc:  # a launch the compiler refuses: recorded, the sweep goes on
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append(row)
+                print(rows[-1], flush=True)
     result = {
         "what": __doc__.split("\n\n")[0],
         "shape": {"batch": B, "kv_heads": H, "group": g, "context": N, "head_dim": D, "sub_spaces": M, "centroids": C},

@@ -30,6 +30,7 @@ KNOBS = {
     "SCORE_WARPS": [1, 2, 4, 8],
     "RADIX_BLOCK": [256, 512, 1024, 2048],
     "CUT_WARPS": [4, 8, 16],
+    "PQ_SEGMENT": [512, 1024, 2048, 4096],
     "PQ_LIST_BLOCK": [16, 32, 64, 128],
     "LIST_WARPS": [2, 4, 8],
 }
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
     out = args.out or ROOT / "benchmarks" / "studies" / "results" / f"shortlist_launch_sweep_{gpu}.json"
     out.write_text(
         json.dumps(
-            {"what": __doc__.split("\n\n")[0], "defaults": defaults, "runs": runs, "provenance": provenance()}, indent=1
+            {"what": __doc__.split("\n\n")[0], "defaults": defaults, "runs": runs, "provenance": provenance("cuda")},
+            indent=1,
         )
     )
     print(f"wrote {out}")

@@ -118,8 +118,8 @@ class FlashKernel(Kernel):
         return self._sparse(query, keys, values, selection, proxies, scale)
 
     def static_step(self, state):
-        """``flash_step.FusedStep``: the whole step in seven launches, where the pipeline's other components are the
-        components it fuses (QGC, QGS or PQS, ErrorGate) and the state's device runs Triton; else None."""
+        """``flash_step.FusedStep``: the whole step in seven to ten launches, where the pipeline's other components
+        are the components it fuses (QGC, QGS or PQS, ErrorGate) and the state's device runs Triton; else None."""
         from oa_plugins.kernels.flash_step import FusedStep, fused_unsupported
 
         return FusedStep(state) if fused_unsupported(state) is None else None

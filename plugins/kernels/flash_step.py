@@ -1,4 +1,4 @@
-"""The fast decode path's whole step in seven launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
+"""The fast decode path's whole step in seven to ten launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
 allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
@@ -20,10 +20,13 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor and the re-ranked scores), and the plan
-waits for the floor. QGS's takes eight more launches after its scores. PQS's — the default's — takes two in all:
-its scores and the shortlist in one program per (batch row, KV head) (``pq_shortlist``: the codes read once for the
-group's selection rows, each K row once for the rows that list it), then the refine; the default's step is then
-seven launches a layer and one per size class of clusters in the selection (``FusedStep.launches``).
+waits for the floor. QGS's takes eight more launches after its scores. PQS's — the default's — takes four in all
+(``TwoStage.pq_shortlist``): its scores with each row's first radix digit counted, the cut, the listing with the
+exact logits (the codes read once for the group's selection rows, each K row once for the rows that list it), then
+the refine; the default's step is nine launches a layer and one per size class of clusters in the selection
+(``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist took 2.1× the time
+at 16 × 16K and 10× at 2 × 128K on an H100: too few programs, each a long chain
+(``benchmarks/studies/results/fused_pqs_step_h100.json``).
 
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
 cluster after its codes are written, in an earlier step or by ``project`` in the same one), so in a CUDA graph's
@@ -156,7 +159,7 @@ class PQSScoring:
 
     BLOCK_C = 16  # centroids per tile of ``pq_project``
     LAUNCHES = ("pq_project", "_group_lut_scores")
-    SHORTLIST = ("pq_scores", "pq_cut", "pq_list")  # the scores and the shortlist in three launches
+    SHORTLIST = ("pq_scores", "pq_cut", "pq_list")  # the scores and the shortlist
 
     def __init__(self, state) -> None:
         if not state.index.codes.is_contiguous():
@@ -199,7 +202,7 @@ class PQSScoring:
         group_lut_scores(tables, state.index.codes, state.scale, 1, G, out=scores.view(B, H, -1, scores.shape[-1]))
 
     def shortlist(self, two_stage, state, tables, scores, keys, query, budget_args, Gs: int, G: int):
-        """The scores and the two-stage shortlist in one program per (batch row, KV head) (``pq_shortlist``)."""
+        """The scores and the two-stage shortlist in three launches (``TwoStage.pq_shortlist``)."""
         return two_stage.pq_shortlist(tables, state, scores, keys, query, budget_args, Gs, G)
 
 

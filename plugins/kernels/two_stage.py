@@ -20,6 +20,12 @@ each, from many programs: one program per row made each pass a chain of latencie
    read — and, with a floor, one more program per row takes the shortlist's best ⌊f·E_sel⌋ by exact logit (the same
    radix select, in one program over the shortlist) and counts them per cluster for the plan.
 
+PQS's scores and shortlist take three launches instead (``pq_shortlist``): ``pq_scores``, a program per (batch row,
+KV head, chunk of SCORE_CHUNK positions), scores every selection row of the head from one read of the codes and adds
+the chunk's histogram of the first digit to the row's; ``pq_cut``, a program per row, takes the other three digits
+(a pass over the row each) and the segments' places (one more); ``pq_list``, a program per (batch row, KV head,
+segment), lists the segment's rows of every selection row with their exact logits.
+
 The floor's rows are the shortlist's best whenever the floor is at most the shortlist (f ≤ m): ``fused_unsupported``
 declines other parameters. Why this shape, and what it costs, is in the README ("Two-stage selection").
 """
@@ -48,6 +54,7 @@ if triton is not None:
 
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
+PQ_SEGMENT = 1024  # positions per program of PQS's listing and of the refine after it
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
 LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program
 PQ_LIST_BLOCK = 64  # positions per block of ``pq_list`` (32: 1.25× its time on an H100, 128: 1.2×)
@@ -62,6 +69,7 @@ class TwoStage:
 
     def __init__(self, multiple: float, floor: float, width: int, capacity: int, device: torch.device) -> None:
         self.floor = floor
+        self.segment = SEGMENT  # the last listing's segment (``listing``), which the refine goes by
         self.longest = min(capacity, math.ceil(multiple * width))  # the reference's bound on the shortlist
         self.multiple_t = torch.tensor(multiple, dtype=torch.float64, device=device)
         self.floor_t = torch.tensor(floor, dtype=torch.float64, device=device)
@@ -74,7 +82,7 @@ class TwoStage:
         (the join may run beside these)."""
         rows, cap = scores.shape
         H, D = keys.shape[1], keys.shape[-1]
-        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device)
+        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device, SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         device = scores.device
         # The radix histograms.
@@ -146,10 +154,12 @@ class TwoStage:
         )
         return listing
 
-    def listing(self, rows: int, cap: int, device: torch.device) -> tuple[Tensor, ...]:
+    def listing(self, rows: int, cap: int, device: torch.device, segment: int) -> tuple[Tensor, ...]:
         """A shortlist's buffers: per row its positions and exact logits ``[rows, L]``, its length, cut key and ties
-        at it; per segment of SEGMENT positions its place (entries and ties before it) ``[rows, S, 2]``."""
-        L, S = max(self.longest, 1), triton.cdiv(cap, SEGMENT)
+        at it; per ``segment`` positions their place (entries and ties before them) ``[rows, S, 2]``. The refine
+        goes by the same segments: the last listing's is kept (``segment``)."""
+        self.segment = segment
+        L, S = max(self.longest, 1), triton.cdiv(cap, segment)
         return (
             torch.empty(rows, L, dtype=torch.int32, device=device),
             torch.empty(rows, L, dtype=torch.float32, device=device),
@@ -170,7 +180,7 @@ class TwoStage:
         B, H, _, M, CC = tables.shape
         D = keys.shape[-1]
         codes = state.index.codes
-        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device)
+        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
         block_m, block_gs = code_block(M), max(2, triton.next_power_of_2(Gs))
@@ -216,7 +226,7 @@ class TwoStage:
             tokens,
             L,
             S,
-            SEGMENT=SEGMENT,
+            SEGMENT=PQ_SEGMENT,
             BLOCK=RADIX_BLOCK,
             num_warps=CUT_WARPS,
         )
@@ -243,8 +253,8 @@ class TwoStage:
             BLOCK_GS=block_gs,
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
-            SEGMENT=SEGMENT,
-            BLOCK_L=min(PQ_LIST_BLOCK, SEGMENT),
+            SEGMENT=PQ_SEGMENT,
+            BLOCK_L=min(PQ_LIST_BLOCK, PQ_SEGMENT),
             num_warps=LIST_WARPS,
         )
         return listing
@@ -282,7 +292,7 @@ class TwoStage:
             tokens,
             listed.shape[-1],
             S,
-            SEGMENT=SEGMENT,
+            SEGMENT=self.segment,
             BLOCK=RADIX_BLOCK,
             BLOCK_C=max(16, triton.next_power_of_2(C)),
             num_warps=SEGMENT_WARPS,

@@ -382,9 +382,10 @@ if triton is not None:
         if first < n:
             offs_m = tl.arange(0, BLOCK_M)
             hist = tl.zeros([BLOCK_GS, 256], tl.int32)
-            for start in range(first, tl.minimum(first + CHUNK, n), BLOCK_N):
+            end = tl.minimum(first + CHUNK, n)
+            for start in range(first, end, BLOCK_N):
                 offs = start + tl.arange(0, BLOCK_N)
-                in_n = offs < n
+                in_n = offs < end
                 both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))
                 codes_t = tl.trans(load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M))
                 cluster = tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C)
@@ -448,11 +449,12 @@ if triton is not None:
         for segment in range(0, S):
             tl.store(PLACES + (p * S + segment) * 2, listed + tl.minimum(tied, ties))
             tl.store(PLACES + (p * S + segment) * 2 + 1, tied)
-            for start in range(segment * SEGMENT, tl.minimum((segment + 1) * SEGMENT, n), BLOCK):
+            end = tl.minimum((segment + 1) * SEGMENT, n)
+            for start in range(segment * SEGMENT, end, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                value = tl.load(row + offs, mask=offs < n, other=float("-inf"))
+                value = tl.load(row + offs, mask=offs < end, other=float("-inf"))
                 key = _unsigned_key(value)
-                ok = (offs < n) & (value > float("-inf"))
+                ok = (offs < end) & (value > float("-inf"))
                 listed += tl.sum((ok & (key > tau)).to(tl.int32), axis=0)
                 tied += tl.sum((ok & (key == tau)).to(tl.int32), axis=0)
 
@@ -504,9 +506,10 @@ if triton is not None:
             tied = tl.load(PLACES + (p * S + segment) * 2 + 1, mask=row_ok, other=0)
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
-            for start in range(segment * SEGMENT, tl.minimum((segment + 1) * SEGMENT, n), BLOCK_L):
+            end = tl.minimum((segment + 1) * SEGMENT, n)
+            for start in range(segment * SEGMENT, end, BLOCK_L):
                 offs = start + tl.arange(0, BLOCK_L)
-                in_n = offs < n
+                in_n = offs < end
                 grid_ok = row_ok[:, None] & in_n[None, :]
                 value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
                 key = _unsigned_key(value)
