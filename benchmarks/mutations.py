@@ -949,8 +949,8 @@ MUTATIONS = [
         "plugins/kernels/two_stage_programs.py",
         [
             (
-                "tl.store(PLACES + (p * S + segment) * 2, listed + tl.minimum(tied, ties))",
-                "tl.store(PLACES + (p * S + segment) * 2, listed + tied)",
+                "place = tl.cumsum(above, axis=0) - above + tl.minimum(tied_before, ties)",
+                "place = tl.cumsum(above, axis=0) - above + tied_before",
             )
         ],
         ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
@@ -968,6 +968,18 @@ MUTATIONS = [
         ],
         ("tests/test_flash_step.py::test_the_two_stage_selection_and_the_floor_read_the_reference_rows",),
         "a segment's place counts the keys of a block that runs past the segment's end (a block wider than it)",
+    ),
+    mutation(
+        "pq-cut-last-digit-counts-every-kept-key",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "last += tl.histogram(_digit(key, 0, 8), 256, mask=(offs < kept) & ((key >> 8) == prefix))",
+                "last += tl.histogram(_digit(key, 0, 8), 256, mask=offs < kept)",
+            )
+        ],
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "the cut's last digit counts every key kept near the cut, not only those that share its first three digits",
     ),
     mutation(
         "fused-budget-ignores-left-padding",

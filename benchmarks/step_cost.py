@@ -56,9 +56,9 @@ DENSITIES = [0.01, 0.03]
 MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
 # The default's fused step writes or reads a row of scores whole this many times: ``pq_scores`` writes it, ``pq_cut``
-# reads it for three digits and the segments' places, ``pq_list`` once, ``refine`` reads and rewrites it, the
-# selection reads its clusters' members (counted whole).
-SCORE_PASSES = 9
+# reads it for two digits (the rest from the few keys near the cut), ``pq_list`` once, ``refine`` reads and rewrites
+# it, the selection reads its clusters' members (counted whole).
+SCORE_PASSES = 7
 PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
 
 

@@ -22,8 +22,9 @@ each, from many programs: one program per row made each pass a chain of latencie
 
 PQS's scores and shortlist take three launches instead (``pq_shortlist``): ``pq_scores``, a program per (batch row,
 KV head, chunk of SCORE_CHUNK positions), scores every selection row of the head from one read of the codes and adds
-the chunk's histogram of the first digit to the row's; ``pq_cut``, a program per row, takes the other three digits
-(a pass over the row each) and the segments' places (one more); ``pq_list``, a program per (batch row, KV head,
+the chunk's histogram of the first digit to the row's; ``pq_cut``, a program per row, takes the second and third
+digits from a pass over the row each — the second pass keeps the positions that share the cut's first two digits —
+and the last digit and the segments' places from the kept positions; ``pq_list``, a program per (batch row, KV head,
 segment), lists the segment's rows of every selection row with their exact logits.
 
 The floor's rows are the shortlist's best whenever the floor is at most the shortlist (f ≤ m): ``fused_unsupported``
@@ -174,8 +175,9 @@ class TwoStage:
     ) -> tuple[Tensor, ...]:
         """PQS's scores into ``scores`` ``[rows, capacity]`` and ``shortlist``'s outputs, in three launches:
         ``pq_scores`` reads each key's codes once for the (batch row, KV head)'s selection rows and counts their
-        first digit, ``pq_cut`` finds each row's cut and its segments' places, ``pq_list`` lists each segment's rows
-        with their exact logits (each K row read once for the rows that list it)."""
+        first digit, ``pq_cut`` finds each row's cut and its segments' places in two passes over the row,
+        ``pq_list`` lists each segment's rows with their exact logits (each K row read once for the rows that list
+        it)."""
         rows, cap = scores.shape
         B, H, _, M, CC = tables.shape
         D = keys.shape[-1]
@@ -219,6 +221,7 @@ class TwoStage:
             cut,
             ties,
             places,
+            torch.empty(rows, cap, dtype=torch.int32, device=scores.device),  # the positions near the cut
             H,
             Gs,
             cap,
@@ -228,6 +231,7 @@ class TwoStage:
             S,
             SEGMENT=PQ_SEGMENT,
             BLOCK=RADIX_BLOCK,
+            BLOCK_S=max(16, triton.next_power_of_2(S)),
             num_warps=CUT_WARPS,
         )
         pq_list[(B * H, S)](

@@ -415,6 +415,7 @@ if triton is not None:
         CUT,
         TIES,
         PLACES,
+        NEAR,
         Hkv,
         GS,
         CAP,
@@ -424,13 +425,17 @@ if triton is not None:
         S,
         SEGMENT: tl.constexpr,
         BLOCK: tl.constexpr,
+        BLOCK_S: tl.constexpr,
     ):
         """Program per selection row: the shortlist's length k (⌈m·E_sel⌉, at most L and the selectable positions),
-        its cut key τ — the first digit from ``pq_scores``' histogram, the other three a pass over the row each
-        (``_radix_finish``) —, the ties at τ it takes, and each segment's place (entries and ties at τ before it),
-        from one more pass."""
+        its cut key τ, the ties at τ it takes, and each segment's place (entries and ties at τ before it), from two
+        passes over the row. The first digit comes from ``pq_scores``' histogram, the second from a pass; the third
+        pass counts, per segment, the keys whose first two digits are above τ's and keeps the positions of those that
+        share them (NEAR ``[rows, CAP]``: a few, as a rule); the last digit and the rest of the places come from the
+        kept positions alone."""
         p = tl.program_id(0).to(tl.int64)
         row = SCORES + p * CAP
+        near = NEAR + p * CAP
         n = tl.load(LENGTH).to(tl.int64)
         hist = tl.load(HIST + p * 256 + tl.arange(0, 256))
         budget = row_budget(LENGTH, START, DENSITY, p // (GS * Hkv), F, TOKENS)
@@ -438,25 +443,54 @@ if triton is not None:
         k = tl.minimum(tl.minimum(k, L), tl.sum(hist, axis=0).to(tl.int64)).to(tl.int32)
         tau = tl.full([], 4294967296, tl.int64)  # no shortlist: above every key
         ties = tl.zeros([], tl.int32)
+        segments = tl.arange(0, BLOCK_S)
+        above = tl.zeros([BLOCK_S], tl.int32)  # per segment: its keys above τ
+        tied = tl.zeros([BLOCK_S], tl.int32)  # and at τ
         if k > 0:
             digit, rest = _pick(hist, k, 8)
-            tau, ties = _radix_finish(row, n, digit.to(tl.int64), rest, 1, BLOCK)
+            prefix = digit.to(tl.int64)
+            digit, rest = _pick(_histogram(row, n, prefix, 16, 8, BLOCK), rest, 8)
+            prefix = prefix * 256 + digit  # τ's first two digits
+            third = tl.zeros([256], tl.int32)
+            kept = tl.zeros([], tl.int32)
+            for segment in range(0, S):
+                end = tl.minimum((segment + 1) * SEGMENT, n)
+                for start in range(segment * SEGMENT, end, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    value = tl.load(row + offs, mask=offs < end, other=float("-inf"))
+                    key = _unsigned_key(value)
+                    ok = (offs < end) & (value > float("-inf"))
+                    share = ok & ((key >> 16) == prefix)
+                    third += tl.histogram(_digit(key, 8, 8), 256, mask=share)
+                    slot = kept + tl.cumsum(share.to(tl.int32), axis=0) - 1
+                    tl.store(near + slot, offs.to(tl.int32), mask=share)
+                    kept += tl.sum(share.to(tl.int32), axis=0)
+                    higher = tl.sum((ok & ((key >> 16) > prefix)).to(tl.int32), axis=0)
+                    above = tl.where(segments == segment, above + higher, above)
+            digit, rest = _pick(third, rest, 8)
+            prefix = prefix * 256 + digit
+            last = tl.zeros([256], tl.int32)
+            for start in range(0, kept, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                pos = tl.load(near + offs, mask=offs < kept, other=0)
+                key = _unsigned_key(tl.load(row + pos, mask=offs < kept, other=float("-inf")))
+                last += tl.histogram(_digit(key, 0, 8), 256, mask=(offs < kept) & ((key >> 8) == prefix))
+            digit, ties = _pick(last, rest, 8)
+            tau = prefix * 256 + digit
+            for start in range(0, kept, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                pos = tl.load(near + offs, mask=offs < kept, other=0)
+                key = _unsigned_key(tl.load(row + pos, mask=offs < kept, other=float("-inf")))
+                segment = pos // SEGMENT
+                above += tl.histogram(segment, BLOCK_S, mask=(offs < kept) & (key > tau))
+                tied += tl.histogram(segment, BLOCK_S, mask=(offs < kept) & (key == tau))
         tl.store(COUNTS + p, k)
         tl.store(CUT + p, tau)
         tl.store(TIES + p, ties)
-        listed = tl.zeros([], tl.int32)  # entries above τ before the segment
-        tied = tl.zeros([], tl.int32)  # keys at τ before it
-        for segment in range(0, S):
-            tl.store(PLACES + (p * S + segment) * 2, listed + tl.minimum(tied, ties))
-            tl.store(PLACES + (p * S + segment) * 2 + 1, tied)
-            end = tl.minimum((segment + 1) * SEGMENT, n)
-            for start in range(segment * SEGMENT, end, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                value = tl.load(row + offs, mask=offs < end, other=float("-inf"))
-                key = _unsigned_key(value)
-                ok = (offs < end) & (value > float("-inf"))
-                listed += tl.sum((ok & (key > tau)).to(tl.int32), axis=0)
-                tied += tl.sum((ok & (key == tau)).to(tl.int32), axis=0)
+        tied_before = tl.cumsum(tied, axis=0) - tied
+        place = tl.cumsum(above, axis=0) - above + tl.minimum(tied_before, ties)
+        tl.store(PLACES + (p * S + segments) * 2, place, mask=segments < S)
+        tl.store(PLACES + (p * S + segments) * 2 + 1, tied_before, mask=segments < S)
 
     @triton.jit
     def pq_list(
