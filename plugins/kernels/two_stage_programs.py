@@ -481,9 +481,9 @@ if triton is not None:
                 offs = start + tl.arange(0, BLOCK)
                 pos = tl.load(near + offs, mask=offs < kept, other=0)
                 key = _unsigned_key(tl.load(row + pos, mask=offs < kept, other=float("-inf")))
-                segment = pos // SEGMENT
-                above += tl.histogram(segment, BLOCK_S, mask=(offs < kept) & (key > tau))
-                tied += tl.histogram(segment, BLOCK_S, mask=(offs < kept) & (key == tau))
+                where = pos // SEGMENT  # the kept position's segment
+                above += tl.histogram(where, BLOCK_S, mask=(offs < kept) & (key > tau))
+                tied += tl.histogram(where, BLOCK_S, mask=(offs < kept) & (key == tau))
         tl.store(COUNTS + p, k)
         tl.store(CUT + p, tau)
         tl.store(TIES + p, ties)
