@@ -158,9 +158,47 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
                 ),
             }
         )
+        rows += pq_shortlist_rows(dim, first=dim == dims[0])
     for row in rows:
         row["fits"] = row["shared"] <= SHARED_LIMIT and row["stack"] <= STACK_LIMIT
     return rows
+
+
+def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
+    """The default's shortlist (``TwoStage.pq_shortlist``) per head at Llama's group of 4, with its launch constants:
+    the scores at PQS's default (16 centroids a pair of dimensions) and the listing at ``dim``; the cut, which no
+    head dim changes, with the first."""
+    import triton
+
+    from oa_plugins.kernels import two_stage, two_stage_programs
+    from oa_plugins.selectors.pq import code_block, lut_block
+
+    M = dim // 2
+    scores = dict(GS=4, G=1, M=M, CC=16, W=M // 2, PACKED=True, BLOCK_M=code_block(M), BLOCK_GS=4)
+    scores.update(CHUNK=two_stage.SCORE_CHUNK, BLOCK_N=min(lut_block(M, two_stage.SCORE_WARPS), two_stage.SCORE_CHUNK))
+    listing = dict(GS=4, G=1, BLOCK_GS=4, D=dim, BLOCK_D=triton.next_power_of_2(dim), SEGMENT=two_stage.PQ_SEGMENT)
+    listing.update(BLOCK_L=min(two_stage.PQ_LIST_BLOCK, two_stage.PQ_SEGMENT))
+    pointers = dict(
+        TABLES="*fp32", CODES="*u8", ASSIGNMENT="*i64", LENGTH="*i64", SCORES="*fp32", HIST="*i32", scale="fp32"
+    )
+    list_pointers = dict(
+        K="*bf16", Q="*bf16", SCORES="*fp32", LENGTH="*i64", LISTED="*i32", EXACT="*fp32", CUT="*i64", TIES="*i32"
+    )
+    list_pointers.update(PLACES="*i32", scale="fp32")
+    launches = [
+        ("two_stage_programs.pq_scores", two_stage_programs.pq_scores, pointers, scores, two_stage.SCORE_WARPS),
+        ("two_stage_programs.pq_list", two_stage_programs.pq_list, list_pointers, listing, two_stage.LIST_WARPS),
+    ]
+    if first:
+        cut_pointers = dict(SCORES="*fp32", HIST="*i32", LENGTH="*i64", START="*i64", DENSITY="*fp64", MULTIPLE="*fp64")
+        cut_pointers.update(COUNTS="*i32", CUT="*i64", TIES="*i32", PLACES="*i32", NEAR="*i32")
+        cut = dict(SEGMENT=two_stage.PQ_SEGMENT, BLOCK=two_stage.RADIX_BLOCK, BLOCK_S=256)
+        cut_fn = two_stage_programs.pq_cut
+        launches.append(("two_stage_programs.pq_cut", cut_fn, cut_pointers, cut, two_stage.CUT_WARPS))
+    return [
+        {"kernel": name, "dim": dim, **_compile(fn, types, constants, num_warps=warps)}
+        for name, fn, types, constants, warps in launches
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,12 @@ import oa_core as oa  # noqa: E402
 from kernel_h200 import bench, decode_inputs, graphed, kernel_breakdown, one_token_past  # noqa: E402
 from oa_core.analysis.provenance import provenance  # noqa: E402
 from oa_plugins.kernels import two_stage  # noqa: E402
+from oa_plugins.selectors import pq  # noqa: E402
 
 KNOBS = {
-    "SCORE_CHUNK": [128, 256, 512, 1024, 2048],
+    "SCORE_CHUNK": [512, 1024, 2048],
     "SCORE_WARPS": [1, 2, 4, 8],
+    "LUT_CODES": [16, 32, 64, 128],
     "RADIX_BLOCK": [256, 512, 1024, 2048],
     "CUT_WARPS": [4, 8, 16],
     "PQ_SEGMENT": [512, 1024, 2048, 4096],
@@ -35,6 +37,11 @@ KNOBS = {
     "LIST_WARPS": [2, 4, 8],
 }
 KERNELS = ("pq_scores", "pq_cut", "pq_list", "refine")
+
+
+def module(knob: str):
+    """Where a knob lives: PQS's score block in the selector, the rest in ``two_stage``."""
+    return pq if knob == "LUT_CODES" else two_stage
 
 
 def main(argv=None) -> int:
@@ -49,7 +56,7 @@ def main(argv=None) -> int:
     spec = oa.load_spec(ROOT / "specs" / "openattention.yaml").model_dump(mode="json")
     spec.update(gqa="per_head", budget={"density": args.density})
     pipe = oa.build(spec)
-    defaults = {name: getattr(two_stage, name) for name in KNOBS}
+    defaults = {name: getattr(module(name), name) for name in KNOBS}
     runs = []
     for shape in args.shapes:
         batch, context = (int(x) for x in shape.split("x"))
@@ -64,7 +71,7 @@ def main(argv=None) -> int:
         settings = [{}] + [{k: v} for k, values in KNOBS.items() for v in values if v != defaults[k]]
         for setting in settings:
             for name, value in {**defaults, **setting}.items():
-                setattr(two_stage, name, value)
+                setattr(module(name), name, value)
             same = torch.equal(step()[1].index, expected)
             kernels = kernel_breakdown(step)
             row = {
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
             runs.append(row)
             print(row, flush=True)
         for name, value in defaults.items():
-            setattr(two_stage, name, value)
+            setattr(module(name), name, value)
         del static, cache, keys, values
         torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name().split()[1].lower()

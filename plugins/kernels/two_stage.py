@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from oa_core.ops.triton_path import triton
-from oa_plugins.selectors.pq import LUT_BLOCK, code_block, packed
+from oa_plugins.selectors.pq import code_block, lut_block, packed
 
 if triton is not None:
     from oa_plugins.kernels.two_stage_programs import (
@@ -207,7 +207,7 @@ class TwoStage:
             BLOCK_M=block_m,
             BLOCK_GS=block_gs,
             CHUNK=SCORE_CHUNK,
-            BLOCK_N=min(LUT_BLOCK, SCORE_CHUNK),
+            BLOCK_N=min(lut_block(M, SCORE_WARPS), SCORE_CHUNK),
             num_warps=SCORE_WARPS,
         )
         pq_cut[(rows,)](

@@ -390,7 +390,7 @@ if triton is not None:
                 codes_t = tl.trans(load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M))
                 cluster = tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C)
                 inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))
-                for s in tl.static_range(GS):
+                for s in range(GS):  # a loop, not unrolled: the codes' tile is most of the registers
                     best = tl.full([BLOCK_N], float("-inf"), tl.float32)
                     for j in range(G):
                         table = TABLES + ((head * GS + s) * G + j) * (M * CC)

@@ -57,8 +57,10 @@ class PQSConfig(BaseModel):
 
 
 # Keys per program of the table-lookup scores: 128 at 4 warps was the fastest launch on an H100 (within 2% of the
-# best, per head and shared: ``benchmarks/studies/results/lut_scores_sweep_h100.json``).
+# best, per head and shared: ``benchmarks/studies/results/lut_scores_sweep_h100.json``) — fewer where a thread would
+# hold more than LUT_CODES of the block's codes (``lut_block``).
 LUT_BLOCK = 128
+LUT_CODES = 64
 
 
 @dataclass
@@ -76,6 +78,16 @@ def code_block(sub_spaces: int) -> int:
     """The Triton programs' block of a key's codes (``load_codes``): the sub-spaces rounded up to a power of two, at
     least 2 — for packed codes, twice the bytes' block."""
     return 1 << max(1, (sub_spaces - 1).bit_length())
+
+
+def lut_block(sub_spaces: int, warps: int) -> int:
+    """Keys per program of a table-lookup score kernel: LUT_BLOCK, halved while a thread of ``warps`` warps would
+    hold more than LUT_CODES codes of the block (at head dim 256, 128 keys a program at 2 warps spilled 13 KB a
+    thread to the stack: ``benchmarks/studies/kernel_resources.py``), at least 16."""
+    block = LUT_BLOCK
+    while block > 16 and block * code_block(sub_spaces) > LUT_CODES * 32 * warps:
+        block //= 2
+    return block
 
 
 def pack_codes(codes: Tensor) -> Tensor:
@@ -203,7 +215,7 @@ def group_lut_scores(
         raise ValueError(f"group_lut_scores: out must be a contiguous float32 [{B}, {Hkv}, {rows}, {N}] tensor")
     if out.numel() == 0:
         return out
-    block_n = block_n or min(LUT_BLOCK, max(16, triton.next_power_of_2(N)))
+    block_n = block_n or min(lut_block(M, num_warps), max(16, triton.next_power_of_2(N)))
     num_blocks = triton.cdiv(N, block_n)
     _group_lut_scores[(B * Hkv * num_blocks,)](
         tables.contiguous(),
