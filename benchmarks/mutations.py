@@ -982,6 +982,13 @@ MUTATIONS = [
         "the cut's last digit counts every key kept near the cut, not only those that share its first three digits",
     ),
     mutation(
+        "pq-list-drops-a-gathered-row",
+        "plugins/kernels/two_stage_programs.py",
+        [("entry_ok = entry < gathered", "entry_ok = entry < gathered - 1")],
+        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        "the listing takes no exact logit for the last of a block's gathered rows",
+    ),
+    mutation(
         "fused-budget-ignores-left-padding",
         "plugins/kernels/two_stage_programs.py",
         [("valid = length - tl.load(START + b)", "valid = length")],

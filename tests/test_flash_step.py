@@ -204,7 +204,8 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     """``pq_shortlist`` (PQS's scores with the first digit's histogram, the cut, the listing) leaves what PQS's score
     kernel and the shortlist's seven launches leave: the masked scores, each row's length, cut and ties at it, its
     positions and exact logits in position order, each segment's place — over repeated keys (ties), a left-padded
-    row, segments of 16 positions and score chunks of 32 (a chunk's histogram added to the row's)."""
+    row, segments of 16 positions and score chunks of 32 (a chunk's histogram added to the row's), the listed rows
+    of a block of 8 positions gathered two at a time."""
     from oa_plugins.kernels import two_stage
 
     monkeypatch.setattr(two_stage, "SEGMENT", 32)
@@ -212,7 +213,8 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     monkeypatch.setattr(two_stage, "SCORE_CHUNK", 32)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", 16)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4)
-    monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 4)
+    monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 8)
+    monkeypatch.setattr(two_stage, "LIST_GATHER", 2)  # a block's listed rows gathered two at a time
     keys, values, prefill, _ = make_inputs(tokens=141, group=group)
     keys[:, :, 70:100] = keys[:, :, 40:70]
     mask = torch.ones(2, 140, dtype=torch.bool)

@@ -33,7 +33,8 @@ KNOBS = {
     "RADIX_BLOCK": [256, 512, 1024, 2048],
     "CUT_WARPS": [4, 8, 16],
     "PQ_SEGMENT": [512, 1024, 2048, 4096],
-    "PQ_LIST_BLOCK": [16, 32, 64, 128],
+    "PQ_LIST_BLOCK": [32, 64, 128, 256],
+    "LIST_GATHER": [8, 16, 32],
     "LIST_WARPS": [2, 4, 8],
 }
 KERNELS = ("pq_scores", "pq_cut", "pq_list", "refine")

@@ -59,6 +59,7 @@ PQ_SEGMENT = 1024  # positions per program of PQS's listing and of the refine af
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
 LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program
 PQ_LIST_BLOCK = 64  # positions per block of ``pq_list`` (32: 1.25× its time on an H100, 128: 1.2×)
+LIST_GATHER = 16  # the listed rows of a ``pq_list`` block whose exact logits are taken at a time
 SCORE_CHUNK = 1024  # positions per program of ``pq_scores`` (one atomic add of its histograms)
 # Warps of PQS's three launches: the fastest of 2, 4, 8 (4, 8, 16 for the cut) at 16 × 16K and 2 × 128K on an H100
 # (``benchmarks/studies/shortlist_launch_sweep.py``; 4 warps of scores took 1.5× the time of 2).
@@ -234,6 +235,7 @@ class TwoStage:
             BLOCK_S=max(16, triton.next_power_of_2(S)),
             num_warps=CUT_WARPS,
         )
+        block_l = min(PQ_LIST_BLOCK, PQ_SEGMENT)
         pq_list[(B * H, S)](
             keys,
             query,
@@ -244,6 +246,7 @@ class TwoStage:
             cut,
             ties,
             places,
+            torch.empty(B * H * S, (1 + block_gs) * block_l, dtype=torch.int32, device=scores.device),
             *keys.stride()[:3],
             query.stride(0),
             query.stride(1),
@@ -258,7 +261,8 @@ class TwoStage:
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
             SEGMENT=PQ_SEGMENT,
-            BLOCK_L=min(PQ_LIST_BLOCK, PQ_SEGMENT),
+            BLOCK_L=block_l,
+            BLOCK_U=LIST_GATHER,
             num_warps=LIST_WARPS,
         )
         return listing

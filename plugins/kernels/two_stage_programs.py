@@ -503,6 +503,7 @@ if triton is not None:
         CUT,
         TIES,
         PLACES,
+        SCRATCH,
         sk_b,
         sk_h,
         sk_n,
@@ -520,13 +521,15 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         SEGMENT: tl.constexpr,
         BLOCK_L: tl.constexpr,
+        BLOCK_U: tl.constexpr,
     ):
         """Program (batch row · KV head, segment): the segment's listed positions of each of the head's GS selection
         rows, at the segment's place in the row's shortlist (position order: every key above τ, the ties at τ until
         the row's are taken), and their exact logits (s·max over the row's G query heads of q·k) — a K row read once
-        for every row that lists it."""
+        for every row that lists it. SCRATCH: ``(1 + BLOCK_GS) · BLOCK_L`` int32 a program."""
         head = tl.program_id(0).to(tl.int64)
         segment = tl.program_id(1)
+        scratch = SCRATCH + (head * S + segment) * ((1 + BLOCK_GS) * BLOCK_L)
         b = head // Hkv
         h = head % Hkv
         n = tl.load(LENGTH).to(tl.int64)
@@ -554,17 +557,35 @@ if triton is not None:
                 slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
                 listed = keep & (slot >= 0) & (slot < L)
                 tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
+                # The rows some selection row lists, gathered to the front (through the program's scratch), BLOCK_U
+                # at a time: their K rows read once, the group's logits taken for them alone.
                 union = tl.max(keep.to(tl.int32), axis=0) > 0
-                krows = tl.load(
-                    K + b * sk_b + h * sk_h + offs[:, None].to(tl.int64) * sk_n + offs_d[None, :],
-                    mask=union[:, None] & d_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                exact = tl.full([BLOCK_GS, BLOCK_L], float("-inf"), tl.float32)
-                for j in tl.static_range(GS * G):
-                    q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                    logit = tl.sum(krows * q[None, :], axis=1)
-                    exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
-                tl.store(EXACT + p[:, None] * L + slot, exact * scale, mask=listed)
+                gathered = tl.sum(union.to(tl.int32), axis=0)
+                place = tl.cumsum(union.to(tl.int32), axis=0) - 1
+                tl.store(scratch + place, offs.to(tl.int32), mask=union)
+                slots = scratch + BLOCK_L + rows[:, None] * BLOCK_L + place[None, :]
+                tl.store(slots, tl.where(listed, slot, -1), mask=row_ok[:, None] & union[None, :])
+                tl.debug_barrier()  # the block's threads see each other's scratch
+                for first in range(0, gathered, BLOCK_U):
+                    entry = first + tl.arange(0, BLOCK_U)
+                    entry_ok = entry < gathered
+                    pos = tl.load(scratch + entry, mask=entry_ok, other=0).to(tl.int64)
+                    krows = tl.load(
+                        K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
+                        mask=entry_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    exact = tl.full([BLOCK_GS, BLOCK_U], float("-inf"), tl.float32)
+                    for j in tl.static_range(GS * G):
+                        q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0)
+                        logit = tl.sum(krows * q.to(tl.float32)[None, :], axis=1)
+                        exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
+                    at = tl.load(
+                        scratch + BLOCK_L + rows[:, None] * BLOCK_L + entry[None, :],
+                        mask=row_ok[:, None] & entry_ok[None, :],
+                        other=-1,
+                    )
+                    tl.store(EXACT + p[:, None] * L + at, exact * scale, mask=at >= 0)
+                tl.debug_barrier()  # read before the next block writes
                 counts += tl.sum(keep.to(tl.int32), axis=1)
                 tied += tl.sum(tie.to(tl.int32), axis=1)
