@@ -978,7 +978,7 @@ MUTATIONS = [
                 "last += tl.histogram(_digit(key, 0, 8), 256, mask=offs < kept)",
             )
         ],
-        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
+        ("tests/test_flash_step.py::test_pqs_cut_of_scores_that_share_their_first_digits_is_the_stable_sorts",),
         "the cut's last digit counts every key kept near the cut, not only those that share its first three digits",
     ),
     mutation(

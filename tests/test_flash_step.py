@@ -246,6 +246,56 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
         assert torch.equal(exact[row, :count], exact2[row, :count])
 
 
+def test_pqs_cut_of_scores_that_share_their_first_digits_is_the_stable_sorts():
+    """``pq_cut`` against a stable sort of made scores: most of a row share their keys' first two bytes and differ in
+    the third and last (the third pass keeps them, the last digit and the places come from the kept alone), ties
+    at the cut taken in part, -inf left out, blocks of 32 positions over segments of 16."""
+    from oa_core.ops.selection import order_keys
+    from oa_plugins.kernels.two_stage_programs import pq_cut
+
+    gen = torch.Generator().manual_seed(7)
+    rows, cap, n, k, segment = 3, 200, 190, 40, 16
+    third = torch.randint(0, 512, (rows, cap), generator=gen).float() * 2**-16
+    last = torch.randint(0, 128, (rows, cap), generator=gen).float() * 2**-23
+    scores = 1.0 + third + last
+    scores[:, 60:80] = scores[:, 100:120]  # ties
+    scores[0, :30] = float("-inf")
+    scores[1, ::7] = 4.0  # a few keys above, by their first digit
+    scores[:, n:] = float("nan")  # past the length: never read
+    for r in range(rows):  # the k-th best repeated after it: ties at the cut taken in part
+        kth = torch.argsort(-scores[r, :n].nan_to_num(-1.0), stable=True)[k - 1]
+        scores[r, n - 3 : n] = scores[r, kth] if kth < n - 3 else scores[r, n - 3 : n]
+    keys = order_keys(scores[:, :n]) + 2**31
+    valid = scores[:, :n] > float("-inf")
+    hist = torch.stack([torch.bincount((keys[r][valid[r]] >> 24), minlength=256) for r in range(rows)]).int()
+    S = -(-cap // segment)
+    counts, ties = torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32)
+    cut, places = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, S, 2, dtype=torch.int32)
+    length, start = torch.tensor([n]), torch.tensor([0])
+    one = torch.tensor(1.0, dtype=torch.float64)
+    near = torch.empty(rows, cap, dtype=torch.int32)
+    pq_cut[(rows,)](
+        scores, hist, length, start, one, one, counts, cut, ties, places, near, rows, 1, cap, 0, k, 1000, S,
+        SEGMENT=segment, BLOCK=32, BLOCK_S=16,
+    )  # fmt: skip
+    partly = []  # ties at the cut the shortlist takes only in part
+    for r in range(rows):
+        order = torch.argsort(-keys[r].masked_fill(~valid[r], -1), stable=True)[:k]
+        tau = int(keys[r, order[-1]])
+        assert int(counts[r]) == k and int(cut[r]) == tau
+        taken = int((keys[r, order] == tau).sum())
+        assert int(ties[r]) == taken and taken > 0
+        partly.append(taken < int(((keys[r] == tau) & valid[r]).sum()))
+        for s_ in range(S):
+            before = slice(0, min(s_ * segment, n))
+            above = int(((keys[r, before] > tau) & valid[r, before]).sum())
+            tied = int(((keys[r, before] == tau) & valid[r, before]).sum())
+            assert places[r, s_].tolist() == [above + min(tied, taken), tied]
+    assert any(partly)
+    one_key = int(order_keys(torch.tensor([1.0]))[0]) + 2**31
+    assert ((keys >> 16) == one_key >> 16).float().mean() > 0.5  # most share 1.0's first two digits
+
+
 @pytest.mark.parametrize(
     "stages",
     [{}, {"selector": PQS}, TWO_STAGE, PQS_TWO_STAGE, {"selector": {"name": "pq", "rerank": 2}}],
