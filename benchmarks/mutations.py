@@ -908,7 +908,7 @@ MUTATIONS = [
     ),
     mutation(
         "pq-shortlist-takes-one-tie-too-many",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [
             (
                 "keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))",
@@ -920,14 +920,14 @@ MUTATIONS = [
     ),
     mutation(
         "pq-shortlist-reads-k-for-the-rows-all-heads-list",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [("union = tl.max(keep.to(tl.int32), axis=0) > 0", "union = tl.min(keep.to(tl.int32), axis=0) > 0")],
         ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
         "PQS's shortlist reads a K row only where every head lists it: the others' exact logits are 0",
     ),
     mutation(
         "pq-shortlist-leaves-the-leaving-row-out",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [
             (
                 "inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))",
@@ -939,14 +939,14 @@ MUTATIONS = [
     ),
     mutation(
         "pq-shortlist-drops-single-count-bins",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [("counted = (rows < GS)[:, None] & (hist > 0)", "counted = (rows < GS)[:, None] & (hist > 1)")],
         ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
         "a score chunk adds only the first-digit bins it counts twice or more: the row's histogram loses keys",
     ),
     mutation(
         "pq-shortlist-places-count-every-tie-before",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [
             (
                 "place = tl.cumsum(above, axis=0) - above + tl.minimum(tied_before, ties)",
@@ -958,7 +958,7 @@ MUTATIONS = [
     ),
     mutation(
         "pq-cut-counts-past-its-segment",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [
             (
                 'value = tl.load(row + offs, mask=offs < end, other=float("-inf"))',
@@ -971,11 +971,11 @@ MUTATIONS = [
     ),
     mutation(
         "pq-cut-last-digit-counts-every-kept-key",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [
             (
-                "last += tl.histogram(_digit(key, 0, 8), 256, mask=(offs < kept) & ((key >> 8) == prefix))",
-                "last += tl.histogram(_digit(key, 0, 8), 256, mask=offs < kept)",
+                "last += tl.histogram(radix_digit(key, 0, 8), 256, mask=(offs < kept) & ((key >> 8) == prefix))",
+                "last += tl.histogram(radix_digit(key, 0, 8), 256, mask=offs < kept)",
             )
         ],
         ("tests/test_flash_step.py::test_pqs_cut_of_scores_that_share_their_first_digits_is_the_stable_sorts",),
@@ -983,7 +983,7 @@ MUTATIONS = [
     ),
     mutation(
         "pq-list-drops-a-gathered-row",
-        "plugins/kernels/two_stage_programs.py",
+        "plugins/kernels/pq_shortlist_programs.py",
         [("entry_ok = entry < gathered", "entry_ok = entry < gathered - 1")],
         ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
         "the listing takes no exact logit for the last of a block's gathered rows",

@@ -251,7 +251,7 @@ def test_pqs_cut_of_scores_that_share_their_first_digits_is_the_stable_sorts():
     the third and last (the third pass keeps them, the last digit and the places come from the kept alone), ties
     at the cut taken in part, -inf left out, blocks of 32 positions over segments of 16."""
     from oa_core.ops.selection import order_keys
-    from oa_plugins.kernels.two_stage_programs import pq_cut
+    from oa_plugins.kernels.pq_shortlist_programs import pq_cut
 
     gen = torch.Generator().manual_seed(7)
     rows, cap, n, k, segment = 3, 200, 190, 40, 16

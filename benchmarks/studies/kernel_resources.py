@@ -170,7 +170,7 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
     head dim changes, with the first."""
     import triton
 
-    from oa_plugins.kernels import two_stage, two_stage_programs
+    from oa_plugins.kernels import pq_shortlist_programs, two_stage
     from oa_plugins.selectors.pq import code_block, lut_block
 
     M = dim // 2
@@ -186,15 +186,15 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
     )
     list_pointers.update(PLACES="*i32", SCRATCH="*i32", scale="fp32")
     launches = [
-        ("two_stage_programs.pq_scores", two_stage_programs.pq_scores, pointers, scores, two_stage.SCORE_WARPS),
-        ("two_stage_programs.pq_list", two_stage_programs.pq_list, list_pointers, listing, two_stage.LIST_WARPS),
+        ("pq_shortlist_programs.pq_scores", pq_shortlist_programs.pq_scores, pointers, scores, two_stage.SCORE_WARPS),
+        ("pq_shortlist_programs.pq_list", pq_shortlist_programs.pq_list, list_pointers, listing, two_stage.LIST_WARPS),
     ]
     if first:
         cut_pointers = dict(SCORES="*fp32", HIST="*i32", LENGTH="*i64", START="*i64", DENSITY="*fp64", MULTIPLE="*fp64")
         cut_pointers.update(COUNTS="*i32", CUT="*i64", TIES="*i32", PLACES="*i32", NEAR="*i32")
         cut = dict(SEGMENT=two_stage.PQ_SEGMENT, BLOCK=two_stage.RADIX_BLOCK, BLOCK_S=256)
-        cut_fn = two_stage_programs.pq_cut
-        launches.append(("two_stage_programs.pq_cut", cut_fn, cut_pointers, cut, two_stage.CUT_WARPS))
+        cut_fn = pq_shortlist_programs.pq_cut
+        launches.append(("pq_shortlist_programs.pq_cut", cut_fn, cut_pointers, cut, two_stage.CUT_WARPS))
     return [
         {"kernel": name, "dim": dim, **_compile(fn, types, constants, num_warps=warps)}
         for name, fn, types, constants, warps in launches

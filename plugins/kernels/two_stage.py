@@ -1,6 +1,6 @@
 """The fused step's two-stage selection: the selector's ``rerank`` (QGS's or PQS's) and ErrorGate's ``floor``
-(``oa_core.ops.rerank``, ``ErrorGate.allocate``) in eight launches (their programs: ``two_stage_programs.py``) between
-the selector's scores and the plan, the same rows as the composed step.
+(``oa_core.ops.rerank``, ``ErrorGate.allocate``) in eight launches (their programs: ``two_stage_programs.py``;
+PQS's: ``pq_shortlist_programs.py``) between the selector's scores and the plan, the same rows as the composed step.
 
 A row's shortlist is its ⌈m·E_sel⌉ best positions by the selector's score, ties to the earlier position (the
 reference's stable sort). Its cut — the shortlist's last order key (``order_key``) — comes from a radix select of
@@ -42,13 +42,11 @@ from oa_core.ops.triton_path import triton
 from oa_plugins.selectors.pq import code_block, lut_block, packed
 
 if triton is not None:
+    from oa_plugins.kernels.pq_shortlist_programs import pq_cut, pq_list, pq_scores
     from oa_plugins.kernels.two_stage_programs import (
         compact,
         cut_row,
         exact_logits,
-        pq_cut,
-        pq_list,
-        pq_scores,
         radix_pass,
         refine,
     )

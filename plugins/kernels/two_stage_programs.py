@@ -7,7 +7,6 @@ from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
     from oa_core.ops.selection import order_key
-    from oa_plugins.selectors.pq import load_codes, lut_sums
 
     @triton.jit
     def row_budget(LENGTH, START, DENSITY, b, F, TOKENS):
@@ -22,29 +21,29 @@ if triton is not None:
         return tl.maximum(budget - F, 0)
 
     @triton.jit
-    def _unsigned_key(score):
+    def unsigned_key(score):
         """float32 → int64 in [0, 2^32) with the scores' order (``order_key`` shifted)."""
         return order_key(score).to(tl.int64) + 2147483648
 
     @triton.jit
-    def _digit(key, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    def radix_digit(key, SHIFT: tl.constexpr, BITS: tl.constexpr):
         return ((key >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)
 
     @triton.jit
-    def _histogram(VALUES, n, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    def digit_histogram(VALUES, n, prefix, SHIFT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
         """How many of ``VALUES[:n]`` (-inf excluded) whose key's bits above SHIFT + BITS are ``prefix`` have each
         value of the BITS bits at SHIFT."""
         hist = tl.zeros([1 << BITS], tl.int32)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             value = tl.load(VALUES + offs, mask=offs < n, other=float("-inf"))
-            key = _unsigned_key(value)
+            key = unsigned_key(value)
             ok = (offs < n) & (value > float("-inf")) & ((key >> (SHIFT + BITS)) == prefix)
-            hist += tl.histogram(_digit(key, SHIFT, BITS), 1 << BITS, mask=ok)
+            hist += tl.histogram(radix_digit(key, SHIFT, BITS), 1 << BITS, mask=ok)
         return hist
 
     @triton.jit
-    def _pick(hist, rest, BITS: tl.constexpr):
+    def pick_digit(hist, rest, BITS: tl.constexpr):
         """The largest digit v with count(digit ≥ v) ≥ ``rest`` (those above v are taken whole) → (v, what is left
         of ``rest`` for the digits below)."""
         bins = tl.arange(0, 1 << BITS)
@@ -59,14 +58,14 @@ if triton is not None:
         """The ``k``-th largest (1 ≤ k ≤ their count) of ``VALUES[:n]`` (-inf excluded) as its unsigned key τ, and how
         many of those tied at τ are among the k (the rest of k is above τ): four digits of 8 bits, a pass each, in one
         program (the floor's select over a shortlist; a row's scores take ``radix_pass``'s segments instead)."""
-        return _radix_finish(VALUES, n, tl.zeros([], tl.int64), k, 0, BLOCK)
+        return radix_finish(VALUES, n, tl.zeros([], tl.int64), k, 0, BLOCK)
 
     @triton.jit
-    def _radix_finish(VALUES, n, prefix, rest, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    def radix_finish(VALUES, n, prefix, rest, FIRST: tl.constexpr, BLOCK: tl.constexpr):
         """``_radix_select`` from digit FIRST on, the digits before it (``prefix``) known and ``rest`` of k left for
         the keys that share them: a pass over ``VALUES[:n]`` per digit left → (τ, ties at τ among the k)."""
         for d in tl.static_range(FIRST, 4):
-            digit, rest = _pick(_histogram(VALUES, n, prefix, 24 - 8 * d, 8, BLOCK), rest, 8)
+            digit, rest = pick_digit(digit_histogram(VALUES, n, prefix, 24 - 8 * d, 8, BLOCK), rest, 8)
             prefix = prefix * 256 + digit
         return prefix, rest
 
@@ -92,7 +91,7 @@ if triton is not None:
         prefix = tl.zeros([], tl.int64)
         rest = k
         for d in tl.static_range(LEVELS):
-            digit, rest = _pick(tl.load(HIST + (p * 3 + d) * 256 + tl.arange(0, 256)), rest, 8)
+            digit, rest = pick_digit(tl.load(HIST + (p * 3 + d) * 256 + tl.arange(0, 256)), rest, 8)
             prefix = prefix * 256 + digit
         return prefix, rest
 
@@ -134,15 +133,16 @@ if triton is not None:
             value = tl.where(outside, float("-inf"), tl.load(row + offs, mask=ok, other=float("-inf")))
             tl.store(row + offs, value, mask=ok & outside)
             if segment * BLOCK < n:
-                hist = tl.histogram(_digit(_unsigned_key(value), 24, 8), 256, mask=ok & ~outside)
+                hist = tl.histogram(radix_digit(unsigned_key(value), 24, 8), 256, mask=ok & ~outside)
                 tl.atomic_add(HIST + p * 768 + tl.arange(0, 256), hist, sem="relaxed")
         else:
             k = _row_k(HIST, LENGTH, START, DENSITY, MULTIPLE, p, p // (Gs * Hkv), F, TOKENS, L)
             prefix, rest = _prefix(HIST, p, k, LEVEL)
             value = tl.load(row + offs, mask=ok, other=float("-inf"))
-            key = _unsigned_key(value)
+            key = unsigned_key(value)
             ok = ok & (value > float("-inf"))
-            hist = tl.histogram(_digit(key, 24 - 8 * LEVEL, 8), 256, mask=ok & ((key >> (32 - 8 * LEVEL)) == prefix))
+            counted = ok & ((key >> (32 - 8 * LEVEL)) == prefix)
+            hist = tl.histogram(radix_digit(key, 24 - 8 * LEVEL, 8), 256, mask=counted)
             hist = tl.where(k > 0, hist, 0)  # no shortlist: nothing counted
             if LEVEL < 3:
                 if segment * BLOCK < n:
@@ -181,7 +181,7 @@ if triton is not None:
         bins = tl.arange(0, 256)
         inside = segments < S
         last = tl.load(LAST + (p * S + segments[:, None]) * 257 + bins[None, :], mask=inside[:, None], other=0)
-        digit, ties = _pick(tl.sum(last, axis=0), rest, 8)
+        digit, ties = pick_digit(tl.sum(last, axis=0), rest, 8)
         # Per segment: listed entries (above the prefix, or at it with a larger last digit) and ties at τ.
         above = tl.load(LAST + (p * S + segments) * 257 + 256, mask=inside, other=0)
         above += tl.sum(tl.where(bins[None, :] > digit, last, 0), axis=1)
@@ -205,7 +205,7 @@ if triton is not None:
             offs = segment * BLOCK + tl.arange(0, BLOCK)
             value = tl.load(SCORES + p * CAP + offs, mask=offs < n, other=float("-inf"))
             keep, _ = _kept(
-                _unsigned_key(value),
+                unsigned_key(value),
                 (offs < n) & (value > float("-inf")),
                 tl.load(CUT + p),
                 tl.load(TIES + p),
@@ -310,7 +310,7 @@ if triton is not None:
                 for start in range(0, k, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     value = tl.load(exact + offs, mask=offs < k, other=float("-inf"))
-                    keep, block_ties = _kept(_unsigned_key(value), offs < k, tau2, ties2, tied)
+                    keep, block_ties = _kept(unsigned_key(value), offs < k, tau2, ties2, tied)
                     pos = tl.load(LISTED + p * L + offs, mask=keep, other=0).to(tl.int64)
                     cluster = tl.load(
                         ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep & (pos >= 0) & (pos < CAP), other=0
@@ -337,7 +337,7 @@ if triton is not None:
                 row = SCORES + p * CAP + offs
                 value = tl.load(row, mask=offs < n, other=float("-inf"))
                 keep, _ = _kept(
-                    _unsigned_key(value),
+                    unsigned_key(value),
                     (offs < n) & (value > float("-inf")),
                     tau,
                     ties,
@@ -346,246 +346,3 @@ if triton is not None:
                 slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 listed_exact = tl.load(exact + slot, mask=keep & (slot >= 0) & (slot < L), other=0.0)
                 tl.store(row, tl.where(keep, listed_exact, value + shift), mask=offs < n)
-
-    @triton.jit
-    def pq_scores(
-        TABLES,
-        CODES,
-        ASSIGNMENT,
-        LENGTH,
-        SCORES,
-        HIST,
-        C,
-        CAP,
-        LOCAL,
-        scale,
-        GS: tl.constexpr,
-        G: tl.constexpr,
-        M: tl.constexpr,
-        CC: tl.constexpr,
-        W: tl.constexpr,
-        PACKED: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_GS: tl.constexpr,
-        CHUNK: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """Program (batch row · KV head, chunk of CHUNK positions): PQS's scores of the head's GS selection rows from
-        one read of each key's codes — s·max over a row's G query heads of the table sums (``lut_sums``), -inf
-        outside the clusters (the sink, the window, padding; the row leaving the window joins a cluster in this step:
-        inside), as ``radix_pass`` masks them — to SCORES, and each row's histogram of the scores' first 8-bit digit
-        over the chunk added to its row of HIST ``[rows, 256]``."""
-        head = tl.program_id(0).to(tl.int64)
-        first = tl.program_id(1) * CHUNK
-        n = tl.load(LENGTH).to(tl.int64)
-        rows = tl.arange(0, BLOCK_GS)
-        if first < n:
-            offs_m = tl.arange(0, BLOCK_M)
-            hist = tl.zeros([BLOCK_GS, 256], tl.int32)
-            end = tl.minimum(first + CHUNK, n)
-            for start in range(first, end, BLOCK_N):
-                offs = start + tl.arange(0, BLOCK_N)
-                in_n = offs < end
-                both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))
-                codes_t = tl.trans(load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M))
-                cluster = tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C)
-                inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))
-                for s in range(GS):  # a loop, not unrolled: the codes' tile is most of the registers
-                    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
-                    for j in range(G):
-                        table = TABLES + ((head * GS + s) * G + j) * (M * CC)
-                        best = tl.maximum(best, lut_sums(table, codes_t, both_t, M, CC, BLOCK_M))
-                    value = tl.where(inside, best * scale, float("-inf"))
-                    tl.store(SCORES + (head * GS + s) * CAP + offs, value, mask=in_n)
-                    digits = tl.histogram(_digit(_unsigned_key(value), 24, 8), 256, mask=inside)
-                    hist = tl.where(rows[:, None] == s, hist + digits[None, :], hist)
-            bins = tl.arange(0, 256)
-            counted = (rows < GS)[:, None] & (hist > 0)  # the first digit: a few exponents, most bins empty
-            tl.atomic_add(HIST + (head * GS + rows[:, None]) * 256 + bins[None, :], hist, mask=counted, sem="relaxed")
-
-    @triton.jit
-    def pq_cut(
-        SCORES,
-        HIST,
-        LENGTH,
-        START,
-        DENSITY,
-        MULTIPLE,
-        COUNTS,
-        CUT,
-        TIES,
-        PLACES,
-        NEAR,
-        Hkv,
-        GS,
-        CAP,
-        F,
-        TOKENS,
-        L,
-        S,
-        SEGMENT: tl.constexpr,
-        BLOCK: tl.constexpr,
-        BLOCK_S: tl.constexpr,
-    ):
-        """Program per selection row: the shortlist's length k (⌈m·E_sel⌉, at most L and the selectable positions),
-        its cut key τ, the ties at τ it takes, and each segment's place (entries and ties at τ before it), from two
-        passes over the row. The first digit comes from ``pq_scores``' histogram, the second from a pass; the third
-        pass counts, per segment, the keys whose first two digits are above τ's and keeps the positions of those that
-        share them (NEAR ``[rows, CAP]``: a few, as a rule); the last digit and the rest of the places come from the
-        kept positions alone."""
-        p = tl.program_id(0).to(tl.int64)
-        row = SCORES + p * CAP
-        near = NEAR + p * CAP
-        n = tl.load(LENGTH).to(tl.int64)
-        hist = tl.load(HIST + p * 256 + tl.arange(0, 256))
-        budget = row_budget(LENGTH, START, DENSITY, p // (GS * Hkv), F, TOKENS)
-        k = tl.ceil(tl.load(MULTIPLE) * budget.to(tl.float64)).to(tl.int64)
-        k = tl.minimum(tl.minimum(k, L), tl.sum(hist, axis=0).to(tl.int64)).to(tl.int32)
-        tau = tl.full([], 4294967296, tl.int64)  # no shortlist: above every key
-        ties = tl.zeros([], tl.int32)
-        segments = tl.arange(0, BLOCK_S)
-        above = tl.zeros([BLOCK_S], tl.int32)  # per segment: its keys above τ
-        tied = tl.zeros([BLOCK_S], tl.int32)  # and at τ
-        if k > 0:
-            digit, rest = _pick(hist, k, 8)
-            prefix = digit.to(tl.int64)
-            digit, rest = _pick(_histogram(row, n, prefix, 16, 8, BLOCK), rest, 8)
-            prefix = prefix * 256 + digit  # τ's first two digits
-            third = tl.zeros([256], tl.int32)
-            kept = tl.zeros([], tl.int32)
-            for segment in range(0, S):
-                end = tl.minimum((segment + 1) * SEGMENT, n)
-                for start in range(segment * SEGMENT, end, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    value = tl.load(row + offs, mask=offs < end, other=float("-inf"))
-                    key = _unsigned_key(value)
-                    ok = (offs < end) & (value > float("-inf"))
-                    share = ok & ((key >> 16) == prefix)
-                    third += tl.histogram(_digit(key, 8, 8), 256, mask=share)
-                    slot = kept + tl.cumsum(share.to(tl.int32), axis=0) - 1
-                    tl.store(near + slot, offs.to(tl.int32), mask=share)
-                    kept += tl.sum(share.to(tl.int32), axis=0)
-                    higher = tl.sum((ok & ((key >> 16) > prefix)).to(tl.int32), axis=0)
-                    above = tl.where(segments == segment, above + higher, above)
-            digit, rest = _pick(third, rest, 8)
-            prefix = prefix * 256 + digit
-            last = tl.zeros([256], tl.int32)
-            for start in range(0, kept, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                pos = tl.load(near + offs, mask=offs < kept, other=0)
-                key = _unsigned_key(tl.load(row + pos, mask=offs < kept, other=float("-inf")))
-                last += tl.histogram(_digit(key, 0, 8), 256, mask=(offs < kept) & ((key >> 8) == prefix))
-            digit, ties = _pick(last, rest, 8)
-            tau = prefix * 256 + digit
-            for start in range(0, kept, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                pos = tl.load(near + offs, mask=offs < kept, other=0)
-                key = _unsigned_key(tl.load(row + pos, mask=offs < kept, other=float("-inf")))
-                where = pos // SEGMENT  # the kept position's segment
-                above += tl.histogram(where, BLOCK_S, mask=(offs < kept) & (key > tau))
-                tied += tl.histogram(where, BLOCK_S, mask=(offs < kept) & (key == tau))
-        tl.store(COUNTS + p, k)
-        tl.store(CUT + p, tau)
-        tl.store(TIES + p, ties)
-        tied_before = tl.cumsum(tied, axis=0) - tied
-        place = tl.cumsum(above, axis=0) - above + tl.minimum(tied_before, ties)
-        tl.store(PLACES + (p * S + segments) * 2, place, mask=segments < S)
-        tl.store(PLACES + (p * S + segments) * 2 + 1, tied_before, mask=segments < S)
-
-    @triton.jit
-    def pq_list(
-        K,
-        Q,
-        SCORES,
-        LENGTH,
-        LISTED,
-        EXACT,
-        CUT,
-        TIES,
-        PLACES,
-        SCRATCH,
-        sk_b,
-        sk_h,
-        sk_n,
-        sq_b,
-        sq_h,
-        Hkv,
-        CAP,
-        L,
-        S,
-        scale,
-        GS: tl.constexpr,
-        G: tl.constexpr,
-        BLOCK_GS: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        SEGMENT: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        BLOCK_U: tl.constexpr,
-    ):
-        """Program (batch row · KV head, segment): the segment's listed positions of each of the head's GS selection
-        rows, at the segment's place in the row's shortlist (position order: every key above τ, the ties at τ until
-        the row's are taken), and their exact logits (s·max over the row's G query heads of q·k) — a K row read once
-        for every row that lists it. SCRATCH: ``(1 + BLOCK_GS) · BLOCK_L`` int32 a program."""
-        head = tl.program_id(0).to(tl.int64)
-        segment = tl.program_id(1)
-        scratch = SCRATCH + (head * S + segment) * ((1 + BLOCK_GS) * BLOCK_L)
-        b = head // Hkv
-        h = head % Hkv
-        n = tl.load(LENGTH).to(tl.int64)
-        if segment * SEGMENT < n:
-            rows = tl.arange(0, BLOCK_GS)
-            row_ok = rows < GS
-            p = head * GS + rows  # each selection row's number
-            taus = tl.load(CUT + p, mask=row_ok, other=4294967296)
-            ties = tl.load(TIES + p, mask=row_ok, other=0)
-            counts = tl.load(PLACES + (p * S + segment) * 2, mask=row_ok, other=0)
-            tied = tl.load(PLACES + (p * S + segment) * 2 + 1, mask=row_ok, other=0)
-            offs_d = tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            end = tl.minimum((segment + 1) * SEGMENT, n)
-            for start in range(segment * SEGMENT, end, BLOCK_L):
-                offs = start + tl.arange(0, BLOCK_L)
-                in_n = offs < end
-                grid_ok = row_ok[:, None] & in_n[None, :]
-                value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
-                key = _unsigned_key(value)
-                ok = grid_ok & (value > float("-inf"))
-                tie = ok & (key == taus[:, None])
-                rank = tied[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
-                keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))
-                slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
-                listed = keep & (slot >= 0) & (slot < L)
-                tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
-                # The rows some selection row lists, gathered to the front (through the program's scratch), BLOCK_U
-                # at a time: their K rows read once, the group's logits taken for them alone.
-                union = tl.max(keep.to(tl.int32), axis=0) > 0
-                gathered = tl.sum(union.to(tl.int32), axis=0)
-                place = tl.cumsum(union.to(tl.int32), axis=0) - 1
-                tl.store(scratch + place, offs.to(tl.int32), mask=union)
-                slots = scratch + BLOCK_L + rows[:, None] * BLOCK_L + place[None, :]
-                tl.store(slots, tl.where(listed, slot, -1), mask=row_ok[:, None] & union[None, :])
-                tl.debug_barrier()  # the block's threads see each other's scratch
-                for first in range(0, gathered, BLOCK_U):
-                    entry = first + tl.arange(0, BLOCK_U)
-                    entry_ok = entry < gathered
-                    pos = tl.load(scratch + entry, mask=entry_ok, other=0).to(tl.int64)
-                    krows = tl.load(
-                        K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
-                        mask=entry_ok[:, None] & d_ok[None, :],
-                        other=0.0,
-                    ).to(tl.float32)
-                    exact = tl.full([BLOCK_GS, BLOCK_U], float("-inf"), tl.float32)
-                    for j in tl.static_range(GS * G):
-                        q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0)
-                        logit = tl.sum(krows * q.to(tl.float32)[None, :], axis=1)
-                        exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
-                    at = tl.load(
-                        scratch + BLOCK_L + rows[:, None] * BLOCK_L + entry[None, :],
-                        mask=row_ok[:, None] & entry_ok[None, :],
-                        other=-1,
-                    )
-                    tl.store(EXACT + p[:, None] * L + at, exact * scale, mask=at >= 0)
-                tl.debug_barrier()  # read before the next block writes
-                counts += tl.sum(keep.to(tl.int32), axis=1)
-                tied += tl.sum(tie.to(tl.int32), axis=1)

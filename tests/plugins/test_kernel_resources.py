@@ -38,9 +38,9 @@ def test_every_kernel_fits_an_sm90_gpu_at_head_dims_64_to_256():
         "kmeans._lloyd_step",
         "kmeans._nearest",
         "kmeans._kmeans_plus_plus",
-        "two_stage_programs.pq_scores",
-        "two_stage_programs.pq_cut",
-        "two_stage_programs.pq_list",
+        "pq_shortlist_programs.pq_scores",
+        "pq_shortlist_programs.pq_cut",
+        "pq_shortlist_programs.pq_list",
     }
     too_big = [
         row for row in report["rows"] if row["shared"] > report["shared_limit"] or row["stack"] > report["stack_limit"]
