@@ -166,7 +166,7 @@ PQS_TWO_STAGE = {"selector": {"name": "pq", "rerank": 4}, "allocator": {"name": 
 @pytest.mark.parametrize(
     "gqa,stages,block",
     [
-        ("per_head", PQS_TWO_STAGE, 32),  # PQS's listing and refine by 16 positions, the QGS passes' by 32
+        ("per_head", PQS_TWO_STAGE, 64),  # PQS's listing and refine by 32 positions, the QGS passes' by 64
         ("shared", TWO_STAGE, 1024),
         ("shared", {"selector": {"name": "pq", "rerank": 2}}, 1024),
         # most clusters read whole: the floor's reads bind the rest's caps
@@ -186,7 +186,7 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4 if block == 16 else two_stage.LIST_BLOCK)
     monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 4 if block == 16 else two_stage.PQ_LIST_BLOCK)
     spec = {**SPEC, "gqa": gqa, **stages}
-    steps, composed, fused = run_fused(spec, room=3, repeat=slice(40, 70))
+    steps, composed, fused = run_fused(spec, steps=5, room=3, repeat=slice(40, 70))
     assert fused.fused.two_stage is not None
     for ref_rows, rows, ref_out, out in steps:
         assert rows == ref_rows
@@ -194,7 +194,7 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
     assert_same_state(composed, fused)
     no_rerank = {**spec["selector"], "rerank": 0}
     plain, _, _ = run_fused(
-        {**SPEC, "gqa": gqa, "budget": spec["budget"], "selector": no_rerank}, room=3, repeat=slice(40, 70)
+        {**SPEC, "gqa": gqa, "budget": spec["budget"], "selector": no_rerank}, steps=5, room=3, repeat=slice(40, 70)
     )
     assert any(rows != plain_rows for (_, rows, _, _), (_, plain_rows, _, _) in zip(steps, plain))
 
