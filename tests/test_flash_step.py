@@ -148,7 +148,7 @@ def test_no_local_window_the_new_row_joins_in_its_own_step():
 def test_clusters_over_several_chunks_join_and_count_where_they_are():
     """40 clusters: the step's programs take 16 each (the last 8), and a leaving row joins a cluster of whichever
     chunk holds it — its count, sums and the chunk's statistics there, and nowhere else."""
-    tokens, steps, local = 300, 8, SPEC["local"]
+    tokens, steps, local = 300, 5, SPEC["local"]
     spec = {**SPEC, "clusterer": {"name": "qgc", "num_clusters": 40}, "budget": {"density": 0.1}}
     steps_seen, composed, fused = run_fused(spec, tokens=tokens, steps=steps)
     joined = fused.assignment[:, :, tokens - local : tokens - local + steps]
