@@ -236,7 +236,7 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     one = torch.full_like(seven, float("nan"))
     got = fused.two_stage.pq_shortlist(tables, state, one, cache_k, query, budget_args, Gs, G)
     assert torch.equal(one[:, :141], seven[:, :141])
-    (listed, exact, counts, cut, ties, places), (listed2, exact2, counts2, cut2, ties2, places2) = got, expected
+    (listed, exact, counts, cut, ties, places, _), (listed2, exact2, counts2, cut2, ties2, places2, _) = got, expected
     assert torch.equal(counts, counts2) and torch.equal(cut, cut2) and torch.equal(ties, ties2)
     assert int(counts.min()) > 0 and int(ties.max()) > 0  # rows listed, ties at the cut taken in part
     segments = -(-141 // 32)  # the seven launches' segments of 32 positions, PQS's of 16: every other one's place

@@ -34,6 +34,7 @@ declines other parameters. Why this shape, and what it costs, is in the README (
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -64,25 +65,38 @@ SCORE_CHUNK = 1024  # positions per program of ``pq_scores`` (one atomic add of 
 SCORE_WARPS, CUT_WARPS, LIST_WARPS = 2, 8, 2
 
 
+class Listing(NamedTuple):
+    """A shortlist (``TwoStage.listing``): per row its positions and exact logits ``[rows, L]``, its length, cut key
+    and ties at it; per ``segment`` positions their place (entries and ties before them) ``[rows, S, 2]``, which
+    the refine goes by."""
+
+    listed: Tensor
+    exact: Tensor
+    counts: Tensor
+    cut: Tensor
+    ties: Tensor
+    places: Tensor
+    segment: int
+
+
 class TwoStage:
     """One layer's two-stage constants (made with the fused step, outside any capture)."""
 
     def __init__(self, multiple: float, floor: float, width: int, capacity: int, device: torch.device) -> None:
         self.floor = floor
-        self.segment = SEGMENT  # the last listing's segment (``listing``), which the refine goes by
         self.longest = min(capacity, math.ceil(multiple * width))  # the reference's bound on the shortlist
         self.multiple_t = torch.tensor(multiple, dtype=torch.float64, device=device)
         self.floor_t = torch.tensor(floor, dtype=torch.float64, device=device)
 
     def shortlist(
         self, scores: Tensor, keys: Tensor, query: Tensor, state, budget_args: tuple, Gs: int, G: int, local: int
-    ) -> tuple[Tensor, ...]:
+    ) -> Listing:
         """``scores`` ``[rows, capacity]`` (the selector's) → the shortlist (its positions, exact logits, length, last
         key and ties at it, and each segment's place in it): launches 1–7. The row leaving the window counts as joined
         (the join may run beside these)."""
         rows, cap = scores.shape
         H, D = keys.shape[1], keys.shape[-1]
-        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device, SEGMENT)
+        listed, exact, counts, cut, ties, places, _ = listing = self.listing(rows, cap, scores.device, SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         device = scores.device
         # The radix histograms.
@@ -154,24 +168,22 @@ class TwoStage:
         )
         return listing
 
-    def listing(self, rows: int, cap: int, device: torch.device, segment: int) -> tuple[Tensor, ...]:
-        """A shortlist's buffers: per row its positions and exact logits ``[rows, L]``, its length, cut key and ties
-        at it; per ``segment`` positions their place (entries and ties before them) ``[rows, S, 2]``. The refine
-        goes by the same segments: the last listing's is kept (``segment``)."""
-        self.segment = segment
+    def listing(self, rows: int, cap: int, device: torch.device, segment: int) -> Listing:
+        """A shortlist's buffers, its places by ``segment`` positions (``Listing``)."""
         L, S = max(self.longest, 1), triton.cdiv(cap, segment)
-        return (
+        return Listing(
             torch.empty(rows, L, dtype=torch.int32, device=device),
             torch.empty(rows, L, dtype=torch.float32, device=device),
             torch.empty(rows, dtype=torch.int32, device=device),
             torch.empty(rows, dtype=torch.int64, device=device),
             torch.empty(rows, dtype=torch.int32, device=device),
             torch.empty(rows, S, 2, dtype=torch.int32, device=device),
+            segment,
         )
 
     def pq_shortlist(
         self, tables: Tensor, state, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs: int, G: int
-    ) -> tuple[Tensor, ...]:
+    ) -> Listing:
         """PQS's scores into ``scores`` ``[rows, capacity]`` and ``shortlist``'s outputs, in three launches:
         ``pq_scores`` reads each key's codes once for the (batch row, KV head)'s selection rows and counts their
         first digit, ``pq_cut`` finds each row's cut and its segments' places in two passes over the row,
@@ -181,7 +193,7 @@ class TwoStage:
         B, H, _, M, CC = tables.shape
         D = keys.shape[-1]
         codes = state.index.codes
-        listed, exact, counts, cut, ties, places = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
+        listed, exact, counts, cut, ties, places, _ = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
         block_m, block_gs = code_block(M), max(2, triton.next_power_of_2(Gs))
@@ -266,13 +278,13 @@ class TwoStage:
         return listing
 
     def refine(
-        self, scores: Tensor, state, budget_args: tuple, Gs: int, listing: tuple[Tensor, ...], first: Tensor | None
+        self, scores: Tensor, state, budget_args: tuple, Gs: int, listing: Listing, first: Tensor | None
     ) -> None:
         """Launch 8: ``scores`` rewritten in place, a program per segment; ``first`` ``[rows, C]`` int32 (with a floor)
         receives each cluster's floor rows, from one more program per row. After the join (the floor reads its rows'
         clusters)."""
         rows, cap = scores.shape
-        listed, exact, counts, cut, ties, places = listing
+        listed, exact, counts, cut, ties, places, segment = listing
         length, start, density, fixed, tokens = budget_args
         C = state.num_clusters
         S = places.shape[1]
@@ -298,7 +310,7 @@ class TwoStage:
             tokens,
             listed.shape[-1],
             S,
-            SEGMENT=self.segment,
+            SEGMENT=segment,
             BLOCK=RADIX_BLOCK,
             BLOCK_C=max(16, triton.next_power_of_2(C)),
             num_warps=SEGMENT_WARPS,

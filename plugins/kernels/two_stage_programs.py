@@ -58,13 +58,9 @@ if triton is not None:
         """The ``k``-th largest (1 ≤ k ≤ their count) of ``VALUES[:n]`` (-inf excluded) as its unsigned key τ, and how
         many of those tied at τ are among the k (the rest of k is above τ): four digits of 8 bits, a pass each, in one
         program (the floor's select over a shortlist; a row's scores take ``radix_pass``'s segments instead)."""
-        return radix_finish(VALUES, n, tl.zeros([], tl.int64), k, 0, BLOCK)
-
-    @triton.jit
-    def radix_finish(VALUES, n, prefix, rest, FIRST: tl.constexpr, BLOCK: tl.constexpr):
-        """``_radix_select`` from digit FIRST on, the digits before it (``prefix``) known and ``rest`` of k left for
-        the keys that share them: a pass over ``VALUES[:n]`` per digit left → (τ, ties at τ among the k)."""
-        for d in tl.static_range(FIRST, 4):
+        prefix = tl.zeros([], tl.int64)
+        rest = k
+        for d in tl.static_range(4):
             digit, rest = pick_digit(digit_histogram(VALUES, n, prefix, 24 - 8 * d, 8, BLOCK), rest, 8)
             prefix = prefix * 256 + digit
         return prefix, rest
