@@ -24,9 +24,9 @@ waits for the floor. QGS's takes eight more launches after its scores. PQS's —
 (``TwoStage.pq_shortlist``): its scores with each row's first radix digit counted, the cut, the listing with the
 exact logits (the codes read once for the group's selection rows, each K row once for the rows that list it), then
 the refine; the default's step is nine launches a layer and one per size class of clusters in the selection
-(``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist took 2.1× the time
-at 16 × 16K and 10× at 2 × 128K on an H100: too few programs, each a long chain
-(``benchmarks/studies/results/fused_pqs_step_h100.json``).
+(``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
+2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
+against 0.99 and 1.35 ms now: too few programs, each a long chain.
 
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
 cluster after its codes are written, in an earlier step or by ``project`` in the same one), so in a CUDA graph's

@@ -57,11 +57,14 @@ SEGMENT_WARPS = 8
 PQ_SEGMENT = 1024  # positions per program of PQS's listing and of the refine after it
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
 LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program
-PQ_LIST_BLOCK = 64  # positions per block of ``pq_list`` (32: 1.25× its time on an H100, 128: 1.2×)
-LIST_GATHER = 16  # the listed rows of a ``pq_list`` block whose exact logits are taken at a time (8: 0.85× its time)
+# ``pq_list``'s block of positions and the listed rows of a block whose exact logits are taken at a time. At 4 warps
+# on an H100, 16 × 16K: blocks of 32 took 1.13× the time of 64, of 128 0.9×, of 256 0.79×; 8 rows at a time 0.84×
+# (``shortlist_launch_sweep_h100.json``, each alone; at the 2 warps taken, none timed yet).
+PQ_LIST_BLOCK = 64
+LIST_GATHER = 16
 SCORE_CHUNK = 1024  # positions per program of ``pq_scores`` (one atomic add of its histograms)
 # Warps of PQS's three launches: the fastest of 2, 4, 8 (4, 8, 16 for the cut) at 16 × 16K and 2 × 128K on an H100
-# (``benchmarks/studies/shortlist_launch_sweep.py``; 4 warps of scores took 1.5× the time of 2, of the listing 1.3×).
+# (``benchmarks/studies/shortlist_launch_sweep.py``; 4 warps of scores took 1.7× the time of 2, of the listing 1.3×).
 SCORE_WARPS, CUT_WARPS, LIST_WARPS = 2, 8, 2
 
 
