@@ -487,7 +487,7 @@ def test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_jo
     assert int(state.assignment[0, 0, leaving]) == state.num_clusters  # not joined yet
     state.assignment[:, :, leaving] = 0
     after = step.shortlist(scores.clone(), cache, query, state, args, Hq // H, 1, SPEC["local"])
-    (listed, exact, counts, *cut), (listed_after, exact_after, counts_after, *cut_after) = before, after
+    (listed, exact, counts, *cut, _), (listed_after, exact_after, counts_after, *cut_after, _) = before, after
     assert torch.equal(counts, counts_after) and all(torch.equal(a, b) for a, b in zip(cut, cut_after))
     for row, n in enumerate(counts.tolist()):  # entries past a row's count are never written
         assert leaving in listed[row, :n].tolist()
