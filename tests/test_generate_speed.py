@@ -1,15 +1,22 @@
-"""benchmarks/generate_speed.py's JSON: dense-fastest is the faster dense static-cache decode of the same run, and
-each OpenAttention run is held to the issue's target for its density (a miss says by how much)."""
+"""benchmarks/generate_speed.py's JSON: dense-fastest is the faster dense static-cache decode of the same run, each
+OpenAttention run is held to the issue's target for its spec, GQA mode, density and configuration (a miss says by how
+much), and runs made in separate processes merge into one result."""
+
+import pytest
 
 from conftest import load_benchmark
 
+DEFAULT, PAPER = "specs/openattention.yaml", "specs/openattention-paper.yaml"
 
-def run(method, ms, density=None, batch=2, context=64, prefill=1.0, prepare=None):
+
+def run(method, ms, density=None, batch=16, context=16384, prefill=1.0, prepare=None, spec=None, gqa=None):
     return {
         "batch": batch,
         "context": context,
         "method": method,
         "density": density,
+        "spec": spec,
+        "gqa": gqa,
         "per_token_ms": ms,
         "prefill_s": prefill,
         "prepare_s": prepare,
@@ -24,62 +31,108 @@ def test_dense_fastest_and_the_targets(tmp_path):
         run("dense-static", 6.0),
         run("dense-engine", 5.0),
         run("no-attention", 2.0),
-        run("openattention", 2.5, 0.01, prefill=1.1, prepare=0.1),
-        run("openattention", 4.0, 0.03, prefill=1.3, prepare=0.3),
-        run("dense-static", 8.0, context=128),
-        run("dense-engine", 10.0, context=128),
-        run("openattention", None, 0.01, context=128),
-    ]  # a run that failed (out of memory)
+        run("openattention", 2.5, 0.01, prefill=1.1, prepare=0.1, spec=DEFAULT, gqa="per_head"),
+        run("openattention", 4.0, 0.03, prefill=1.3, prepare=0.3, spec=DEFAULT, gqa="per_head"),
+        run("openattention", 5.0, 0.01, spec=DEFAULT, gqa="shared"),  # no target: reported only
+        run("openattention", 2.0, 0.01, spec=PAPER, gqa="shared"),
+        run("dense-static", 8.0, context=131072, batch=2),
+        run("dense-engine", 10.0, context=131072, batch=2),
+        run("openattention", 4.0, 0.01, context=131072, batch=2, spec=DEFAULT, gqa="per_head"),
+        run("openattention", None, 0.03, context=131072, batch=2, spec=DEFAULT, gqa="per_head"),  # out of memory
+    ]
     out = bench.summary({"device": "x"}, runs)
     fastest = [r for r in out["runs"] if r["method"] == "dense-fastest"]
     assert [(r["context"], r["per_token_ms"], r["derived_from"]) for r in fastest] == [
-        (64, 5.0, "dense-engine"),
-        (128, 8.0, "dense-static"),
+        (16384, 5.0, "dense-engine"),
+        (131072, 8.0, "dense-static"),
     ]
     assert out["runs"][: len(runs)] == runs  # the measured runs unchanged
-    targets = {t["density"]: t for t in out["targets"] if "speedup_over_dense_fastest" in t}
-    assert len(targets) == 2  # the failed run has no ratio
-    assert targets[0.01]["met"] and targets[0.01]["speedup_over_dense_fastest"] == 2.0
-    assert targets[0.01]["short_by"] == 0
-    assert not targets[0.03]["met"] and targets[0.03]["short_by"] == 0.25  # 1.25× against 1.5×
+    speed = {
+        (t["context"], t["spec"], t["gqa"], t["density"]): t
+        for t in out["targets"]
+        if "speedup_over_dense_fastest" in t
+    }
+    assert len(speed) == 5  # the failed run has no ratio
+    hit = speed[(16384, DEFAULT, "per_head", 0.01)]  # 2× against 1.5×
+    assert hit["met"] and hit["speedup_over_dense_fastest"] == 2.0 and hit["target"] == 1.5 and hit["short_by"] == 0
+    miss = speed[(16384, DEFAULT, "per_head", 0.03)]  # 1.25× against 1.3×
+    assert not miss["met"] and miss["target"] == 1.3 and miss["short_by"] == 0.05
+    assert speed[(16384, DEFAULT, "shared", 0.01)]["target"] is None
+    assert speed[(16384, DEFAULT, "shared", 0.01)]["met"] is None
+    assert speed[(16384, PAPER, "shared", 0.01)]["target"] == 2.0 and speed[(16384, PAPER, "shared", 0.01)]["met"]
+    long = speed[(131072, DEFAULT, "per_head", 0.01)]  # 2× against 2.5× at 2 × 128K
+    assert long["target"] == 2.5 and not long["met"] and long["short_by"] == 0.5
     # Prepare over the model's prefill in the same run (its time to the first token less the prepare): 0.1 s of
     # 1.1 s meets 10%, 0.3 s of 1.3 s is 30%.
     prepare = {t["density"]: t for t in out["targets"] if "prepare_over_prefill" in t}
     assert prepare[0.01]["prepare_over_prefill"] == 0.1 and prepare[0.01]["met"]
     assert prepare[0.03]["prepare_over_prefill"] == 0.3 and not prepare[0.03]["met"]
-    assert prepare[0.03]["short_by"] == 0.2 and len(out["targets"]) == 4
-    assert "| 2 × 64 | openattention | 1% | 2.50 | 2.00× | 1.10 | 0.10 | 10.0% |" in bench.table(out["runs"])
+    assert prepare[0.03]["short_by"] == 0.2 and len(prepare) == 2
+    row = "| 16 × 16384 | openattention | openattention, per_head | 1% | 2.50 | 2.00× | 1.10 | 0.10 | 10.0% |"
+    assert row in bench.table(out["runs"])
     figure = bench.plot(out["runs"], tmp_path / "speed.png")
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_spec_file_is_read_and_checked_before_the_model_is_built(tmp_path, monkeypatch, capsys):
-    """``--spec``: a missing file, or one naming a bad parameter, ends in a clear error with no model built; a good
-    one's components, with --gqa over its own, are what the OpenAttention runs patch in."""
-    import pytest
-
+def test_runs_of_separate_processes_combine():
+    """Each configuration's process saves its own result; combined, the runs keep their order, a configuration saved
+    twice keeps the later one, dense-fastest is derived again, and results from different devices are refused."""
     bench = load_benchmark("generate_speed")
-    built = []
+
+    def saved(device, commit, *runs):
+        return {**bench.summary({"device": device, "variants": {}}, list(runs)), "provenance": {"commit": commit}}
+
+    first = saved("gpu", "a", run("dense-engine", 5.0), run("openattention", 2.0, 0.01, spec=PAPER, gqa="shared"))
+    second = saved("gpu", "a", run("dense-engine", 9.0, batch=2), run("dense-static", 8.0, batch=2))
+    again = saved("gpu", "b", run("dense-engine", 4.0))
+    out = bench.combine([first, second, again])
+    measured = [(r["batch"], r["method"], r["per_token_ms"]) for r in out["runs"] if r["method"] != "dense-fastest"]
+    assert measured == [(2, "dense-engine", 9.0), (2, "dense-static", 8.0), (16, "dense-engine", 4.0)]
+    fastest = {r["batch"]: r["per_token_ms"] for r in out["runs"] if r["method"] == "dense-fastest"}
+    assert fastest == {2: 8.0, 16: 4.0}
+    assert out["provenance_by_config"] == {"16x16384": {"commit": "b"}, "2x16384": {"commit": "a"}}
+    assert "provenance_by_config" not in bench.combine([first, second])
+    with pytest.raises(ValueError, match="different devices"):
+        bench.combine([first, saved("cpu", "a", run("dense-engine", 5.0))])
+
+
+def test_variants_and_configs_are_checked_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    """``--variants``: a missing file, a bad GQA mode or a spec naming a bad parameter, and a malformed --configs,
+    end in a clear error with no model built; a good variant's components, with its GQA mode over the file's, are
+    what the OpenAttention runs patch in."""
+    bench = load_benchmark("generate_speed")
+    built, real_build = [], bench.build_model
 
     def build_model(*args):
         built.append(args)
-        raise SystemExit(3)  # stop here: the spec was accepted
+        raise SystemExit(3)  # stop here: the arguments were accepted
 
     monkeypatch.setattr(bench, "build_model", build_model)
-    for text, message in [(None, "--spec: no file"), ("selector: {name: qgs, rerank: -1}\n", "rerank")]:
-        path = tmp_path / "spec.yaml"
-        if text is not None:
-            path.write_text(text)
+    path = tmp_path / "spec.yaml"
+    path.write_text("selector: {name: qgs, rerank: -1}\n")
+    for argv, message in [
+        (["--variants", str(tmp_path / "none.yaml")], "no file"),
+        (["--variants", f"{path}:both"], "per_head or shared"),
+        (["--variants", str(path)], "rerank"),
+        (["--configs", "16by16384"], "BATCHxCONTEXT"),
+    ]:
         with pytest.raises(SystemExit) as refused:
-            bench.main(["--spec", str(path), "--device", "cpu"])
+            bench.main([*argv, "--device", "cpu"])
         assert refused.value.code == 2 and message in capsys.readouterr().err
     assert not built
     path.write_text("selector: {name: qgs, rerank: 4}\nallocator: {name: errorgate, floor: 0.5}\ngqa: per_head\n")
-    composed = []
-    real_build = bench.oa.build
-    monkeypatch.setattr(bench.oa, "build", lambda spec: composed.append(spec) or real_build(spec))
-    with pytest.raises(SystemExit) as accepted:
-        bench.main(["--spec", str(path), "--device", "cpu", "--gqa", "shared"])
-    assert accepted.value.code == 3 and len(built) == 1
-    assert composed[0]["gqa"] == "shared" and composed[0]["selector"]["params"]["rerank"] == 4
-    assert composed[0]["allocator"]["params"]["floor"] == 0.5
+    patched = []
+    monkeypatch.setattr(bench, "warm_prepare", lambda model, ids, spec, density: patched.append(spec))
+    monkeypatch.setattr(bench, "build_model", real_build)
+    monkeypatch.setattr(bench, "run_method", lambda model, ids, method, density, spec, args: {"per_token_ms": None})
+    monkeypatch.setattr(bench, "summary", lambda machine, runs: {"machine": machine, "runs": runs})
+    monkeypatch.setattr(bench, "write", lambda out, result, quiet=False: patched.append(result) or 0)
+    argv = ["--variants", f"{path}:shared", "--device", "cpu", "--configs", "1x8", "--methods", "openattention"]
+    bench.main([*argv, "--tiny", "--layers", "1"])
+    assert len(built) == 0 and patched[0]["gqa"] == "shared" and patched[0]["selector"]["params"]["rerank"] == 4
+    assert patched[0]["allocator"]["params"]["floor"] == 0.5
+    runs = patched[-1]["runs"]
+    assert [(r["spec"], r["gqa"], r["density"]) for r in runs] == [
+        (f"{path}", "shared", 0.01),
+        (f"{path}", "shared", 0.03),
+    ]
