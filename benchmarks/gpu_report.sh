@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 57's runs on one GPU, each resumable on its own (a part writes its own file; run the script again, or one
+# part, to finish what a short lease left):
+#
+#   bash benchmarks/gpu_report.sh [speed|layer|ruler|all] [OUT]      # default: all, into benchmarks/results
+#
+#   speed  generate_speed.py: dense-static, dense-engine, the default per head and shared, the paper's pipeline
+#          shared, at 1% and 3%, one process per batch × context (16x16K, 8x32K, 4x64K, 2x128K), each into
+#          OUT/generate_speed_<config>.json, then merged into OUT/generate_speed.json (a configuration already
+#          there is not run again; delete its file to redo it)
+#   layer  kernel_h200.py per head at 16x16K and 32x32K, 1% and 3%, in CUDA graphs and eagerly:
+#          OUT/kernel_h200_<config>.json
+#   ruler  ruler_gemma_32k.sh: RULER 32K on Gemma-3-270M (needs `pip install 'openattention[gemma]'`)
+#
+# Afterwards `python benchmarks/results_tables.py --write` re-renders the docs' tables from the JSON.
+set -uo pipefail
+PART=${1:-all}
+OUT=${2:-benchmarks/results}
+mkdir -p "$OUT"
+if [ "$PART" = speed ] || [ "$PART" = all ]; then
+  for config in 16x16384 8x32768 4x65536 2x131072; do
+    file="$OUT/generate_speed_${config}.json"
+    if [ -f "$file" ]; then echo "$(date +%T) $config: $file is there"; continue; fi
+    echo "$(date +%T) generate_speed $config"
+    python3 benchmarks/generate_speed.py --configs "$config" --out "$file.partial" && mv "$file.partial" "$file"
+  done
+  parts=$(ls "$OUT"/generate_speed_*x*.json 2>/dev/null)
+  [ -n "$parts" ] && python3 benchmarks/generate_speed.py --combine $parts --out "$OUT/generate_speed.json"
+fi
+if [ "$PART" = layer ] || [ "$PART" = all ]; then
+  for config in "16 16384" "32 32768"; do
+    set -- $config
+    file="$OUT/kernel_h200_$1x$2.json"
+    if [ -f "$file" ]; then echo "$(date +%T) kernel $1x$2: $file is there"; continue; fi
+    python3 benchmarks/kernel_h200.py --batch "$1" --context "$2" --density 0.01 0.03 --gqa per_head \
+      --spec specs/openattention.yaml --out "$file"
+  done
+fi
+if [ "$PART" = ruler ] || [ "$PART" = all ]; then
+  bash benchmarks/ruler_gemma_32k.sh 8 "$OUT/ruler_c3f5e3b_gemma3_270m_32k"
+fi
