@@ -92,8 +92,9 @@ def _blocked_gaussian_run(tail: str, sigma: float, seed: int, proxy: str = "mean
     values[token // BLOCK, 0, token, token % BLOCK] = 1.0
     query = torch.zeros(blocks, 1, 1, BLOCK)
     query[..., 0] = 1.0
-    pipe = _build(
+    pipe = _build(  # no row is selected (E_sel = 0): the exact oracle's index costs nothing to build, PQS's seconds
         clusterer={"name": "qgc", "num_clusters": 1},
+        selector={"name": "oracle"},
         tail=tail,
         proxy=proxy,
         budget={"tokens": SINK + LOCAL},
