@@ -12,6 +12,10 @@ from oa_core.ops.geometry import QUERY_WINDOW
 
 SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 8}, "sink": 2, "local": 8, "budget": {"density": 0.2}}
 DENSE_BUDGET = {**SPARSE, "budget": {"tokens": 100_000}}
+# For tests that compare two routes through one pipeline, whichever it is: exact top-k's selection and the torch
+# kernel, with no Triton program to interpret (PQS's and flash's took 20-30 s of each; the other tests here run the
+# default through every route).
+SPARSE_TORCH = {**SPARSE, "selector": {"name": "oracle"}, "kernel": "torch"}
 
 
 def tiny_llama(seed=0, layers=2, dtype=torch.float32):
@@ -233,7 +237,7 @@ def test_a_shared_question_answers_and_scores_as_the_whole_question_does(setup):
     ids, mask = prompt(240, seed=5, batch=2), torch.ones(2, 240, dtype=torch.long)
     ids[1, :40], mask[1, :40] = 0, 0
     question, answer = prompt(21, seed=6, batch=2), prompt(4, seed=8, batch=2)
-    with oa.patch(model, SPARSE, setup=setup) as handle:
+    with oa.patch(model, SPARSE_TORCH, setup=setup) as handle:
         context = oa.prefill_context(model, ids, mask)
         handle.reset_stats()
         expected = (
@@ -312,10 +316,10 @@ def test_attn_implementation_route_uses_the_config_spec():
         return tokens, oa.answer_logprob(model, oa.prefill_context(model, context_ids), question, answer)
 
     dense_logprob = oa.answer_logprob(model, oa.prefill_context(model, context_ids), question, answer)
-    with oa.patch(model, SPARSE):
+    with oa.patch(model, SPARSE_TORCH):
         expected_tokens, expected_logprob = generation_and_logprob()
     oa.integration.register()
-    model.config.openattention = SPARSE
+    model.config.openattention = SPARSE_TORCH
     model.set_attn_implementation("openattention")
     tokens, logprob = generation_and_logprob()
     assert torch.equal(tokens, expected_tokens)
