@@ -456,7 +456,8 @@ def plot(runs: list[dict], path: Path) -> Path:
         if bound:
             ax.axvline(fastest / bound[0], color="tab:red", linewidth=1, label="no-attention (bound)")
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.legend(fontsize=7, loc="lower right")
+        if aims or bound:
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_xlabel("tokens/s over dense-fastest")
         ax.set_xlim(0, max(speed + [x for _, x in aims] + [fastest / b for b in bound]) * 1.3)
         ax.tick_params(axis="y", labelsize=7)
@@ -497,10 +498,9 @@ def target_for(run: dict) -> float | None:
 
 
 def run_label(run: dict) -> str:
-    """A run's name in tables and figures: its method, then its spec file's name and GQA mode, then its density."""
-    name = run["method"]
-    if run.get("spec"):
-        name += f" {Path(run['spec']).stem} {run.get('gqa')}"
+    """A run's name in figures: an OpenAttention run's spec file's name and GQA mode, another's method; then the
+    density."""
+    name = f"{Path(run['spec']).stem} {run.get('gqa')}" if run.get("spec") else run["method"]
     return name + ("" if run["density"] is None else f" {run['density']:.0%}")
 
 
