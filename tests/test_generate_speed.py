@@ -96,6 +96,14 @@ def test_runs_of_separate_processes_combine():
         bench.combine([first, saved("cpu", "a", run("dense-engine", 5.0))])
 
 
+def test_combine_names_what_it_cannot_read(tmp_path, capsys):
+    bench = load_benchmark("generate_speed")
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--combine", str(tmp_path / "none.json"), "--out", str(tmp_path / "out.json")])
+    assert refused.value.code == 2 and "--combine" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_variants_and_configs_are_checked_before_the_model_is_built(tmp_path, monkeypatch, capsys):
     """``--variants``: a missing file, a bad GQA mode or a spec naming a bad parameter, and a malformed --configs,
     end in a clear error with no model built; a good variant's components, with its GQA mode over the file's, are
