@@ -279,6 +279,14 @@ def main(argv=None) -> int:
         help="redraw the figure (and table) of a saved run, measuring nothing",
     )
     parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep each configuration's run as DIR/<BATCHxCONTEXT>.json and skip a configuration already there (a "
+        "run cut short resumes where it stopped; delete a file to redo it)",
+    )
+    parser.add_argument(
         "--combine",
         type=Path,
         nargs="+",
@@ -305,7 +313,7 @@ def main(argv=None) -> int:
         variants = [parse_variant(text) for text in args.variants] if "openattention" in args.methods else []
     except ValueError as error:
         parser.error(str(error))
-    if len(configs) > 1:
+    if len(configs) > 1 or args.keep is not None:
         return run_apart(args)
     (batch, context), device = configs[0], torch.device(args.device)
     torch._dynamo.config.cache_size_limit = 64  # one compiled step per method and shape: more than the default 8
@@ -354,7 +362,8 @@ def parse_config(text: str) -> tuple[int, int]:
 
 def run_apart(args) -> int:
     """Each of ``args.configs`` in a child process of this script (the same options, its own --out), merged into
-    ``args.out`` after each one: a configuration that fails leaves the others' runs."""
+    ``args.out`` after each one: a configuration that fails leaves the others' runs. With ``args.keep`` the parts stay
+    in that folder, and a configuration whose part is there already is not run again."""
     import subprocess
     import tempfile
 
@@ -362,15 +371,24 @@ def run_apart(args) -> int:
     options += ["--tokens", str(args.tokens), "--warmup", str(args.warmup), "--device", args.device]
     options += (["--layers", str(args.layers)] if args.layers else []) + (["--tiny"] if args.tiny else [])
     parts, failed = [], []
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
         for config in args.configs:
-            part = Path(folder) / f"{config}.json"
-            command = [sys.executable, __file__, *options, "--configs", config, "--out", str(part)]
-            print(f"--- {config}: {' '.join(command[1:])}", flush=True)
-            if subprocess.run(command).returncode != 0 or not part.is_file():
-                failed.append(config)
+            part = folder / f"{config}.json"
             if part.is_file():
-                parts.append(json.loads(part.read_text()))
+                print(f"--- {config}: kept from an earlier run ({part})", flush=True)
+            else:
+                partial = part.with_suffix(".partial")  # a configuration cut short is not mistaken for a whole one
+                command = [sys.executable, __file__, *options, "--configs", config, "--out", str(partial)]
+                print(f"--- {config}: {' '.join(command[1:])}", flush=True)
+                if subprocess.run(command).returncode == 0 and partial.is_file():
+                    partial.replace(part)
+            if not part.is_file():
+                failed.append(config)  # what it measured before it stopped is merged, and it runs again next time
+            done = part if part.is_file() else part.with_suffix(".partial")
+            if done.is_file():
+                parts.append(json.loads(done.read_text()))
                 write(args.out, combine(parts), quiet=True)
         if not parts:
             print(f"no configuration finished: {', '.join(failed)}", file=sys.stderr)

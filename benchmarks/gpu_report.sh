@@ -5,9 +5,9 @@
 #   bash benchmarks/gpu_report.sh [speed|layer|ruler|all] [OUT]      # default: all, into benchmarks/results
 #
 #   speed  generate_speed.py: dense-static, dense-engine, the default per head and shared, the paper's pipeline
-#          shared, at 1% and 3%, one process per batch × context (16x16K, 8x32K, 4x64K, 2x128K), each into
-#          OUT/generate_speed_<config>.json, then merged into OUT/generate_speed.json (a configuration already
-#          there is not run again; delete its file to redo it)
+#          shared, at 1% and 3%, one process per batch × context (16x16K, 8x32K, 4x64K, 2x128K, and 1x128K for
+#          prepare's share of a batch-1 prefill), each kept in OUT/generate_speed_parts/<config>.json (one already
+#          there is not run again; delete it to redo it) and merged into OUT/generate_speed.json
 #   layer  kernel_h200.py per head at 16x16K and 32x32K, 1% and 3%, in CUDA graphs and eagerly:
 #          OUT/kernel_h200_<config>.json
 #   ruler  ruler_gemma_32k.sh: RULER 32K on Gemma-3-270M (needs `pip install 'openattention[gemma]'`)
@@ -18,14 +18,8 @@ PART=${1:-all}
 OUT=${2:-benchmarks/results}
 mkdir -p "$OUT"
 if [ "$PART" = speed ] || [ "$PART" = all ]; then
-  for config in 16x16384 8x32768 4x65536 2x131072; do
-    file="$OUT/generate_speed_${config}.json"
-    if [ -f "$file" ]; then echo "$(date +%T) $config: $file is there"; continue; fi
-    echo "$(date +%T) generate_speed $config"
-    python3 benchmarks/generate_speed.py --configs "$config" --out "$file.partial" && mv "$file.partial" "$file"
-  done
-  parts=$(ls "$OUT"/generate_speed_*x*.json 2>/dev/null)
-  [ -n "$parts" ] && python3 benchmarks/generate_speed.py --combine $parts --out "$OUT/generate_speed.json"
+  python3 benchmarks/generate_speed.py --configs 16x16384 8x32768 4x65536 2x131072 1x131072 \
+    --keep "$OUT/generate_speed_parts" --out "$OUT/generate_speed.json"
 fi
 if [ "$PART" = layer ] || [ "$PART" = all ]; then
   for config in "16 16384" "32 32768"; do

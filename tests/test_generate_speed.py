@@ -2,6 +2,8 @@
 OpenAttention run is held to the issue's target for its spec, GQA mode, density and configuration (a miss says by how
 much), and runs made in separate processes merge into one result."""
 
+from pathlib import Path
+
 import pytest
 
 from conftest import load_benchmark
@@ -94,6 +96,41 @@ def test_runs_of_separate_processes_combine():
     assert "provenance_by_config" not in bench.combine([first, second])
     with pytest.raises(ValueError, match="different devices"):
         bench.combine([first, saved("cpu", "a", run("dense-engine", 5.0))])
+
+
+def test_kept_configurations_are_not_run_again(tmp_path, monkeypatch):
+    """``--keep DIR``: each configuration's child writes DIR/<config>.json; one already there is not run again, one
+    whose child fails has what it measured merged but is run again next time, and the merge holds them all."""
+    import json
+    import subprocess
+
+    bench = load_benchmark("generate_speed")
+    keep, out, started = tmp_path / "parts", tmp_path / "speed.json", []
+
+    def child(command, failing=()):
+        config, partial = command[command.index("--configs") + 1], Path(command[command.index("--out") + 1])
+        batch, context = map(int, config.split("x"))
+        started.append(config)
+        saved = {
+            **bench.summary({"device": "gpu", "variants": {}}, [run("dense-engine", 5.0, batch=batch, context=context)])
+        }
+        partial.write_text(json.dumps({**saved, "provenance": {"commit": "a"}}))
+        return subprocess.CompletedProcess(command, 1 if config in failing else 0)
+
+    keep.mkdir()
+    child(["--configs", "2x16384", "--out", str(keep / "2x16384.json")])  # from an earlier run
+    started.clear()
+    monkeypatch.setattr(subprocess, "run", lambda command: child(command, failing={"8x32768"}))
+    argv = ["--configs", "2x16384", "16x16384", "8x32768", "--keep", str(keep), "--out", str(out), "--device", "cpu"]
+    assert bench.main(argv) == 1  # 8x32768's child failed
+    assert started == ["16x16384", "8x32768"]
+    assert sorted(p.name for p in keep.glob("*.json")) == ["16x16384.json", "2x16384.json"]
+    merged = {(r["batch"], r["context"]) for r in json.loads(out.read_text())["runs"]}
+    assert merged == {(2, 16384), (16, 16384), (8, 32768)}
+    started.clear()
+    monkeypatch.setattr(subprocess, "run", child)
+    assert bench.main(argv) == 0 and started == ["8x32768"]
+    assert (keep / "8x32768.json").is_file() and not (keep / "8x32768.partial").exists()
 
 
 def test_combine_names_what_it_cannot_read(tmp_path, capsys):
