@@ -4,14 +4,16 @@ PQS scores a key by Σ_m q_m·μ_{m, code_m}: today a table of q_m·μ_{m,c} per
 sub-space) — 256 gathers a key per head at the Llama-3.1-8B shape (4 query heads of 64 sub-spaces), which took
 about dense attention's time per layer on an H100 (``results/fused_pqs_step_final_h100.json``). The same sum is
 q·k̂, k̂ the key rebuilt from its centroids: one gather per (sub-space, dimension) a key whatever the heads — 128 — then
-one dot for all the group's heads (``tl.dot``, on tensor cores in bfloat16, or in float32). This study times both
-forms on the same codes and says how far the rebuilt form's scores are from the tables' (their order decides the
-rows read: the share of each row's top 4% both forms keep).
+one dot for all the group's heads (``tl.dot``, on tensor cores in bfloat16, or in float32). A third form has no
+gather at all: the codes as one-hot rows (M·C of them a key, 1024 at 16 centroids of 64 sub-spaces) times the heads'
+tables on tensor cores — more arithmetic, none of it shuffles. This study times the forms on the same codes and
+says how far each form's scores are from the tables' (their order decides the rows read: the share of each row's
+top 4% both forms keep).
 
     python benchmarks/studies/pq_score_forms.py        # on the GPU: results/pq_score_forms_<gpu>.json
     python benchmarks/studies/pq_score_forms.py --batch 1 --context 256   # a check of the kernel on the CPU
 
-(The interpreter's bfloat16 ``tl.dot`` gives wrong sums: the CPU check holds for the float32 form only.)
+(The interpreter's bfloat16 ``tl.dot`` gives wrong sums: the CPU check holds for the float32 forms only.)
 """
 
 from __future__ import annotations
@@ -108,6 +110,87 @@ def rebuilt_scores(centroids, codes, queries, scale, half: bool, block_n: int = 
     return out
 
 
+@triton.jit
+def _onehot_scores(
+    TABLES,
+    CODES,
+    OUT,
+    N,
+    scale,
+    GQ: tl.constexpr,
+    M: tl.constexpr,
+    C: tl.constexpr,
+    W: tl.constexpr,
+    MB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    FORM: tl.constexpr,
+):
+    """Program (batch row · KV head, block of keys): Σ_m T[m, code_m] as a matrix product with no gather — per MB
+    sub-spaces, the block's codes as one-hot rows ``[BLOCK_N, MB·C]`` (exact in any float type) times the GQ heads'
+    tables ``[MB·C, GQ]`` (``tl.dot``, tensor cores): FORM 0 float32 (ieee: the CPU check), 1 tf32, 2 the tables
+    in float16, 3 the tables split into two bfloat16 parts (hi + lo: about 16 bits of each entry) → OUT
+    ``[heads, GQ, N]``."""
+    head = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = offs < N
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_k = tl.arange(0, MB * C)
+    centre = tl.arange(0, C)
+    acc = tl.zeros([BLOCK_N, BLOCK_Q], tl.float32)
+    for m0 in range(0, M, MB):
+        codes = load_codes(CODES + head * N * W + m0 // 2, offs, in_n, W, MB, True, MB)  # [BLOCK_N, MB]
+        hot = tl.reshape(codes[:, :, None] == centre[None, None, :], [BLOCK_N, MB * C])
+        table = tl.load(
+            TABLES + (head * GQ + offs_q[None, :]) * (M * C) + m0 * C + offs_k[:, None],
+            mask=(offs_q < GQ)[None, :],
+            other=0.0,
+        )  # [MB·C, BLOCK_Q]
+        if FORM == 0:
+            acc += tl.dot(hot.to(tl.float32), table, input_precision="ieee")
+        elif FORM == 1:
+            acc += tl.dot(hot.to(tl.float32), table, input_precision="tf32")
+        elif FORM == 2:
+            acc += tl.dot(hot.to(tl.float16), table.to(tl.float16))
+        else:
+            hi = table.to(tl.bfloat16)
+            lo = (table - hi.to(tl.float32)).to(tl.bfloat16)
+            acc += tl.dot(hot.to(tl.bfloat16), hi)
+            acc += tl.dot(hot.to(tl.bfloat16), lo)
+    tl.store(
+        OUT + (head * GQ + offs_q[None, :]) * N + offs[:, None],
+        acc * scale,
+        mask=in_n[:, None] & (offs_q < GQ)[None, :],
+    )
+
+
+ONEHOT_FORMS = {0: "one-hot, fp32 dot", 1: "one-hot, tf32 dot", 2: "one-hot, fp16 tables", 3: "one-hot, bf16 hi+lo"}
+
+
+def onehot_scores(tables, codes, scale, form: int, block_n: int = 64, sub_spaces: int = 4, warps: int = 4):
+    """tables ``[B, H, GQ, M, C]``, codes ``[B, H, N, M/2]`` packed → ``[B, H, GQ, N]`` (``_onehot_scores``)."""
+    B, H, GQ, M, C = tables.shape
+    N = codes.shape[2]
+    out = torch.empty(B, H, GQ, N, device=codes.device, dtype=torch.float32)
+    _onehot_scores[(B * H, triton.cdiv(N, block_n))](
+        tables.float().contiguous(),
+        codes,
+        out,
+        N,
+        scale,
+        GQ=GQ,
+        M=M,
+        C=C,
+        W=codes.shape[-1],
+        MB=sub_spaces,
+        BLOCK_N=block_n,
+        BLOCK_Q=max(16, triton.next_power_of_2(GQ)),
+        FORM=form,
+        num_warps=warps,
+    )
+    return out
+
+
 def kept_share(a: torch.Tensor, b: torch.Tensor, share: float = 0.04) -> float:
     """The mean share of each row's top ``share`` by ``a`` that the top by ``b`` keeps."""
     k = max(1, int(share * a.shape[-1]))
@@ -151,6 +234,25 @@ def main(argv=None) -> int:
             print(row, flush=True)
             if not timed:
                 break
+    for form, name in ONEHOT_FORMS.items():
+        for block_n, sub, warps in ((64, 4, 4), (128, 4, 4), (64, 8, 4), (128, 8, 8), (128, 2, 4)):
+            run = functools.partial(onehot_scores, tables, codes, 0.1, form, block_n, sub, warps)
+            got = run()
+            row = {
+                "form": name,
+                "block_n": block_n,
+                "sub_spaces_per_dot": sub,
+                "warps": warps,
+                "max_abs_diff": float((got - lut).abs().max()),
+                "kept_of_top_4pct": kept_share(lut.flatten(0, 2), got.flatten(0, 2)),
+                "ms": bench(graphed(run)) if timed else None,
+            }
+            runs.append(row)
+            print(row, flush=True)
+            if not timed:
+                break
+        if not timed:
+            break  # the interpreter: the float32 form only
     result = {
         "what": __doc__.split("\n\n")[0],
         "shape": {"batch": B, "kv_heads": H, "group": g, "context": N, "head_dim": D, "centroids": C},
