@@ -28,9 +28,9 @@ so that ``prepare_s`` is what a prompt costs, not the compiler.
   key or value (it returns its queries): everything in the step but attention. dense-fastest over it is the most
   any sparse attention can gain in this ``generate``.
 
-Each batch × context runs in a process of its own (the parent only starts them and merges what they write), so
-that no configuration inherits another's compiled code, allocator pool or memory. ``dense-fastest`` is the faster
-of dense-static and dense-engine in the same process. Writes
+Each batch × context × method (each OpenAttention variant apart) runs in a process of its own (the parent only
+starts them and merges what they write), so that none inherits another's compiled code, CUDA graph pools or memory.
+``dense-fastest`` is the faster of dense-static and dense-engine of the same run. Writes
 ``benchmarks/results/generate_speed.json``: ``{"machine", "runs": [{"batch", "context", "method", "density", "spec",
 "gqa", "per_token_ms", "median_step_ms", "longest_step_ms", "prefill_s", "prepare_s", "tokens"}], "targets": [...],
 "provenance"}`` (``oa_core.analysis.provenance``: the commit and the machine) — the runs as measured, one
@@ -360,38 +360,50 @@ def parse_config(text: str) -> tuple[int, int]:
     return batch, context
 
 
+def jobs(args) -> list[tuple[str, list[str]]]:
+    """The processes of one configuration: (a name for its file, its --methods/--variants options), one per dense
+    method and one per OpenAttention variant."""
+    dense = [(method, ["--methods", method]) for method in args.methods if method != "openattention"]
+    named = [(v.replace("/", "_").replace(".yaml", "").replace(":", "-"), v) for v in args.variants]
+    sparse = [(name, ["--methods", "openattention", "--variants", v]) for name, v in named]
+    return dense + (sparse if "openattention" in args.methods else [])
+
+
 def run_apart(args) -> int:
-    """Each of ``args.configs`` in a child process of this script (the same options, its own --out), merged into
-    ``args.out`` after each one: a configuration that fails leaves the others' runs. With ``args.keep`` the parts stay
-    in that folder, and a configuration whose part is there already is not run again."""
+    """Each of ``args.configs`` × each method (each OpenAttention variant apart) in a child process of this script
+    (the same options, its own --out): no method inherits another's compiled step, CUDA graph pools or cache (on an
+    80 GB card 16 × 16K's dense-static left 71 GB held, and every method after it ran out of memory). Merged into
+    ``args.out`` after each one: one that fails leaves the others' runs. With ``args.keep`` the parts stay in that
+    folder (``<config>/<method>.json``), and one already there is not run again."""
     import subprocess
     import tempfile
 
-    options = ["--densities", *map(str, args.densities), "--methods", *args.methods, "--variants", *args.variants]
-    options += ["--tokens", str(args.tokens), "--warmup", str(args.warmup), "--device", args.device]
-    options += (["--layers", str(args.layers)] if args.layers else []) + (["--tiny"] if args.tiny else [])
+    options = ["--densities", *map(str, args.densities), "--tokens", str(args.tokens), "--warmup", str(args.warmup)]
+    options += ["--device", args.device] + (["--layers", str(args.layers)] if args.layers else [])
+    options += ["--tiny"] if args.tiny else []
     parts, failed = [], []
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
-        folder.mkdir(parents=True, exist_ok=True)
         for config in args.configs:
-            part = folder / f"{config}.json"
-            if part.is_file():
-                print(f"--- {config}: kept from an earlier run ({part})", flush=True)
-            else:
-                partial = part.with_suffix(".partial")  # a configuration cut short is not mistaken for a whole one
-                command = [sys.executable, __file__, *options, "--configs", config, "--out", str(partial)]
-                print(f"--- {config}: {' '.join(command[1:])}", flush=True)
-                if subprocess.run(command).returncode == 0 and partial.is_file():
-                    partial.replace(part)
-            if not part.is_file():
-                failed.append(config)  # what it measured before it stopped is merged, and it runs again next time
-            done = part if part.is_file() else part.with_suffix(".partial")
-            if done.is_file():
-                parts.append(json.loads(done.read_text()))
-                write(args.out, combine(parts), quiet=True)
+            for name, chosen in jobs(args):
+                part = folder / config / f"{name}.json"
+                part.parent.mkdir(parents=True, exist_ok=True)
+                if part.is_file():
+                    print(f"--- {config} {name}: kept from an earlier run ({part})", flush=True)
+                else:
+                    partial = part.with_suffix(".partial")  # one cut short is not mistaken for a whole one
+                    command = [sys.executable, __file__, *options, *chosen, "--configs", config, "--out", str(partial)]
+                    print(f"--- {config} {name}: {' '.join(command[1:])}", flush=True)
+                    if subprocess.run(command).returncode == 0 and partial.is_file():
+                        partial.replace(part)
+                if not part.is_file():
+                    failed.append(f"{config} {name}")  # what it measured is merged, and it runs again next time
+                done = part if part.is_file() else part.with_suffix(".partial")
+                if done.is_file():
+                    parts.append(json.loads(done.read_text()))
+                    write(args.out, combine(parts), quiet=True)
         if not parts:
-            print(f"no configuration finished: {', '.join(failed)}", file=sys.stderr)
+            print(f"nothing finished: {', '.join(failed)}", file=sys.stderr)
             return 1
         write(args.out, combine(parts))
     if failed:
@@ -399,19 +411,25 @@ def run_apart(args) -> int:
     return 1 if failed else 0
 
 
+def run_key(run: dict) -> tuple:
+    """What makes a run the same measurement again: its configuration, method, spec, GQA mode and density."""
+    return (run["batch"], run["context"], run["method"], run.get("spec"), run.get("gqa"), run["density"])
+
+
 def combine(saved: list[dict]) -> dict:
-    """Saved runs of separate configurations → one result: their runs in order (a configuration saved twice keeps
-    the later one), the summary derived again; where they were made at different commits, each configuration's
-    provenance is kept. ValueError where they come from different kinds of device."""
+    """Saved runs of separate processes → one result: their runs in order (a run saved twice keeps the later one),
+    the summary derived again; where they were made at different commits, each configuration's provenance (its last
+    saved) is kept. ValueError where they come from different kinds of device."""
     devices = {s["machine"]["device"] for s in saved}
     if len(devices) > 1:
         raise ValueError(f"runs from different devices cannot be compared in one table: {sorted(devices)}")
-    last = {(r["batch"], r["context"]): s for s in saved for r in s["runs"]}
-    runs = [r for s in saved for r in s["runs"] if last[(r["batch"], r["context"])] is s]
-    runs = [r for r in runs if r["method"] != "dense-fastest"]  # derived again below
+    measured = [r for s in saved for r in s["runs"] if r["method"] != "dense-fastest"]  # derived again below
+    last = {run_key(r): r for r in measured}
+    runs = [r for r in measured if last[run_key(r)] is r]
+    config_of = {(r["batch"], r["context"]): s for s in saved for r in s["runs"]}
     variants = {name: spec for s in saved for name, spec in s["machine"].get("variants", {}).items()}
     result = {**summary({**saved[-1]["machine"], "variants": variants}, runs), "provenance": saved[-1]["provenance"]}
-    by_config = {f"{b}x{n}": s["provenance"] for (b, n), s in last.items()}
+    by_config = {f"{b}x{n}": s["provenance"] for (b, n), s in config_of.items()}
     if len({json.dumps(p, sort_keys=True) for p in by_config.values()}) > 1:
         result["provenance_by_config"] = by_config
     return result

@@ -5,9 +5,9 @@
 #   bash benchmarks/gpu_report.sh [speed|layer|ruler|all] [OUT]      # default: all, into benchmarks/results
 #
 #   speed  generate_speed.py: dense-static, dense-engine, the default per head and shared, the paper's pipeline
-#          shared, at 1% and 3%, one process per batch × context (16x16K, 8x32K, 4x64K, 2x128K, and 1x128K for
-#          prepare's share of a batch-1 prefill), each kept in OUT/generate_speed_parts/<config>.json (one already
-#          there is not run again; delete it to redo it) and merged into OUT/generate_speed.json
+#          shared, at 1% and 3%, one process per batch × context × method (16x16K, 8x32K, 4x64K, 2x128K, and
+#          1x128K for prepare's share of a batch-1 prefill), each kept in OUT/generate_speed_parts/<config>/ (one
+#          already there is not run again; delete it to redo it) and merged into OUT/generate_speed.json
 #   layer  kernel_h200.py per head at 16x16K and 32x32K, 1% and 3%, in CUDA graphs and eagerly:
 #          OUT/kernel_h200_<config>.json
 #   ruler  ruler_gemma_32k.sh: RULER 32K on Gemma-3-270M (needs `pip install 'openattention[gemma]'`)

@@ -77,8 +77,9 @@ def test_dense_fastest_and_the_targets(tmp_path):
 
 
 def test_runs_of_separate_processes_combine():
-    """Each configuration's process saves its own result; combined, the runs keep their order, a configuration saved
-    twice keeps the later one, dense-fastest is derived again, and results from different devices are refused."""
+    """Each process saves its own result; combined, the runs keep their order, a run saved twice (configuration,
+    method, spec, GQA mode and density) keeps the later one, dense-fastest is derived again, and results from
+    different devices are refused."""
     bench = load_benchmark("generate_speed")
 
     def saved(device, commit, *runs):
@@ -89,7 +90,13 @@ def test_runs_of_separate_processes_combine():
     again = saved("gpu", "b", run("dense-engine", 4.0))
     out = bench.combine([first, second, again])
     measured = [(r["batch"], r["method"], r["per_token_ms"]) for r in out["runs"] if r["method"] != "dense-fastest"]
-    assert measured == [(2, "dense-engine", 9.0), (2, "dense-static", 8.0), (16, "dense-engine", 4.0)]
+    paper_kept = (16, "openattention", 2.0)  # 16 × 16K saved again without this run: it stays
+    assert measured == [
+        paper_kept,
+        (2, "dense-engine", 9.0),
+        (2, "dense-static", 8.0),
+        (16, "dense-engine", 4.0),
+    ]
     fastest = {r["batch"]: r["per_token_ms"] for r in out["runs"] if r["method"] == "dense-fastest"}
     assert fastest == {2: 8.0, 16: 4.0}
     assert out["provenance_by_config"] == {"16x16384": {"commit": "b"}, "2x16384": {"commit": "a"}}
@@ -98,9 +105,10 @@ def test_runs_of_separate_processes_combine():
         bench.combine([first, saved("cpu", "a", run("dense-engine", 5.0))])
 
 
-def test_kept_configurations_are_not_run_again(tmp_path, monkeypatch):
-    """``--keep DIR``: each configuration's child writes DIR/<config>.json; one already there is not run again, one
-    whose child fails has what it measured merged but is run again next time, and the merge holds them all."""
+def test_each_method_runs_in_its_own_process_and_kept_ones_are_not_run_again(tmp_path, monkeypatch):
+    """Each configuration × method (each variant apart) is a child process with only that method; with ``--keep DIR``
+    it writes DIR/<config>/<method>.json, one already there is not run again, one whose child fails has what it
+    measured merged but runs again next time, and the merge holds them all."""
     import json
     import subprocess
 
@@ -109,28 +117,43 @@ def test_kept_configurations_are_not_run_again(tmp_path, monkeypatch):
 
     def child(command, failing=()):
         config, partial = command[command.index("--configs") + 1], Path(command[command.index("--out") + 1])
+        methods = command[command.index("--methods") + 1 : command.index("--configs")]
         batch, context = map(int, config.split("x"))
-        started.append(config)
-        saved = {
-            **bench.summary({"device": "gpu", "variants": {}}, [run("dense-engine", 5.0, batch=batch, context=context)])
-        }
+        if methods[0] == "openattention":
+            variant = methods[methods.index("--variants") + 1]
+            made = run("openattention", 2.0, 0.01, batch=batch, context=context, spec=variant, gqa="shared")
+        else:
+            made = run(methods[0], 5.0, batch=batch, context=context)
+        started.append((config, methods[0]))
+        saved = bench.summary({"device": "gpu", "variants": {}}, [made])
         partial.write_text(json.dumps({**saved, "provenance": {"commit": "a"}}))
-        return subprocess.CompletedProcess(command, 1 if config in failing else 0)
+        return subprocess.CompletedProcess(command, 1 if (config, methods[0]) in failing else 0)
 
-    keep.mkdir()
-    child(["--configs", "2x16384", "--out", str(keep / "2x16384.json")])  # from an earlier run
+    (keep / "2x16384").mkdir(parents=True)
+    earlier = [
+        "--methods",
+        "dense-engine",
+        "--configs",
+        "2x16384",
+        "--out",
+        str(keep / "2x16384" / "dense-engine.json"),
+    ]
+    child(earlier)
     started.clear()
-    monkeypatch.setattr(subprocess, "run", lambda command: child(command, failing={"8x32768"}))
-    argv = ["--configs", "2x16384", "16x16384", "8x32768", "--keep", str(keep), "--out", str(out), "--device", "cpu"]
-    assert bench.main(argv) == 1  # 8x32768's child failed
-    assert started == ["16x16384", "8x32768"]
-    assert sorted(p.name for p in keep.glob("*.json")) == ["16x16384.json", "2x16384.json"]
-    merged = {(r["batch"], r["context"]) for r in json.loads(out.read_text())["runs"]}
-    assert merged == {(2, 16384), (16, 16384), (8, 32768)}
+    monkeypatch.setattr(subprocess, "run", lambda command: child(command, failing={("8x32768", "openattention")}))
+    argv = ["--configs", "2x16384", "8x32768", "--methods", "dense-engine", "openattention", "--variants", PAPER]
+    argv += ["--keep", str(keep), "--out", str(out), "--device", "cpu"]
+    assert bench.main(argv) == 1  # 8x32768's openattention child failed
+    assert started == [("2x16384", "openattention"), ("8x32768", "dense-engine"), ("8x32768", "openattention")]
+    kept = sorted(str(p.relative_to(keep)) for p in keep.rglob("*.json"))
+    paper = "specs_openattention-paper.json"
+    assert kept == ["2x16384/dense-engine.json", f"2x16384/{paper}", "8x32768/dense-engine.json"]
+    merged = {(r["batch"], r["method"]) for r in json.loads(out.read_text())["runs"] if r["method"] != "dense-fastest"}
+    assert merged == {(2, "dense-engine"), (2, "openattention"), (8, "dense-engine"), (8, "openattention")}
     started.clear()
     monkeypatch.setattr(subprocess, "run", child)
-    assert bench.main(argv) == 0 and started == ["8x32768"]
-    assert (keep / "8x32768.json").is_file() and not (keep / "8x32768.partial").exists()
+    assert bench.main(argv) == 0 and started == [("8x32768", "openattention")]
+    assert (keep / "8x32768" / paper).is_file() and not (keep / "8x32768" / paper).with_suffix(".partial").exists()
 
 
 def test_combine_names_what_it_cannot_read(tmp_path, capsys):
