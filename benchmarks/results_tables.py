@@ -67,6 +67,8 @@ OTHERS = [
     "ruler_c3f5e3b_smollm2_4k_cuda_check.json",
     "ablations.json",
     "kernel_h200.json",
+    "kernel_h200_16x16384.json",
+    "kernel_h200_32x32768.json",
     "cuda_consistency.json",
     "cuda_consistency_static.json",
     "mutations.json",
