@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     timed = device.type == "cuda"
     table_run = functools.partial(group_lut_scores, tables, codes, 0.1, 1, 1)
     runs.append({"form": "tables", "ms": bench(graphed(table_run)) if timed else None})
+    print(runs[-1], flush=True)
     for half in (False, True):
         for block_n, warps in ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8)):
             run = functools.partial(rebuilt_scores, centroids, codes, queries, 0.1, half, block_n, warps)
