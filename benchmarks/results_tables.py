@@ -58,6 +58,10 @@ ATTENTION_ERROR = [
     for suffix, text in (("", "essays"), ("_python_docs", "Python's docs"), ("_python_source", "Python's source"))
 ]
 SPEED = "generate_speed.json"
+# Issue 57's per-layer runs of the default per head (benchmarks/gpu_report.sh layer), and its target: the fused step at
+# 32 × 32K, 1%, at least 8× dense's speed.
+LAYER = ["kernel_h200_16x16384.json", "kernel_h200_32x32768.json"]
+LAYER_TARGET = {(32, 32768, 0.01): 8.0}
 # generate_speed.json records the spec it ran as overrides of the code's defaults; when it ran, the default selector
 # was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
 SPEED_SELECTOR = "QGS's selection, the default before PQS"
@@ -67,8 +71,6 @@ OTHERS = [
     "ruler_c3f5e3b_smollm2_4k_cuda_check.json",
     "ablations.json",
     "kernel_h200.json",
-    "kernel_h200_16x16384.json",
-    "kernel_h200_32x32768.json",
     "cuda_consistency.json",
     "cuda_consistency_static.json",
     "mutations.json",
@@ -79,7 +81,7 @@ GRID = "ruler_c3f5e3b_smollm2_4k"
 PLOT = "headline_accuracy.png"  # written by --write beside the tables (not checked: a PNG's bytes vary)
 TARGETS = {
     "README.md": ["demo", "accuracy", "speed"],
-    "docs/results.md": ["accuracy", "speed", "provenance"],
+    "docs/results.md": ["accuracy", "speed", "layer", "provenance"],
     "docs/evaluation.md": ["accuracy", "needles", "bytes", "ruler-dense", "ruler-grid"],
 }
 # What --check does not compare: the commits git gives (see the module's docstring).
@@ -697,6 +699,37 @@ def speed_table() -> str:
     return caption + "\n\n" + _table(header, rows)
 
 
+def layer_table() -> str:
+    """The default's decode step per layer (``kernel_h200.py``'s fused static step, per head) against dense SDPA, in
+    CUDA graphs and eagerly, the target where the issue sets one, and the step's kernels by time (the profiler's)."""
+    rows, machines = [], set()
+    for name in LAYER:
+        result = json.loads((RESULTS / name).read_text())
+        machines.add(made_by(RESULTS / name).short())
+        for run in result["results"]:
+            speed = run["dense_graph_ms"] / run["static_step_graph_ms"]
+            target = LAYER_TARGET.get((run["batch"], run["context"], run["density"]))
+            kernels = sorted(run["static_step_kernels_ms"].items(), key=lambda item: -item[1])
+            rows.append(
+                [
+                    f"{run['batch']} × {run['context'] // 1024}K",
+                    f"{run['density']:.0%}",
+                    f"{run['dense_graph_ms']:.3f}",
+                    f"{run['static_step_graph_ms']:.3f}",
+                    f"{run['static_step_ms']:.3f}",
+                    f"{speed:.2f}×",
+                    "" if target is None else f"{target:g}×, {'met' if speed >= target else 'missed'}",
+                    ", ".join(f"`{k.strip()}` {ms:.2f}" for k, ms in kernels[:6]),
+                ]
+            )
+    caption = (
+        f"The default (`{result['spec']}`) per head, one layer's decode step (the fused static step: grow + attend) "
+        f"against dense SDPA, Llama-3.1-8B shape, ms (`{'`, `'.join(LAYER)}`). Made by: {'; '.join(sorted(machines))}."
+    )
+    header = ["batch × context", "density", "dense", "step, graphed", "step, eager", "speed", "target", "kernels, ms"]
+    return caption + "\n\n" + _table(header, rows)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -718,7 +751,7 @@ def provenance_table() -> str:
     """Per result the blocks render, then the other headline results: the machine and the commit that made it, and
     where each was read."""
     made = {row.source: row.made for row in accuracy_rows()}
-    made.update({f"`{name}`": made_by(RESULTS / name) for name in (SPEED, DEMO, *OTHERS)})
+    made.update({f"`{name}`": made_by(RESULTS / name) for name in (SPEED, *LAYER, DEMO, *OTHERS)})
     return _table(
         ["result", "machine", "commit", "how it is known"],
         [[source, m.machine, m.commit, m.how] for source, m in made.items()],
@@ -729,6 +762,7 @@ BLOCKS = {
     "demo": demo_output,
     "accuracy": accuracy_table,
     "speed": speed_table,
+    "layer": layer_table,
     "provenance": provenance_table,
     "needles": needles_table,
     "bytes": bytes_table,
