@@ -1,0 +1,176 @@
+"""Would a code that a plain dot scores keep the rows that matter as well as PQS's product codes, at the same bytes?
+
+PQS codes each pair of a key's dimensions by the nearest of 16 centroids (4 bits a pair: D/4 bytes a key) and scores a
+key by table lookup: on an H100 those lookups take as long as dense attention (``docs/results.md``, per layer). A code
+of 2 bits a dimension has the same D/4 bytes, and its key rebuilt from the code is a dot away from the query: no table,
+no gather, on tensor cores. This study measures what such codes keep, on real queries and keys of both offline models:
+
+- ``pq 2d×4b``: PQS's code (pairs of dimensions, 16 centroids each, Lloyd's k-means as PQS learns them);
+- ``lloyd 1d×2b``: each dimension coded by the nearest of 4 levels learnt by the same k-means (PQS at ``dims`` 1 and
+  2 bits: the same code, scored from the rebuilt key);
+- ``uniform 1d×2b``: each dimension's range cut in 4 equal steps (nothing learnt).
+
+Per needle prompt (``oa_core.analysis.needle``: a number, a word pair or a UUID in the essays, Python's docs or its
+source), one dense capture of context + question; at the query before the answer, per full-attention layer and query
+head, exact top-k's rows at the density (outside the sink and the local window) and the share of them each code's
+scores rank within 4 × that budget (the shortlist a re-rank sees), the share of their attention that shortlist holds,
+and the lowest share over every (sample, layer, head): an average over heads can hide the one that carries the answer.
+
+    python benchmarks/studies/code_forms_recall.py                   # both models, 12 samples at 4K tokens (CPU)
+    python benchmarks/studies/code_forms_recall.py --model gemma3-270m --samples 3 --tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from retrieval import SPARSE, full_attention_layers  # noqa: E402
+
+from oa_core.analysis import needle  # noqa: E402
+from oa_core.analysis.offline_model import capture_attention, head_dim, load_offline_model, model_label  # noqa: E402
+from oa_core.analysis.provenance import provenance  # noqa: E402
+from oa_core.ops.kmeans import lloyd_iterations  # noqa: E402
+from oa_plugins.selectors.pq import initial_centroids, training_positions  # noqa: E402
+
+SHORTLIST = 4  # the shortlist: PQS's default re-rank, in multiples of the selectable budget
+ITERATIONS = 8  # PQS's Lloyd iterations
+TRAIN = 4096  # PQS's training keys
+
+
+def learnt(keys: torch.Tensor, region: torch.Tensor, dims: int, count: int) -> torch.Tensor:
+    """keys ``[H, n, D]`` → each key rebuilt from its code: the nearest of ``count`` centroids per ``dims`` dimensions,
+    learnt from up to TRAIN keys of ``region`` as PQS learns them (evenly spaced keys, ranks for a start, Lloyd)."""
+    H, n, D = keys.shape
+    positions, chosen = training_positions(region[None], TRAIN)
+    points = keys[:, positions[0]].reshape(H, -1, D // dims, dims).transpose(1, 2).reshape(H * D // dims, -1, dims)
+    weight = chosen.float().expand(points.shape[0], -1)
+    _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), ITERATIONS)
+    parts = keys.reshape(H, n, D // dims, dims).transpose(1, 2).reshape(H * D // dims, n, dims)
+    codes = torch.cdist(parts, centroids).argmin(-1)  # [P, n]
+    rebuilt = centroids.gather(1, codes[..., None].expand(-1, -1, dims))
+    return rebuilt.reshape(H, D // dims, n, dims).transpose(1, 2).reshape(H, n, D)
+
+
+def uniform(keys: torch.Tensor, region: torch.Tensor, levels: int) -> torch.Tensor:
+    """keys ``[H, n, D]`` → each dimension rounded to the nearest of ``levels`` evenly spaced values over its range in
+    ``region``."""
+    low = keys[:, region].amin(1, keepdim=True)
+    step = (keys[:, region].amax(1, keepdim=True) - low).clamp_min(1e-12) / (levels - 1)
+    return low + step * ((keys - low) / step).round().clamp(0, levels - 1)
+
+
+FORMS = {
+    "pq 2d×4b": lambda keys, region: learnt(keys, region, 2, 16),
+    "lloyd 1d×2b": lambda keys, region: learnt(keys, region, 1, 4),
+    "uniform 1d×2b": lambda keys, region: uniform(keys, region, 4),
+}
+
+
+def layer_shares(query, keys, scale, outside, density: float, rebuilt: dict[str, torch.Tensor]) -> dict[str, list]:
+    """One layer at one query: per form, per query head, (the share of exact top-k's rows in the form's shortlist, the
+    share of their attention it holds). query ``[Hq, D]``, keys ``[Hkv, n, D]``, outside ``[n]`` (selectable)."""
+    Hq, Hkv = query.shape[0], keys.shape[0]
+    group = Hq // Hkv
+    n = keys.shape[1]
+    budget = max(1, math.ceil(density * n) - SPARSE["sink"] - SPARSE["local"])
+    exact = scale * torch.einsum("hd,hnd->hn", query, keys.repeat_interleave(group, 0))
+    weights = torch.softmax(exact, -1)
+    masked = exact.masked_fill(~outside, float("-inf"))
+    wanted = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, masked.topk(budget, -1).indices, True)
+    shares: dict[str, list] = {}
+    for name, approx_keys in rebuilt.items():
+        approx = torch.einsum("hd,hnd->hn", query, approx_keys.repeat_interleave(group, 0))
+        approx = approx.masked_fill(~outside, float("-inf"))
+        short = torch.zeros_like(wanted).scatter_(-1, approx.topk(min(SHORTLIST * budget, n), -1).indices, True)
+        rows = ((wanted & short).sum(-1) / budget).tolist()
+        mass = ((weights * (wanted & short)).sum(-1) / (weights * wanted).sum(-1)).tolist()
+        shares[name] = list(zip(rows, mass))
+    return shares
+
+
+def run_model(name: str, args) -> dict:
+    model, tokenizer = load_offline_model(name)
+    layers = full_attention_layers(model)
+    samples = needle.make_samples(
+        tokenizer, args.samples, args.tokens, seed=0, kinds=needle.KINDS, texts=("essays", "python-docs", "python-source")
+    )
+    collected: dict[float, dict[str, list]] = {d: {form: [] for form in FORMS} for d in args.densities}
+    for sample in tqdm(samples, desc=name, unit="sample"):
+        ids = torch.cat([sample.context_ids, sample.question_ids], 1)
+        n = ids.shape[1] - 1  # the cache: every position before the last; the query: the prompt's last
+        outside = torch.zeros(n, dtype=torch.bool)
+        outside[SPARSE["sink"] : n - SPARSE["local"]] = True
+        for queries, keys, _, scale in capture_attention(model, ids, layers).values():
+            keys, query = keys[0, :, :n].float(), queries[0, :, n].float()
+            rebuilt = {form: make(keys, outside) for form, make in FORMS.items()}
+            for density in args.densities:
+                for form, rows in layer_shares(query, keys, scale, outside, density, rebuilt).items():
+                    collected[density][form] += rows
+    summary = {
+        f"{density:g}": {
+            form: {
+                "rows_in_shortlist": statistics.fmean(r for r, _ in rows),
+                "attention_in_shortlist": statistics.fmean(m for _, m in rows),
+                "lowest_rows_in_shortlist": min(r for r, _ in rows),
+                "heads_below_90pct": sum(r < 0.9 for r, _ in rows),
+                "heads": len(rows),
+            }
+            for form, rows in forms.items()
+        }
+        for density, forms in collected.items()
+    }
+    return {"model": model_label(name), "head_dim": head_dim(model.config), "layers": layers, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    parser.add_argument("--samples", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "studies" / "results" / "code_forms_recall.json")
+    args = parser.parse_args(argv)
+    if args.samples < 1 or args.tokens < 256:
+        parser.error("--samples at least 1 and --tokens at least 256")
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    models = [run_model(name, args) for name in args.model]
+    result = {
+        "what": __doc__.split("\n\n")[0],
+        "forms": list(FORMS),
+        "samples": args.samples,
+        "tokens": args.tokens,
+        "shortlist": f"{SHORTLIST} × the selectable budget",
+        "sink": SPARSE["sink"],
+        "local": SPARSE["local"],
+        "models": models,
+        "seconds": round(time.perf_counter() - start, 1),
+        "provenance": provenance(torch.device("cpu")),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for entry in models:
+        for density, forms in entry["summary"].items():
+            for form, s in forms.items():
+                print(
+                    f"{entry['model'][:14]:14} {float(density):>4.0%} {form:14} rows {s['rows_in_shortlist']:.3f} "
+                    f"attention {s['attention_in_shortlist']:.3f} lowest {s['lowest_rows_in_shortlist']:.2f} "
+                    f"below 90% {s['heads_below_90pct']}/{s['heads']}"
+                )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
