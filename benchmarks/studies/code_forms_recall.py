@@ -5,7 +5,9 @@ key by table lookup: on an H100 those lookups take as long as dense attention (`
 of 2 bits a dimension has the same D/4 bytes, and its key rebuilt from the code is a dot away from the query: no table,
 no gather, on tensor cores. This study measures what such codes keep, on real queries and keys of both offline models:
 
-- ``pq 2d×4b``: PQS's code (pairs of dimensions, 16 centroids each, Lloyd's k-means as PQS learns them);
+- ``pq 2d×4b``: PQS's code (pairs of neighbouring dimensions, 16 centroids each, Lloyd's k-means as PQS learns
+  them); ``rope``: each pair one plane RoPE rotates (dimensions i and i + D/2);
+- ``pq 4d×8b``: 256 centroids of each 4 dimensions (the same bytes, half the lookups a key); ``rope``: two planes;
 - ``lloyd 1d×2b``: each dimension coded by the nearest of 4 levels learnt by the same k-means (PQS at ``dims`` 1 and
   2 bits: the same code, scored from the rebuilt key);
 - ``uniform 1d×2b``: each dimension's range cut in 4 equal steps (nothing learnt).
@@ -35,22 +37,32 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from retrieval import SPARSE, full_attention_layers  # noqa: E402
-
 from oa_core.analysis import needle  # noqa: E402
 from oa_core.analysis.offline_model import capture_attention, head_dim, load_offline_model, model_label  # noqa: E402
 from oa_core.analysis.provenance import provenance  # noqa: E402
 from oa_core.ops.kmeans import lloyd_iterations  # noqa: E402
 from oa_plugins.selectors.pq import initial_centroids, training_positions  # noqa: E402
+from retrieval import SPARSE, full_attention_layers  # noqa: E402
 
 SHORTLIST = 4  # the shortlist: PQS's default re-rank, in multiples of the selectable budget
 ITERATIONS = 8  # PQS's Lloyd iterations
 TRAIN = 4096  # PQS's training keys
 
 
-def learnt(keys: torch.Tensor, region: torch.Tensor, dims: int, count: int) -> torch.Tensor:
+def rope_order(D: int) -> torch.Tensor:
+    """The dimensions with each RoPE pair side by side: (0, D/2, 1, D/2 + 1, ...) — transformers' rotate_half turns
+    dimension i with i + D/2, so a sub-space of two neighbours in this order is one rotating plane."""
+    return torch.stack((torch.arange(D // 2), torch.arange(D // 2) + D // 2), -1).flatten()
+
+
+def learnt(keys: torch.Tensor, region: torch.Tensor, dims: int, count: int, rope: bool = False) -> torch.Tensor:
     """keys ``[H, n, D]`` → each key rebuilt from its code: the nearest of ``count`` centroids per ``dims`` dimensions,
-    learnt from up to TRAIN keys of ``region`` as PQS learns them (evenly spaced keys, ranks for a start, Lloyd)."""
+    learnt from up to TRAIN keys of ``region`` as PQS learns them (evenly spaced keys, ranks for a start, Lloyd);
+    ``rope``: the sub-spaces take the dimensions in ``rope_order`` (PQS takes neighbours)."""
+    if rope:
+        order = rope_order(keys.shape[-1])
+        rebuilt = learnt(keys[..., order], region, dims, count)
+        return rebuilt[..., torch.argsort(order)]
     H, n, D = keys.shape
     positions, chosen = training_positions(region[None], TRAIN)
     points = keys[:, positions[0]].reshape(H, -1, D // dims, dims).transpose(1, 2).reshape(H * D // dims, -1, dims)
@@ -72,6 +84,9 @@ def uniform(keys: torch.Tensor, region: torch.Tensor, levels: int) -> torch.Tens
 
 FORMS = {
     "pq 2d×4b": lambda keys, region: learnt(keys, region, 2, 16),
+    "pq 2d×4b rope": lambda keys, region: learnt(keys, region, 2, 16, rope=True),
+    "pq 4d×8b": lambda keys, region: learnt(keys, region, 4, 256),
+    "pq 4d×8b rope": lambda keys, region: learnt(keys, region, 4, 256, rope=True),
     "lloyd 1d×2b": lambda keys, region: learnt(keys, region, 1, 4),
     "uniform 1d×2b": lambda keys, region: uniform(keys, region, 4),
 }
@@ -103,7 +118,12 @@ def run_model(name: str, args) -> dict:
     model, tokenizer = load_offline_model(name)
     layers = full_attention_layers(model)
     samples = needle.make_samples(
-        tokenizer, args.samples, args.tokens, seed=0, kinds=needle.KINDS, texts=("essays", "python-docs", "python-source")
+        tokenizer,
+        args.samples,
+        args.tokens,
+        seed=0,
+        kinds=needle.KINDS,
+        texts=("essays", "python-docs", "python-source"),
     )
     collected: dict[float, dict[str, list]] = {d: {form: [] for form in FORMS} for d in args.densities}
     for sample in tqdm(samples, desc=name, unit="sample"):
@@ -139,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "studies" / "results" / "code_forms_recall.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "studies" / "results" / "code_forms_recall.json"
+    )
     args = parser.parse_args(argv)
     if args.samples < 1 or args.tokens < 256:
         parser.error("--samples at least 1 and --tokens at least 256")
@@ -164,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         for density, forms in entry["summary"].items():
             for form, s in forms.items():
                 print(
-                    f"{entry['model'][:14]:14} {float(density):>4.0%} {form:14} rows {s['rows_in_shortlist']:.3f} "
+                    f"{entry['model'][:14]:14} {float(density):>4.0%} {form:15} rows {s['rows_in_shortlist']:.3f} "
                     f"attention {s['attention_in_shortlist']:.3f} lowest {s['lowest_rows_in_shortlist']:.2f} "
                     f"below 90% {s['heads_below_90pct']}/{s['heads']}"
                 )
