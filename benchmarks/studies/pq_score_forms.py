@@ -213,47 +213,33 @@ def main(argv=None) -> int:
     codes = pack_codes(torch.randint(0, C, (B, H, N, M), device=device, generator=gen).to(torch.uint8))
     queries = torch.randn(B, H, g, D, device=device, generator=gen)
     tables = torch.einsum("bhgmd,bhmcd->bhgmc", queries.view(B, H, g, M, 2), centroids)
-    runs = []
     lut = group_lut_scores(tables, codes, 0.1, 1, 1)  # per head: [B, H, g, N]
     timed = device.type == "cuda"
-    table_run = functools.partial(group_lut_scores, tables, codes, 0.1, 1, 1)
-    runs.append({"form": "tables", "ms": bench(graphed(table_run)) if timed else None})
-    print(runs[-1], flush=True)
-    for half in (False, True):
-        for block_n, warps in ((32, 4), (64, 4), (128, 4), (64, 8), (128, 8)):
+    runs: list[dict] = []
+
+    def measure(run, **fields) -> None:
+        """One launch of a form: its scores against the tables' and, on the GPU, its time; appended and printed."""
+        row = dict(fields)
+        if fields["form"] != "tables":
+            got = run()
+            row["max_abs_diff"] = float((got - lut).abs().max())
+            row["kept_of_top_4pct"] = kept_share(lut.flatten(0, 2), got.flatten(0, 2))
+        row["ms"] = bench(graphed(run)) if timed else None
+        runs.append(row)
+        print(row, flush=True)
+
+    measure(functools.partial(group_lut_scores, tables, codes, 0.1, 1, 1), form="tables")
+    launches = [(32, 4), (64, 4), (128, 4), (64, 8), (128, 8)]
+    for half in (False, True) if timed else (False,):  # the interpreter: the float32 forms only
+        for block_n, warps in launches if timed else launches[:1]:
             run = functools.partial(rebuilt_scores, centroids, codes, queries, 0.1, half, block_n, warps)
-            got = run()
-            row = {
-                "form": "rebuilt, bf16 dot" if half else "rebuilt, fp32 dot",
-                "block_n": block_n,
-                "warps": warps,
-                "max_abs_diff": float((got - lut).abs().max()),
-                "kept_of_top_4pct": kept_share(lut.flatten(0, 2), got.flatten(0, 2)),
-                "ms": bench(graphed(run)) if timed else None,
-            }
-            runs.append(row)
-            print(row, flush=True)
-            if not timed:
-                break
-    for form, name in ONEHOT_FORMS.items():
-        for block_n, sub, warps in ((64, 4, 4), (128, 4, 4), (64, 8, 4), (128, 8, 8), (128, 2, 4)):
+            name = "rebuilt, bf16 dot" if half else "rebuilt, fp32 dot"
+            measure(run, form=name, block_n=block_n, warps=warps)
+    launches = [(64, 4, 4), (128, 4, 4), (64, 8, 4), (128, 8, 8), (128, 2, 4)]
+    for form, name in ONEHOT_FORMS.items() if timed else list(ONEHOT_FORMS.items())[:1]:
+        for block_n, sub, warps in launches if timed else launches[:1]:
             run = functools.partial(onehot_scores, tables, codes, 0.1, form, block_n, sub, warps)
-            got = run()
-            row = {
-                "form": name,
-                "block_n": block_n,
-                "sub_spaces_per_dot": sub,
-                "warps": warps,
-                "max_abs_diff": float((got - lut).abs().max()),
-                "kept_of_top_4pct": kept_share(lut.flatten(0, 2), got.flatten(0, 2)),
-                "ms": bench(graphed(run)) if timed else None,
-            }
-            runs.append(row)
-            print(row, flush=True)
-            if not timed:
-                break
-        if not timed:
-            break  # the interpreter: the float32 form only
+            measure(run, form=name, block_n=block_n, sub_spaces_per_dot=sub, warps=warps)
     result = {
         "what": __doc__.split("\n\n")[0],
         "shape": {"batch": B, "kv_heads": H, "group": g, "context": N, "head_dim": D, "centroids": C},
