@@ -84,30 +84,37 @@ def _rebuilt_scores(
     )
 
 
-def rebuilt_scores(centroids, codes, queries, scale, half: bool, block_n: int = 64, warps: int = 4):
-    """centroids ``[B, H, M, C, 2]``, codes ``[B, H, N, M/2]`` packed, queries ``[B, H, GQ, D]`` → ``[B, H, GQ, N]``."""
-    B, H, M, C, _ = centroids.shape
-    GQ, N = queries.shape[2], codes.shape[2]
-    out = torch.empty(B, H, GQ, N, device=codes.device, dtype=torch.float32)
-    block_m = code_block(M)
-    _rebuilt_scores[(B * H, triton.cdiv(N, block_n))](
-        centroids,
+def launch(kernel, inputs: tuple, out, codes, scale, block_n: int, warps: int, **constants) -> torch.Tensor:
+    """A study kernel: a program per (batch row · KV head, block of ``block_n`` keys) over ``codes`` ``[B, H, N,
+    W]``; its arguments are the first of ``inputs``, the codes, the rest of ``inputs``, OUT ``[B, H, GQ, N]``, N and
+    the scale (GQ padded to a tensor-core block)."""
+    B, H, N, W = codes.shape
+    GQ = out.shape[2]
+    kernel[(B * H, triton.cdiv(N, block_n))](
+        *inputs[:1],
         codes,
-        queries.float().contiguous(),
+        *inputs[1:],
         out,
         N,
         scale,
         GQ=GQ,
-        M=M,
-        C=C,
-        W=codes.shape[-1],
-        BLOCK_M=block_m,
+        W=W,
         BLOCK_N=block_n,
         BLOCK_Q=max(16, triton.next_power_of_2(GQ)),
-        HALF=half,
         num_warps=warps,
+        **constants,
     )
     return out
+
+
+def rebuilt_scores(centroids, codes, queries, scale, half: bool, block_n: int = 64, warps: int = 4):
+    """centroids ``[B, H, M, C, 2]``, codes ``[B, H, N, M/2]`` packed, queries ``[B, H, GQ, D]`` → ``[B, H, GQ, N]``."""
+    B, H, M, C, _ = centroids.shape
+    out = torch.empty(B, H, queries.shape[2], codes.shape[2], device=codes.device, dtype=torch.float32)
+    inputs = (centroids, queries.float().contiguous())
+    return launch(
+        _rebuilt_scores, inputs, out, codes, scale, block_n, warps, M=M, C=C, BLOCK_M=code_block(M), HALF=half
+    )
 
 
 @triton.jit
@@ -170,25 +177,9 @@ ONEHOT_FORMS = {0: "one-hot, fp32 dot", 1: "one-hot, tf32 dot", 2: "one-hot, fp1
 def onehot_scores(tables, codes, scale, form: int, block_n: int = 64, sub_spaces: int = 4, warps: int = 4):
     """tables ``[B, H, GQ, M, C]``, codes ``[B, H, N, M/2]`` packed → ``[B, H, GQ, N]`` (``_onehot_scores``)."""
     B, H, GQ, M, C = tables.shape
-    N = codes.shape[2]
-    out = torch.empty(B, H, GQ, N, device=codes.device, dtype=torch.float32)
-    _onehot_scores[(B * H, triton.cdiv(N, block_n))](
-        tables.float().contiguous(),
-        codes,
-        out,
-        N,
-        scale,
-        GQ=GQ,
-        M=M,
-        C=C,
-        W=codes.shape[-1],
-        MB=sub_spaces,
-        BLOCK_N=block_n,
-        BLOCK_Q=max(16, triton.next_power_of_2(GQ)),
-        FORM=form,
-        num_warps=warps,
-    )
-    return out
+    out = torch.empty(B, H, GQ, codes.shape[2], device=codes.device, dtype=torch.float32)
+    inputs = (tables.float().contiguous(),)
+    return launch(_onehot_scores, inputs, out, codes, scale, block_n, warps, M=M, C=C, MB=sub_spaces, FORM=form)
 
 
 def kept_share(a: torch.Tensor, b: torch.Tensor, share: float = 0.04) -> float:
