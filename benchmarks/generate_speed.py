@@ -283,8 +283,8 @@ def main(argv=None) -> int:
         type=Path,
         default=None,
         metavar="DIR",
-        help="keep each configuration's run as DIR/<BATCHxCONTEXT>.json and skip a configuration already there (a "
-        "run cut short resumes where it stopped; delete a file to redo it)",
+        help="keep each configuration × method's run as DIR/<BATCHxCONTEXT>/<method>.json and skip one already there "
+        "(a run cut short resumes where it stopped; delete a file to redo it)",
     )
     parser.add_argument(
         "--combine",
@@ -387,18 +387,18 @@ def run_apart(args) -> int:
         for config in args.configs:
             for name, chosen in jobs(args):
                 part = folder / config / f"{name}.json"
+                partial = part.with_suffix(".partial")  # one cut short is not mistaken for a whole one
                 part.parent.mkdir(parents=True, exist_ok=True)
                 if part.is_file():
                     print(f"--- {config} {name}: kept from an earlier run ({part})", flush=True)
                 else:
-                    partial = part.with_suffix(".partial")  # one cut short is not mistaken for a whole one
                     command = [sys.executable, __file__, *options, *chosen, "--configs", config, "--out", str(partial)]
                     print(f"--- {config} {name}: {' '.join(command[1:])}", flush=True)
                     if subprocess.run(command).returncode == 0 and partial.is_file():
                         partial.replace(part)
                 if not part.is_file():
                     failed.append(f"{config} {name}")  # what it measured is merged, and it runs again next time
-                done = part if part.is_file() else part.with_suffix(".partial")
+                done = part if part.is_file() else partial
                 if done.is_file():
                     parts.append(json.loads(done.read_text()))
                     write(args.out, combine(parts), quiet=True)

@@ -724,7 +724,9 @@ def layer_table() -> str:
             )
     caption = (
         f"The default (`{result['spec']}`) per head, one layer's decode step (the fused static step: grow + attend) "
-        f"against dense SDPA, Llama-3.1-8B shape, ms (`{'`, `'.join(LAYER)}`). Made by: {'; '.join(sorted(machines))}."
+        f"against dense SDPA, Llama-3.1-8B shape, ms (`{'`, `'.join(LAYER)}`: `bash benchmarks/gpu_report.sh layer`, "
+        f"which runs `benchmarks/kernel_h200.py` per head at each batch × context). Made by: "
+        f"{'; '.join(sorted(machines))}."
     )
     header = ["batch × context", "density", "dense", "step, graphed", "step, eager", "speed", "target", "kernels, ms"]
     return caption + "\n\n" + _table(header, rows)
