@@ -29,6 +29,11 @@ benchmarks run), carried to the shape's group of 4 as the same share of the way 
 size class of clusters), at one size class — the selection takes one more launch per further class, which depends on
 the largest cluster (``oa_core.ops.selection.size_classes``).
 
+``one_program_projection``: the same bytes for issue 56's one-program design, which is not built (``projections``):
+no row of scores goes through memory whole; each head keeps the candidates above a running threshold, written and
+read once; the codes of clusters where a head's quota runs past its shortlisted rows are read again. Its shares are
+measured on the same captures (``one_program_factors``).
+
     python benchmarks/step_cost.py                 # writes benchmarks/results/step_cost.json
     python benchmarks/step_cost.py --no-measure    # the bounds only, no model loaded
 """
@@ -36,6 +41,7 @@ the largest cluster (``oa_core.ops.selection.size_classes``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -46,6 +52,7 @@ import torch
 import oa_core as oa
 from oa_core.analysis.provenance import provenance
 from oa_core.components import group_queries
+from oa_core.ops.selection import order_keys
 
 OUT = Path(__file__).resolve().parent / "results" / "step_cost.json"
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "openattention.yaml"
@@ -71,10 +78,14 @@ def step_bytes(
     shortlist_union: float = 1.0,
     selected_union: float = 1.0,
     group: int = SHAPE["query_heads"] // SHAPE["kv_heads"],
+    candidates: float | None = None,
+    reread: float = 0.0,
 ) -> dict[str, float]:
     """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
-    once)."""
+    once). With ``candidates`` (a share of the clusterable positions), the one-program design's instead: no row of
+    scores goes through memory whole, each head's candidates are written and read once (a float32 score and an int32
+    position each), and a share ``reread`` of the codes is read a second time (``one_program_factors``)."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -89,13 +100,15 @@ def step_bytes(
     sums = (3 if spec.proxy == "second-order" else 2) * D + 1  # float32 each
     row = 2 * D * KV_BYTES  # a K and a V row
     per_head = {
-        "codes": clusterable * codes,
+        "codes": clusterable * codes * (1 + reread),
         "shortlist_keys": shortlist_union * shortlist * D * KV_BYTES,
         "selected_rows": (fixed + selected_union * selectable) * row,
         "proxies": clusters * sums * 4,
         "state": codes + row + 2 * sums * 4 + shortlist_union * shortlist * 4,
         "scores": score_rows * clusterable * 4 * SCORE_PASSES,
     }
+    if candidates is not None:
+        per_head["scores"] = score_rows * clusterable * candidates * (4 + 4) * 2
     out = {part: batch * kv_heads * value for part, value in per_head.items()}
     out["total"] = sum(out.values())
     out["dense"] = batch * kv_heads * context * row
@@ -129,6 +142,70 @@ def union_factors(pipe: oa.Pipeline, state, queries: torch.Tensor) -> tuple[floa
     return float(shortlist), float(selected)
 
 
+CHUNKS = 16  # a one-program step's passes over a row of codes: 1,024 positions each at 16K
+BUCKET_BITS = 20  # an on-chip histogram's resolution: order keys floored to 2^20 (4,096 buckets over float32)
+
+
+def running_candidates(scores: torch.Tensor, length: int, bucket_bits: int | None = None) -> torch.Tensor:
+    """scores ``[R, N]`` (-inf: not selectable) read in ``CHUNKS`` chunks in position order → ``[R, N]`` bool: the
+    positions a one-program step would write as candidates: after each chunk, those of the chunk at or above the
+    ``length``-th best score seen so far (with ``bucket_bits``, that score's histogram bucket's floor, as a histogram
+    of order keys floored to 2^bucket_bits finds it; every finite one while fewer than ``length`` are seen). The
+    row's best ``length`` are always among them: the running threshold never exceeds the final cut."""
+    R, N = scores.shape
+    lowest = torch.iinfo(torch.long).min
+    finite = scores > -math.inf
+    keys = order_keys(scores).masked_fill(~finite, lowest)
+    written = torch.zeros(R, N, dtype=torch.bool)
+    ends = torch.linspace(0, N, CHUNKS + 1).round().long().tolist()
+    for start, end in itertools.pairwise(ends):
+        cut = keys[:, :end].topk(min(length, end), dim=-1).values[:, -1:]  # the length-th best so far
+        cut = torch.where(finite[:, :end].sum(-1, keepdim=True) >= length, cut, lowest)
+        if bucket_bits is not None:
+            cut = torch.where(cut > lowest, (cut >> bucket_bits) << bucket_bits, cut)
+        written[:, start:end] = (keys[:, start:end] >= cut) & finite[:, start:end]
+    return written
+
+
+def one_program_factors(pipe: oa.Pipeline, state, queries: torch.Tensor) -> dict[str, float]:
+    """What a one-program step (issue 56's design: scores never written whole) would read instead of the scores'
+    trips, from one attend of ``queries`` over ``state``, per head: ``candidates`` (exact running threshold) and
+    ``candidates_bucketed`` (a histogram's), the mean share of selectable positions written as candidates
+    (``running_candidates``); ``outside_shortlist``, the share of selected rows (sink and window left out) not in the
+    selector's shortlist; ``reread_codes``, the mean share of a (batch row, KV head)'s selectable positions in clusters
+    whose quota for some head exceeds its shortlisted rows there (their codes read again to rank the rest)."""
+    explanation = pipe.explain(queries, state)
+    plan = state.plan()
+    Hkv, n = state.keys.shape[1], state.num_tokens
+    grouped = group_queries(queries, Hkv, False)
+    scores = pipe.selector.score(grouped, state.index, state.keys, state.scale)
+    assert plan.unclustered is not None and explanation.quotas is not None and explanation.allocation is not None
+    scores = scores.masked_fill(plan.unclustered, -math.inf)  # [B, Hkv, G, T, N]
+    length = max(1, math.ceil(getattr(pipe.selector.config, "rerank", 0.0) * int(plan.max_selectable)))
+    flat = scores.reshape(-1, n)
+    selectable = (flat > -math.inf).sum(-1).clamp_min(1)
+    exact = (running_candidates(flat, length).sum(-1) / selectable).mean()
+    bucketed = (running_candidates(flat, length, BUCKET_BITS).sum(-1) / selectable).mean()
+    top = scores.topk(min(length, n), dim=-1).indices
+    listed = torch.zeros(*scores.shape, dtype=torch.bool).scatter_(-1, top, True)
+    index = explanation.selection.index  # [B, Hkv, G, T, K], -1 padding
+    fixed = plan.fixed[:, :, None, None, :]
+    chosen = (index >= 0) & ~(index[..., :, None] == fixed[..., None, :]).any(-1)
+    outside = chosen & ~listed.gather(-1, index.clamp_min(0))
+    assignment = explanation.allocation.assignment  # [B, Hkv, N], C outside the clusters
+    C = explanation.quotas.shape[-1]
+    members = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()  # [B, Hkv, N, C]
+    listed_per_cluster = torch.einsum("bhgtn,bhnc->bhgtc", listed.float(), members)
+    short = (explanation.quotas > listed_per_cluster).any(2).any(2)  # [B, Hkv, C]: some head's quota runs past
+    reread = (members.sum(2) * short).sum(-1) / members.sum((2, 3)).clamp_min(1)
+    return {
+        "candidates": float(exact),
+        "candidates_bucketed": float(bucketed),
+        "outside_shortlist": float(outside.sum() / chosen.sum().clamp_min(1)),
+        "reread_codes": float(reread.mean()),
+    }
+
+
 def measure(model: str | None, densities: list[float]) -> dict:
     """Union factors of the default spec per head on an offline model: per density, the mean over three layers."""
     from oa_core.analysis.attention_error import PREFILL_QUERIES, default_layers, haystack_ids, layer_case
@@ -144,14 +221,16 @@ def measure(model: str | None, densities: list[float]) -> dict:
     for density in densities:
         spec = {"budget": {"density": density}, "sink": MEASURE["sink"], "local": MEASURE["local"], "gqa": "per_head"}
         pipe = oa.build({**oa.load_spec(SPEC).model_dump(mode="json"), **spec})
-        found = []
+        found, designs = [], []
         for layer in layers:
             case = layer_case(captured[layer], tokens, decode)
             state = pipe.prepare(case.keys, case.values, case.prefill[:, :, -PREFILL_QUERIES:], scale=case.scale)
             found.append(union_factors(pipe, state, case.queries))
+            designs.append(one_program_factors(pipe, state, case.queries))
         out["densities"][str(density)] = {
             "shortlist_union": round(sum(s for s, _ in found) / len(found), 3),
             "selected_union": round(sum(s for _, s in found) / len(found), 3),
+            **{key: round(sum(d[key] for d in designs) / len(designs), 4) for key in designs[0]},
         }
     return out
 
@@ -213,6 +292,57 @@ def configs(pipe_for, measured: list[dict]) -> list[dict]:
     return rows
 
 
+# Issue 56's one-program step: (1) per (batch row, KV head), the codes scored for every head of the group and each
+# head's candidates kept by a running threshold; (2) per (batch row, KV head), the exact cut from the candidates, the
+# exact logits of the shortlists' union, floor, quotas, per-cluster selection and the flash pass; (3) the growth.
+DESIGN_LAUNCHES = 3
+
+
+def projections(pipe_for, measured: list[dict]) -> list[dict]:
+    """Per configuration at each density, per head: the bytes of issue 56's one-program design (not built) with the
+    group overlaps, candidate shares (a histogram's threshold) and code re-reads measured on each offline model."""
+    G = SHAPE["query_heads"] // SHAPE["kv_heads"]
+    rows = []
+    for batch, context in CONFIGS:
+        for density in DENSITIES:
+            pipe = pipe_for(density, "per_head")
+            for m in measured:
+                found = m["densities"].get(str(density))
+                if not found or "candidates_bucketed" not in found:
+                    continue
+                short, sel = (
+                    transfer(found[key], m["heads_per_group"], G) for key in ("shortlist_union", "selected_union")
+                )
+                parts = step_bytes(
+                    pipe,
+                    batch,
+                    context,
+                    SHAPE["kv_heads"],
+                    SHAPE["head_dim"],
+                    short,
+                    sel,
+                    candidates=found["candidates_bucketed"],
+                    reread=found["reread_codes"],
+                )
+                rows.append(
+                    {
+                        "batch": batch,
+                        "context": context,
+                        "density": density,
+                        "gqa": "per_head",
+                        "overlap": f"measured on {m['model']}",
+                        "candidates": found["candidates_bucketed"],
+                        "reread_codes": found["reread_codes"],
+                        "bytes": {k: round(v) for k, v in parts.items() if k not in ("total", "dense")},
+                        "total_bytes": round(parts["total"]),
+                        "dense_bytes": int(parts["dense"]),
+                        "share_of_dense": round(parts["total"] / parts["dense"], 4),
+                        "launches": DESIGN_LAUNCHES,
+                    }
+                )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-measure", action="store_true", help="the bounds only: load no model")
@@ -226,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measured = [] if args.no_measure else [measure(model, DENSITIES) for model in (None, "gemma3-270m")]
     rows = configs(pipe_for, measured)
+    designed = projections(pipe_for, measured)
     result = {
         "shape": SHAPE,
         "spec": "specs/openattention.yaml",
@@ -233,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         "measured_overlap": measured,
         "measure_setting": MEASURE,
         "configs": rows,
+        "one_program_projection": designed,
+        "projection_note": "issue 56's one-program step, not built: the scores' trips replaced by each head's "
+        f"candidates above a running threshold ({CHUNKS} chunks a row, a histogram of order keys floored to "
+        f"2^{BUCKET_BITS}), written and read once; launches as designed (DESIGN_LAUNCHES), not counted",
         "launches_note": "the fused step's launches (FusedStep.launch_names) at one size class of clusters; one more "
         "per further size class (the largest cluster's)",
         "codes_note": "codes counted packed, two 4-bit codes a byte, as the PQS index keeps them "
@@ -245,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch × context':>16} {'density':>7} {'gqa':>9} {'overlap':>34} {'codes':>6} {'short':>6} {'rows':>6} "
         f"{'proxy':>6} {'state':>6} {'scores':>6} {'total':>6}  (share of dense)"
     )
-    for r in rows:
+    for r in [*rows, {"heading": f"issue 56's one-program design (not built; {DESIGN_LAUNCHES} launches)"}, *designed]:
+        if "heading" in r:
+            print(r["heading"])
+            continue
         share = {k: v / r["dense_bytes"] for k, v in r["bytes"].items()}
         print(
             f"{r['batch']:>6} × {r['context']:>7} {r['density']:>7.0%} {r['gqa']:>9} {r['overlap']:>34} "

@@ -82,3 +82,29 @@ def test_the_launches_are_the_fused_step_s_own_count():
     specs = Path(__file__).resolve().parents[1] / "specs"
     assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 15
     assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 7
+
+
+def test_running_candidates_hold_the_shortlist_and_follow_the_order_of_the_scores():
+    C, length = step_cost.CHUNKS, 5
+    N = C * 8
+    best_first = torch.arange(N, 0, -1).float()[None]
+    assert int(step_cost.running_candidates(best_first, length).sum()) == length  # later chunks fall below the cut
+    best_last = torch.arange(N).float()[None]
+    assert int(step_cost.running_candidates(best_last, length).sum()) == C * length  # each chunk beats the cut
+    scores = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    scores[:, :7] = -math.inf  # not selectable: never written
+    written = step_cost.running_candidates(scores, 40)
+    bucketed = step_cost.running_candidates(scores, 40, bucket_bits=20)
+    top = scores.topk(40, dim=-1).indices
+    assert bool(written.gather(-1, top).all()) and bool((bucketed | ~written).all())  # shortlist ⊆ exact ⊆ bucketed
+    assert not bool(bucketed[:, :7].any()) and 40 < int(written.sum(-1).min()) < 1000
+
+
+def test_a_shortlist_of_every_position_leaves_nothing_outside_it():
+    spec = {"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"}
+    whole = oa.build({**spec, "selector": {"name": "pq", "rerank": 100}})
+    found = step_cost.one_program_factors(whole, *_state(whole, heads_alike=False))
+    assert found["candidates"] == 1.0 and found["outside_shortlist"] == 0.0 and found["reread_codes"] == 0.0
+    narrow = oa.build({**spec, "budget": {"density": 0.05}})
+    found = step_cost.one_program_factors(narrow, *_state(narrow, heads_alike=False))
+    assert 0 < found["candidates"] <= found["candidates_bucketed"] < 1
