@@ -75,6 +75,7 @@ OTHERS = [
     "cuda_consistency_static.json",
     "mutations.json",
     "step_cost.json",
+    "generate_speed_h100.json",
 ]
 # The RULER grid docs/evaluation.md shows in full: every method at every density.
 GRID = "ruler_c3f5e3b_smollm2_4k"
