@@ -251,6 +251,16 @@ def fused_launches(pipe: oa.Pipeline) -> int:
     return len(FusedStep.launch_names(SCORING[type(pipe.selector)], rerank, floor, classes=1))
 
 
+def byte_fields(parts: dict[str, float]) -> dict:
+    """``step_bytes``' result as a configuration's record fields: the parts, their total, dense's and the share."""
+    return {
+        "bytes": {k: round(v) for k, v in parts.items() if k not in ("total", "dense")},
+        "total_bytes": round(parts["total"]),
+        "dense_bytes": int(parts["dense"]),
+        "share_of_dense": round(parts["total"] / parts["dense"], 4),
+    }
+
+
 def configs(pipe_for, measured: list[dict]) -> list[dict]:
     """Every configuration's bytes: shared (union 1), and per head at both bounds and at each measured factor."""
     G = SHAPE["query_heads"] // SHAPE["kv_heads"]
@@ -282,10 +292,7 @@ def configs(pipe_for, measured: list[dict]) -> list[dict]:
                             "overlap": case,
                             "shortlist_union": short,
                             "selected_union": sel,
-                            "bytes": {k: round(v) for k, v in parts.items() if k not in ("total", "dense")},
-                            "total_bytes": round(parts["total"]),
-                            "dense_bytes": int(parts["dense"]),
-                            "share_of_dense": round(parts["total"] / parts["dense"], 4),
+                            **byte_fields(parts),
                             "launches": launches,
                         }
                     )
@@ -333,10 +340,7 @@ def projections(pipe_for, measured: list[dict]) -> list[dict]:
                         "overlap": f"measured on {m['model']}",
                         "candidates": found["candidates_bucketed"],
                         "reread_codes": found["reread_codes"],
-                        "bytes": {k: round(v) for k, v in parts.items() if k not in ("total", "dense")},
-                        "total_bytes": round(parts["total"]),
-                        "dense_bytes": int(parts["dense"]),
-                        "share_of_dense": round(parts["total"] / parts["dense"], 4),
+                        **byte_fields(parts),
                         "launches": DESIGN_LAUNCHES,
                     }
                 )
