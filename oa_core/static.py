@@ -139,7 +139,9 @@ class StaticState:
             capacity=capacity,
             scale=state.scale,
             length=torch.tensor(n, device=device) if length is None else length,
-            clusters=state.clusters,
+            # The clusters' space and count, with the arena's assignment: the prepare's own copy (int64, 1.6% of the
+            # layer's K and V) would only stay beside it (benchmarks/studies/state_memory.py).
+            clusters=dataclasses.replace(state.clusters, assignment=views["assignment"]),
             token_fields=tuple(sample),
             fixed_base=fixed_base,
             fixed_moves=fixed_moves,
