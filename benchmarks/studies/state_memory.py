@@ -94,8 +94,8 @@ def measure(context: int, density: float, layers: int, batch: int) -> dict:
         name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         for name, (_, dtype, shape) in state.layout.items()
     }
-    seen = {layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()}
-    found = storages(state, seen)
+    seen = {t.untyped_storage().data_ptr() for t in (layer.keys, layer.values, state.arena)}
+    found = [("arena", state.arena.untyped_storage().nbytes()), *storages(state, seen)]
     total = sum(size for _, size in found)
     return {
         "context": context,
