@@ -139,15 +139,12 @@ class StaticState:
             capacity=capacity,
             scale=state.scale,
             length=torch.tensor(n, device=device) if length is None else length,
-            # The clusters' space and count, with the arena's assignment: the prepare's own copy (int64, 1.6% of the
-            # layer's K and V) would only stay beside it (benchmarks/studies/state_memory.py).
-            clusters=dataclasses.replace(state.clusters, assignment=views["assignment"]),
             token_fields=tuple(sample),
             fixed_base=fixed_base,
             fixed_moves=fixed_moves,
             arena=arena,
             layout=layout,
-            **_fields(state.index, tuple(sample), views),
+            **_fields(state.clusters, state.index, tuple(sample), views),
         )
         static.fused = pipe.kernel.static_step(static)
         return static
@@ -169,7 +166,10 @@ class StaticState:
         if length is self.length and arena is self.arena:
             return self
         return dataclasses.replace(
-            self, length=length, arena=arena, **_fields(self.index, self.token_fields, unpack(arena, self.layout))
+            self,
+            length=length,
+            arena=arena,
+            **_fields(self.clusters, self.index, self.token_fields, unpack(arena, self.layout)),
         )
 
     # -- one decode step --------------------------------------------------------------------------------------------
@@ -303,9 +303,12 @@ def unpack(arena: Tensor, layout: dict) -> dict[str, Tensor]:
     }
 
 
-def _fields(index, token_fields: tuple[str, ...], views: dict[str, Tensor]) -> dict[str, Any]:
-    """``StaticState``'s fields over the arena's ``views``."""
+def _fields(clusters: Clusters, index, token_fields: tuple[str, ...], views: dict[str, Tensor]) -> dict[str, Any]:
+    """``StaticState``'s fields over the arena's ``views``. The clusters keep their space and count with the arena's
+    assignment: the prepare's own copy (int64, 1.6% of a layer's K and V) would only stay beside it
+    (``benchmarks/studies/state_memory.py``)."""
     return dict(
+        clusters=dataclasses.replace(clusters, assignment=views["assignment"]),
         start=views["start"],
         assignment=views["assignment"],
         pooled=PooledClusters(
