@@ -46,6 +46,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -115,10 +116,22 @@ def step_bytes(
     return out
 
 
-def union_factors(pipe: oa.Pipeline, state, queries: torch.Tensor) -> tuple[float, float]:
-    """(shortlist, selection) union factors of one attend of ``queries`` ``[B, Hq, T, D]`` over ``state``: the mean
-    over (batch row, KV head, query) of |∪_g rows of head g| / the mean rows of one head, for the shortlist (the best
-    ⌈rerank × E_sel⌉ rows by the selector's own scores) and for the selected rows (sink and window left out)."""
+class Decisions(NamedTuple):
+    """What one attend of some queries over a state decides, as the factors below read it: the explanation, the
+    selector's own scores (-inf outside the clusters) ``[B, Hkv, G, T, N]``, the shortlist's length and its positions
+    (``listed``, same shape), and the selected positions outside the sink and window (``chosen``, over
+    ``explanation.selection.index``)."""
+
+    explanation: Any
+    scores: torch.Tensor
+    length: int
+    listed: torch.Tensor
+    chosen: torch.Tensor
+
+
+def decisions(pipe: oa.Pipeline, state, queries: torch.Tensor) -> Decisions:
+    """One attend of ``queries`` ``[B, Hq, T, D]`` over ``state`` per head, explained once for every factor: the
+    shortlist is the best ⌈rerank × E_sel⌉ rows by the selector's own scores."""
     explanation = pipe.explain(queries, state)
     plan = state.plan()
     Hkv, n = state.keys.shape[1], state.num_tokens
@@ -130,11 +143,19 @@ def union_factors(pipe: oa.Pipeline, state, queries: torch.Tensor) -> tuple[floa
     length = max(1, math.ceil(multiple * int(plan.max_selectable)))
     top = scores.topk(min(length, n), dim=-1).indices
     listed = torch.zeros(*scores.shape, dtype=torch.bool).scatter_(-1, top, True)
-    shortlist = listed.any(2).sum(-1).double().mean() / listed.sum(-1).double().mean()
-
     index = explanation.selection.index  # [B, Hkv, G, T, K], -1 padding
     fixed = plan.fixed[:, :, None, None, :]  # [B, Hkv, 1, 1, F]
     chosen = (index >= 0) & ~(index[..., :, None] == fixed[..., None, :]).any(-1)
+    return Decisions(explanation, scores, length, listed, chosen)
+
+
+def union_factors(decided: Decisions) -> tuple[float, float]:
+    """(shortlist, selection) union factors of one attend (``decisions``): the mean over (batch row, KV head, query)
+    of |∪_g rows of head g| / the mean rows of one head, for the shortlist and for the selected rows (sink and window
+    left out)."""
+    listed, chosen, n = decided.listed, decided.chosen, decided.scores.shape[-1]
+    shortlist = listed.any(2).sum(-1).double().mean() / listed.sum(-1).double().mean()
+    index = decided.explanation.selection.index
     rows = torch.zeros(*index.shape[:-1], n + 1, dtype=torch.bool)
     rows.scatter_(-1, torch.where(chosen, index, n), True)
     rows = rows[..., :n]
@@ -167,31 +188,20 @@ def running_candidates(scores: torch.Tensor, length: int, bucket_bits: int | Non
     return written
 
 
-def one_program_factors(pipe: oa.Pipeline, state, queries: torch.Tensor) -> dict[str, float]:
+def one_program_factors(decided: Decisions) -> dict[str, float]:
     """What a one-program step (issue 56's design: scores never written whole) would read instead of the scores'
-    trips, from one attend of ``queries`` over ``state``, per head: ``candidates`` (exact running threshold) and
+    trips, from one attend (``decisions``), per head: ``candidates`` (exact running threshold) and
     ``candidates_bucketed`` (a histogram's), the mean share of selectable positions written as candidates
     (``running_candidates``); ``outside_shortlist``, the share of selected rows (sink and window left out) not in the
     selector's shortlist; ``reread_codes``, the mean share of a (batch row, KV head)'s selectable positions in clusters
     whose quota for some head exceeds its shortlisted rows there (their codes read again to rank the rest)."""
-    explanation = pipe.explain(queries, state)
-    plan = state.plan()
-    Hkv, n = state.keys.shape[1], state.num_tokens
-    grouped = group_queries(queries, Hkv, False)
-    scores = pipe.selector.score(grouped, state.index, state.keys, state.scale)
-    assert plan.unclustered is not None and explanation.quotas is not None and explanation.allocation is not None
-    scores = scores.masked_fill(plan.unclustered, -math.inf)  # [B, Hkv, G, T, N]
-    length = max(1, math.ceil(getattr(pipe.selector.config, "rerank", 0.0) * int(plan.max_selectable)))
-    flat = scores.reshape(-1, n)
+    explanation, scores, length, listed, chosen = decided
+    assert explanation.quotas is not None and explanation.allocation is not None
+    flat = scores.reshape(-1, scores.shape[-1])
     selectable = (flat > -math.inf).sum(-1).clamp_min(1)
     exact = (running_candidates(flat, length).sum(-1) / selectable).mean()
     bucketed = (running_candidates(flat, length, BUCKET_BITS).sum(-1) / selectable).mean()
-    top = scores.topk(min(length, n), dim=-1).indices
-    listed = torch.zeros(*scores.shape, dtype=torch.bool).scatter_(-1, top, True)
-    index = explanation.selection.index  # [B, Hkv, G, T, K], -1 padding
-    fixed = plan.fixed[:, :, None, None, :]
-    chosen = (index >= 0) & ~(index[..., :, None] == fixed[..., None, :]).any(-1)
-    outside = chosen & ~listed.gather(-1, index.clamp_min(0))
+    outside = chosen & ~listed.gather(-1, explanation.selection.index.clamp_min(0))
     assignment = explanation.allocation.assignment  # [B, Hkv, N], C outside the clusters
     C = explanation.quotas.shape[-1]
     members = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()  # [B, Hkv, N, C]
@@ -225,8 +235,9 @@ def measure(model: str | None, densities: list[float]) -> dict:
         for layer in layers:
             case = layer_case(captured[layer], tokens, decode)
             state = pipe.prepare(case.keys, case.values, case.prefill[:, :, -PREFILL_QUERIES:], scale=case.scale)
-            found.append(union_factors(pipe, state, case.queries))
-            designs.append(one_program_factors(pipe, state, case.queries))
+            decided = decisions(pipe, state, case.queries)
+            found.append(union_factors(decided))
+            designs.append(one_program_factors(decided))
         out["densities"][str(density)] = {
             "shortlist_union": round(sum(s for s, _ in found) / len(found), 3),
             "selected_union": round(sum(s for _, s in found) / len(found), 3),
@@ -347,6 +358,16 @@ def projections(pipe_for, measured: list[dict]) -> list[dict]:
     return rows
 
 
+def share_line(r: dict) -> str:
+    """One configuration's record as a printed row: each part's share of dense's bytes, then the total's."""
+    share = {k: v / r["dense_bytes"] for k, v in r["bytes"].items()}
+    return (
+        f"{r['batch']:>6} × {r['context']:>7} {r['density']:>7.0%} {r['gqa']:>9} {r['overlap']:>34} "
+        + " ".join(f"{share[k]:>6.1%}" for k in PARTS)
+        + f" {r['share_of_dense']:>6.1%}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-measure", action="store_true", help="the bounds only: load no model")
@@ -371,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "one_program_projection": designed,
         "projection_note": "issue 56's one-program step, not built: the scores' trips replaced by each head's "
         f"candidates above a running threshold ({CHUNKS} chunks a row, a histogram of order keys floored to "
-        f"2^{BUCKET_BITS}), written and read once; launches as designed (DESIGN_LAUNCHES), not counted",
+        f"2^{BUCKET_BITS}), written and read once; {DESIGN_LAUNCHES} launches as designed, not counted",
         "launches_note": "the fused step's launches (FusedStep.launch_names) at one size class of clusters; one more "
         "per further size class (the largest cluster's)",
         "codes_note": "codes counted packed, two 4-bit codes a byte, as the PQS index keeps them "
@@ -384,16 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch × context':>16} {'density':>7} {'gqa':>9} {'overlap':>34} {'codes':>6} {'short':>6} {'rows':>6} "
         f"{'proxy':>6} {'state':>6} {'scores':>6} {'total':>6}  (share of dense)"
     )
-    for r in [*rows, {"heading": f"issue 56's one-program design (not built; {DESIGN_LAUNCHES} launches)"}, *designed]:
-        if "heading" in r:
-            print(r["heading"])
-            continue
-        share = {k: v / r["dense_bytes"] for k, v in r["bytes"].items()}
-        print(
-            f"{r['batch']:>6} × {r['context']:>7} {r['density']:>7.0%} {r['gqa']:>9} {r['overlap']:>34} "
-            + " ".join(f"{share[k]:>6.1%}" for k in PARTS)
-            + f" {r['share_of_dense']:>6.1%}"
-        )
+    for r in rows:
+        print(share_line(r))
+    print(f"issue 56's one-program design (not built; {DESIGN_LAUNCHES} launches):")
+    for r in designed:
+        print(share_line(r))
     print(f"wrote {args.out}")
     return 0
 

@@ -62,9 +62,9 @@ def _state(pipe, heads_alike: bool):
 def test_a_group_of_identical_heads_has_union_factor_one_and_distinct_heads_more():
     pipe = oa.build({"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"})
     state, same = _state(pipe, heads_alike=True)
-    assert step_cost.union_factors(pipe, state, same) == pytest.approx((1.0, 1.0))
+    assert step_cost.union_factors(step_cost.decisions(pipe, state, same)) == pytest.approx((1.0, 1.0))
     state, different = _state(pipe, heads_alike=False)
-    shortlist, selected = step_cost.union_factors(pipe, state, different)
+    shortlist, selected = step_cost.union_factors(step_cost.decisions(pipe, state, different))
     assert 1.2 < shortlist <= 4.0 and 1.2 < selected <= 4.0
 
 
@@ -103,8 +103,8 @@ def test_running_candidates_hold_the_shortlist_and_follow_the_order_of_the_score
 def test_a_shortlist_of_every_position_leaves_nothing_outside_it():
     spec = {"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"}
     whole = oa.build({**spec, "selector": {"name": "pq", "rerank": 100}})
-    found = step_cost.one_program_factors(whole, *_state(whole, heads_alike=False))
+    found = step_cost.one_program_factors(step_cost.decisions(whole, *_state(whole, heads_alike=False)))
     assert found["candidates"] == 1.0 and found["outside_shortlist"] == 0.0 and found["reread_codes"] == 0.0
     narrow = oa.build({**spec, "budget": {"density": 0.05}})
-    found = step_cost.one_program_factors(narrow, *_state(narrow, heads_alike=False))
+    found = step_cost.one_program_factors(step_cost.decisions(narrow, *_state(narrow, heads_alike=False)))
     assert 0 < found["candidates"] <= found["candidates_bucketed"] < 1
