@@ -1127,10 +1127,46 @@ MUTATIONS = [
     ),
     mutation(
         "fused-two-stage-rest-not-shifted",
-        "plugins/kernels/two_stage_programs.py",
-        [("tl.where(keep, listed_exact, value + shift)", "tl.where(keep, listed_exact, value)")],
+        "oa_core/ops/selection.py",
+        [("unlisted = tl.where(boxed, 0.0, score) + shift", "unlisted = tl.where(boxed, 0.0, score)")],
         FUSED_TWO_STAGE_TESTS,
-        "the fused step leaves unlisted rows their codes' scores beside exact logits",
+        "the fused step's selection leaves unlisted rows their codes' scores beside exact logits",
+    ),
+    mutation(
+        "fused-two-stage-box-names-the-next-entry",
+        "oa_core/ops/selection.py",
+        [
+            (
+                "entry = (score.to(tl.int32, bitcast=True) & 0x7FFFFF) - 1",
+                "entry = score.to(tl.int32, bitcast=True) & 0x7FFFFF",
+            )
+        ],
+        FUSED_TWO_STAGE_TESTS,
+        "the selection reads a listed position's exact logit one shortlist entry off (the box's payload is entry + 1)",
+    ),
+    mutation(
+        "fused-two-stage-shift-reversed",
+        "plugins/kernels/two_stage_programs.py",
+        [("tl.where(k > 0, (lowest - last) - 1.0, 0.0)", "tl.where(k > 0, (last - lowest) - 1.0, 0.0)")],
+        FUSED_TWO_STAGE_TESTS,
+        "the unlisted scores shifted the wrong way: above the shortlist's exact logits where the codes score high",
+    ),
+    mutation(
+        "fused-qgs-listing-unboxed",
+        "plugins/kernels/two_stage_programs.py",
+        [("listed_box(offs.to(tl.int32)), mask=pos_ok)", "listed_box(offs.to(tl.int32) + 1), mask=pos_ok)")],
+        FUSED_TWO_STAGE_TESTS,
+        "QGS's listing boxes each listed score with the next entry's number: the selection reads the wrong exact logit",
+    ),
+    mutation(
+        "pq-shortlist-listing-unboxed",
+        "plugins/kernels/pq_shortlist_programs.py",
+        [("listed_box(slot), mask=listed)  # its box", "value, mask=listed)  # its box")],
+        (
+            *FUSED_TWO_STAGE_TESTS,
+            "tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",
+        ),
+        "PQS's listing leaves the listed scores as the codes scored them: the selection never reads the exact logits",
     ),
     mutation(
         "fused-two-stage-ties-before-a-segment-inclusive",

@@ -14,7 +14,8 @@ ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in b
 - ``state``: the step's growth and bookkeeping: the new row's codes, the leaving row's K and V and its cluster's sums
   (read and written), the cluster numbers of the shortlist's rows;
 - ``scores``: the selection scores' trips through memory, float32, one row per selection head (G per KV head with
-  ``gqa: per_head``, 1 shared) over the clusterable positions, ``SCORE_PASSES`` times: an upper bound, as if the
+  ``gqa: per_head``, 1 shared) over the clusterable positions, ``SCORE_PASSES`` times, and each listed position's box
+  (``oa_core.ops.selection.listed_box``): an upper bound, as if the
   GPU's L2 held none of them (at 16 × 16K a layer's rows are 33 MB per head, within an H100's 50 MB of L2; at
   32 × 32K, 134 MB, they are not).
 
@@ -64,9 +65,10 @@ DENSITIES = [0.01, 0.03]
 MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
 # The default's fused step writes or reads a row of scores whole this many times: ``pq_scores`` writes it, ``pq_cut``
-# reads it for two digits (the rest from the few keys near the cut), ``pq_list`` once, ``refine`` reads and rewrites
-# it, the selection reads its clusters' members (counted whole).
-SCORE_PASSES = 7
+# reads it for two digits (the rest from the few keys near the cut), ``pq_list`` once (boxing the listed positions:
+# counted apart, a write per shortlist entry), the selection reads its clusters' members (counted whole). Until
+# 2026-12-06 ``refine`` also read and rewrote every row (7 passes); now the selection re-ranks as it reads.
+SCORE_PASSES = 5
 PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
 
 
@@ -106,7 +108,7 @@ def step_bytes(
         "selected_rows": (fixed + selected_union * selectable) * row,
         "proxies": clusters * sums * 4,
         "state": codes + row + 2 * sums * 4 + shortlist_union * shortlist * 4,
-        "scores": score_rows * clusterable * 4 * SCORE_PASSES,
+        "scores": score_rows * (clusterable * SCORE_PASSES + shortlist) * 4,  # the passes and the boxes
     }
     if candidates is not None:
         per_head["scores"] = score_rows * clusterable * candidates * (4 + 4) * 2

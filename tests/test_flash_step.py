@@ -235,8 +235,17 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     expected = fused.two_stage.shortlist(seven, cache_k, query, state, budget_args, Gs, G, pipe.spec.local)
     one = torch.full_like(seven, float("nan"))
     got = fused.two_stage.pq_shortlist(tables, state, one, cache_k, query, budget_args, Gs, G)
-    assert torch.equal(one[:, :141], seven[:, :141])
-    (listed, exact, counts, cut, ties, places, _), (listed2, exact2, counts2, cut2, ties2, places2, _) = got, expected
+    # The same bits: the masked scores, and the listed positions boxed (their entry in the shortlist) by both.
+    assert torch.equal(one[:, :141].view(torch.int32), seven[:, :141].view(torch.int32))
+    (listed, exact, counts, cut, ties, _, places, _), (listed2, exact2, counts2, cut2, ties2, _, places2, _) = (
+        got,
+        expected,
+    )
+    for row, count in enumerate(counts.tolist()):
+        boxed = one[row, :141].isnan().nonzero().flatten()
+        assert torch.equal(boxed, listed[row, :count].long().sort().values)
+        entries = (one[row, boxed].view(torch.int32) & 0x7FFFFF) - 1
+        assert torch.equal(listed[row, entries].long(), boxed)  # each box names its own entry
     assert torch.equal(counts, counts2) and torch.equal(cut, cut2) and torch.equal(ties, ties2)
     assert int(counts.min()) > 0 and int(ties.max()) > 0  # rows listed, ties at the cut taken in part
     segments = -(-141 // 32)  # the seven launches' segments of 32 positions, PQS's of 16: every other one's place
@@ -487,7 +496,8 @@ def test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_jo
     assert int(state.assignment[0, 0, leaving]) == state.num_clusters  # not joined yet
     state.assignment[:, :, leaving] = 0
     after = step.shortlist(scores.clone(), cache, query, state, args, Hq // H, 1, SPEC["local"])
-    (listed, exact, counts, *cut, _), (listed_after, exact_after, counts_after, *cut_after, _) = before, after
+    (listed, exact, counts), (listed_after, exact_after, counts_after) = before[:3], after[:3]
+    cut, cut_after = (before.cut, before.ties, before.places), (after.cut, after.ties, after.places)
     assert torch.equal(counts, counts_after) and all(torch.equal(a, b) for a, b in zip(cut, cut_after))
     for row, n in enumerate(counts.tolist()):  # entries past a row's count are never written
         assert leaving in listed[row, :n].tolist()

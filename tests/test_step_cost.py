@@ -30,7 +30,8 @@ def test_the_parts_follow_the_spec_and_the_shape():
     assert parts["proxies"] == heads * 64 * (3 * D + 1) * 4  # Σk, Σv, Σk⊙k and the count of 64 clusters, float32
     assert parts["dense"] == heads * N * 2 * D * 2
     shared = step_cost.step_bytes(_pipe(gqa="shared"), batch=2, context=N, kv_heads=8, head_dim=D, group=4)
-    assert shared["scores"] == heads * (N - fixed) * 4 * step_cost.SCORE_PASSES  # one float32 row per KV head
+    shortlist = math.ceil(4.0 * selectable)  # each listed position's box written once
+    assert shared["scores"] == heads * ((N - fixed) * step_cost.SCORE_PASSES + shortlist) * 4  # a row per KV head
     assert parts["scores"] == 4 * shared["scores"]  # per head (the default): a row per query head of the group
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k not in ("total", "dense")))
     mean = step_cost.step_bytes(_pipe(proxy="mean"), 2, N, 8, D)

@@ -46,6 +46,7 @@ from oa_core.ops.triton_path import tl, triton
 SMALL_CLUSTER = 512
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
 FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
+MAX_BOXED = 2**23 - 2  # the most shortlist entries a boxed score can name (``listed_box``: a NaN's payload, 23 bits)
 
 
 def select(
@@ -190,12 +191,26 @@ if triton is not None:
         return tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
 
     @triton.jit
-    def _cluster_keys(members, scores, start, n, BLOCK: tl.constexpr):
+    def listed_box(entry):
+        """Shortlist entry ``entry`` (int32, below 2^23 - 1) → the float32 NaN whose payload is entry + 1: what a
+        listed position's score becomes, so that the selection reads its exact logit (``_cluster_keys``)."""
+        return ((entry + 1) | 0x7F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _cluster_keys(members, scores, start, n, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr):
+        """Positions, order keys and lanes of a cluster's block. BOXED: the scores of a two-stage selection, where a
+        listed position holds its entry's box (``listed_box``: its key is its exact logit's, ``exact`` the row's
+        shortlist) and every other is shifted below the shortlist by ``shift`` (``rerank_exact``'s arithmetic)."""
         offs = start + tl.arange(0, BLOCK)
         ok = offs < n
         pos = tl.load(members + offs, mask=ok, other=0)
-        key = order_key(tl.load(scores + pos, mask=ok, other=0.0))
-        return pos, key, ok
+        score = tl.load(scores + pos, mask=ok, other=0.0)
+        if BOXED:
+            boxed = score != score
+            entry = (score.to(tl.int32, bitcast=True) & 0x7FFFFF) - 1
+            unlisted = tl.where(boxed, 0.0, score) + shift  # (a box's NaN left out of the sum)
+            score = tl.where(boxed, tl.load(exact + entry, mask=ok & boxed, other=0.0), unlisted)
+        return pos, order_key(score), ok
 
     @triton.jit
     def take_top(members, pos, key, ok, quota, n, out, BLOCK: tl.constexpr, FEW: tl.constexpr):
@@ -209,8 +224,10 @@ if triton is not None:
             tl.store(out + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
 
     @triton.jit
-    def _take_top_in_registers(members, scores, quota, n, out, BLOCK: tl.constexpr, FEW: tl.constexpr):
-        pos, key, ok = _cluster_keys(members, scores, 0, n, BLOCK)
+    def _take_top_in_registers(
+        members, scores, quota, n, out, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr, FEW: tl.constexpr
+    ):
+        pos, key, ok = _cluster_keys(members, scores, 0, n, exact, shift, BOXED, BLOCK)
         take_top(members, pos, key, ok, quota, n, out, BLOCK, FEW)
 
     @triton.jit
@@ -252,12 +269,12 @@ if triton is not None:
         return ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
 
     @triton.jit
-    def _take_top_blockwise(members, scores, quota, n, out, BLOCK: tl.constexpr):
+    def _take_top_blockwise(members, scores, quota, n, out, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr):
         """``take_top`` for a cluster larger than a block: each pass re-reads it a block at a time (from cache)."""
         lo = tl.full([], 2147483647, tl.int32)
         hi = tl.full([], -2147483647, tl.int32)
         for start in range(0, n, BLOCK):
-            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
             lo = tl.minimum(lo, tl.min(tl.where(ok, key, 2147483647), axis=0))
             hi = tl.maximum(hi, tl.max(tl.where(ok, key, -2147483647), axis=0))
         lo = lo.to(tl.int64)
@@ -267,7 +284,7 @@ if triton is not None:
             mid = lo + (hi - lo) // 2
             count = tl.zeros([], tl.int32)
             for start in range(0, n, BLOCK):
-                pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+                pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
                 count += tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
             lo = tl.where(count >= quota, mid, lo)
             above_lo = tl.where(count >= quota, count, above_lo)
@@ -275,13 +292,13 @@ if triton is not None:
         tau = lo.to(tl.int32)
         above = tl.zeros([], tl.int32)
         for start in range(0, n, BLOCK):
-            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
             above += tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
         # Above τ: all; at τ: the first ones in position order until quota.
         ties_left = quota - above
         written = tl.zeros([], tl.int32)
         for start in range(0, n, BLOCK):
-            pos, key, ok = _cluster_keys(members, scores, start, n, BLOCK)
+            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
             tie = ok & (key == tau)
             keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
             tl.store(out + written + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
@@ -296,6 +313,8 @@ if triton is not None:
         QUOTAS,
         OFFSETS,
         OUT,
+        EXACT,
+        SHIFTS,
         N,
         C,
         S,
@@ -304,13 +323,19 @@ if triton is not None:
         ROWS_PER_HEAD,
         LOW,
         HIGH,
+        L,
         BLOCK: tl.constexpr,
         BLOCKWISE: tl.constexpr,
         FEW: tl.constexpr,
+        BOXED: tl.constexpr,
     ):
-        """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring)."""
+        """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring).
+        BOXED: a two-stage selection's scores (``_cluster_keys``), the rows' shortlists ``EXACT`` ``[rows, L]`` and
+        shifts ``SHIFTS`` ``[rows]``."""
         p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
         c = tl.program_id(1)
+        exact = EXACT + p * L
+        shift = tl.load(SHIFTS + p) if BOXED else 0.0
         head = p // ROWS_PER_HEAD  # (batch row, KV head)
         n = tl.load(COUNTS + head * C + c)
         quota = tl.load(QUOTAS + p * C + c)  # loaded with n, not after the test: one wait instead of two
@@ -324,11 +349,11 @@ if triton is not None:
                     tl.store(out + offs, tl.load(members + offs, mask=offs < n).to(tl.int64), mask=offs < n)
             elif quota > 0:
                 if BLOCKWISE:
-                    _take_top_blockwise(members, SCORES + p * N, quota, n, out, BLOCK)
+                    _take_top_blockwise(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK)
                 elif n <= BLOCK // 2:  # (each path in its own call: their tensors differ in shape)
-                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, BLOCK // 2, FEW)
+                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK // 2, FEW)
                 else:
-                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, BLOCK, FEW)
+                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK, FEW)
 
 
 def smallest_block(typical: float) -> int:
@@ -393,13 +418,17 @@ def launch_select(
     out: Tensor,
     rows_per_head: int,
     small: int | None = None,
+    listing: tuple[Tensor, Tensor] | None = None,
 ) -> None:
     """``select_per_cluster``'s launches, one per size class: scores ``[rows, N]`` float32, members ``[B, Hkv, C, S]``
     (each head's C × S contiguous) and counts ``[B, Hkv, C]``, quotas ``[rows, C]``; cluster c of row p writes its
     q_b positions at ``out[p, offsets[p, c]:]`` (``out`` ``[rows, width]``, contiguous). ``rows_per_head``: the
-    selection rows of one (batch row, KV head); ``small``: the smallest block (``smallest_block``)."""
+    selection rows of one (batch row, KV head); ``small``: the smallest block (``smallest_block``). ``listing``: the
+    scores are a two-stage selection's, boxed — each row's shortlist's exact logits ``[rows, L]`` and the shift of
+    its unlisted scores ``[rows]`` (``_cluster_keys``)."""
     rows, N = scores.shape
     C, S = members.shape[-2:]
+    exact, shifts = listing if listing is not None else (scores, scores)
     for low, high, block in size_classes(S, small):
         _select_kernel[(rows, C)](
             scores,
@@ -408,6 +437,8 @@ def launch_select(
             quotas,
             offsets,
             out,
+            exact,
+            shifts,
             N,
             C,
             S,
@@ -416,8 +447,10 @@ def launch_select(
             rows_per_head,
             low,
             high,
+            exact.shape[-1],
             BLOCK=block,
             BLOCKWISE=low >= block,
             FEW=FEW_PICKS,
+            BOXED=listing is not None,
             num_warps=_warps(block),
         )

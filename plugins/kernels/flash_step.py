@@ -19,11 +19,12 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
-(``two_stage``: the shortlist by a radix select, its exact logits, the floor and the re-ranked scores), and the plan
-waits for the floor. QGS's takes eight more launches after its scores. PQS's — the default's — takes four in all
-(``TwoStage.pq_shortlist``): its scores with each row's first radix digit counted, the cut, the listing with the
-exact logits (the codes read once for the group's selection rows, each K row once for the rows that list it), then
-the refine; the default's step is nine launches a layer and one per size class of clusters in the selection
+(``two_stage``: the shortlist by a radix select, its exact logits, the floor, and each row's shift; the listed scores
+are boxed and the selection re-ranks as it reads them), and the plan waits for the floor. QGS's takes eight more
+launches after its scores. PQS's — the default's — takes four in all (``TwoStage.pq_shortlist``): its scores with
+each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
+group's selection rows, each K row once for the rows that list it), then the refine, a program per row; the
+default's step is nine launches a layer and one per size class of clusters in the selection
 (``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
 against 0.99 and 1.35 ms now: too few programs, each a long chain.
@@ -46,6 +47,7 @@ there (the composed step's own GPU and CPU paths differ the same way); the devic
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -53,7 +55,7 @@ from torch import Tensor
 from oa_core.components import Selection, Selector
 from oa_core.ops import triton_path
 from oa_core.ops.cluster_stats import BLOCK_C as STATS_CLUSTERS
-from oa_core.ops.selection import launch_select, size_classes, smallest_block
+from oa_core.ops.selection import MAX_BOXED, launch_select, size_classes, smallest_block
 from oa_core.ops.triton_path import libdevice, triton
 from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
@@ -85,6 +87,9 @@ def fused_unsupported(state) -> str | None:
     if floor > rerank:  # the floor's rows must be the shortlist's best (with no shortlist: none)
         name = pipeline.selector.name
         return f"errorgate floor: {floor:g} above {name} rerank: {rerank:g} (fused: floor ≤ rerank)"
+    longest = min(state.capacity, math.ceil(rerank * state.width()))
+    if longest > MAX_BOXED:
+        return f"a shortlist of {longest:,} rows (fused: at most {MAX_BOXED:,}, the selection's boxes)"
     if pipeline.spec.tail not in ("proxy", "discard"):
         return f"tail: {pipeline.spec.tail}"
     if state.num_clusters > MAX_TRITON_CLUSTERS:
@@ -343,11 +348,13 @@ class FusedStep:
             listing = self.scoring.shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
-        if self.two_stage is not None:  # the scores re-ranked in place, the floor's rows counted (after the join)
-            self.two_stage.refine(scores, state, budget_args, Gs, listing, first)
+        boxes = None
+        if self.two_stage is not None:  # each row's shift, the floor's rows counted (after the join)
+            self.two_stage.refine(state, budget_args, Gs, listing, first)
+            boxes = (listing.exact, listing.shifts)  # the scores are boxed: the selection re-ranks as it reads
         if first is not None:  # the plan waits for the floor
             self.plan(state, mean_logit, logit_var, first, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
-        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block)
+        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block, boxes)
         selection = Selection(
             chosen.view(B, H, Gs, 1, self.width),
             log_weight.view(B, H, Gs, 1, self.width),

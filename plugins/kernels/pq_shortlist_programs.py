@@ -1,12 +1,14 @@
 """The Triton programs of PQS's shortlist in the fused step (``TwoStage.pq_shortlist`` launches them): the scores of
 a (batch row, KV head)'s selection rows from one read of the codes with their first radix digit counted, each row's
-cut, and the listing with the exact logits. The radix select's pieces are ``two_stage_programs``'."""
+cut, and the listing with the exact logits (the listed scores boxed). The radix select's pieces are
+``two_stage_programs``'."""
 
 from __future__ import annotations
 
 from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
+    from oa_core.ops.selection import listed_box
     from oa_plugins.kernels.two_stage_programs import (
         digit_histogram,
         pick_digit,
@@ -226,6 +228,7 @@ if triton is not None:
                 slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
                 listed = keep & (slot >= 0) & (slot < L)
                 tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
+                tl.store(SCORES + p[:, None] * CAP + offs[None, :], listed_box(slot), mask=listed)  # its box
                 # The rows some selection row lists, gathered to the front (through the program's scratch), BLOCK_U
                 # at a time: their K rows read once, the group's logits taken for them alone.
                 union = tl.max(keep.to(tl.int32), axis=0) > 0

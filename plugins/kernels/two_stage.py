@@ -15,10 +15,15 @@ each, from many programs: one program per row made each pass a chain of latencie
 6. ``compact``, a program per segment: its shortlisted positions written at its place (position order);
 7. ``exact_logits``, a program per (selection row, 32 entries): each listed row's exact logit from K, the largest
    over the selection head's query heads (what the oracle selector scores);
-8. ``refine``, after the join: a program per segment rewrites its scores in place — a listed position its exact
-   logit, every other shifted below the shortlist's lowest (``rerank_exact``), for the per-cluster selection to
-   read — and, with a floor, one more program per row takes the shortlist's best ⌊f·E_sel⌋ by exact logit (the same
-   radix select, in one program over the shortlist) and counts them per cluster for the plan.
+8. ``refine``, after the join: a program per row finds the shift that puts its unlisted scores below the
+   shortlist's lowest exact logit (``rerank_exact``) and, with a floor, takes the shortlist's best ⌊f·E_sel⌋ by
+   exact logit (the same radix select, in one program over the shortlist) and counts them per cluster for the plan.
+
+The re-ranked scores are never written out. The listing (7, or ``pq_list``) overwrites each listed position's score
+with a NaN whose payload is its entry in the shortlist (``listed_box``); the per-cluster selection reads a boxed
+score as that entry's exact logit and adds the row's shift to every other (``launch_select``'s ``listing``): the
+same keys as ``rerank_exact``'s scores, for L writes instead of a pass that read and wrote each row (two passes of
+the four-byte scores per selection row, as many bytes as the codes at G = 4).
 
 PQS's scores and shortlist take three launches instead (``pq_shortlist``): ``pq_scores``, a program per (batch row,
 KV head, chunk of SCORE_CHUNK positions), scores every selection row of the head from one read of the codes and adds
@@ -69,15 +74,16 @@ SCORE_WARPS, CUT_WARPS, LIST_WARPS = 2, 8, 2
 
 
 class Listing(NamedTuple):
-    """A shortlist (``TwoStage.listing``): per row its positions and exact logits ``[rows, L]``, its length, cut key
-    and ties at it; per ``segment`` positions their place (entries and ties before them) ``[rows, S, 2]``, which
-    the refine goes by."""
+    """A shortlist (``TwoStage.listing``): per row its positions and exact logits ``[rows, L]``, its length, cut key,
+    ties at it and the shift of its unlisted scores (``refine``'s); per ``segment`` positions their place (entries and
+    ties before them) ``[rows, S, 2]``."""
 
     listed: Tensor
     exact: Tensor
     counts: Tensor
     cut: Tensor
     ties: Tensor
+    shifts: Tensor
     places: Tensor
     segment: int
 
@@ -99,7 +105,7 @@ class TwoStage:
         (the join may run beside these)."""
         rows, cap = scores.shape
         H, D = keys.shape[1], keys.shape[-1]
-        listed, exact, counts, cut, ties, places, _ = listing = self.listing(rows, cap, scores.device, SEGMENT)
+        listed, exact, counts, cut, ties, _, places, _ = listing = self.listing(rows, cap, scores.device, SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         device = scores.device
         # The radix histograms.
@@ -151,6 +157,7 @@ class TwoStage:
         exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
             keys,
             query,
+            scores,
             listed,
             counts,
             exact,
@@ -180,6 +187,7 @@ class TwoStage:
             torch.empty(rows, dtype=torch.int32, device=device),
             torch.empty(rows, dtype=torch.int64, device=device),
             torch.empty(rows, dtype=torch.int32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device),
             torch.empty(rows, S, 2, dtype=torch.int32, device=device),
             segment,
         )
@@ -196,7 +204,7 @@ class TwoStage:
         B, H, _, M, CC = tables.shape
         D = keys.shape[-1]
         codes = state.index.codes
-        listed, exact, counts, cut, ties, places, _ = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
+        listed, exact, counts, cut, ties, _, places, _ = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
         block_m, block_gs = code_block(M), max(2, triton.next_power_of_2(Gs))
@@ -280,19 +288,13 @@ class TwoStage:
         )
         return listing
 
-    def refine(
-        self, scores: Tensor, state, budget_args: tuple, Gs: int, listing: Listing, first: Tensor | None
-    ) -> None:
-        """Launch 8: ``scores`` rewritten in place, a program per segment; ``first`` ``[rows, C]`` int32 (with a floor)
-        receives each cluster's floor rows, from one more program per row. After the join (the floor reads its rows'
-        clusters)."""
-        rows, cap = scores.shape
-        listed, exact, counts, cut, ties, places, segment = listing
+    def refine(self, state, budget_args: tuple, Gs: int, listing: Listing, first: Tensor | None) -> None:
+        """Launch 8, a program per row: its shift into ``listing.shifts``; ``first`` ``[rows, C]`` int32 (with a
+        floor) receives each cluster's floor rows. After the join (the floor reads its rows' clusters)."""
+        listed, exact, counts, cut, _, shifts, _, _ = listing
         length, start, density, fixed, tokens = budget_args
         C = state.num_clusters
-        S = places.shape[1]
-        refine[(rows, S + (first is not None))](
-            scores,
+        refine[(listed.shape[0],)](
             state.assignment,
             length,
             start,
@@ -302,18 +304,16 @@ class TwoStage:
             counts,
             exact,
             cut,
-            ties,
-            places,
+            shifts,
             first if first is not None else counts,
             state.assignment.shape[1],
             Gs,
             C,
-            cap,
+            state.assignment.shape[-1],
             fixed,
             tokens,
             listed.shape[-1],
-            S,
-            SEGMENT=segment,
+            FLOOR=first is not None,
             BLOCK=RADIX_BLOCK,
             BLOCK_C=max(16, triton.next_power_of_2(C)),
             num_warps=SEGMENT_WARPS,

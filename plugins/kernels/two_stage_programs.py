@@ -1,12 +1,12 @@
 """The Triton programs of the two-stage selection (``two_stage.py`` launches them): the radix select of each row's
-threshold, the shortlist's compaction, its exact logits and the refined selection."""
+threshold, the shortlist's compaction, its exact logits (the listed scores boxed) and each row's shift and floor."""
 
 from __future__ import annotations
 
 from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
-    from oa_core.ops.selection import order_key
+    from oa_core.ops.selection import listed_box, order_key
 
     @triton.jit
     def row_budget(LENGTH, START, DENSITY, b, F, TOKENS):
@@ -214,6 +214,7 @@ if triton is not None:
     def exact_logits(
         K,
         Q,
+        SCORES,
         LISTED,
         COUNTS,
         EXACT,
@@ -233,7 +234,8 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr,
     ):
-        """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows."""
+        """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows;
+        their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
         p = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * BLOCK_L
         n = tl.load(COUNTS + p)
@@ -257,10 +259,10 @@ if triton is not None:
                 q = tl.load(Q + b * sq_b + (h * GQ + s * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 best = tl.maximum(best, tl.sum(k * q[None, :], axis=1))
             tl.store(EXACT + p * L + offs, best * scale, mask=ok)
+            tl.store(SCORES + p * CAP + pos, listed_box(offs.to(tl.int32)), mask=pos_ok)
 
     @triton.jit
     def refine(
-        SCORES,
         ASSIGNMENT,
         LENGTH,
         START,
@@ -270,8 +272,7 @@ if triton is not None:
         COUNTS,
         EXACT,
         CUT,
-        TIES,
-        PLACES,
+        SHIFTS,
         FIRST,
         Hkv,
         Gs,
@@ -280,21 +281,24 @@ if triton is not None:
         F,
         TOKENS,
         L,
-        S,
-        SEGMENT: tl.constexpr,
+        FLOOR: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        """Program (selection row, segment): the segment's scores re-ranked in place — a listed position its exact
-        logit, the others shifted below the shortlist; program (selection row, S), with a floor: the floor's rows
-        counted per cluster."""
+        """Program per selection row: the shift of its unlisted scores, (lowest exact − the last listed score) − 1
+        (``rerank_exact``: 0 with an empty shortlist), which the selection adds as it reads them (the listed ones
+        are boxed: ``listed_box``); with FLOOR, the floor's rows counted per cluster."""
         p = tl.program_id(0).to(tl.int64)
-        segment = tl.program_id(1)
         exact = EXACT + p * L
         k = tl.load(COUNTS + p)
-        tau = tl.load(CUT + p)
-        ties = tl.load(TIES + p)
-        if segment == S:
+        lowest = tl.full([], float("inf"), tl.float32)
+        for start in range(0, k, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            lowest = tl.minimum(lowest, tl.min(tl.load(exact + offs, mask=offs < k, other=float("inf")), axis=0))
+        bits = (tl.load(CUT + p) - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
+        last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
+        tl.store(SHIFTS + p, tl.where(k > 0, (lowest - last) - 1.0, 0.0))
+        if FLOOR:
             # The floor: the shortlist's best ⌊f·E_sel⌋ by exact logit (ties: the earlier position), per cluster.
             budget = row_budget(LENGTH, START, DENSITY, p // (Gs * Hkv), F, TOKENS)
             k2 = tl.floor(tl.load(FLOOR_SHARE) * budget.to(tl.float64)).to(tl.int64)
@@ -315,30 +319,3 @@ if triton is not None:
                     tied += block_ties
             offs_c = tl.arange(0, BLOCK_C)
             tl.store(FIRST + p * C + offs_c, hist, mask=offs_c < C)
-        else:
-            n = tl.load(LENGTH).to(tl.int64)
-            if segment * SEGMENT < n:
-                # The shift of the unlisted scores: (lowest exact − the last listed score) − 1 (``rerank_exact``).
-                lowest = tl.full([], float("inf"), tl.float32)
-                for start in range(0, k, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    lowest = tl.minimum(
-                        lowest, tl.min(tl.load(exact + offs, mask=offs < k, other=float("inf")), axis=0)
-                    )
-                bits = (tau - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
-                last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
-                shift = tl.where(k > 0, (lowest - last) - 1.0, 0.0)
-                # Listed positions: the i-th of the shortlist is its entry i (the segment's first: its place).
-                offs = segment * SEGMENT + tl.arange(0, SEGMENT)
-                row = SCORES + p * CAP + offs
-                value = tl.load(row, mask=offs < n, other=float("-inf"))
-                keep, _ = _kept(
-                    unsigned_key(value),
-                    (offs < n) & (value > float("-inf")),
-                    tau,
-                    ties,
-                    tl.load(PLACES + (p * S + segment) * 2 + 1),
-                )
-                slot = tl.load(PLACES + (p * S + segment) * 2) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                listed_exact = tl.load(exact + slot, mask=keep & (slot >= 0) & (slot < L), other=0.0)
-                tl.store(row, tl.where(keep, listed_exact, value + shift), mask=offs < n)
