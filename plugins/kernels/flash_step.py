@@ -20,11 +20,12 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor, and each row's shift; the listed scores
-are boxed and the selection re-ranks as it reads them), and the plan waits for the floor. QGS's takes eight more
-launches after its scores. PQS's — the default's — takes four in all (``TwoStage.pq_shortlist``): its scores with
-each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
-group's selection rows, each K row once for the rows that list it), then the refine, a program per row; the
-default's step is nine launches a layer and one per size class of clusters in the selection
+are boxed and the selection re-ranks as it reads them), and the plan waits for the floor: its program takes the
+row's shift and floor first (without a floor, ``refine`` takes the shift, a program per row). QGS's shortlist takes
+seven launches after its scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores
+with each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
+group's selection rows, each K row once for the rows that list it); the default's step is eight launches a layer
+and one per size class of clusters in the selection
 (``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
 against 0.99 and 1.35 ms now: too few programs, each a long chain.
@@ -59,7 +60,7 @@ from oa_core.ops.selection import MAX_BOXED, launch_select, size_classes, smalle
 from oa_core.ops.triton_path import libdevice, triton
 from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
-from oa_plugins.kernels.two_stage import TwoStage
+from oa_plugins.kernels import two_stage as stages
 from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_lut_scores, packed
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
@@ -242,7 +243,7 @@ class FusedStep:
         self.side = side_stream(state.length.device) if state.length.device.type == "cuda" else None
         rerank, floor = state.pipeline.selector.config.rerank, state.pipeline.allocator.config.floor
         self.two_stage = (
-            TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) if rerank > 0 else None
+            stages.TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) if rerank > 0 else None
         )
 
     def launches(self, state) -> list[str]:
@@ -260,8 +261,8 @@ class FusedStep:
         floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state)."""
         project, scores = scoring.LAUNCHES
         names = [project, "grow", *([] if floor else ["plan"])]
-        names += [*scoring.SHORTLIST, "refine"] if rerank else [scores]
-        names += ["plan"] if floor else []
+        names += [*scoring.SHORTLIST, *([] if floor else ["refine"])] if rerank else [scores]
+        names += ["plan"] if floor else []  # the plan takes the shift and the floor
         return [*names, *["_select_kernel"] * classes, "sparse_pass", "merge"]
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
@@ -297,7 +298,6 @@ class FusedStep:
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
         floor = self.two_stage is not None and self.two_stage.floor > 0
-        first = torch.empty(rows, C, dtype=torch.int32, device=device) if floor else None
         budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
         # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
         # (``torch.cuda.stream(None)`` keeps the current stream.)
@@ -340,7 +340,7 @@ class FusedStep:
                 STATS_C=STATS_CLUSTERS,
                 num_warps=4,
             )
-            if first is None:
+            if not floor:
                 self.plan(state, mean_logit, logit_var, None, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
         if self.two_stage is None:
             self.scoring.score(state, prepared, scores, G)
@@ -348,12 +348,12 @@ class FusedStep:
             listing = self.scoring.shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
-        boxes = None
-        if self.two_stage is not None:  # each row's shift, the floor's rows counted (after the join)
-            self.two_stage.refine(state, budget_args, Gs, listing, first)
-            boxes = (listing.exact, listing.shifts)  # the scores are boxed: the selection re-ranks as it reads
-        if first is not None:  # the plan waits for the floor
-            self.plan(state, mean_logit, logit_var, first, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
+        if floor:  # the plan takes each row's shift and floor (after the join: the floor reads its rows' clusters)
+            self.plan(state, mean_logit, logit_var, listing, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
+        elif self.two_stage is not None:  # each row's shift
+            self.two_stage.refine(listing)
+        # With a shortlist the scores are boxed: the selection re-ranks as it reads them.
+        boxes = (listing.exact, listing.shifts) if self.two_stage is not None else None
         launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block, boxes)
         selection = Selection(
             chosen.view(B, H, Gs, 1, self.width),
@@ -364,9 +364,14 @@ class FusedStep:
         out, _ = pipe.kernel.attend(query, keys, values, selection, proxies, state.scale)
         return out, selection
 
-    def plan(self, state, mean_logit, logit_var, first, quotas, offsets, runs, chosen, log_weight, H, Gs, G):
+    def plan(self, state, mean_logit, logit_var, listing, quotas, offsets, runs, chosen, log_weight, H, Gs, G):
+        """The plan's launch; with a ``listing`` (a shortlist with a floor), after it: the program takes the row's
+        shift and floor first."""
         C = state.num_clusters
         block_c, warps = launch_config(C)
+        floor = listing is not None
+        listed, exact, counts, cut, _, shifts, _, _ = listing if floor else (quotas,) * 8
+        floor_share = self.two_stage.floor_t if self.two_stage is not None else self.density  # (read with a floor)
         with quiet_interpreter():
             plan[(quotas.shape[0],)](
                 mean_logit,
@@ -377,7 +382,13 @@ class FusedStep:
                 self.density,
                 state.fixed_base,
                 state.fixed_moves,
-                first if first is not None else quotas,
+                state.assignment,
+                floor_share,
+                listed,
+                counts,
+                exact,
+                cut,
+                shifts,
                 quotas,
                 offsets,
                 runs,
@@ -389,11 +400,14 @@ class FusedStep:
                 self.fixed,
                 self.width,
                 self.tokens,
+                state.assignment.shape[-1],
+                listed.shape[-1],
                 G=G,
                 BLOCK_G=triton.next_power_of_2(G),
                 BLOCK_C=block_c,
                 BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
-                HAS_FIRST=first is not None,
+                FLOOR=floor,
+                RADIX_BLOCK=stages.RADIX_BLOCK,
                 LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
                 num_warps=warps,
             )

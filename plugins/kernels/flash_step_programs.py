@@ -10,7 +10,7 @@ if triton is not None:
     from oa_core.ops.water_filling import water_fill_row
     from oa_core.static import join_rest
     from oa_plugins.allocators.errorgate import row_log_priority
-    from oa_plugins.kernels.two_stage_programs import row_budget
+    from oa_plugins.kernels.two_stage_programs import floor_counts, row_budget, row_shift
 
 
 if triton is not None:
@@ -243,7 +243,13 @@ if triton is not None:
         DENSITY,
         FIXED_BASE,
         FIXED_MOVES,
-        FIRST,
+        ASSIGNMENT,
+        FLOOR_SHARE,
+        LISTED,
+        LISTED_COUNTS,
+        EXACT,
+        CUT,
+        SHIFTS,
         QUOTAS,
         OFFSETS,
         RUNS,
@@ -255,14 +261,18 @@ if triton is not None:
         F,
         WIDTH,
         TOKENS,
+        CAP,
+        L,
         G: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_F: tl.constexpr,
-        HAS_FIRST: tl.constexpr,
+        FLOOR: tl.constexpr,
+        RADIX_BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
-        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out."""
+        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out. FLOOR: after the
+        shortlist, whose shift (``row_shift``) and floor (``floor_counts``) the program takes first."""
         p = tl.program_id(0).to(tl.int64)
         b = p // (Gs * Hkv)
         h = (p // Gs) % Hkv
@@ -280,8 +290,27 @@ if triton is not None:
         row = row_log_priority(mean_logit, logit_var, count, G, LIBDEVICE)
         length = tl.load(LENGTH).to(tl.int64)
         budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
-        if HAS_FIRST:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
-            first = tl.load(FIRST + p * C + offs_c, mask=c_ok, other=0).to(tl.int64)
+        if FLOOR:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
+            row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
+            first = floor_counts(
+                ASSIGNMENT,
+                LENGTH,
+                START,
+                DENSITY,
+                FLOOR_SHARE,
+                LISTED,
+                LISTED_COUNTS,
+                EXACT,
+                p,
+                Hkv,
+                Gs,
+                CAP,
+                F,
+                TOKENS,
+                L,
+                RADIX_BLOCK,
+                BLOCK_C,
+            ).to(tl.int64)
             rest = water_fill_row(
                 row.to(tl.float64),
                 (count - first.to(tl.float32)).to(tl.float64),

@@ -1,6 +1,7 @@
 """The fused step's two-stage selection: the selector's ``rerank`` (QGS's or PQS's) and ErrorGate's ``floor``
-(``oa_core.ops.rerank``, ``ErrorGate.allocate``) in eight launches (their programs: ``two_stage_programs.py``;
-PQS's: ``pq_shortlist_programs.py``) between the selector's scores and the plan, the same rows as the composed step.
+(``oa_core.ops.rerank``, ``ErrorGate.allocate``) in seven launches and the start of the plan's program (their
+programs: ``two_stage_programs.py``; PQS's: ``pq_shortlist_programs.py``) between the selector's scores and the
+selection, the same rows as the composed step.
 
 A row's shortlist is its ⌈m·E_sel⌉ best positions by the selector's score, ties to the earlier position (the
 reference's stable sort). Its cut — the shortlist's last order key (``order_key``) — comes from a radix select of
@@ -15,9 +16,10 @@ each, from many programs: one program per row made each pass a chain of latencie
 6. ``compact``, a program per segment: its shortlisted positions written at its place (position order);
 7. ``exact_logits``, a program per (selection row, 32 entries): each listed row's exact logit from K, the largest
    over the selection head's query heads (what the oracle selector scores);
-8. ``refine``, after the join: a program per row finds the shift that puts its unlisted scores below the
-   shortlist's lowest exact logit (``rerank_exact``) and, with a floor, takes the shortlist's best ⌊f·E_sel⌋ by
-   exact logit (the same radix select, in one program over the shortlist) and counts them per cluster for the plan.
+8. the shift that puts each row's unlisted scores below its shortlist's lowest exact logit (``rerank_exact``) and,
+   with a floor, the shortlist's best ⌊f·E_sel⌋ by exact logit (the same radix select, over the shortlist) counted
+   per cluster: in the plan's program after the join (``flash_step_programs.plan``), or without a floor in
+   ``refine``, a program per row.
 
 The re-ranked scores are never written out. The listing (7, or ``pq_list``) overwrites each listed position's score
 with a NaN whose payload is its entry in the shortlist (``listed_box``); the per-cluster selection reads a boxed
@@ -59,7 +61,7 @@ if triton is not None:
 
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
-PQ_SEGMENT = 1024  # positions per program of PQS's listing and of the refine after it
+PQ_SEGMENT = 1024  # positions per program of PQS's listing
 RADIX_BLOCK = 1024  # positions per block of the floor's select, one program over the shortlist
 LIST_BLOCK = 32  # shortlist entries per ``exact_logits`` program
 # ``pq_list``'s block of positions and the listed rows of a block whose exact logits are taken at a time. At 4 warps
@@ -288,33 +290,15 @@ class TwoStage:
         )
         return listing
 
-    def refine(self, state, budget_args: tuple, Gs: int, listing: Listing, first: Tensor | None) -> None:
-        """Launch 8, a program per row: its shift into ``listing.shifts``; ``first`` ``[rows, C]`` int32 (with a
-        floor) receives each cluster's floor rows. After the join (the floor reads its rows' clusters)."""
-        listed, exact, counts, cut, _, shifts, _, _ = listing
-        length, start, density, fixed, tokens = budget_args
-        C = state.num_clusters
-        refine[(listed.shape[0],)](
-            state.assignment,
-            length,
-            start,
-            density,
-            self.floor_t,
-            listed,
-            counts,
-            exact,
-            cut,
-            shifts,
-            first if first is not None else counts,
-            state.assignment.shape[1],
-            Gs,
-            C,
-            state.assignment.shape[-1],
-            fixed,
-            tokens,
-            listed.shape[-1],
-            FLOOR=first is not None,
+    def refine(self, listing: Listing) -> None:
+        """Launch 8 for a shortlist without a floor, a program per row: its shift into ``listing.shifts``. With a floor
+        the plan's program takes the shift and the floor (``FusedStep.plan``)."""
+        refine[(listing.listed.shape[0],)](
+            listing.counts,
+            listing.exact,
+            listing.cut,
+            listing.shifts,
+            listing.listed.shape[-1],
             BLOCK=RADIX_BLOCK,
-            BLOCK_C=max(16, triton.next_power_of_2(C)),
             num_warps=SEGMENT_WARPS,
         )

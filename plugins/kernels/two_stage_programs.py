@@ -262,7 +262,21 @@ if triton is not None:
             tl.store(SCORES + p * CAP + pos, listed_box(offs.to(tl.int32)), mask=pos_ok)
 
     @triton.jit
-    def refine(
+    def row_shift(COUNTS, EXACT, CUT, SHIFTS, p, L, BLOCK: tl.constexpr):
+        """Selection row ``p``'s shift of its unlisted scores, (lowest exact − the last listed score) − 1
+        (``rerank_exact``; 0 with an empty shortlist), stored at ``SHIFTS + p``: the selection adds it as it reads
+        them (the listed ones are boxed: ``listed_box``)."""
+        k = tl.load(COUNTS + p)
+        lowest = tl.full([], float("inf"), tl.float32)
+        for start in range(0, k, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            lowest = tl.minimum(lowest, tl.min(tl.load(EXACT + p * L + offs, mask=offs < k, other=float("inf")), 0))
+        bits = (tl.load(CUT + p) - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
+        last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
+        tl.store(SHIFTS + p, tl.where(k > 0, (lowest - last) - 1.0, 0.0))
+
+    @triton.jit
+    def floor_counts(
         ASSIGNMENT,
         LENGTH,
         START,
@@ -271,51 +285,41 @@ if triton is not None:
         LISTED,
         COUNTS,
         EXACT,
-        CUT,
-        SHIFTS,
-        FIRST,
+        p,
         Hkv,
         Gs,
-        C,
         CAP,
         F,
         TOKENS,
         L,
-        FLOOR: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        """Program per selection row: the shift of its unlisted scores, (lowest exact − the last listed score) − 1
-        (``rerank_exact``: 0 with an empty shortlist), which the selection adds as it reads them (the listed ones
-        are boxed: ``listed_box``); with FLOOR, the floor's rows counted per cluster."""
-        p = tl.program_id(0).to(tl.int64)
+        """Selection row ``p``'s floor → its rows per cluster ``[BLOCK_C]`` int32: the shortlist's best ⌊f·E_sel⌋ by
+        exact logit, ties to the earlier position (a radix select over the shortlist)."""
         exact = EXACT + p * L
         k = tl.load(COUNTS + p)
-        lowest = tl.full([], float("inf"), tl.float32)
-        for start in range(0, k, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            lowest = tl.minimum(lowest, tl.min(tl.load(exact + offs, mask=offs < k, other=float("inf")), axis=0))
-        bits = (tl.load(CUT + p) - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
-        last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
-        tl.store(SHIFTS + p, tl.where(k > 0, (lowest - last) - 1.0, 0.0))
-        if FLOOR:
-            # The floor: the shortlist's best ⌊f·E_sel⌋ by exact logit (ties: the earlier position), per cluster.
-            budget = row_budget(LENGTH, START, DENSITY, p // (Gs * Hkv), F, TOKENS)
-            k2 = tl.floor(tl.load(FLOOR_SHARE) * budget.to(tl.float64)).to(tl.int64)
-            k2 = tl.minimum(k2, k.to(tl.int64)).to(tl.int32)
-            hist = tl.zeros([BLOCK_C], tl.int32)
-            if k2 > 0:
-                tau2, ties2 = _radix_select(exact, k, k2, BLOCK)
-                tied = tl.zeros([], tl.int32)
-                for start in range(0, k, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    value = tl.load(exact + offs, mask=offs < k, other=float("-inf"))
-                    keep, block_ties = _kept(unsigned_key(value), offs < k, tau2, ties2, tied)
-                    pos = tl.load(LISTED + p * L + offs, mask=keep, other=0).to(tl.int64)
-                    cluster = tl.load(
-                        ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep & (pos >= 0) & (pos < CAP), other=0
-                    ).to(tl.int32)
-                    hist += tl.histogram(cluster, BLOCK_C, mask=keep)
-                    tied += block_ties
-            offs_c = tl.arange(0, BLOCK_C)
-            tl.store(FIRST + p * C + offs_c, hist, mask=offs_c < C)
+        budget = row_budget(LENGTH, START, DENSITY, p // (Gs * Hkv), F, TOKENS)
+        k2 = tl.floor(tl.load(FLOOR_SHARE) * budget.to(tl.float64)).to(tl.int64)
+        k2 = tl.minimum(k2, k.to(tl.int64)).to(tl.int32)
+        hist = tl.zeros([BLOCK_C], tl.int32)
+        if k2 > 0:
+            tau2, ties2 = _radix_select(exact, k, k2, BLOCK)
+            tied = tl.zeros([], tl.int32)
+            for start in range(0, k, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                value = tl.load(exact + offs, mask=offs < k, other=float("-inf"))
+                keep, block_ties = _kept(unsigned_key(value), offs < k, tau2, ties2, tied)
+                pos = tl.load(LISTED + p * L + offs, mask=keep, other=0).to(tl.int64)
+                cluster = tl.load(ASSIGNMENT + (p // Gs) * CAP + pos, mask=keep & (pos >= 0) & (pos < CAP), other=0).to(
+                    tl.int32
+                )
+                hist += tl.histogram(cluster, BLOCK_C, mask=keep)
+                tied += block_ties
+        return hist
+
+    @triton.jit
+    def refine(COUNTS, EXACT, CUT, SHIFTS, L, BLOCK: tl.constexpr):
+        """Program per selection row of a shortlist without a floor: its shift (``row_shift``). With a floor, the
+        plan's program takes the shift and the floor (``flash_step_programs.plan``)."""
+        row_shift(COUNTS, EXACT, CUT, SHIFTS, tl.program_id(0).to(tl.int64), L, BLOCK)
