@@ -360,7 +360,10 @@ def ruler_grid(folder: str) -> RulerGrid:
     summary = [r for r in summarize(records) if r["metric"] == "ruler"]
     dense = {(r["task"], r["length"]): r["score"] for r in summary if r["spec"] == "dense"}
     usable = [r for r in summary if dense.get((r["task"], r["length"]), 0.0) >= DENSE_FLOOR]
-    wanted = sum(r["samples"] for r in usable if r["spec"] == "dense")
+    # The samples a cell should have: per usable task, every sample some record of the task holds (a partial run's
+    # dense cells are partial too, so their count would understate it).
+    tasks = {(r["task"], r["length"]) for r in usable}
+    wanted = len({(r["task"], r["length"], r["sample"]) for r in records if (r["task"], r["length"]) in tasks})
     means: dict[tuple, Mean] = {}
     for m in means_over_tasks(usable):
         key = (names.get(m["spec"]), m["density"])
@@ -381,7 +384,9 @@ def ruler_rows() -> list[Row]:
         if not (RESULTS / folder / "summary.json").is_file():
             continue
         grid = ruler_grid(folder)
-        row = Row(model, "", "1", {}, f"`{folder}/`", ".2f", made_by(RESULTS / folder, grid.used), scale=1.0)
+        dense = sum(r["samples"] for r in grid.usable if r["spec"] == "dense")
+        partial = f" ({dense} of {grid.wanted} samples so far)" if dense < grid.wanted else ""
+        row = Row(model, "", f"1{partial}", {}, f"`{folder}/`", ".2f", made_by(RESULTS / folder, grid.used), scale=1.0)
         for (method, density), mean in grid.means.items():
             if method in COLUMNS and density in DENSITIES:
                 row.values[method, density] = mean.row["retention"]

@@ -9,7 +9,8 @@
 #     bash benchmarks/ruler_gemma_32k.sh 1 /tmp/smoke                 # a smoke run on the CPU (a few minutes)
 #
 # A 270M model's decode step is bound by launches and host waits, so several torchrun ranks share a GPU, each with a
-# batch of OA_BATCH samples (default 2: a 32K prefill's peak). Resumable: a rerun skips the cells under OUT. Then
+# batch of OA_BATCH samples (default 2: a 32K prefill's peak). 8 ranks fit an H200's 141 GB; on an 80 GB H100 give 4
+# (at 8, whole cells ran out of memory in the prefill even one sample at a time, and were left for a rerun). Resumable: a rerun skips the cells under OUT. Then
 # `oa report OUT` writes the summary, report.md and the plots; retention is each spec's score over dense's.
 set -uo pipefail
 PER_GPU=${1:-8}
