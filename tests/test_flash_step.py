@@ -348,6 +348,20 @@ def test_a_floor_above_the_shortlist_composes_its_own_step():
         assert "errorgate floor: 0.5 above qgs rerank" in fused_unsupported(state)
 
 
+def test_a_shortlist_longer_than_a_box_can_name_composes_its_own_step(monkeypatch):
+    """The selection reads a listed score's exact logit through its box, a NaN whose 23-bit payload names the entry:
+    a shortlist that could pass that (here the bound lowered to 10 entries) declines the fused step, which says why."""
+    from oa_plugins.kernels import flash_step
+
+    keys, values, prefill, _ = make_inputs(tokens=120)
+    pipe = oa.build({**SPEC, **PQS_TWO_STAGE})
+    assert StaticState.from_state(pipe.prepare(keys, values, prefill), 130).fused is not None
+    monkeypatch.setattr(flash_step, "MAX_BOXED", 10)
+    state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)
+    assert state.fused is None
+    assert "fused: at most 10, the selection's boxes" in flash_step.fused_unsupported(state)
+
+
 @pytest.mark.parametrize("selector", [SPEC["selector"], PQS], ids=["qgs", "pq"])
 def test_bfloat16_and_a_cache_filled_to_its_capacity(selector):
     spec = {**SPEC, "selector": selector, "budget": {"tokens": 40}}
