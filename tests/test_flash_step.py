@@ -237,10 +237,7 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     got = fused.two_stage.pq_shortlist(tables, state, one, cache_k, query, budget_args, Gs, G)
     # The same bits: the masked scores, and the listed positions boxed (their entry in the shortlist) by both.
     assert torch.equal(one[:, :141].view(torch.int32), seven[:, :141].view(torch.int32))
-    (listed, exact, counts, cut, ties, _, places, _), (listed2, exact2, counts2, cut2, ties2, _, places2, _) = (
-        got,
-        expected,
-    )
+    (listed, exact, counts, cut, ties, _, places), (listed2, exact2, counts2, cut2, ties2, _, places2) = got, expected
     for row, count in enumerate(counts.tolist()):
         boxed = one[row, :141].isnan().nonzero().flatten()
         assert torch.equal(boxed, listed[row, :count].long().sort().values)

@@ -370,7 +370,9 @@ class FusedStep:
         C = state.num_clusters
         block_c, warps = launch_config(C)
         floor = listing is not None
-        listed, exact, counts, cut, _, shifts, _, _ = listing if floor else (quotas,) * 8
+        # Without a floor the shortlist's pointers are never read: any tensor stands in.
+        parts = (listing.listed, listing.exact, listing.counts, listing.cut, listing.shifts) if floor else (quotas,) * 5
+        listed, exact, counts, cut, shifts = parts
         floor_share = self.two_stage.floor_t if self.two_stage is not None else self.density  # (read with a floor)
         with quiet_interpreter():
             plan[(quotas.shape[0],)](

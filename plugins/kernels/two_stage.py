@@ -77,8 +77,8 @@ SCORE_WARPS, CUT_WARPS, LIST_WARPS = 2, 8, 2
 
 class Listing(NamedTuple):
     """A shortlist (``TwoStage.listing``): per row its positions and exact logits ``[rows, L]``, its length, cut key,
-    ties at it and the shift of its unlisted scores (``refine``'s); per ``segment`` positions their place (entries and
-    ties before them) ``[rows, S, 2]``."""
+    ties at it and the shift of its unlisted scores (``refine``'s); per segment of positions its place (entries and
+    ties before it) ``[rows, S, 2]``."""
 
     listed: Tensor
     exact: Tensor
@@ -87,7 +87,6 @@ class Listing(NamedTuple):
     ties: Tensor
     shifts: Tensor
     places: Tensor
-    segment: int
 
 
 class TwoStage:
@@ -107,7 +106,7 @@ class TwoStage:
         (the join may run beside these)."""
         rows, cap = scores.shape
         H, D = keys.shape[1], keys.shape[-1]
-        listed, exact, counts, cut, ties, _, places, _ = listing = self.listing(rows, cap, scores.device, SEGMENT)
+        listed, exact, counts, cut, ties, _, places = listing = self.listing(rows, cap, scores.device, SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         device = scores.device
         # The radix histograms.
@@ -191,7 +190,6 @@ class TwoStage:
             torch.empty(rows, dtype=torch.int32, device=device),
             torch.empty(rows, dtype=torch.float32, device=device),
             torch.empty(rows, S, 2, dtype=torch.int32, device=device),
-            segment,
         )
 
     def pq_shortlist(
@@ -206,7 +204,7 @@ class TwoStage:
         B, H, _, M, CC = tables.shape
         D = keys.shape[-1]
         codes = state.index.codes
-        listed, exact, counts, cut, ties, _, places, _ = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
+        listed, exact, counts, cut, ties, _, places = listing = self.listing(rows, cap, scores.device, PQ_SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         length, start, density, fixed, tokens = budget_args
         block_m, block_gs = code_block(M), max(2, triton.next_power_of_2(Gs))
