@@ -1,0 +1,206 @@
+"""Issue 56 in CUDA: PQS's scores and each head's shortlist cut in one launch, the scores kept on chip (GPU only).
+
+Triton cannot keep a (batch row, KV head)'s scores on chip: at 16K positions its G = 4 heads' scores are 256 KB, more
+than an SM's shared memory, and Triton has no barrier between the programs that would share them. A thread-block
+cluster (sm_90) can: ``cluster_shortlist.cu`` gives each (batch row, KV head) a cluster of CL blocks, each keeping its
+part of the scores in shared memory, and cuts each head's shortlist by a radix select whose histograms the blocks
+read from each other (distributed shared memory) between cluster barriers. Nothing but the k positions is written.
+
+Timed here, on random codes and tables of the Llama-3.1-8B shape (8 KV heads, 4 query heads each, head dim 128 as 64
+two-dimensional sub-spaces of 16 centroids), in the same run:
+- ``triton_scores``: Triton's ``group_lut_scores`` (the scores the composed step writes);
+- ``triton_scores_topk``: those scores and ``torch.topk`` of each head's k (a shortlist the composed way);
+- ``cuda_scores``: the same scores from a CUDA kernel with the tables in shared memory (``lut_scores``);
+- ``cluster_shortlist``: the one launch, per cluster size CL that fits.
+
+k is the default's shortlist: rerank 4 × the selectable budget (density × N − sink 4 − local 64), at 1% and 3%.
+Checks: the CUDA scores against Triton's (largest difference; the sums run in another order), and each cluster
+shortlist against ``torch.topk`` of the CUDA kernel's own scores (the same arithmetic): the same multiset of scores.
+Writes ``benchmarks/studies/results/cluster_shortlist_<gpu>.json``.
+
+    python benchmarks/studies/cluster_shortlist.py            # on a CUDA device with nvcc (sm_90)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "cluster_shortlist.cu"
+HKV, G, M, CC = 8, 4, 64, 16
+SINK, LOCAL, RERANK = 4, 64, 4
+SMEM_LIMIT = 227 * 1024  # an sm_90 block's most dynamic shared memory
+
+
+def build(cache: Path) -> ctypes.CDLL:
+    """``cluster_shortlist.cu`` compiled by nvcc for sm_90a into ``cache`` (once per source) and loaded."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    library = cache / f"cluster_shortlist_{digest}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        command = ["nvcc", "-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90a,code=sm_90a"]
+        subprocess.run([*command, str(SOURCE), "-o", str(library)], check=True)
+    lib = ctypes.CDLL(str(library))
+    lib.cluster_shortlist_smem.restype = ctypes.c_size_t
+    return lib
+
+
+def pointer(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def stream() -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def checked(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"{what}: CUDA error {code}")
+
+
+def timed(fn) -> dict[str, float]:
+    """Median milliseconds, launched as a user calls it and replayed from a CUDA graph."""
+    import triton.testing
+
+    return {
+        "eager_ms": round(triton.testing.do_bench(fn, return_mode="median"), 4),
+        "graph_ms": round(triton.testing.do_bench_cudagraph(fn, return_mode="median"), 4),
+    }
+
+
+def run_config(lib, batch: int, context: int, density: float, clusters: list[int]) -> dict:
+    from oa_plugins.selectors.pq import group_lut_scores
+
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    BH, N = batch * HKV, context
+    k = math.ceil(RERANK * (density * N - SINK - LOCAL))
+    tables = torch.randn(batch, HKV, G, M, CC, device=device)
+    codes = torch.randint(0, 256, (batch, HKV, N, M // 2), dtype=torch.uint8, device=device)
+    triton_out = torch.empty(batch, HKV, G, N, device=device)
+    cuda_out = torch.empty(batch, HKV, G, N, device=device)
+
+    def triton_scores():
+        group_lut_scores(tables, codes, 1.0, 1, 1, out=triton_out)
+
+    def triton_scores_topk():
+        triton_scores()
+        return triton_out.topk(k, dim=-1, sorted=False)
+
+    def cuda_scores():
+        checked(lib.launch_lut_scores(pointer(tables), pointer(codes), pointer(cuda_out), BH, N, 1024, stream()), "lut")
+
+    triton_scores()
+    cuda_scores()
+    torch.cuda.synchronize()
+    row = {
+        "batch": batch,
+        "context": context,
+        "density": density,
+        "k": k,
+        "scores_max_abs_diff": float((triton_out - cuda_out).abs().max()),
+        "triton_scores": timed(triton_scores),
+        "triton_scores_topk": timed(triton_scores_topk),
+        "cuda_scores": timed(cuda_scores),
+        "cluster_shortlist": {},
+    }
+    best = cuda_out.topk(k, dim=-1).values.sort(dim=-1).values
+    for cl in clusters:
+        smem = lib.cluster_shortlist_smem(N, cl)
+        if smem > SMEM_LIMIT:
+            row["cluster_shortlist"][cl] = {"skipped": f"{smem} bytes of shared memory a block"}
+            continue
+        listed = torch.full((batch, HKV, G, k), -1, dtype=torch.int32, device=device)
+        cuts = torch.empty(batch, HKV, G, dtype=torch.int32, device=device)
+
+        def shortlist(listed=listed, cuts=cuts, cl=cl):
+            code = lib.launch_cluster_shortlist(
+                pointer(tables), pointer(codes), BH, N, k, cl, pointer(listed), pointer(cuts), stream()
+            )
+            checked(code, f"cluster_shortlist (CL {cl})")
+
+        try:
+            shortlist()
+            torch.cuda.synchronize()
+        except RuntimeError as exc:  # a launch the device refuses (a cluster no GPC holds): said, not fatal
+            row["cluster_shortlist"][cl] = {"shared_memory_bytes": smem, "error": str(exc)[:300]}
+            continue
+        filled = bool((listed >= 0).all())
+        distinct = bool((listed.sort(dim=-1).values.diff(dim=-1) > 0).all()) if filled else False
+        same = False
+        if filled:
+            picked = cuda_out.gather(-1, listed.long()).sort(dim=-1).values
+            same = bool(torch.equal(picked, best))
+        row["cluster_shortlist"][cl] = {
+            "shared_memory_bytes": smem,
+            "every_slot_written": filled,
+            "positions_distinct": distinct,
+            "same_scores_as_topk": same,
+            **timed(shortlist),
+        }
+    return row
+
+
+def verdict(found: dict) -> str:
+    """A cluster size's outcome in a word or a reason."""
+    if found.get("same_scores_as_topk"):
+        return "same as topk"
+    return found.get("skipped") or found.get("error") or "DIFFERS from topk"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["16x16384", "32x32768", "2x131072"])
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
+    parser.add_argument("--clusters", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/oa_cuda_studies"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        print("cluster_shortlist: needs a CUDA device of compute capability 9.0 (thread-block clusters)")
+        return 1
+    from oa_core.analysis.provenance import provenance
+
+    lib = build(args.cache)
+    gpu = torch.cuda.get_device_name().split()[1].lower()
+    out = args.out or HERE / "results" / f"cluster_shortlist_{gpu}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    result = {
+        "what": __doc__.split("\n\n")[0],
+        "shape": {"kv_heads": HKV, "group": G, "sub_spaces": M, "centroids": CC, "rerank": RERANK},
+        "runs": rows,
+        "provenance": provenance("cuda"),
+    }
+    for config in args.configs:
+        batch, context = (int(x) for x in config.split("x"))
+        for density in args.densities:
+            row = run_config(lib, batch, context, density, args.clusters)
+            rows.append(row)
+            best = min(
+                ((v["graph_ms"], cl) for cl, v in row["cluster_shortlist"].items() if "graph_ms" in v),
+                default=(math.nan, None),
+            )
+            print(
+                f"{batch:>3} × {context:>6} {density:>4.0%} k {row['k']:>5}: graphed ms — Triton scores "
+                f"{row['triton_scores']['graph_ms']:.3f}, + topk {row['triton_scores_topk']['graph_ms']:.3f}; "
+                f"CUDA scores {row['cuda_scores']['graph_ms']:.3f}; cluster shortlist {best[0]:.3f} (CL {best[1]}); "
+                f"scores differ by ≤ {row['scores_max_abs_diff']:.1e}; "
+                + ", ".join(f"CL {cl}: {verdict(v)}" for cl, v in row["cluster_shortlist"].items())
+            )
+            out.write_text(json.dumps(result, indent=1) + "\n")  # after each row: a fault later keeps these
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
