@@ -14,6 +14,9 @@
 //                      head's k-th largest by a radix select over four 8-bit digits (the cluster's histograms summed
 //                      through distributed shared memory), and the k positions written (ties at the cut: the first
 //                      blocks' first; within a block in no set order).
+//   cluster_shortlist with a selection: then, in the same launch, each head's q_b best positions of every cluster b
+//                      (the per-cluster selection) from the same on-chip keys, by a radix select over eight 4-bit
+//                      digits for all (head, cluster) pairs at once, written cluster by cluster.
 // Layouts as PQS's index keeps them: tables [BH, G, M, 16] float32, codes [BH, N, M/2] uint8, two 4-bit codes a byte
 // (byte j: sub-space 2j in the low nibble, 2j + 1 in the high one).
 
@@ -28,6 +31,10 @@ constexpr int CC = 16;      // centroids per sub-space (4-bit codes)
 constexpr int W = M / 2;    // code bytes per key
 constexpr int G = 4;        // query heads per KV head (Llama-3.1-8B: 32 / 8)
 constexpr int THREADS = 256;
+constexpr int C = 64;        // clusters (QGC's default)
+constexpr int PAIRS = G * C;  // (head, cluster) pairs of a selection: one thread each
+static_assert(PAIRS == THREADS, "the selection gives each (head, cluster) pair a thread");
+enum Mode : unsigned { PICK = 0, ALL = 1, NONE = 2 };
 
 __device__ __forceinline__ unsigned order_key(float f) {  // float → unsigned, same order
     unsigned b = __float_as_uint(f);
@@ -105,8 +112,137 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
     }
 }
 
+// The per-cluster selection from the block's on-chip keys: for every (head g, cluster b) pair, the q_b best keys of
+// the cluster's members (quotas [BH, G, C], each at most the cluster's size), by a radix select over eight 4-bit
+// digits whose histograms [pair][16] the cluster's blocks sum through distributed shared memory; the positions go to
+// selected [BH, G, width], cluster b's run at Σ_{b' < b} q_b' (ties at a pair's cut: the first blocks' first).
+__device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank, int bh, int chunk, int start, int len,
+                                   int N, const unsigned* keys, uint8_t* member_of, unsigned* work,
+                                   const uint8_t* __restrict__ assignment, const int* __restrict__ quotas, int width,
+                                   int* __restrict__ selected) {
+    unsigned* hist = work;                   // PAIRS·16: this block's
+    unsigned* total = hist + PAIRS * 16;     // PAIRS·16: the cluster's
+    unsigned* cut = total + PAIRS * 16;      // per pair: the cut's digits so far, then the cut
+    unsigned* rest = cut + PAIRS;            // the keys still wanted at the cut's digits
+    unsigned* mode = rest + PAIRS;           // PICK, ALL (q_b ≥ the cluster's size) or NONE (q_b = 0)
+    unsigned* above = mode + PAIRS;          // this block's keys above the cut, and at it
+    unsigned* tied = above + PAIRS;
+    unsigned* written = tied + PAIRS;
+    unsigned* taken = written + PAIRS;
+    unsigned* base_above = taken + PAIRS;    // the earlier blocks' keys above the cut, and at it
+    unsigned* base_tied = base_above + PAIRS;
+    unsigned* all_above = base_tied + PAIRS;  // every block's keys above the cut
+    unsigned* offset = all_above + PAIRS;     // the pair's run in its head's row
+    const int p = threadIdx.x, pg = p / C, pc = p % C;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) member_of[i] = assignment[(size_t)bh * N + start + i];
+    for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) hist[i] = 0;
+    rest[p] = quotas[((size_t)bh * G + pg) * C + pc];
+    cut[p] = above[p] = tied[p] = written[p] = taken[p] = 0;
+    unsigned run = 0;
+    for (int b = 0; b < pc; ++b) run += quotas[((size_t)bh * G + pg) * C + b];
+    offset[p] = run;
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        int b = member_of[i];
+        if (b < C) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) atomicAdd(&hist[(g * C + b) * 16 + (keys[g * chunk + i] >> 28)], 1u);
+        }
+    }
+    for (int pass = 0; pass < 8; ++pass) {
+        cluster.sync();
+        for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) {
+            unsigned sum = 0;
+            for (int r = 0; r < CL; ++r) sum += cluster.map_shared_rank(hist, r)[i];
+            total[i] = sum;
+        }
+        __syncthreads();
+        if (pass == 0) {
+            unsigned members = 0;
+            for (int d = 0; d < 16; ++d) members += total[p * 16 + d];
+            mode[p] = rest[p] == 0 ? NONE : (rest[p] >= members ? ALL : PICK);
+        }
+        if (mode[p] == PICK) {
+            unsigned seen = 0;
+            for (int d = 15; d >= 0; --d) {
+                if (seen + total[p * 16 + d] >= rest[p]) {
+                    cut[p] = (cut[p] << 4) | d;
+                    rest[p] -= seen;
+                    break;
+                }
+                seen += total[p * 16 + d];
+            }
+        }
+        cluster.sync();  // every block done reading the histograms; every pair's digit set
+        if (pass == 7) break;
+        for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const int shift = 28 - 4 * pass;
+        for (int i = threadIdx.x; i < len; i += blockDim.x) {
+            int b = member_of[i];
+            if (b < C) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) {
+                    int q = g * C + b;
+                    unsigned key = keys[g * chunk + i];
+                    if (mode[q] == PICK && (key >> shift) == cut[q])
+                        atomicAdd(&hist[q * 16 + ((key >> (shift - 4)) & 15)], 1u);
+                }
+            }
+        }
+    }
+    // ALL: every key is at or above 0, and the ties at 0 fit; NONE: nothing is above the largest key, no tie is taken.
+    if (mode[p] == ALL) cut[p] = 0;
+    if (mode[p] == NONE) cut[p] = 0xFFFFFFFFu, rest[p] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        int b = member_of[i];
+        if (b < C) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                int q = g * C + b;
+                unsigned key = keys[g * chunk + i];
+                if (key > cut[q]) atomicAdd(&above[q], 1u);
+                else if (key == cut[q]) atomicAdd(&tied[q], 1u);
+            }
+        }
+    }
+    cluster.sync();
+    {
+        unsigned a = 0, t = 0, every = 0;
+        for (int r = 0; r < CL; ++r) {
+            unsigned ra = cluster.map_shared_rank(above, r)[p];
+            if (r < rank) a += ra, t += cluster.map_shared_rank(tied, r)[p];
+            every += ra;
+        }
+        base_above[p] = a;
+        base_tied[p] = t;
+        all_above[p] = every;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        int b = member_of[i];
+        if (b < C) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                int q = g * C + b;
+                unsigned key = keys[g * chunk + i];
+                int* out = selected + ((size_t)bh * G + g) * width + offset[q];
+                if (key > cut[q]) {
+                    out[base_above[q] + atomicAdd(&written[q], 1u)] = start + i;
+                } else if (key == cut[q]) {
+                    unsigned t = base_tied[q] + atomicAdd(&taken[q], 1u);
+                    if (t < rest[q]) out[all_above[q] + t] = start + i;
+                }
+            }
+        }
+    }
+}
+
 __global__ void cluster_shortlist(const float* __restrict__ tables, const uint8_t* __restrict__ codes, int N, int k,
-                                  int* __restrict__ listed, unsigned* __restrict__ cuts) {
+                                  int* __restrict__ listed, unsigned* __restrict__ cuts,
+                                  const uint8_t* __restrict__ assignment, const int* __restrict__ quotas, int width,
+                                  int* __restrict__ selected) {
     cg::cluster_group cluster = cg::this_cluster();
     const int CL = cluster.num_blocks();
     const int rank = cluster.block_rank();
@@ -207,6 +343,12 @@ __global__ void cluster_shortlist(const float* __restrict__ tables, const uint8_
             }
         }
     }
+    if (selected != nullptr) {  // (the same branch in every block of the cluster)
+        uint8_t* member_of = reinterpret_cast<uint8_t*>(keys + G * chunk);
+        unsigned* work = reinterpret_cast<unsigned*>(member_of + ((chunk + 3) / 4) * 4);
+        select_per_cluster(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, assignment, quotas,
+                           width, selected);
+    }
     cluster.sync();  // no block leaves while another may still read its shared memory
 }
 
@@ -219,14 +361,18 @@ int launch_lut_scores(const void* tables, const void* codes, void* scores, int B
     return (int)cudaGetLastError();
 }
 
-size_t cluster_shortlist_smem(int N, int CL) {
+size_t cluster_shortlist_smem(int N, int CL, int select) {
     int chunk = (N + CL - 1) / CL;
-    return sizeof(float) * G * M * CC + sizeof(unsigned) * (2 * G * 256 + 8 * G + (size_t)G * chunk);
+    size_t bytes = sizeof(float) * G * M * CC + sizeof(unsigned) * (2 * G * 256 + 8 * G + (size_t)G * chunk);
+    if (select) bytes += ((chunk + 3) / 4) * 4 + sizeof(unsigned) * (2 * PAIRS * 16 + 11 * PAIRS);
+    return bytes;
 }
 
+// selected == nullptr: the shortlist alone (assignment, quotas and width unread).
 int launch_cluster_shortlist(const void* tables, const void* codes, int BH, int N, int k, int CL, void* listed,
-                             void* cuts, void* stream) {
-    size_t smem = cluster_shortlist_smem(N, CL);
+                             void* cuts, const void* assignment, const void* quotas, int width, void* selected,
+                             void* stream) {
+    size_t smem = cluster_shortlist_smem(N, CL, selected != nullptr);
     cudaError_t err = cudaFuncSetAttribute(cluster_shortlist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) return (int)err;
     if (CL > 8) {
@@ -246,7 +392,8 @@ int launch_cluster_shortlist(const void* tables, const void* codes, int BH, int 
     config.attrs = attribute;
     config.numAttrs = 1;
     err = cudaLaunchKernelEx(&config, cluster_shortlist, (const float*)tables, (const uint8_t*)codes, N, k,
-                             (int*)listed, (unsigned*)cuts);
+                             (int*)listed, (unsigned*)cuts, (const uint8_t*)assignment, (const int*)quotas, width,
+                             (int*)selected);
     return (int)err;
 }
 

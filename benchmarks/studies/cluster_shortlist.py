@@ -6,16 +6,23 @@ cluster (sm_90) can: ``cluster_shortlist.cu`` gives each (batch row, KV head) a 
 part of the scores in shared memory, and cuts each head's shortlist by a radix select whose histograms the blocks
 read from each other (distributed shared memory) between cluster barriers. Nothing but the k positions is written.
 
+With a selection, the same launch then takes each head's q_b best positions in every cluster b from the same on-chip
+keys (the step's per-cluster selection), for random clusters and quotas.
+
 Timed here, on random codes and tables of the Llama-3.1-8B shape (8 KV heads, 4 query heads each, head dim 128 as 64
 two-dimensional sub-spaces of 16 centroids), in the same run:
 - ``triton_scores``: Triton's ``group_lut_scores`` (the scores the composed step writes);
 - ``triton_scores_topk``: those scores and ``torch.topk`` of each head's k (a shortlist the composed way);
 - ``cuda_scores``: the same scores from a CUDA kernel with the tables in shared memory (``lut_scores``);
-- ``cluster_shortlist``: the one launch, per cluster size CL that fits.
+- ``triton_selection``: the step's per-cluster selection (``select_per_cluster``, `_select_kernel`) over those scores;
+- ``cluster_shortlist``: the one launch, per cluster size CL that fits; ``cluster_shortlist_and_selection``: the same
+  launch with the per-cluster selection.
 
 k is the default's shortlist: rerank 4 × the selectable budget (density × N − sink 4 − local 64), at 1% and 3%.
 Checks: the CUDA scores against Triton's (largest difference; the sums run in another order), and each cluster
-shortlist against ``torch.topk`` of the CUDA kernel's own scores (the same arithmetic): the same multiset of scores.
+shortlist against ``torch.topk`` of the CUDA kernel's own scores (the same arithmetic): the same multiset of scores;
+each selection (Triton's and the cluster's) against a torch reference on its own scores: the same (cluster, score)
+pairs, and every slot up to Σ_b q_b written.
 Writes ``benchmarks/studies/results/cluster_shortlist_<gpu>.json``.
 
     python benchmarks/studies/cluster_shortlist.py            # on a CUDA device with nvcc (sm_90)
@@ -36,9 +43,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "cluster_shortlist.cu"
-HKV, G, M, CC = 8, 4, 64, 16
+HKV, G, M, CC, C = 8, 4, 64, 16, 64  # C: clusters (QGC's default), as cluster_shortlist.cu has them
 SINK, LOCAL, RERANK = 4, 64, 4
 SMEM_LIMIT = 227 * 1024  # an sm_90 block's most dynamic shared memory
+NULL = ctypes.c_void_p(None)
 
 
 def build(cache: Path) -> ctypes.CDLL:
@@ -77,7 +85,37 @@ def timed(fn) -> dict[str, float]:
     }
 
 
+def selection_inputs(batch: int, context: int, density: float, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A random clustering and per-cluster quotas: assignment ``[B, Hkv, N]`` uint8 (every position in one of C
+    clusters), quotas ``[B, Hkv, G, C]`` int32 near each cluster's share of the selectable budget (×0–2), at most its
+    size, with cluster 0 taken whole and cluster 1 not at all; and the width Σ_b q_b of the fullest row."""
+    assignment = torch.randint(0, C, (batch, HKV, context), dtype=torch.uint8, device=device)
+    sizes = torch.zeros(batch, HKV, C, dtype=torch.long, device=device)
+    sizes.scatter_add_(-1, assignment.long(), torch.ones_like(assignment, dtype=torch.long))
+    budget = density * context - SINK - LOCAL
+    share = sizes[:, :, None, :].double() / context * budget * 2 * torch.rand(batch, HKV, G, C, device=device)
+    quotas = torch.minimum(share.round().long(), sizes[:, :, None, :])
+    quotas[..., 0], quotas[..., 1] = sizes[:, :, None, 0], 0
+    return assignment, quotas.int().contiguous(), int(quotas.sum(-1).max())
+
+
+def reference_selection(scores: torch.Tensor, assignment: torch.Tensor, quotas: torch.Tensor, width: int):
+    """Each (row, head)'s selected (cluster, score) pairs as ``cluster · 1000 + score`` (scores here are far below
+    1000 in size), sorted, +inf past Σ_b q_b: the multiset a correct per-cluster top-q gives, whatever the ties."""
+    s = scores.double()
+    a = assignment.long()[:, :, None, :].expand_as(s)
+    order = (a * 1000 - s).argsort(dim=-1, stable=True)  # by cluster, best first
+    cluster = a.gather(-1, order)
+    sizes = torch.zeros(*s.shape[:-1], C, dtype=torch.long, device=s.device).scatter_add_(-1, a, torch.ones_like(a))
+    starts = sizes.cumsum(-1) - sizes
+    rank = torch.arange(s.shape[-1], device=s.device) - starts.gather(-1, cluster)
+    keep = rank < quotas.long().gather(-1, cluster)
+    combined = (a * 1000 + s).gather(-1, order)
+    return torch.where(keep, combined, math.inf).sort(dim=-1).values[..., :width]
+
+
 def run_config(lib, batch: int, context: int, density: float, clusters: list[int]) -> dict:
+    from oa_core.ops.selection import cluster_members, select_per_cluster
     from oa_plugins.selectors.pq import group_lut_scores
 
     torch.manual_seed(0)
@@ -86,8 +124,10 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
     k = math.ceil(RERANK * (density * N - SINK - LOCAL))
     tables = torch.randn(batch, HKV, G, M, CC, device=device)
     codes = torch.randint(0, 256, (batch, HKV, N, M // 2), dtype=torch.uint8, device=device)
+    assignment, quotas, width = selection_inputs(batch, context, density, device)
     triton_out = torch.empty(batch, HKV, G, N, device=device)
     cuda_out = torch.empty(batch, HKV, G, N, device=device)
+    members = cluster_members(assignment.long(), C)
 
     def triton_scores():
         group_lut_scores(tables, codes, 1.0, 1, 1, out=triton_out)
@@ -95,6 +135,9 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
     def triton_scores_topk():
         triton_scores()
         return triton_out.topk(k, dim=-1, sorted=False)
+
+    def triton_selection():  # the step's per-cluster selection (`_select_kernel`) over scores in memory
+        return select_per_cluster(triton_out[:, :, :, None], *members, quotas[:, :, :, None], width)
 
     def cuda_scores():
         checked(lib.launch_lut_scores(pointer(tables), pointer(codes), pointer(cuda_out), BH, N, 1024, stream()), "lut")
@@ -107,54 +150,89 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
         "context": context,
         "density": density,
         "k": k,
+        "selection_width": width,
         "scores_max_abs_diff": float((triton_out - cuda_out).abs().max()),
         "triton_scores": timed(triton_scores),
         "triton_scores_topk": timed(triton_scores_topk),
+        "triton_selection": timed(triton_selection),
         "cuda_scores": timed(cuda_scores),
         "cluster_shortlist": {},
+        "cluster_shortlist_and_selection": {},
     }
+    # The reference's selection checks Triton's (on Triton's scores) as well as the cluster's (on its own).
+    combined = assignment.long()[:, :, None, :] * 1000 + triton_out.double()
+    taken = triton_selection().view(batch, HKV, G, width)
+    picked = torch.where(taken >= 0, combined.gather(-1, taken.clamp_min(0)), math.inf).sort(dim=-1).values
+    row["triton_selection_same_as_reference"] = bool(
+        torch.equal(picked, reference_selection(triton_out, assignment, quotas, width))
+    )
     best = cuda_out.topk(k, dim=-1).values.sort(dim=-1).values
-    for cl in clusters:
-        smem = lib.cluster_shortlist_smem(N, cl)
-        if smem > SMEM_LIMIT:
-            row["cluster_shortlist"][cl] = {"skipped": f"{smem} bytes of shared memory a block"}
-            continue
-        listed = torch.full((batch, HKV, G, k), -1, dtype=torch.int32, device=device)
-        cuts = torch.empty(batch, HKV, G, dtype=torch.int32, device=device)
+    chosen = reference_selection(cuda_out, assignment, quotas, width)
+    wanted = quotas.sum(-1, keepdim=True)
+    for select in (False, True):
+        for cl in clusters:
+            found = row["cluster_shortlist_and_selection" if select else "cluster_shortlist"]
+            smem = lib.cluster_shortlist_smem(N, cl, int(select))
+            if smem > SMEM_LIMIT:
+                found[cl] = {"skipped": f"{smem} bytes of shared memory a block"}
+                continue
+            listed = torch.full((batch, HKV, G, k), -1, dtype=torch.int32, device=device)
+            cuts = torch.empty(batch, HKV, G, dtype=torch.int32, device=device)
+            selected = torch.full((batch, HKV, G, width), -1, dtype=torch.int32, device=device)
 
-        def shortlist(listed=listed, cuts=cuts, cl=cl):
-            code = lib.launch_cluster_shortlist(
-                pointer(tables), pointer(codes), BH, N, k, cl, pointer(listed), pointer(cuts), stream()
-            )
-            checked(code, f"cluster_shortlist (CL {cl})")
+            def launch(listed=listed, cuts=cuts, selected=selected, cl=cl, select=select):
+                code = lib.launch_cluster_shortlist(
+                    pointer(tables),
+                    pointer(codes),
+                    BH,
+                    N,
+                    k,
+                    cl,
+                    pointer(listed),
+                    pointer(cuts),
+                    pointer(assignment) if select else NULL,
+                    pointer(quotas) if select else NULL,
+                    width,
+                    pointer(selected) if select else NULL,
+                    stream(),
+                )
+                checked(code, f"cluster_shortlist (CL {cl}, selection {select})")
 
-        try:
-            shortlist()
-            torch.cuda.synchronize()
-        except RuntimeError as exc:  # a launch the device refuses (a cluster no GPC holds): said, not fatal
-            row["cluster_shortlist"][cl] = {"shared_memory_bytes": smem, "error": str(exc)[:300]}
-            continue
-        filled = bool((listed >= 0).all())
-        distinct = bool((listed.sort(dim=-1).values.diff(dim=-1) > 0).all()) if filled else False
-        same = False
-        if filled:
-            picked = cuda_out.gather(-1, listed.long()).sort(dim=-1).values
-            same = bool(torch.equal(picked, best))
-        row["cluster_shortlist"][cl] = {
-            "shared_memory_bytes": smem,
-            "every_slot_written": filled,
-            "positions_distinct": distinct,
-            "same_scores_as_topk": same,
-            **timed(shortlist),
-        }
+            try:
+                launch()
+                torch.cuda.synchronize()
+            except RuntimeError as exc:  # a launch the device refuses (a cluster no GPC holds): said, not fatal
+                found[cl] = {"shared_memory_bytes": smem, "error": str(exc)[:300]}
+                continue
+            filled = bool((listed >= 0).all())
+            distinct = bool((listed.sort(dim=-1).values.diff(dim=-1) > 0).all()) if filled else False
+            same = filled and bool(torch.equal(cuda_out.gather(-1, listed.long()).sort(dim=-1).values, best))
+            found[cl] = {
+                "shared_memory_bytes": smem,
+                "every_slot_written": filled,
+                "positions_distinct": distinct,
+                "same_scores_as_topk": same,
+            }
+            if select:
+                written = selected >= 0
+                slots = torch.arange(width, device=device)
+                combined = assignment.long()[:, :, None, :] * 1000 + cuda_out.double()
+                picked = torch.where(written, combined.gather(-1, selected.long().clamp_min(0)), math.inf)
+                found[cl]["selection_slots_written"] = bool(torch.equal(written, slots < wanted))
+                found[cl]["same_selection_as_reference"] = bool(torch.equal(picked.sort(dim=-1).values, chosen))
+            found[cl].update(timed(launch))
     return row
 
 
 def verdict(found: dict) -> str:
     """A cluster size's outcome in a word or a reason."""
-    if found.get("same_scores_as_topk"):
-        return "same as topk"
-    return found.get("skipped") or found.get("error") or "DIFFERS from topk"
+    if "skipped" in found or "error" in found:
+        return found.get("skipped") or found["error"]
+    said = "same as topk" if found["same_scores_as_topk"] else "DIFFERS from topk"
+    if "same_selection_as_reference" in found:
+        same = found["same_selection_as_reference"] and found["selection_slots_written"]
+        said += ", selection " + ("as the reference's" if same else "DIFFERS from the reference")
+    return said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,16 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         for density in args.densities:
             row = run_config(lib, batch, context, density, args.clusters)
             rows.append(row)
-            best = min(
-                ((v["graph_ms"], cl) for cl, v in row["cluster_shortlist"].items() if "graph_ms" in v),
-                default=(math.nan, None),
+            best, both = (
+                min(((v["graph_ms"], cl) for cl, v in row[key].items() if "graph_ms" in v), default=(math.nan, None))
+                for key in ("cluster_shortlist", "cluster_shortlist_and_selection")
             )
             print(
                 f"{batch:>3} × {context:>6} {density:>4.0%} k {row['k']:>5}: graphed ms — Triton scores "
-                f"{row['triton_scores']['graph_ms']:.3f}, + topk {row['triton_scores_topk']['graph_ms']:.3f}; "
-                f"CUDA scores {row['cuda_scores']['graph_ms']:.3f}; cluster shortlist {best[0]:.3f} (CL {best[1]}); "
-                f"scores differ by ≤ {row['scores_max_abs_diff']:.1e}; "
-                + ", ".join(f"CL {cl}: {verdict(v)}" for cl, v in row["cluster_shortlist"].items())
+                f"{row['triton_scores']['graph_ms']:.3f}, + topk {row['triton_scores_topk']['graph_ms']:.3f}, "
+                f"selection {row['triton_selection']['graph_ms']:.3f}; CUDA scores "
+                f"{row['cuda_scores']['graph_ms']:.3f}; cluster shortlist {best[0]:.3f} (CL {best[1]}), with the "
+                f"selection {both[0]:.3f} (CL {both[1]}); scores differ by ≤ {row['scores_max_abs_diff']:.1e}; "
+                + "; ".join(
+                    f"{'+ selection ' if key.endswith('selection') else ''}CL {cl}: {verdict(v)}"
+                    for key in ("cluster_shortlist", "cluster_shortlist_and_selection")
+                    for cl, v in row[key].items()
+                )
             )
             out.write_text(json.dumps(result, indent=1) + "\n")  # after each row: a fault later keeps these
     print(f"wrote {out}")
