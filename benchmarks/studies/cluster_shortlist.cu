@@ -138,6 +138,7 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
     for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) hist[i] = 0;
     rest[p] = quotas[((size_t)bh * G + pg) * C + pc];
     cut[p] = above[p] = tied[p] = written[p] = taken[p] = 0;
+    mode[p] = PICK;
     unsigned run = 0;
     for (int b = 0; b < pc; ++b) run += quotas[((size_t)bh * G + pg) * C + b];
     offset[p] = run;
@@ -149,31 +150,44 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
             for (int g = 0; g < G; ++g) atomicAdd(&hist[(g * C + b) * 16 + (keys[g * chunk + i] >> 28)], 1u);
         }
     }
+    // Block r owns pairs [r·PAIRS/CL, (r + 1)·PAIRS/CL): it sums their histograms over the cluster, picks their digits
+    // and writes them into every block's shared memory (each block reads PAIRS·16 counters a pass, not CL times that).
+    const int owned = PAIRS / CL;
     for (int pass = 0; pass < 8; ++pass) {
         cluster.sync();
-        for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) {
+        for (int i = threadIdx.x; i < owned * 16; i += blockDim.x) {
+            const int j = rank * owned * 16 + i;
             unsigned sum = 0;
-            for (int r = 0; r < CL; ++r) sum += cluster.map_shared_rank(hist, r)[i];
-            total[i] = sum;
+            for (int r = 0; r < CL; ++r) sum += cluster.map_shared_rank(hist, r)[j];
+            total[j] = sum;
         }
         __syncthreads();
-        if (pass == 0) {
-            unsigned members = 0;
-            for (int d = 0; d < 16; ++d) members += total[p * 16 + d];
-            mode[p] = rest[p] == 0 ? NONE : (rest[p] >= members ? ALL : PICK);
-        }
-        if (mode[p] == PICK) {
-            unsigned seen = 0;
-            for (int d = 15; d >= 0; --d) {
-                if (seen + total[p * 16 + d] >= rest[p]) {
-                    cut[p] = (cut[p] << 4) | d;
-                    rest[p] -= seen;
-                    break;
+        if (p < owned) {
+            const int q = rank * owned + p;
+            unsigned m = mode[q], digits = cut[q], wanted = rest[q];
+            if (pass == 0) {
+                unsigned members = 0;
+                for (int d = 0; d < 16; ++d) members += total[q * 16 + d];
+                m = wanted == 0 ? NONE : (wanted >= members ? ALL : PICK);
+            }
+            if (m == PICK) {
+                unsigned seen = 0;
+                for (int d = 15; d >= 0; --d) {
+                    if (seen + total[q * 16 + d] >= wanted) {
+                        digits = (digits << 4) | d;
+                        wanted -= seen;
+                        break;
+                    }
+                    seen += total[q * 16 + d];
                 }
-                seen += total[p * 16 + d];
+            }
+            for (int r = 0; r < CL; ++r) {
+                cluster.map_shared_rank(mode, r)[q] = m;
+                cluster.map_shared_rank(cut, r)[q] = digits;
+                cluster.map_shared_rank(rest, r)[q] = wanted;
             }
         }
-        cluster.sync();  // every block done reading the histograms; every pair's digit set
+        cluster.sync();  // every block done reading the histograms; every pair's digit written everywhere
         if (pass == 7) break;
         for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) hist[i] = 0;
         __syncthreads();
