@@ -1270,6 +1270,18 @@ MUTATIONS = [
         ("tests/test_offline_model.py",),
         "a transformers below the declared floor is used as it is",
     ),
+    mutation(
+        "cluster-design-with-candidates",
+        "benchmarks/step_cost.py",
+        [
+            (
+                '(found["candidates_bucketed"], found["reread_codes"]) if design == "one_program" else (0.0, 0.0)',
+                '(found["candidates_bucketed"], found["reread_codes"])',
+            )
+        ],
+        ("tests/test_step_cost.py",),
+        "the cluster design is projected with the one-program design's candidates and code re-reads",
+    ),
 ]
 
 
