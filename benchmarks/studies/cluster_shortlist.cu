@@ -253,10 +253,137 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
     }
 }
 
+// The q largest of n keys read through `at(j)` (j < n), 0 < q < n: the cut τ (count(key ≥ τ) ≥ q > count(key > τ))
+// by bisection over the 32-bit keys, and how many keys lie above it.
+template <class At>
+__device__ unsigned bisect_cut(At at, int n, unsigned q, unsigned* above_cut) {
+    unsigned lo = 0xFFFFFFFFu, hi = 0;
+    for (int j = 0; j < n; ++j) lo = min(lo, at(j)), hi = max(hi, at(j));
+    unsigned long long top = (unsigned long long)hi + 1, bottom = lo;  // count(≥ bottom) ≥ q > count(≥ top)
+    while (top - bottom > 1) {
+        unsigned long long mid = bottom + (top - bottom) / 2;
+        unsigned count = 0;
+        for (int j = 0; j < n; ++j) count += at(j) >= mid;
+        if (count >= q) bottom = mid; else top = mid;
+    }
+    unsigned above = 0;
+    for (int j = 0; j < n; ++j) above += at(j) > bottom;
+    *above_cut = above;
+    return (unsigned)bottom;
+}
+
+// The per-cluster selection from candidates, in three cluster barriers: each block lists its members by cluster; a
+// (head, cluster) pair whose quota covers its cluster is written whole by every block; otherwise each block sends the
+// pair's min(q_b, its members) best keys with their positions to the pair's owner block (p mod CL), through
+// distributed shared memory, and the owner takes the q_b best of what it received.
+__device__ void select_from_candidates(cg::cluster_group& cluster, int CL, int rank, int bh, int chunk, int start,
+                                       int len, int N, const unsigned* keys, uint8_t* member_of, unsigned* work,
+                                       int capacity, const uint8_t* __restrict__ assignment,
+                                       const int* __restrict__ quotas, int width, int* __restrict__ selected) {
+    unsigned* count = work;                  // C: this block's members of each cluster
+    unsigned* first = count + C;             // C: where they start in `order`
+    unsigned* fill = first + C;              // C
+    unsigned* size = fill + C;               // C: the cluster's members in every block
+    unsigned* before = size + C;             // C: in the earlier blocks
+    unsigned* offset = before + C;           // PAIRS: the pair's run in its head's row
+    unsigned* slot = offset + PAIRS;         // PAIRS: the owned pair's first candidate
+    unsigned* received = slot + PAIRS;       // PAIRS: the candidates the owned pair has received
+    unsigned* cand_key = received + PAIRS;   // capacity
+    unsigned* cand_pos = cand_key + capacity;  // capacity
+    uint16_t* order = reinterpret_cast<uint16_t*>(cand_pos + capacity);  // chunk: members by cluster, in order
+    const int p = threadIdx.x, pg = p / C, pc = p % C;
+    const int* row_quotas = quotas + ((size_t)bh * G + pg) * C;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) member_of[i] = assignment[(size_t)bh * N + start + i];
+    if (p < C) count[p] = fill[p] = 0;
+    received[p] = 0;
+    unsigned run = 0;
+    for (int b = 0; b < pc; ++b) run += row_quotas[b];
+    offset[p] = run;
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x)
+        if (member_of[i] < C) atomicAdd(&count[member_of[i]], 1u);
+    __syncthreads();
+    if (p == 0) {
+        unsigned at = 0;
+        for (int b = 0; b < C; ++b) first[b] = at, at += count[b];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {  // (in no set order within a cluster: ties are not ordered)
+        int b = member_of[i];
+        if (b < C) order[first[b] + atomicAdd(&fill[b], 1u)] = (uint16_t)i;
+    }
+    cluster.sync();  // every block's counts written
+    if (p < C) {
+        unsigned all = 0, earlier = 0;
+        for (int r = 0; r < CL; ++r) {
+            unsigned n = cluster.map_shared_rank(count, r)[p];
+            all += n;
+            if (r < rank) earlier += n;
+        }
+        size[p] = all;
+        before[p] = earlier;
+    }
+    __syncthreads();
+    {  // pair p's room in its owner's candidates: CL · q for each pair the owner selects among, in pair order
+        unsigned room = 0;
+        for (int q = p % CL; q < p; q += CL) {
+            const unsigned quota = quotas[((size_t)bh * G + q / C) * C + q % C];
+            if (quota > 0 && quota < size[q % C]) room += CL * quota;
+        }
+        slot[p] = room;
+    }
+    {
+        const unsigned q = row_quotas[pc], n = count[pc];
+        const unsigned* mine = keys + pg * chunk;
+        const uint16_t* members = order + first[pc];
+        int* out = selected + ((size_t)bh * G + pg) * width + offset[p];
+        if (q >= size[pc]) {  // the whole cluster
+            for (unsigned j = 0; j < n; ++j) out[before[pc] + j] = start + members[j];
+        } else if (q > 0 && n > 0) {  // this block's min(q, n) best, to the owner
+            const unsigned want = min(q, n);
+            unsigned* to_key = cluster.map_shared_rank(cand_key, p % CL);
+            unsigned* to_pos = cluster.map_shared_rank(cand_pos, p % CL);
+            unsigned at = slot[p] + atomicAdd(cluster.map_shared_rank(received, p % CL) + p, want);
+            if (want == n) {
+                for (unsigned j = 0; j < n; ++j) to_key[at + j] = mine[members[j]], to_pos[at + j] = start + members[j];
+            } else {
+                unsigned above;
+                const unsigned cut = bisect_cut([&](int j) { return mine[members[j]]; }, n, want, &above);
+                unsigned ties = want - above;
+                for (unsigned j = 0; j < n; ++j) {
+                    const unsigned key = mine[members[j]];
+                    if (key > cut || (key == cut && ties > 0)) {
+                        if (key == cut) --ties;
+                        to_key[at] = key, to_pos[at] = start + members[j], ++at;
+                    }
+                }
+            }
+        }
+    }
+    cluster.sync();  // every candidate received
+    if (p % CL == rank) {
+        const unsigned q = row_quotas[pc], n = received[p];
+        if (q > 0 && q < size[pc]) {
+            const unsigned* ck = cand_key + slot[p];
+            const unsigned* cp = cand_pos + slot[p];
+            int* out = selected + ((size_t)bh * G + pg) * width + offset[p];
+            unsigned above = n, cut = 0;  // n = q: every candidate (each at or above 0)
+            if (n > q) cut = bisect_cut([&](int j) { return ck[j]; }, n, q, &above);
+            unsigned ties = q - above, at = 0;
+            for (unsigned j = 0; j < n; ++j) {
+                if (ck[j] > cut || (ck[j] == cut && ties > 0)) {
+                    if (ck[j] == cut) --ties;
+                    out[at++] = cp[j];
+                }
+            }
+        }
+    }
+}
+
 __global__ void cluster_shortlist(const float* __restrict__ tables, const uint8_t* __restrict__ codes, int N, int k,
                                   int* __restrict__ listed, unsigned* __restrict__ cuts,
                                   const uint8_t* __restrict__ assignment, const int* __restrict__ quotas, int width,
-                                  int* __restrict__ selected) {
+                                  int* __restrict__ selected, int method, int capacity) {
     cg::cluster_group cluster = cg::this_cluster();
     const int CL = cluster.num_blocks();
     const int rank = cluster.block_rank();
@@ -360,8 +487,12 @@ __global__ void cluster_shortlist(const float* __restrict__ tables, const uint8_
     if (selected != nullptr) {  // (the same branch in every block of the cluster)
         uint8_t* member_of = reinterpret_cast<uint8_t*>(keys + G * chunk);
         unsigned* work = reinterpret_cast<unsigned*>(member_of + ((chunk + 3) / 4) * 4);
-        select_per_cluster(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, assignment, quotas,
-                           width, selected);
+        if (method == 1)
+            select_per_cluster(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, assignment, quotas,
+                               width, selected);
+        else
+            select_from_candidates(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, capacity,
+                                   assignment, quotas, width, selected);
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
 }
@@ -375,18 +506,23 @@ int launch_lut_scores(const void* tables, const void* codes, void* scores, int B
     return (int)cudaGetLastError();
 }
 
-size_t cluster_shortlist_smem(int N, int CL, int select) {
+// method 0: the shortlist alone; 1: and the selection by radix passes; 2: and the selection from candidates, with room
+// for `capacity` of them in each block.
+size_t cluster_shortlist_smem(int N, int CL, int method, int capacity) {
     int chunk = (N + CL - 1) / CL;
     size_t bytes = sizeof(float) * G * M * CC + sizeof(unsigned) * (2 * G * 256 + 8 * G + (size_t)G * chunk);
-    if (select) bytes += ((chunk + 3) / 4) * 4 + sizeof(unsigned) * (2 * PAIRS * 16 + 11 * PAIRS);
+    if (method) bytes += ((chunk + 3) / 4) * 4;
+    if (method == 1) bytes += sizeof(unsigned) * (2 * PAIRS * 16 + 11 * PAIRS);
+    if (method == 2) bytes += sizeof(unsigned) * (6 * C + 3 * PAIRS + 2 * (size_t)capacity) + sizeof(uint16_t) * chunk;
     return bytes;
 }
 
-// selected == nullptr: the shortlist alone (assignment, quotas and width unread).
+// selected == nullptr (method 0): the shortlist alone (assignment, quotas, width and capacity unread).
 int launch_cluster_shortlist(const void* tables, const void* codes, int BH, int N, int k, int CL, void* listed,
                              void* cuts, const void* assignment, const void* quotas, int width, void* selected,
-                             void* stream) {
-    size_t smem = cluster_shortlist_smem(N, CL, selected != nullptr);
+                             int method, int capacity, void* stream) {
+    if ((method == 0) != (selected == nullptr)) return (int)cudaErrorInvalidValue;
+    size_t smem = cluster_shortlist_smem(N, CL, method, capacity);
     cudaError_t err = cudaFuncSetAttribute(cluster_shortlist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) return (int)err;
     if (CL > 8) {
@@ -407,7 +543,7 @@ int launch_cluster_shortlist(const void* tables, const void* codes, int BH, int 
     config.numAttrs = 1;
     err = cudaLaunchKernelEx(&config, cluster_shortlist, (const float*)tables, (const uint8_t*)codes, N, k,
                              (int*)listed, (unsigned*)cuts, (const uint8_t*)assignment, (const int*)quotas, width,
-                             (int*)selected);
+                             (int*)selected, method, capacity);
     return (int)err;
 }
 

@@ -15,8 +15,10 @@ two-dimensional sub-spaces of 16 centroids), in the same run:
 - ``triton_scores_topk``: those scores and ``torch.topk`` of each head's k (a shortlist the composed way);
 - ``cuda_scores``: the same scores from a CUDA kernel with the tables in shared memory (``lut_scores``);
 - ``triton_selection``: the step's per-cluster selection (``select_per_cluster``, `_select_kernel`) over those scores;
-- ``cluster_shortlist``: the one launch, per cluster size CL that fits; ``cluster_shortlist_and_selection``: the same
-  launch with the per-cluster selection.
+- ``cluster_shortlist``: the one launch, per cluster size CL that fits; the same launch with the per-cluster
+  selection by radix passes over every key (``..._by_radix``), and from candidates: each block's min(q_b, its members)
+  best keys of a (head, cluster) pair gathered to the pair's owner block, which takes the q_b best
+  (``..._from_candidates``).
 
 k is the default's shortlist: rerank 4 × the selectable budget (density × N − sink 4 − local 64), at 1% and 3%.
 Checks: the CUDA scores against Triton's (largest difference; the sums run in another order), and each cluster
@@ -47,6 +49,13 @@ HKV, G, M, CC, C = 8, 4, 64, 16, 64  # C: clusters (QGC's default), as cluster_s
 SINK, LOCAL, RERANK = 4, 64, 4
 SMEM_LIMIT = 227 * 1024  # an sm_90 block's most dynamic shared memory
 NULL = ctypes.c_void_p(None)
+# cluster_shortlist.cu's methods: the shortlist alone; with the per-cluster selection by radix passes over every key;
+# with the selection from each block's best candidates, gathered to an owner block per (head, cluster) pair
+METHODS = (
+    "cluster_shortlist",
+    "cluster_shortlist_and_selection_by_radix",
+    "cluster_shortlist_and_selection_from_candidates",
+)
 
 
 def build(cache: Path) -> ctypes.CDLL:
@@ -156,8 +165,7 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
         "triton_scores_topk": timed(triton_scores_topk),
         "triton_selection": timed(triton_selection),
         "cuda_scores": timed(cuda_scores),
-        "cluster_shortlist": {},
-        "cluster_shortlist_and_selection": {},
+        **{key: {} for key in METHODS},
     }
     # The reference's selection checks Triton's (on Triton's scores) as well as the cluster's (on its own).
     combined = assignment.long()[:, :, None, :] * 1000 + triton_out.double()
@@ -169,10 +177,17 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
     best = cuda_out.topk(k, dim=-1).values.sort(dim=-1).values
     chosen = reference_selection(cuda_out, assignment, quotas, width)
     wanted = quotas.sum(-1, keepdim=True)
-    for select in (False, True):
+    sizes = torch.zeros(BH, C, dtype=torch.long, device=device)
+    sizes.scatter_add_(-1, assignment.long().view(BH, N), torch.ones(BH, N, dtype=torch.long, device=device))
+    pair_quotas = quotas.long().view(BH, G * C)
+    picked_among = (pair_quotas > 0) & (pair_quotas < sizes.repeat(1, G))  # pairs selected from candidates
+    for method, key in enumerate(METHODS):
+        select = method > 0
         for cl in clusters:
-            found = row["cluster_shortlist_and_selection" if select else "cluster_shortlist"]
-            smem = lib.cluster_shortlist_smem(N, cl, int(select))
+            found = row[key]
+            room = (cl * pair_quotas * picked_among).view(BH, G * C // cl, cl).sum(1)  # per owner block
+            capacity = int(room.max()) if method == 2 else 0
+            smem = lib.cluster_shortlist_smem(N, cl, method, capacity)
             if smem > SMEM_LIMIT:
                 found[cl] = {"skipped": f"{smem} bytes of shared memory a block"}
                 continue
@@ -180,7 +195,9 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
             cuts = torch.empty(batch, HKV, G, dtype=torch.int32, device=device)
             selected = torch.full((batch, HKV, G, width), -1, dtype=torch.int32, device=device)
 
-            def launch(listed=listed, cuts=cuts, selected=selected, cl=cl, select=select):
+            def launch(
+                listed=listed, cuts=cuts, selected=selected, cl=cl, select=select, method=method, capacity=capacity
+            ):
                 code = lib.launch_cluster_shortlist(
                     pointer(tables),
                     pointer(codes),
@@ -194,9 +211,11 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
                     pointer(quotas) if select else NULL,
                     width,
                     pointer(selected) if select else NULL,
+                    method,
+                    capacity,
                     stream(),
                 )
-                checked(code, f"cluster_shortlist (CL {cl}, selection {select})")
+                checked(code, f"cluster_shortlist (CL {cl}, method {method})")
 
             try:
                 launch()
@@ -209,6 +228,7 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
             same = filled and bool(torch.equal(cuda_out.gather(-1, listed.long()).sort(dim=-1).values, best))
             found[cl] = {
                 "shared_memory_bytes": smem,
+                **({"candidate_room": capacity} if method == 2 else {}),
                 "every_slot_written": filled,
                 "positions_distinct": distinct,
                 "same_scores_as_topk": same,
@@ -264,20 +284,19 @@ def main(argv: list[str] | None = None) -> int:
         for density in args.densities:
             row = run_config(lib, batch, context, density, args.clusters)
             rows.append(row)
-            best, both = (
+            best, radix, candidates = (
                 min(((v["graph_ms"], cl) for cl, v in row[key].items() if "graph_ms" in v), default=(math.nan, None))
-                for key in ("cluster_shortlist", "cluster_shortlist_and_selection")
+                for key in METHODS
             )
             print(
                 f"{batch:>3} × {context:>6} {density:>4.0%} k {row['k']:>5}: graphed ms — Triton scores "
                 f"{row['triton_scores']['graph_ms']:.3f}, + topk {row['triton_scores_topk']['graph_ms']:.3f}, "
                 f"selection {row['triton_selection']['graph_ms']:.3f}; CUDA scores "
                 f"{row['cuda_scores']['graph_ms']:.3f}; cluster shortlist {best[0]:.3f} (CL {best[1]}), with the "
-                f"selection {both[0]:.3f} (CL {both[1]}); scores differ by ≤ {row['scores_max_abs_diff']:.1e}; "
+                f"selection by radix {radix[0]:.3f} (CL {radix[1]}), from candidates {candidates[0]:.3f} "
+                f"(CL {candidates[1]}); scores differ by ≤ {row['scores_max_abs_diff']:.1e}; "
                 + "; ".join(
-                    f"{'+ selection ' if key.endswith('selection') else ''}CL {cl}: {verdict(v)}"
-                    for key in ("cluster_shortlist", "cluster_shortlist_and_selection")
-                    for cl, v in row[key].items()
+                    f"{key[18:] or 'shortlist'} CL {cl}: {verdict(v)}" for key in METHODS for cl, v in row[key].items()
                 )
             )
             out.write_text(json.dumps(result, indent=1) + "\n")  # after each row: a fault later keeps these
