@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         "cluster_note": "issue 56's step as one CUDA thread-block cluster per (batch row, KV head), not built: the "
         "scores kept in the blocks' shared memory from the codes' one read to the flash pass (no score written, no "
         f"code read twice); {DESIGNS['cluster']} launches (the growth, the cluster) as designed, not counted; its "
-        "scores and cut on chip timed in benchmarks/studies/cluster_shortlist.py",
+        "scores and cut on chip timed in benchmarks/studies/cluster_shortlist.py, where the per-cluster selection on "
+        "chip was slower than Triton's from memory (with that selection the scores are written and read once more)",
         "launches_note": "the fused step's launches (FusedStep.launch_names) at one size class of clusters; one more "
         "per further size class (the largest cluster's)",
         "codes_note": "codes counted packed, two 4-bit codes a byte, as the PQS index keeps them "
