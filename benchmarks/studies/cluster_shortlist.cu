@@ -112,6 +112,18 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
     }
 }
 
+// f(i, q, key) for each of this block's keys i that lies in a cluster, for every head: q the (head, cluster) pair.
+template <class F>
+__device__ __forceinline__ void each_member(int len, int chunk, const uint8_t* member_of, const unsigned* keys, F f) {
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        const int b = member_of[i];
+        if (b < C) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) f(i, g * C + b, keys[g * chunk + i]);
+        }
+    }
+}
+
 // The per-cluster selection from the block's on-chip keys: for every (head g, cluster b) pair, the q_b best keys of
 // the cluster's members (quotas [BH, G, C], each at most the cluster's size), by a radix select over eight 4-bit
 // digits whose histograms [pair][16] the cluster's blocks sum through distributed shared memory; the positions go to
@@ -143,13 +155,8 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
     for (int b = 0; b < pc; ++b) run += quotas[((size_t)bh * G + pg) * C + b];
     offset[p] = run;
     __syncthreads();
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        int b = member_of[i];
-        if (b < C) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) atomicAdd(&hist[(g * C + b) * 16 + (keys[g * chunk + i] >> 28)], 1u);
-        }
-    }
+    each_member(len, chunk, member_of, keys,
+                [&](int, int q, unsigned key) { atomicAdd(&hist[q * 16 + (key >> 28)], 1u); });
     // Block r owns pairs [r·PAIRS/CL, (r + 1)·PAIRS/CL): it sums their histograms over the cluster, picks their digits
     // and writes them into every block's shared memory (each block reads PAIRS·16 counters a pass, not CL times that).
     const int owned = PAIRS / CL;
@@ -192,35 +199,18 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
         for (int i = threadIdx.x; i < PAIRS * 16; i += blockDim.x) hist[i] = 0;
         __syncthreads();
         const int shift = 28 - 4 * pass;
-        for (int i = threadIdx.x; i < len; i += blockDim.x) {
-            int b = member_of[i];
-            if (b < C) {
-#pragma unroll
-                for (int g = 0; g < G; ++g) {
-                    int q = g * C + b;
-                    unsigned key = keys[g * chunk + i];
-                    if (mode[q] == PICK && (key >> shift) == cut[q])
-                        atomicAdd(&hist[q * 16 + ((key >> (shift - 4)) & 15)], 1u);
-                }
-            }
-        }
+        each_member(len, chunk, member_of, keys, [&](int, int q, unsigned key) {
+            if (mode[q] == PICK && (key >> shift) == cut[q]) atomicAdd(&hist[q * 16 + ((key >> (shift - 4)) & 15)], 1u);
+        });
     }
     // ALL: every key is at or above 0, and the ties at 0 fit; NONE: nothing is above the largest key, no tie is taken.
     if (mode[p] == ALL) cut[p] = 0;
     if (mode[p] == NONE) cut[p] = 0xFFFFFFFFu, rest[p] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        int b = member_of[i];
-        if (b < C) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                int q = g * C + b;
-                unsigned key = keys[g * chunk + i];
-                if (key > cut[q]) atomicAdd(&above[q], 1u);
-                else if (key == cut[q]) atomicAdd(&tied[q], 1u);
-            }
-        }
-    }
+    each_member(len, chunk, member_of, keys, [&](int, int q, unsigned key) {
+        if (key > cut[q]) atomicAdd(&above[q], 1u);
+        else if (key == cut[q]) atomicAdd(&tied[q], 1u);
+    });
     cluster.sync();
     {
         unsigned a = 0, t = 0, every = 0;
@@ -234,23 +224,15 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
         all_above[p] = every;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        int b = member_of[i];
-        if (b < C) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                int q = g * C + b;
-                unsigned key = keys[g * chunk + i];
-                int* out = selected + ((size_t)bh * G + g) * width + offset[q];
-                if (key > cut[q]) {
-                    out[base_above[q] + atomicAdd(&written[q], 1u)] = start + i;
-                } else if (key == cut[q]) {
-                    unsigned t = base_tied[q] + atomicAdd(&taken[q], 1u);
-                    if (t < rest[q]) out[all_above[q] + t] = start + i;
-                }
-            }
+    each_member(len, chunk, member_of, keys, [&](int i, int q, unsigned key) {
+        int* out = selected + ((size_t)bh * G + q / C) * width + offset[q];
+        if (key > cut[q]) {
+            out[base_above[q] + atomicAdd(&written[q], 1u)] = start + i;
+        } else if (key == cut[q]) {
+            unsigned t = base_tied[q] + atomicAdd(&taken[q], 1u);
+            if (t < rest[q]) out[all_above[q] + t] = start + i;
         }
-    }
+    });
 }
 
 // The q largest of n keys read through `at(j)` (j < n), 0 < q < n: the cut τ (count(key ≥ τ) ≥ q > count(key > τ))
