@@ -235,53 +235,29 @@ __device__ void select_per_cluster(cg::cluster_group& cluster, int CL, int rank,
     });
 }
 
-constexpr unsigned FULL = 0xFFFFFFFFu;
-
-// A warp's cut of the q largest of n keys read through `at(j)` (j < n), 0 < q < n: τ with count(key ≥ τ) ≥ q >
-// count(key > τ), by bisection over the 32-bit keys (each step a count over the lanes), and how many lie above it.
+// The q largest of n keys read through `at(j)` (j < n), 0 < q < n: the cut τ (count(key ≥ τ) ≥ q > count(key > τ))
+// by bisection over the 32-bit keys, and how many keys lie above it.
 template <class At>
-__device__ unsigned warp_cut(At at, int n, unsigned q, unsigned* above_cut) {
-    const int lane = threadIdx.x % 32;
+__device__ unsigned bisect_cut(At at, int n, unsigned q, unsigned* above_cut) {
     unsigned lo = 0xFFFFFFFFu, hi = 0;
-    for (int j = lane; j < n; j += 32) lo = min(lo, at(j)), hi = max(hi, at(j));
-    lo = __reduce_min_sync(FULL, lo);
-    hi = __reduce_max_sync(FULL, hi);
-    unsigned long long bottom = lo, top = (unsigned long long)hi + 1;  // count(≥ bottom) ≥ q > count(≥ top)
+    for (int j = 0; j < n; ++j) lo = min(lo, at(j)), hi = max(hi, at(j));
+    unsigned long long top = (unsigned long long)hi + 1, bottom = lo;  // count(≥ bottom) ≥ q > count(≥ top)
     while (top - bottom > 1) {
-        const unsigned long long mid = bottom + (top - bottom) / 2;
+        unsigned long long mid = bottom + (top - bottom) / 2;
         unsigned count = 0;
-        for (int j = lane; j < n; j += 32) count += at(j) >= mid;
-        if (__reduce_add_sync(FULL, count) >= q) bottom = mid; else top = mid;
+        for (int j = 0; j < n; ++j) count += at(j) >= mid;
+        if (count >= q) bottom = mid; else top = mid;
     }
     unsigned above = 0;
-    for (int j = lane; j < n; j += 32) above += at(j) > bottom;
-    *above_cut = __reduce_add_sync(FULL, above);
+    for (int j = 0; j < n; ++j) above += at(j) > bottom;
+    *above_cut = above;
     return (unsigned)bottom;
-}
-
-// A warp's emit(j, s) for each key above `cut` and the first `ties` keys equal to it, s = 0, 1, ... in j order.
-template <class At, class Emit>
-__device__ void warp_take(At at, int n, unsigned cut, unsigned ties, Emit emit) {
-    const int lane = threadIdx.x % 32;
-    const unsigned before_lane = (1u << lane) - 1;
-    unsigned taken = 0, tied = 0;
-    for (int base = 0; base < n; base += 32) {
-        const int j = base + lane;
-        const unsigned key = j < n ? at(j) : 0;
-        const bool tie = j < n && key == cut;
-        const unsigned ties_here = __ballot_sync(FULL, tie);
-        const bool keep = j < n && (key > cut || (tie && tied + __popc(ties_here & before_lane) < ties));
-        const unsigned kept = __ballot_sync(FULL, keep);
-        if (keep) emit(j, taken + __popc(kept & before_lane));
-        taken += __popc(kept);
-        tied += __popc(ties_here);
-    }
 }
 
 // The per-cluster selection from candidates, in three cluster barriers: each block lists its members by cluster; a
 // (head, cluster) pair whose quota covers its cluster is written whole by every block; otherwise each block sends the
 // pair's min(q_b, its members) best keys with their positions to the pair's owner block (p mod CL), through
-// distributed shared memory, and the owner takes the q_b best of what it received. A warp takes a pair at a time.
+// distributed shared memory, and the owner takes the q_b best of what it received.
 __device__ void select_from_candidates(cg::cluster_group& cluster, int CL, int rank, int bh, int chunk, int start,
                                        int len, int N, const unsigned* keys, uint8_t* member_of, unsigned* work,
                                        int capacity, const uint8_t* __restrict__ assignment,
@@ -338,44 +314,50 @@ __device__ void select_from_candidates(cg::cluster_group& cluster, int CL, int r
         }
         slot[p] = room;
     }
-    __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    for (int pair = warp; pair < PAIRS; pair += warps) {  // a warp a pair: this block's min(q, n) best to the owner
-        const int g = pair / C, b = pair % C;
-        const unsigned q = quotas[((size_t)bh * G + g) * C + b], n = count[b];
-        const unsigned* mine = keys + g * chunk;
-        const uint16_t* members = order + first[b];
-        auto key_of = [&](int j) { return mine[members[j]]; };
-        if (q >= size[b]) {  // the whole cluster, written where this block's members go
-            int* out = selected + ((size_t)bh * G + g) * width + offset[pair] + before[b];
-            for (unsigned j = lane; j < n; j += 32) out[j] = start + members[j];
-        } else if (q > 0 && n > 0) {
+    {
+        const unsigned q = row_quotas[pc], n = count[pc];
+        const unsigned* mine = keys + pg * chunk;
+        const uint16_t* members = order + first[pc];
+        int* out = selected + ((size_t)bh * G + pg) * width + offset[p];
+        if (q >= size[pc]) {  // the whole cluster
+            for (unsigned j = 0; j < n; ++j) out[before[pc] + j] = start + members[j];
+        } else if (q > 0 && n > 0) {  // this block's min(q, n) best, to the owner
             const unsigned want = min(q, n);
-            unsigned* to_key = cluster.map_shared_rank(cand_key, pair % CL);
-            unsigned* to_pos = cluster.map_shared_rank(cand_pos, pair % CL);
-            unsigned at = 0;
-            if (lane == 0) at = slot[pair] + atomicAdd(cluster.map_shared_rank(received, pair % CL) + pair, want);
-            at = __shfl_sync(FULL, at, 0);
-            unsigned above = n, cut = 0;  // want = n: every key (each above 0)
-            if (want < n) cut = warp_cut(key_of, n, want, &above);
-            warp_take(key_of, n, cut, want - above, [&](int j, unsigned s) {
-                to_key[at + s] = key_of(j);
-                to_pos[at + s] = start + members[j];
-            });
+            unsigned* to_key = cluster.map_shared_rank(cand_key, p % CL);
+            unsigned* to_pos = cluster.map_shared_rank(cand_pos, p % CL);
+            unsigned at = slot[p] + atomicAdd(cluster.map_shared_rank(received, p % CL) + p, want);
+            if (want == n) {
+                for (unsigned j = 0; j < n; ++j) to_key[at + j] = mine[members[j]], to_pos[at + j] = start + members[j];
+            } else {
+                unsigned above;
+                const unsigned cut = bisect_cut([&](int j) { return mine[members[j]]; }, n, want, &above);
+                unsigned ties = want - above;
+                for (unsigned j = 0; j < n; ++j) {
+                    const unsigned key = mine[members[j]];
+                    if (key > cut || (key == cut && ties > 0)) {
+                        if (key == cut) --ties;
+                        to_key[at] = key, to_pos[at] = start + members[j], ++at;
+                    }
+                }
+            }
         }
     }
     cluster.sync();  // every candidate received
-    for (int t = warp; t < PAIRS / CL; t += warps) {  // a warp an owned pair: the q best of its candidates
-        const int pair = t * CL + rank, g = pair / C, b = pair % C;
-        const unsigned q = quotas[((size_t)bh * G + g) * C + b], n = received[pair];
-        if (q > 0 && q < size[b]) {
-            const unsigned* ck = cand_key + slot[pair];
-            const unsigned* cp = cand_pos + slot[pair];
-            int* out = selected + ((size_t)bh * G + g) * width + offset[pair];
-            auto key_of = [&](int j) { return ck[j]; };
-            unsigned above = n, cut = 0;  // n = q: every candidate
-            if (n > q) cut = warp_cut(key_of, n, q, &above);
-            warp_take(key_of, n, cut, q - above, [&](int j, unsigned s) { out[s] = cp[j]; });
+    if (p % CL == rank) {
+        const unsigned q = row_quotas[pc], n = received[p];
+        if (q > 0 && q < size[pc]) {
+            const unsigned* ck = cand_key + slot[p];
+            const unsigned* cp = cand_pos + slot[p];
+            int* out = selected + ((size_t)bh * G + pg) * width + offset[p];
+            unsigned above = n, cut = 0;  // n = q: every candidate (each at or above 0)
+            if (n > q) cut = bisect_cut([&](int j) { return ck[j]; }, n, q, &above);
+            unsigned ties = q - above, at = 0;
+            for (unsigned j = 0; j < n; ++j) {
+                if (ck[j] > cut || (ck[j] == cut && ties > 0)) {
+                    if (ck[j] == cut) --ties;
+                    out[at++] = cp[j];
+                }
+            }
         }
     }
 }
