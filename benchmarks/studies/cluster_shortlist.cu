@@ -362,6 +362,128 @@ __device__ void select_from_candidates(cg::cluster_group& cluster, int CL, int r
     }
 }
 
+// The per-cluster selection at owner blocks, in three cluster barriers: every key of a (head, cluster) pair is sent,
+// with its position, to the pair's owner block (p mod CL) through distributed shared memory, into the pair's own
+// segment there; then each owner takes the q_b best keys of each pair it owns by a radix select over four 8-bit
+// digits in its own shared memory (a histogram of 256 bins per owned pair, each digit picked by a warp), with no
+// barrier but its own block's.
+__device__ void select_at_owners(cg::cluster_group& cluster, int CL, int rank, int bh, int chunk, int start, int len,
+                                 int N, const unsigned* keys, uint8_t* member_of, unsigned* work, int capacity,
+                                 const uint8_t* __restrict__ assignment, const int* __restrict__ quotas, int width,
+                                 int* __restrict__ selected) {
+    const int owned = PAIRS / CL;
+    unsigned* count = work;                  // C: this block's members of each cluster
+    unsigned* size = count + C;              // C: the cluster's members in every block
+    unsigned* before = size + C;             // C: in the earlier blocks
+    unsigned* segment = before + C;          // PAIRS: the pair's first entry at its owner
+    unsigned* offset = segment + PAIRS;      // PAIRS: the pair's run in its head's row
+    unsigned* cut = offset + PAIRS;          // per owned pair (owned): the cut's digits so far, then the cut
+    unsigned* rest = cut + owned;            // the keys still wanted at the cut's digits
+    unsigned* mode = rest + owned;           // PICK, ALL or NONE
+    unsigned* written = mode + owned;        // the keys above the cut written, and the ties taken
+    unsigned* taken = written + owned;
+    unsigned* hist = taken + owned;          // owned · 256
+    unsigned* entry_key = hist + owned * 256;        // capacity: the owned pairs' keys, pair by pair
+    unsigned* entry_pos = entry_key + capacity;      // and their positions
+    uint16_t* local_rank = reinterpret_cast<uint16_t*>(entry_pos + capacity);  // chunk: among the block's members
+    uint8_t* entry_pair = reinterpret_cast<uint8_t*>(local_rank + chunk);      // capacity: the owned pair's index
+    const int p = threadIdx.x, pg = p / C, pc = p % C;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) member_of[i] = assignment[(size_t)bh * N + start + i];
+    if (p < C) count[p] = 0;
+    unsigned run = 0;
+    for (int b = 0; b < pc; ++b) run += quotas[((size_t)bh * G + pg) * C + b];
+    offset[p] = run;
+    __syncthreads();
+    for (int i = threadIdx.x; i < len; i += blockDim.x)
+        if (member_of[i] < C) local_rank[i] = (uint16_t)atomicAdd(&count[member_of[i]], 1u);
+    cluster.sync();  // every block's counts written
+    if (p < C) {
+        unsigned all = 0, earlier = 0;
+        for (int r = 0; r < CL; ++r) {
+            const unsigned n = cluster.map_shared_rank(count, r)[p];
+            all += n;
+            if (r < rank) earlier += n;
+        }
+        size[p] = all;
+        before[p] = earlier;
+    }
+    __syncthreads();
+    {  // pair p's segment at its owner: after the owner's earlier pairs' members
+        unsigned at = 0;
+        for (int q = p % CL; q < p; q += CL) at += size[q % C];
+        segment[p] = at;
+    }
+    __syncthreads();
+    each_member(len, chunk, member_of, keys, [&](int i, int q, unsigned key) {
+        const int owner = q % CL;
+        const unsigned at = segment[q] + before[q % C] + local_rank[i];
+        cluster.map_shared_rank(entry_key, owner)[at] = key;
+        cluster.map_shared_rank(entry_pos, owner)[at] = start + i;
+        cluster.map_shared_rank(entry_pair, owner)[at] = (uint8_t)(q / CL);
+    });
+    cluster.sync();  // every entry received
+    const int last = (owned - 1) * CL + rank;
+    const unsigned entries = segment[last] + size[last % C];
+    if (p < owned) {
+        const int q = p * CL + rank;
+        const unsigned quota = quotas[((size_t)bh * G + q / C) * C + q % C], n = size[q % C];
+        mode[p] = quota == 0 ? NONE : (quota >= n ? ALL : PICK);
+        cut[p] = mode[p] == NONE ? 0xFFFFFFFFu : 0;  // ALL: every key is above 0
+        rest[p] = mode[p] == NONE ? 0 : quota;
+        written[p] = taken[p] = 0;
+    }
+    for (int pass = 0; pass < 4; ++pass) {
+        for (int i = threadIdx.x; i < owned * 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        const int shift = 24 - 8 * pass;  // the digit's lowest bit; the digits found so far lie above shift + 8
+        for (unsigned j = threadIdx.x; j < entries; j += blockDim.x) {
+            const int t = entry_pair[j];
+            const unsigned key = entry_key[j];
+            if (mode[t] == PICK && (pass == 0 || (key >> (shift + 8)) == cut[t]))
+                atomicAdd(&hist[t * 256 + ((key >> shift) & 0xFF)], 1u);
+        }
+        __syncthreads();
+        for (int t = warp; t < owned; t += warps) {  // a warp a pair: the digit whose bins and above hold `rest`
+            if (mode[t] != PICK) continue;
+            unsigned c[8], mine = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) mine += (c[j] = hist[t * 256 + lane * 8 + j]);
+            unsigned suffix = mine;
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned v = __shfl_down_sync(0xFFFFFFFFu, suffix, o);
+                if (lane + o < 32) suffix += v;
+            }
+            const unsigned want = rest[t];
+            __syncwarp();
+            if (suffix - mine < want && suffix >= want) {
+                unsigned above = suffix - mine;
+                for (int j = 7; j >= 0; --j) {
+                    if (above + c[j] >= want) {
+                        cut[t] = (cut[t] << 8) | (lane * 8 + j);
+                        rest[t] = want - above;
+                        break;
+                    }
+                    above += c[j];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    for (unsigned j = threadIdx.x; j < entries; j += blockDim.x) {
+        const int t = entry_pair[j], q = t * CL + rank;
+        const unsigned key = entry_key[j];
+        int* out = selected + ((size_t)bh * G + q / C) * width + offset[q];
+        const unsigned quota = quotas[((size_t)bh * G + q / C) * C + q % C];
+        if (key > cut[t]) {
+            out[atomicAdd(&written[t], 1u)] = entry_pos[j];
+        } else if (key == cut[t]) {
+            const unsigned tie = atomicAdd(&taken[t], 1u);
+            if (tie < rest[t]) out[quota - rest[t] + tie] = entry_pos[j];
+        }
+    }
+}
+
 __global__ void cluster_shortlist(const float* __restrict__ tables, const uint8_t* __restrict__ codes, int N, int k,
                                   int* __restrict__ listed, unsigned* __restrict__ cuts,
                                   const uint8_t* __restrict__ assignment, const int* __restrict__ quotas, int width,
@@ -472,9 +594,12 @@ __global__ void cluster_shortlist(const float* __restrict__ tables, const uint8_
         if (method == 1)
             select_per_cluster(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, assignment, quotas,
                                width, selected);
-        else
+        else if (method == 2)
             select_from_candidates(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, capacity,
                                    assignment, quotas, width, selected);
+        else
+            select_at_owners(cluster, CL, rank, bh, chunk, start, len, N, keys, member_of, work, capacity, assignment,
+                             quotas, width, selected);
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
 }
@@ -489,13 +614,18 @@ int launch_lut_scores(const void* tables, const void* codes, void* scores, int B
 }
 
 // method 0: the shortlist alone; 1: and the selection by radix passes; 2: and the selection from candidates, with room
-// for `capacity` of them in each block.
+// for `capacity` of them in each block; 3: and the selection at owner blocks, with room for `capacity` entries each.
 size_t cluster_shortlist_smem(int N, int CL, int method, int capacity) {
     int chunk = (N + CL - 1) / CL;
     size_t bytes = sizeof(float) * G * M * CC + sizeof(unsigned) * (2 * G * 256 + 8 * G + (size_t)G * chunk);
     if (method) bytes += ((chunk + 3) / 4) * 4;
     if (method == 1) bytes += sizeof(unsigned) * (2 * PAIRS * 16 + 11 * PAIRS);
     if (method == 2) bytes += sizeof(unsigned) * (6 * C + 3 * PAIRS + 2 * (size_t)capacity) + sizeof(uint16_t) * chunk;
+    if (method == 3) {
+        const size_t owned = PAIRS / CL;
+        bytes += sizeof(unsigned) * (3 * C + 2 * PAIRS + 5 * owned + 256 * owned + 2 * (size_t)capacity);
+        bytes += sizeof(uint16_t) * chunk + capacity;
+    }
     return bytes;
 }
 

@@ -18,7 +18,8 @@ two-dimensional sub-spaces of 16 centroids), in the same run:
 - ``cluster_shortlist``: the one launch, per cluster size CL that fits; the same launch with the per-cluster
   selection by radix passes over every key (``..._by_radix``), and from candidates: each block's min(q_b, its members)
   best keys of a (head, cluster) pair gathered to the pair's owner block, which takes the q_b best
-  (``..._from_candidates``).
+  (``..._from_candidates``), and at owner blocks: every key of a pair sent to its owner, which selects by a radix
+  select of 8-bit digits in its own shared memory (``..._at_owners``).
 
 k is the default's shortlist: rerank 4 × the selectable budget (density × N − sink 4 − local 64), at 1% and 3%.
 Checks: the CUDA scores against Triton's (largest difference; the sums run in another order), and each cluster
@@ -50,11 +51,13 @@ SINK, LOCAL, RERANK = 4, 64, 4
 SMEM_LIMIT = 227 * 1024  # an sm_90 block's most dynamic shared memory
 NULL = ctypes.c_void_p(None)
 # cluster_shortlist.cu's methods: the shortlist alone; with the per-cluster selection by radix passes over every key;
-# with the selection from each block's best candidates, gathered to an owner block per (head, cluster) pair
+# with the selection from each block's best candidates, gathered to an owner block per (head, cluster) pair; with the
+# selection at owner blocks, which receive every key of their pairs and select in their own shared memory
 METHODS = (
     "cluster_shortlist",
     "cluster_shortlist_and_selection_by_radix",
     "cluster_shortlist_and_selection_from_candidates",
+    "cluster_shortlist_and_selection_at_owners",
 )
 
 
@@ -185,8 +188,12 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
         select = method > 0
         for cl in clusters:
             found = row[key]
-            room = (cl * pair_quotas * picked_among).view(BH, G * C // cl, cl).sum(1)  # per owner block
-            capacity = int(room.max()) if method == 2 else 0
+            if method == 2:  # room for CL · q_b candidates of each pair selected among, per owner block
+                capacity = int((cl * pair_quotas * picked_among).view(BH, G * C // cl, cl).sum(1).max())
+            elif method == 3:  # room for every key of the pairs an owner block owns
+                capacity = int(sizes.repeat(1, G).view(BH, G * C // cl, cl).sum(1).max())
+            else:
+                capacity = 0
             smem = lib.cluster_shortlist_smem(N, cl, method, capacity)
             if smem > SMEM_LIMIT:
                 found[cl] = {"skipped": f"{smem} bytes of shared memory a block"}
@@ -228,7 +235,7 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
             same = filled and bool(torch.equal(cuda_out.gather(-1, listed.long()).sort(dim=-1).values, best))
             found[cl] = {
                 "shared_memory_bytes": smem,
-                **({"candidate_room": capacity} if method == 2 else {}),
+                **({"room": capacity} if method >= 2 else {}),
                 "every_slot_written": filled,
                 "positions_distinct": distinct,
                 "same_scores_as_topk": same,
@@ -284,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         for density in args.densities:
             row = run_config(lib, batch, context, density, args.clusters)
             rows.append(row)
-            best, radix, candidates = (
+            best, radix, candidates, owners = (
                 min(((v["graph_ms"], cl) for cl, v in row[key].items() if "graph_ms" in v), default=(math.nan, None))
                 for key in METHODS
             )
@@ -294,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"selection {row['triton_selection']['graph_ms']:.3f}; CUDA scores "
                 f"{row['cuda_scores']['graph_ms']:.3f}; cluster shortlist {best[0]:.3f} (CL {best[1]}), with the "
                 f"selection by radix {radix[0]:.3f} (CL {radix[1]}), from candidates {candidates[0]:.3f} "
-                f"(CL {candidates[1]}); scores differ by ≤ {row['scores_max_abs_diff']:.1e}; "
+                f"(CL {candidates[1]}), at owners {owners[0]:.3f} (CL {owners[1]}); scores differ by ≤ "
+                f"{row['scores_max_abs_diff']:.1e}; "
                 + "; ".join(
                     f"{key[18:] or 'shortlist'} CL {cl}: {verdict(v)}" for key in METHODS for cl, v in row[key].items()
                 )
