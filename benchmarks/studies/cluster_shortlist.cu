@@ -418,13 +418,14 @@ __device__ void select_at_owners(cg::cluster_group& cluster, int CL, int rank, i
     each_member(len, chunk, member_of, keys, [&](int i, int q, unsigned key) {
         const int owner = q % CL;
         const unsigned at = segment[q] + before[q % C] + local_rank[i];
+        if (at >= (unsigned)capacity) return;  // room too small (the host's bound is wrong): the check fails, no fault
         cluster.map_shared_rank(entry_key, owner)[at] = key;
         cluster.map_shared_rank(entry_pos, owner)[at] = start + i;
         cluster.map_shared_rank(entry_pair, owner)[at] = (uint8_t)(q / CL);
     });
     cluster.sync();  // every entry received
     const int last = (owned - 1) * CL + rank;
-    const unsigned entries = segment[last] + size[last % C];
+    const unsigned entries = min(segment[last] + size[last % C], (unsigned)capacity);
     if (p < owned) {
         const int q = p * CL + rank;
         const unsigned quota = quotas[((size_t)bh * G + q / C) * C + q % C], n = size[q % C];

@@ -100,15 +100,21 @@ def timed(fn) -> dict[str, float]:
 def selection_inputs(batch: int, context: int, density: float, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A random clustering and per-cluster quotas: assignment ``[B, Hkv, N]`` uint8 (every position in one of C
     clusters), quotas ``[B, Hkv, G, C]`` int32 near each cluster's share of the selectable budget (×0–2), at most its
-    size, with cluster 0 taken whole and cluster 1 not at all; and the width Σ_b q_b of the fullest row."""
+    size, with cluster 0 taken whole and cluster 1 not at all; and the width Σ_b q_b of the fullest row. (The
+    clusters' sizes: ``cluster_sizes``.)"""
     assignment = torch.randint(0, C, (batch, HKV, context), dtype=torch.uint8, device=device)
-    sizes = torch.zeros(batch, HKV, C, dtype=torch.long, device=device)
-    sizes.scatter_add_(-1, assignment.long(), torch.ones_like(assignment, dtype=torch.long))
+    sizes = cluster_sizes(assignment)
     budget = density * context - SINK - LOCAL
     share = sizes[:, :, None, :].double() / context * budget * 2 * torch.rand(batch, HKV, G, C, device=device)
     quotas = torch.minimum(share.round().long(), sizes[:, :, None, :])
     quotas[..., 0], quotas[..., 1] = sizes[:, :, None, 0], 0
     return assignment, quotas.int().contiguous(), int(quotas.sum(-1).max())
+
+
+def cluster_sizes(assignment: torch.Tensor) -> torch.Tensor:
+    """assignment ``[..., N]`` (cluster ids below C) → each cluster's members ``[..., C]`` int64."""
+    sizes = torch.zeros(*assignment.shape[:-1], C, dtype=torch.long, device=assignment.device)
+    return sizes.scatter_add_(-1, assignment.long(), torch.ones_like(assignment, dtype=torch.long))
 
 
 def reference_selection(scores: torch.Tensor, assignment: torch.Tensor, quotas: torch.Tensor, width: int):
@@ -118,7 +124,7 @@ def reference_selection(scores: torch.Tensor, assignment: torch.Tensor, quotas: 
     a = assignment.long()[:, :, None, :].expand_as(s)
     order = (a * 1000 - s).argsort(dim=-1, stable=True)  # by cluster, best first
     cluster = a.gather(-1, order)
-    sizes = torch.zeros(*s.shape[:-1], C, dtype=torch.long, device=s.device).scatter_add_(-1, a, torch.ones_like(a))
+    sizes = cluster_sizes(a)
     starts = sizes.cumsum(-1) - sizes
     rank = torch.arange(s.shape[-1], device=s.device) - starts.gather(-1, cluster)
     keep = rank < quotas.long().gather(-1, cluster)
@@ -180,8 +186,7 @@ def run_config(lib, batch: int, context: int, density: float, clusters: list[int
     best = cuda_out.topk(k, dim=-1).values.sort(dim=-1).values
     chosen = reference_selection(cuda_out, assignment, quotas, width)
     wanted = quotas.sum(-1, keepdim=True)
-    sizes = torch.zeros(BH, C, dtype=torch.long, device=device)
-    sizes.scatter_add_(-1, assignment.long().view(BH, N), torch.ones(BH, N, dtype=torch.long, device=device))
+    sizes = cluster_sizes(assignment).view(BH, C)
     pair_quotas = quotas.long().view(BH, G * C)
     picked_among = (pair_quotas > 0) & (pair_quotas < sizes.repeat(1, G))  # pairs selected from candidates
     for method, key in enumerate(METHODS):
