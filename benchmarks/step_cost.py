@@ -69,8 +69,8 @@ MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
 # The default's fused step writes or reads a row of scores whole this many times: ``pq_scores`` writes it, ``pq_cut``
 # reads it for two digits (the rest from the few keys near the cut), ``pq_list`` once (boxing the listed positions:
-# counted apart, a write per shortlist entry), the selection reads its clusters' members (counted whole). Until
-# 2026-12-06 ``refine`` also read and rewrote every row (7 passes); now the selection re-ranks as it reads.
+# counted apart, a write per shortlist entry), the selection reads its clusters' members (counted whole) and re-ranks
+# the boxed scores as it reads them.
 SCORE_PASSES = 5
 PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
 
@@ -91,7 +91,8 @@ def step_bytes(
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
     once). With ``candidates`` (a share of the clusterable positions), the one-program design's instead: no row of
     scores goes through memory whole, each head's candidates are written and read once (a float32 score and an int32
-    position each), and a share ``reread`` of the codes is read a second time (``one_program_factors``)."""
+    position each), and a share ``reread`` of the codes is read a second time (``one_program_factors``); with
+    ``candidates=0``, the cluster design's: no score leaves the chip."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
