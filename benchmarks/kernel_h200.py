@@ -303,8 +303,14 @@ def static_step(pipe: Pipeline, state, query) -> dict:
         static.fused = None
         times["static_step_composed_graph_ms"] = bench(graphed(step))
         static.fused = fused
+    if fused is not None and fused.shortlist_cuda:  # and the fused step with Triton's three shortlist launches
+        fused.shortlist_cuda = False
+        times["static_step_triton_shortlist_ms"] = bench(step)
+        times["static_step_triton_shortlist_graph_ms"] = bench(graphed(step))
+        fused.shortlist_cuda = True
     return {
         "static_step_fused": fused is not None,
+        "static_step_shortlist": None if fused is None else "cuda" if fused.shortlist_cuda else fused.shortlist_note,
         "static_vs_reference_rel_error": float((out - expected).norm() / expected.norm()),
         "static_rows_match_reference": same_rows,
         **{k: round(v, 4) for k, v in times.items()},

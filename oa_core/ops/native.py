@@ -99,27 +99,32 @@ def _compiler() -> str | None:
     return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
 
 
-def _build() -> ctypes.CDLL:
-    """The compiled library, from the cache or compiled now (into a temporary name, then renamed: ranks that compile
-    at once each finish with a whole file)."""
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC"]
-    digest = hashlib.sha256((SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"oa_native_{digest}.so"
+def compiled(name: str, source: str, suffix: str, command: list[str]) -> Path:
+    """``source`` compiled by ``command`` (the compiler and its flags: the source file, ``-o`` and the target are
+    appended) into the cache folder (``_cache_dir``), named ``name`` and a hash of the source and the command; the
+    cached file where it is there already. Compiled into a temporary name, then renamed: ranks that compile at once
+    each finish with a whole file. Raises RuntimeError with the compiler's last words where it fails."""
+    digest = hashlib.sha256((source + " ".join(command[1:])).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}_{digest}.so"
     if not target.exists():
-        compiler = _compiler()
-        if compiler is None:
-            raise RuntimeError("no C++ compiler found (set CXX, or install c++/g++/clang++)")
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            source = Path(work) / "oa_native.cpp"
-            source.write_text(SOURCE)
+            file = Path(work) / f"{name}{suffix}"
+            file.write_text(source)
             built = Path(work) / target.name
-            done = subprocess.run(
-                [compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
-            )
+            done = subprocess.run([*command, str(file), "-o", str(built)], capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+                raise RuntimeError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-500:]}")
             os.replace(built, target)
+    return target
+
+
+def _build() -> ctypes.CDLL:
+    """The compiled library, from the cache or compiled now."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install c++/g++/clang++)")
+    target = compiled("oa_native", SOURCE, ".cpp", [compiler, "-O3", "-std=c++17", "-shared", "-fPIC"])
     library = ctypes.CDLL(str(target))
     library.oa_select_per_cluster.restype = None
     library.oa_select_per_cluster.argtypes = [

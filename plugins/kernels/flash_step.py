@@ -60,6 +60,7 @@ from oa_core.ops.selection import MAX_BOXED, launch_select, size_classes, smalle
 from oa_core.ops.triton_path import libdevice, triton
 from oa_core.ops.water_filling import MAX_TRITON_CLUSTERS, launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
+from oa_plugins.kernels import pq_shortlist_cuda
 from oa_plugins.kernels import two_stage as stages
 from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_lut_scores, packed
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
@@ -245,6 +246,14 @@ class FusedStep:
         self.two_stage = (
             stages.TwoStage(rerank, floor, state.width(), state.capacity, state.length.device) if rerank > 0 else None
         )
+        # PQS's scores and shortlist in one CUDA launch where the device takes it (sm_90+, nvcc), else Triton's three:
+        # ``shortlist_note`` says why not.
+        self.shortlist_note = (
+            pq_shortlist_cuda.unavailable_reason(state)
+            if self.two_stage is not None and isinstance(self.scoring, PQSScoring)
+            else "the CUDA shortlist serves PQS's two-stage selection only"
+        )
+        self.shortlist_cuda = self.shortlist_note is None
 
     def launches(self, state) -> list[str]:
         """The Triton programs one step launches, in the order of the code (the growth and the plan may run on a second
@@ -253,15 +262,19 @@ class FusedStep:
         largest cluster's slots)."""
         classes = len(size_classes(state.members.shape[-1], self.select_block))
         floor = self.two_stage is not None and self.two_stage.floor > 0
-        return self.launch_names(type(self.scoring), self.two_stage is not None, floor, classes)
+        return self.launch_names(type(self.scoring), self.two_stage is not None, floor, classes, self.shortlist_cuda)
 
     @staticmethod
-    def launch_names(scoring: type[QGSScoring | PQSScoring], rerank: bool, floor: bool, classes: int) -> list[str]:
+    def launch_names(
+        scoring: type[QGSScoring | PQSScoring], rerank: bool, floor: bool, classes: int, cuda: bool = False
+    ) -> list[str]:
         """``launches`` for a selector's part of the step (``SCORING``'s value), with or without a re-rank and a
-        floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state)."""
+        floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state);
+        ``cuda``: PQS's shortlist in one CUDA launch (``pq_shortlist_cuda``)."""
         project, scores = scoring.LAUNCHES
         names = [project, "grow", *([] if floor else ["plan"])]
-        names += [*scoring.SHORTLIST, *([] if floor else ["refine"])] if rerank else [scores]
+        shortlist = ["pq_shortlist"] if cuda else scoring.SHORTLIST
+        names += [*shortlist, *([] if floor else ["refine"])] if rerank else [scores]
         names += ["plan"] if floor else []  # the plan takes the shift and the floor
         return [*names, *["_select_kernel"] * classes, "sparse_pass", "merge"]
 
@@ -345,7 +358,10 @@ class FusedStep:
         if self.two_stage is None:
             self.scoring.score(state, prepared, scores, G)
         else:  # the scores, the shortlist and its exact logits
-            listing = self.scoring.shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
+            if self.shortlist_cuda and (reason := pq_shortlist_cuda.group_reason(state, Gs * G, Gs, D)) is not None:
+                self.shortlist_cuda, self.shortlist_note = False, reason  # (the same group every step: once)
+            shortlist = pq_shortlist_cuda.launch if self.shortlist_cuda else self.scoring.shortlist
+            listing = shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         if floor:  # the plan takes each row's shift and floor (after the join: the floor reads its rows' clusters)

@@ -1,0 +1,394 @@
+// PQS's scores and two-stage shortlist in one launch: what ``pq_scores``, ``pq_cut`` and ``pq_list`` do in three
+// Triton launches (``plugins/kernels/two_stage.py``), the same outputs, with the scores kept on chip between the
+// phases. Loaded by ``plugins/kernels/pq_shortlist_cuda.py``, which compiles it with nvcc at first use (sm_90+).
+//
+// Why CUDA: a (batch row, KV head)'s scores do not fit one SM's shared memory (16K positions × 4 selection rows ×
+// 4 bytes = 256 KB), and the cut needs every position's score before any is listed. Triton has no barrier between
+// programs, so its step writes the scores, cuts in a second launch and lists in a third. A thread-block cluster
+// (sm_90) of CL blocks shares the positions: each block keeps its part of the scores in its own shared memory, and
+// the blocks sum each other's radix histograms through distributed shared memory between cluster barriers.
+//
+// One cluster per (batch row b, KV head h) = bh; each block owns `chunk` consecutive positions (block rank r:
+// [r·chunk, (r + 1)·chunk)). Per selection row s of the head (GS of them, each the max over G query heads):
+//   1. scores: s·max_j Σ_m table[s, j, m, code_m] (sub-spaces summed in order), -inf outside the clusters (the sink,
+//      the local window, padding — but the row leaving the window is inside: it joins a cluster in this step), kept
+//      in shared memory; each row's histogram of the first 8-bit digit of the scores' order keys;
+//   2. the cut: k = min(⌈rerank · E_sel⌉, L, the inside positions), τ the k-th largest key by a radix select over
+//      four 8-bit digits (each pass the cluster's histograms summed), `ties` the keys equal to τ that the shortlist
+//      takes (the first ones in position order: the reference's stable sort);
+//   3. the listing, in position order: a block's place in the row's shortlist from the counts of the blocks before
+//      it; within the block, tiles of THREADS positions whose ranks come from warp ballots. Each listed position is
+//      written to `listed` with its exact logit (s·max_j q_j·k, the K row read once for every row that lists it),
+//      and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``); every other position
+//      below the length gets its score.
+// Order keys as ``unsigned_key``: the float's bits, negated magnitude for negative floats, plus 2^31 (-0.0 and 0.0
+// share a key).
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr int MAX_HEADS = 8;  // GS · G: the query heads of a KV head
+constexpr int MAX_D = 256;    // head dim
+
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned bits = __float_as_uint(f);
+    return (bits & 0x80000000u) ? 0x80000000u - (bits & 0x7FFFFFFFu) : bits | 0x80000000u;
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+struct Args {
+    const float* tables;        // [BH, GS, G, M, CC]
+    const uint8_t* codes;       // [BH, CAP, W]
+    const int64_t* assignment;  // [BH, CAP]: C where unclustered
+    const int64_t* length;      // [1]
+    const int64_t* start;       // [B]: each row's first valid position
+    const double* density;      // [1]
+    const double* multiple;     // [1]
+    const void* keys;           // K [B, Hkv, CAP, D] at strides sk_b, sk_h, sk_n (elements)
+    const void* query;          // Q [B, Hq, 1, D] at strides sq_b, sq_h
+    float* scores;              // [BH·GS, CAP]
+    int* listed;                // [BH·GS, L]
+    float* exact;               // [BH·GS, L]
+    int* counts;                // [BH·GS]
+    int64_t* cut;               // [BH·GS]
+    int* ties;                  // [BH·GS]
+    int64_t sk_b, sk_h, sk_n, sq_b, sq_h;
+    int Hkv, GS, G, M, CC, W, packed, D, C, local, cap, fixed, tokens, L, chunk;
+    float scale;
+};
+
+// The digit of each row's cut from the cluster's summed histograms `total` [GS][256]: the largest d whose bins
+// d..255 hold at least rest[s] keys; rest[s] becomes the count still wanted within bin d. A warp a row.
+__device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* rest, int GS) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int s = warp; s < GS; s += WARPS) {
+        unsigned c[8], mine = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mine += (c[j] = total[s * 256 + lane * 8 + j]);
+        unsigned suffix = mine;  // Σ over lanes ≥ this one
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned v = __shfl_down_sync(0xFFFFFFFFu, suffix, o);
+            if (lane + o < 32) suffix += v;
+        }
+        const unsigned want = rest[s];
+        __syncwarp();
+        if (want > 0 && suffix - mine < want && suffix >= want) {
+            unsigned above = suffix - mine;
+            for (int j = 7; j >= 0; --j) {
+                if (above + c[j] >= want) {
+                    digit[s] = lane * 8 + j;
+                    rest[s] = want - above;
+                    break;
+                }
+                above += c[j];
+            }
+        }
+        __syncwarp();
+    }
+}
+
+// An exclusive prefix over the block's threads of `flag`, and the block's total: warp ballots, then the warps'
+// totals (`warp_totals`, WARPS entries of shared memory, free on entry and on return).
+__device__ __forceinline__ unsigned block_rank(bool flag, unsigned* warp_totals, unsigned* total) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, flag);
+    if (lane == 0) warp_totals[warp] = __popc(ballot);
+    __syncthreads();
+    unsigned before = __popc(ballot & ((1u << lane) - 1u)), all = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const unsigned t = warp_totals[w];
+        before += w < warp ? t : 0;
+        all += t;
+    }
+    __syncthreads();
+    *total = all;
+    return before;
+}
+
+template <class T>
+__global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
+    cg::cluster_group cluster = cg::this_cluster();
+    const int CL = cluster.num_blocks();
+    const int rank = cluster.block_rank();
+    const int bh = blockIdx.x / CL;
+    const int b = bh / a.Hkv, h = bh % a.Hkv;
+    const int heads = a.GS * a.G;
+    const int64_t n = a.length[0];
+    const int first = rank * a.chunk;
+    const int len = (int)max((int64_t)0, min((int64_t)a.chunk, n - first));
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* table = reinterpret_cast<float*>(smem);                        // heads · M · CC
+    float* q = table + heads * a.M * a.CC;                                // heads · D
+    float* value = q + heads * a.D;                                       // GS · chunk: the scores
+    unsigned* hist = reinterpret_cast<unsigned*>(value + a.GS * a.chunk);  // GS · 256: this block's
+    unsigned* total = hist + a.GS * 256;                                  // GS · 256: the cluster's
+    __shared__ unsigned prefix[MAX_HEADS], rest[MAX_HEADS], digit[MAX_HEADS], wanted[MAX_HEADS];
+    __shared__ unsigned above[MAX_HEADS], tied[MAX_HEADS], kept_before[MAX_HEADS], tied_before[MAX_HEADS];
+    __shared__ unsigned warp_totals[2 * MAX_HEADS + 1][WARPS];
+    __shared__ int union_pos[THREADS], union_slot[THREADS][MAX_HEADS];
+
+    const float* tables = a.tables + (size_t)bh * heads * a.M * a.CC;
+    for (int i = threadIdx.x; i < heads * a.M * a.CC; i += THREADS) table[i] = tables[i];
+    const T* query = static_cast<const T*>(a.query);
+    for (int i = threadIdx.x; i < heads * a.D; i += THREADS) {
+        const int j = i / a.D, d = i % a.D;  // query head h·heads + j
+        q[i] = to_float(query[b * a.sq_b + (int64_t)(h * heads + j) * a.sq_h + d]);
+    }
+    for (int i = threadIdx.x; i < a.GS * 256; i += THREADS) hist[i] = 0;
+    if (threadIdx.x < a.GS) above[threadIdx.x] = tied[threadIdx.x] = prefix[threadIdx.x] = digit[threadIdx.x] = 0;
+    __syncthreads();
+
+    // 1. The scores and each row's first digit.
+    const int64_t leaving = n - 1 - a.local;  // the row leaving the window: it joins a cluster in this step
+    for (int i = threadIdx.x; i < len; i += THREADS) {
+        const int64_t pos = first + i;
+        const int64_t cluster_of = a.assignment[(size_t)bh * a.cap + pos];
+        const bool inside = cluster_of != a.C || pos == leaving;
+        float sums[MAX_HEADS];
+#pragma unroll
+        for (int j = 0; j < MAX_HEADS; ++j) sums[j] = 0.f;
+        if (inside) {
+            const uint8_t* code = a.codes + ((size_t)bh * a.cap + pos) * a.W;
+            // Four code bytes, the first of them byte `first_byte` of the key's.
+            auto add = [&](unsigned word, int first_byte) {
+#pragma unroll
+                for (int byte = 0; byte < 4; ++byte) {
+                    const unsigned c = (word >> (8 * byte)) & 0xFF;
+                    const int m = a.packed ? 2 * (first_byte + byte) : first_byte + byte;
+#pragma unroll
+                    for (int j = 0; j < MAX_HEADS; ++j) {
+                        if (j < heads) {
+                            if (a.packed) {
+                                sums[j] += table[(j * a.M + m) * a.CC + (c & 15)];
+                                sums[j] += table[(j * a.M + m + 1) * a.CC + (c >> 4)];
+                            } else {
+                                sums[j] += table[(j * a.M + m) * a.CC + c];
+                            }
+                        }
+                    }
+                }
+            };
+            if (a.W % 16 == 0) {
+                for (int w = 0; w < a.W; w += 16) {
+                    const uint4 v = __ldg(reinterpret_cast<const uint4*>(code + w));
+                    add(v.x, w), add(v.y, w + 4), add(v.z, w + 8), add(v.w, w + 12);
+                }
+            } else {
+                for (int w = 0; w < a.W; w += 4) add(__ldg(reinterpret_cast<const unsigned*>(code + w)), w);
+            }
+        }
+        for (int s = 0; s < a.GS; ++s) {
+            float best = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < MAX_HEADS; ++j)
+                if (j / a.G == s && j < heads) best = fmaxf(best, sums[j]);
+            const float score = inside ? best * a.scale : -INFINITY;
+            value[s * a.chunk + i] = score;
+            if (inside) atomicAdd(&hist[s * 256 + (order_key(score) >> 24)], 1u);
+        }
+    }
+
+    // 2. The cut: four digits, each from the cluster's histograms summed.
+    const int sel_row0 = bh * a.GS;  // the head's first selection row
+    for (int pass = 0; pass < 4; ++pass) {
+        cluster.sync();  // every block's histogram complete
+        for (int i = threadIdx.x; i < a.GS * 256; i += THREADS) {
+            unsigned sum = 0;
+            for (int r = 0; r < CL; ++r) sum += cluster.map_shared_rank(hist, r)[i];
+            total[i] = sum;
+        }
+        __syncthreads();
+        if (pass == 0 && threadIdx.x < a.GS) {  // k: the budget's shortlist, at most L and the inside positions
+            unsigned inside = 0;
+            for (int d = 0; d < 256; ++d) inside += total[threadIdx.x * 256 + d];
+            const int64_t valid = n - a.start[b];
+            int64_t budget = a.tokens >= 0 ? (int64_t)a.tokens : (int64_t)floor((double)valid * a.density[0]);
+            budget = max(budget - a.fixed, (int64_t)0);
+            int64_t k = (int64_t)ceil(a.multiple[0] * (double)budget);
+            k = min(min(k, (int64_t)a.L), (int64_t)inside);
+            wanted[threadIdx.x] = rest[threadIdx.x] = (unsigned)k;
+        }
+        __syncthreads();
+        pick_digits(total, digit, rest, a.GS);
+        __syncthreads();
+        if (threadIdx.x < a.GS) prefix[threadIdx.x] = (prefix[threadIdx.x] << 8) | digit[threadIdx.x];
+        cluster.sync();  // every block done reading the histograms
+        if (pass == 3) break;
+        for (int i = threadIdx.x; i < a.GS * 256; i += THREADS) hist[i] = 0;
+        __syncthreads();
+        const int shift = 24 - 8 * pass;  // the digits found so far are the key's bits from here up
+        for (int i = threadIdx.x; i < len; i += THREADS) {
+            for (int s = 0; s < a.GS; ++s) {
+                const float score = value[s * a.chunk + i];
+                const unsigned key = order_key(score);
+                if (score > -INFINITY && (key >> shift) == prefix[s])
+                    atomicAdd(&hist[s * 256 + ((key >> (shift - 8)) & 0xFF)], 1u);
+            }
+        }
+    }
+    // prefix[s] is τ, rest[s] the ties at τ the shortlist takes (where wanted[s] > 0).
+
+    // 3. The listing. This block's keys above τ and at τ, then its place after the blocks before it.
+    for (int i = threadIdx.x; i < len; i += THREADS) {
+        for (int s = 0; s < a.GS; ++s) {
+            const float score = value[s * a.chunk + i];
+            if (wanted[s] == 0 || !(score > -INFINITY)) continue;
+            const unsigned key = order_key(score);
+            if (key > prefix[s]) atomicAdd(&above[s], 1u);
+            else if (key == prefix[s]) atomicAdd(&tied[s], 1u);
+        }
+    }
+    cluster.sync();
+    if (threadIdx.x < a.GS) {
+        const int s = threadIdx.x;
+        unsigned a_before = 0, t_before = 0;
+        for (int r = 0; r < rank; ++r) {
+            a_before += cluster.map_shared_rank(above, r)[s];
+            t_before += cluster.map_shared_rank(tied, r)[s];
+        }
+        tied_before[s] = t_before;
+        kept_before[s] = a_before + min(t_before, rest[s]);
+        if (rank == 0) {
+            const int p = sel_row0 + s;
+            a.counts[p] = (int)wanted[s];
+            a.cut[p] = wanted[s] > 0 ? (int64_t)prefix[s] : (int64_t)4294967296LL;
+            a.ties[p] = wanted[s] > 0 ? (int)rest[s] : 0;
+        }
+    }
+    __syncthreads();
+    const T* krows = static_cast<const T*>(a.keys) + b * a.sk_b + h * a.sk_h;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int tile = 0; tile < len; tile += THREADS) {
+        const int i = tile + threadIdx.x;
+        const bool here = i < len;
+        const int64_t pos = first + i;
+        bool any = false;
+        int slots[MAX_HEADS];
+        for (int s = 0; s < a.GS; ++s) {
+            const float score = here ? value[s * a.chunk + i] : -INFINITY;
+            const unsigned key = order_key(score);
+            const bool ok = wanted[s] > 0 && score > -INFINITY;
+            const bool over = ok && key > prefix[s], tie = ok && key == prefix[s];
+            const unsigned ties_so_far = tied_before[s], kept_so_far = kept_before[s];  // (thread 0 moves them below)
+            unsigned tie_count, kept_count;
+            const unsigned tie_rank = ties_so_far + block_rank(tie, warp_totals[2 * s], &tie_count);
+            const bool keep = over || (tie && tie_rank < rest[s]);
+            const unsigned slot = kept_so_far + block_rank(keep, warp_totals[2 * s + 1], &kept_count);
+            slots[s] = keep ? (int)slot : -1;
+            any |= keep;
+            if (threadIdx.x == 0) {
+                tied_before[s] += tie_count;
+                kept_before[s] += kept_count;
+            }
+            if (keep) a.listed[(size_t)(sel_row0 + s) * a.L + slot] = (int)pos;
+            if (here) {  // the score, or the listed position's box
+                const float out = keep ? __uint_as_float((slot + 1) | 0x7F800000u) : score;
+                a.scores[(size_t)(sel_row0 + s) * a.cap + pos] = out;
+            }
+        }
+        // The positions some row lists, gathered: their K rows read once, a warp a row, for every query head.
+        unsigned gathered;
+        const unsigned u = block_rank(any, warp_totals[2 * MAX_HEADS], &gathered);
+        if (any) {
+            union_pos[u] = (int)pos;
+            for (int s = 0; s < a.GS; ++s) union_slot[u][s] = slots[s];
+        }
+        __syncthreads();
+        for (unsigned e = warp; e < gathered; e += WARPS) {
+            const T* krow = krows + (int64_t)union_pos[e] * a.sk_n;
+            float kv[MAX_D / 32];
+#pragma unroll
+            for (int t = 0; t < MAX_D / 32; ++t) {
+                const int d = lane + 32 * t;
+                kv[t] = d < a.D ? to_float(krow[d]) : 0.f;
+            }
+            float best = -INFINITY;
+            for (int j = 0; j < heads; ++j) {
+                float dot = 0.f;
+#pragma unroll
+                for (int t = 0; t < MAX_D / 32; ++t) {
+                    const int d = lane + 32 * t;
+                    if (d < a.D) dot += kv[t] * q[j * a.D + d];
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+                best = fmaxf(best, dot);
+                if ((j + 1) % a.G == 0) {  // the end of selection row s's heads
+                    const int s = j / a.G, slot = union_slot[e][s];
+                    if (lane == 0 && slot >= 0) a.exact[(size_t)(sel_row0 + s) * a.L + slot] = best * a.scale;
+                    best = -INFINITY;
+                }
+            }
+        }
+        __syncthreads();  // the gathered entries read before the next tile writes them
+    }
+    cluster.sync();  // no block leaves while another may still read its shared memory
+}
+
+extern "C" {
+
+// The most shared memory a block of `device` may take (dynamic and static), in bytes.
+int oa_shared_memory_limit(int device) {
+    int bytes = 0;
+    return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess ? bytes : 0;
+}
+
+// The dynamic shared memory a block needs (the scores of `chunk` positions, the tables, the queries, histograms).
+size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int D, int chunk) {
+    return sizeof(float) * ((size_t)heads * M * CC + (size_t)heads * D + (size_t)GS * chunk) +
+           sizeof(unsigned) * 2 * GS * 256;
+}
+
+// dtype: 0 float32, 1 float16, 2 bfloat16 (the keys' and the query's). Returns a cudaError_t (0: launched).
+int oa_pq_shortlist(const float* tables, const uint8_t* codes, const int64_t* assignment, const int64_t* length,
+                    const int64_t* start, const double* density, const double* multiple, const void* keys,
+                    const void* query, float* scores, int* listed, float* exact, int* counts, int64_t* cut, int* ties,
+                    int64_t sk_b, int64_t sk_h, int64_t sk_n, int64_t sq_b, int64_t sq_h, int B, int Hkv, int GS,
+                    int G, int M, int CC, int W, int packed, int D, int C, int local, int cap, int fixed, int tokens,
+                    int L, float scale, int CL, int dtype, void* stream) {
+    if (GS * G > MAX_HEADS || D > MAX_D || W % 4 != 0 || CL < 1 || CL > 16 || dtype < 0 || dtype > 2)
+        return (int)cudaErrorInvalidValue;
+    int chunk = (cap + CL - 1) / CL;
+    chunk = (chunk + THREADS - 1) / THREADS * THREADS;
+    Args args = {tables, codes, assignment, length, start, density, multiple, keys, query, scores, listed, exact,
+                 counts, cut, ties, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, GS, G, M, CC, W, packed, D, C, local, cap,
+                 fixed, tokens, L, chunk, scale};
+    const size_t smem = oa_pq_shortlist_smem(GS * G, GS, M, CC, D, chunk);
+    void (*kernel)(Args) = dtype == 0 ? pq_shortlist<float> : dtype == 1 ? pq_shortlist<__half>
+                                                                         : pq_shortlist<__nv_bfloat16>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return (int)err;
+    if (CL > 8) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        if (err != cudaSuccess) return (int)err;
+    }
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(B * Hkv * CL);
+    config.blockDim = dim3(THREADS);
+    config.dynamicSmemBytes = smem;
+    config.stream = (cudaStream_t)stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = CL;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, kernel, args);
+    return (int)err;
+}
+
+}  // extern "C"

@@ -1,0 +1,153 @@
+"""PQS's scores and shortlist in one CUDA launch on sm_90+ (``pq_shortlist.cu``): the fused step's ``pq_scores``,
+``pq_cut`` and ``pq_list`` in one thread-block cluster per (batch row, KV head), the scores kept in the blocks' shared
+memory between the phases. Same outputs as the three Triton launches (``TwoStage.pq_shortlist``): each selection
+row's scores with its listed positions boxed, its shortlist in position order with the exact logits, its length, cut
+key and ties at the cut (``two_stage.Listing``; the segments' places are not written: only ``pq_list`` reads them).
+
+The source is compiled by nvcc at first use for the device's architecture into the cache that the CPU's compiled
+selection uses (``oa_core.ops.native.compiled``; ``$OA_NATIVE_CACHE``), then loaded with ctypes, and launched on the
+current stream (so a CUDA graph captures it). Where it cannot run — no nvcc, a GPU before sm_90 (no clusters), a
+shape the kernel does not take, ``OA_CUDA=0`` — the step keeps the Triton launches, and ``FusedStep.shortlist_note``
+says why.
+
+The sums run in another order than Triton's (sub-spaces in sequence, a warp's shuffle tree for the exact logits), so
+a score within float rounding of the cut may fall the other way; ``benchmarks/kernel_h200.py`` checks the rows
+against the reference pipeline and times the step both ways."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from oa_core.ops import native
+from oa_plugins.selectors.pq import packed
+
+SOURCE = Path(__file__).with_name("pq_shortlist.cu")
+THREADS = 256  # the kernel's block
+MAX_HEADS, MAX_D = 8, 256  # the kernel's register arrays: query heads per KV head, head dim
+STATIC_SMEM = 12 * 1024  # the kernel's own shared arrays (about 10 KB: ptxas -v), with room
+CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def nvcc() -> str | None:
+    """``$CUDA_HOME/bin/nvcc`` (or ``$CUDA_PATH``'s), else the one on the PATH."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+@functools.cache
+def library(capability: tuple[int, int]) -> ctypes.CDLL | str:
+    """The kernel compiled for ``capability`` and loaded, or why it cannot be (a string)."""
+    compiler = nvcc()
+    if compiler is None:
+        return "no nvcc found (set CUDA_HOME, or put nvcc on the PATH)"
+    arch = f"{capability[0]}{capability[1]}"
+    command = [compiler, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    try:
+        lib = ctypes.CDLL(str(native.compiled("oa_pq_shortlist", SOURCE.read_text(), ".cu", command)))
+    except (OSError, RuntimeError, native.subprocess.SubprocessError) as exc:
+        return f"the CUDA shortlist did not build: {exc}"
+    lib.oa_pq_shortlist_smem.restype = ctypes.c_size_t
+    lib.oa_pq_shortlist_smem.argtypes = [ctypes.c_int] * 6
+    lib.oa_pq_shortlist.restype = ctypes.c_int
+    lib.oa_shared_memory_limit.restype = ctypes.c_int
+    lib.oa_shared_memory_limit.argtypes = [ctypes.c_int]
+    return lib
+
+
+@functools.cache
+def cluster_size(heads: int, rows: int, M: int, CC: int, D: int, capacity: int, device: torch.device) -> int | None:
+    """The blocks a cluster for a (batch row, KV head) of ``capacity`` positions, ``rows`` selection rows of
+    ``heads`` query heads in all: the first of ``CLUSTER_SIZES`` whose block's shared memory fits the device; None
+    where none does, or where the kernel's registers do not take the heads or the head dim."""
+    if heads > MAX_HEADS or D > MAX_D:
+        return None
+    lib = library(torch.cuda.get_device_capability(device))
+    if isinstance(lib, str):
+        return None
+    limit = lib.oa_shared_memory_limit(device.index if device.index is not None else torch.cuda.current_device())
+    limit -= STATIC_SMEM
+    for size in CLUSTER_SIZES:
+        chunk = math.ceil(math.ceil(capacity / size) / THREADS) * THREADS  # the kernel's positions a block
+        needed = 4 * (heads * M * CC + heads * D + rows * chunk) + 4 * 2 * rows * 256
+        if needed <= limit:
+            return size
+    return None
+
+
+def unavailable_reason(state) -> str | None:
+    """Why the CUDA shortlist cannot serve this ``StaticState``'s fused step (None: it can, for a group that
+    ``cluster_size`` takes). Builds the library on a first call: call it outside any capture."""
+    if os.environ.get("OA_CUDA", "1") == "0":
+        return "OA_CUDA=0"
+    device = state.length.device
+    if device.type != "cuda":
+        return "not a CUDA device"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        return f"sm_{capability[0]}{capability[1]}: thread-block clusters need sm_90"
+    codes, (M, CC) = state.index.codes, state.index.centroids.shape[2:4]
+    W = codes.shape[-1]
+    if W % 4 or (M // 2 if packed(CC) else M) != W or codes.data_ptr() % 16:
+        return f"{M} codes in {W} bytes a key (CUDA shortlist: whole bytes, a multiple of 4, aligned)"
+    if any(t.dtype != torch.int64 for t in (state.assignment, state.start, state.length)):
+        return "int32 bookkeeping (CUDA shortlist: int64)"
+    lib = library(capability)
+    return lib if isinstance(lib, str) else None
+
+
+def group_reason(state, heads: int, rows: int, D: int) -> str | None:
+    """Why the CUDA shortlist cannot take a group of ``heads`` query heads in ``rows`` selection rows, of dim ``D``."""
+    M, CC = state.index.centroids.shape[2:4]
+    if cluster_size(heads, rows, M, CC, D, state.capacity, state.length.device) is None:
+        return (
+            f"{heads} query heads of dim {D} a KV head over {state.capacity:,} positions (CUDA shortlist: at most "
+            f"{MAX_HEADS} heads, dim {MAX_D}, and a cluster's shared memory)"
+        )
+    return None
+
+
+def launch(two_stage, state, tables: Tensor, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs, G):
+    """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``),
+    in one launch; ``unavailable_reason`` said None for this state."""
+    from oa_plugins.kernels.two_stage import PQ_SEGMENT
+
+    if keys.dtype not in DTYPES or query.dtype != keys.dtype:
+        raise ValueError(f"CUDA shortlist: keys {keys.dtype}, query {query.dtype} (one of float32, float16, bfloat16)")
+    lib = library(torch.cuda.get_device_capability(scores.device))
+    assert not isinstance(lib, str)  # unavailable_reason said it built
+    rows, cap = scores.shape
+    B, H = tables.shape[:2]
+    M, CC = tables.shape[-2:]
+    D = keys.shape[-1]
+    codes = state.index.codes
+    listing = two_stage.listing(rows, cap, scores.device, PQ_SEGMENT)
+    length, start, density, fixed, tokens = budget_args
+    size = cluster_size(Gs * G, Gs, M, CC, D, cap, scores.device)
+    assert size is not None  # group_reason said None
+    i64, i32 = ctypes.c_int64, ctypes.c_int
+    pointers = (tables, codes, state.assignment, length, start, density, two_stage.multiple_t, keys, query, scores)
+    outputs = (listing.listed, listing.exact, listing.counts, listing.cut, listing.ties)
+    error = lib.oa_pq_shortlist(
+        *(ctypes.c_void_p(t.data_ptr()) for t in (*pointers, *outputs)),
+        *(i64(v) for v in (*keys.stride()[:3], query.stride(0), query.stride(1))),
+        *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)), D, state.num_clusters)),
+        *(i32(v) for v in (state.pipeline.spec.local, cap, fixed, tokens, listing.listed.shape[1])),
+        ctypes.c_float(state.scale),
+        i32(size),
+        i32(DTYPES[keys.dtype]),
+        ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
+    )
+    if error:
+        raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
+    return listing

@@ -1,0 +1,166 @@
+"""PQS's scores and shortlist in one CUDA launch (``oa_plugins.kernels.pq_shortlist_cuda``): where it runs, why not
+where it cannot, what the step declares; and on a GPU of sm_90 or later (skipped elsewhere: CI has none) its outputs
+against the Triton launches it replaces and the fused step's rows against the reference pipeline's."""
+
+import pytest
+import torch
+
+import oa_core as oa
+from oa_core.static import StaticState
+from oa_core.testing import make_inputs
+from oa_plugins.kernels import pq_shortlist_cuda
+from oa_plugins.kernels.flash_step import FusedStep, PQSScoring
+
+DEFAULT = {
+    "clusterer": {"name": "qgc", "num_clusters": 8},
+    "selector": {"name": "pq", "rerank": 4},
+    "allocator": {"name": "errorgate", "floor": 0.5},
+    "sink": 4,
+    "local": 16,
+    "budget": {"density": 0.2},
+    "kernel": "flash",
+}
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs a CUDA GPU of sm_90 or later")
+
+
+@pytest.fixture(autouse=True)
+def flash():
+    if "flash" not in oa.available()["kernel"]:
+        pytest.skip("no flash kernel (Triton)")
+
+
+def _state(gqa="per_head", group=4, dim=32, device="cpu", dtype=torch.float32, tokens=140, capacity=150):
+    """A prepared default-like state at ``capacity`` (one token appended: the step's length), its cache, a query."""
+    keys, values, prefill, _ = make_inputs(tokens=tokens + 1, group=group, dim=dim, dtype=dtype)
+    keys[:, :, 70:100] = keys[:, :, 40:70]  # tied codes and logits
+    mask = torch.ones(2, tokens, dtype=torch.bool)
+    mask[1, :25] = False  # a left-padded row
+    keys, values, prefill, mask = (t.to(device) for t in (keys, values, prefill, mask))
+    pipe = oa.build({**DEFAULT, "gqa": gqa})
+    prepared = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
+    state = StaticState.from_state(prepared, capacity)
+    B, H, _, D = keys.shape
+    cache_k = keys.new_zeros(B, H, capacity, D)
+    cache_k[:, :, : tokens + 1] = keys
+    state.length += 1
+    query = keys[:, torch.arange(H * group, device=device) // group, tokens : tokens + 1] * 1.1
+    return state, cache_k, query
+
+
+def test_on_the_cpu_the_step_keeps_tritons_launches_and_says_why():
+    state, _, _ = _state()
+    fused = state.fused
+    assert fused.shortlist_note == "not a CUDA device" and not fused.shortlist_cuda
+    assert "pq_shortlist" not in fused.launches(state) and "pq_scores" in fused.launches(state)
+
+
+def test_oa_cuda_0_turns_it_off_and_other_selectors_never_take_it(monkeypatch):
+    state, _, _ = _state()
+    monkeypatch.setenv("OA_CUDA", "0")
+    assert pq_shortlist_cuda.unavailable_reason(state) == "OA_CUDA=0"
+    qgs = StaticState.from_state(
+        oa.build({**DEFAULT, "selector": {"name": "qgs", "rerank": 4}}).prepare(*make_inputs(tokens=120)[:3]),
+        130,
+    )
+    assert qgs.fused is not None and "PQS's two-stage selection only" in qgs.fused.shortlist_note
+
+
+def test_the_default_step_declares_one_launch_for_the_three():
+    triton = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1)
+    cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
+    assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n != "pq_shortlist"]
+    assert len(triton) == 9 and len(cuda) == 7 and cuda.count("pq_shortlist") == 1
+
+
+@pytest.mark.skipif(pq_shortlist_cuda.nvcc() is None, reason="no nvcc")
+def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
+    """nvcc takes the source (the library is cached by its source's hash: a second call loads it)."""
+    monkeypatch.setenv("OA_NATIVE_CACHE", str(tmp_path))
+    pq_shortlist_cuda.library.cache_clear()
+    try:
+        lib = pq_shortlist_cuda.library((9, 0))
+        assert not isinstance(lib, str), lib
+        assert lib.oa_pq_shortlist_smem(4, 4, 64, 16, 128, 2048) == 4 * (4 * 64 * 16 + 4 * 128 + 4 * 2048 + 2 * 4 * 256)
+        assert len(list(tmp_path.glob("oa_pq_shortlist_*.so"))) == 1
+    finally:
+        pq_shortlist_cuda.library.cache_clear()
+
+
+@needs_sm90
+@pytest.mark.parametrize(
+    "gqa,group,dim,dtype",
+    [
+        ("per_head", 4, 32, torch.float32),
+        ("shared", 4, 64, torch.float32),
+        ("per_head", 1, 64, torch.float32),
+        ("per_head", 4, 128, torch.bfloat16),
+    ],
+)
+def test_one_launch_leaves_what_the_three_triton_launches_leave(gqa, group, dim, dtype):
+    """The same outputs as ``pq_scores`` + ``pq_cut`` + ``pq_list`` on the same state: the masked scores (to float
+    rounding: the sums run in another order), the listed positions boxed, each row's length, cut and ties at it,
+    its positions in position order, their exact logits — over tied keys, a left-padded row, codes of 8 and of 16
+    bytes or more (the kernel's two loads)."""
+    state, cache_k, query = _state(gqa, group, dim, "cuda", dtype)
+    fused = state.fused
+    assert fused.shortlist_cuda, fused.shortlist_note
+    Gs, G = (1, group) if gqa == "shared" else (group, 1)
+    rows, cap, n = cache_k.shape[0] * cache_k.shape[1] * Gs, 150, 141
+    budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
+    tables = fused.scoring.project(state, query, cache_k)
+    three = torch.full((rows, cap), float("nan"), device="cuda")
+    expected = fused.two_stage.pq_shortlist(tables, state, three, cache_k, query, budget_args, Gs, G)
+    one = torch.full_like(three, float("nan"))
+    got = pq_shortlist_cuda.launch(fused.two_stage, state, tables, one, cache_k, query, budget_args, Gs, G)
+    torch.cuda.synchronize()
+    assert torch.equal(got.counts, expected.counts) and torch.equal(got.cut, expected.cut)
+    assert torch.equal(got.ties, expected.ties)
+    assert int(got.counts.min()) > 0 and int(got.ties.max()) > 0
+    boxed_one, boxed_three = one[:, :n].isnan(), three[:, :n].isnan()
+    assert torch.equal(boxed_one, boxed_three)
+    assert torch.allclose(one[:, :n][~boxed_one], three[:, :n][~boxed_three], rtol=1e-5, atol=1e-5)
+    assert torch.equal(one[:, :n][boxed_one].view(torch.int32), three[:, :n][boxed_three].view(torch.int32))
+    for row, count in enumerate(got.counts.tolist()):
+        assert torch.equal(got.listed[row, :count], expected.listed[row, :count])
+        assert torch.allclose(got.exact[row, :count], expected.exact[row, :count], rtol=1e-5, atol=1e-5)
+
+
+@needs_sm90
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_the_fused_step_with_it_reads_the_reference_rows(gqa):
+    """Decoding eight tokens through the fused step (the CUDA shortlist in it) from a left-padded cache with tied
+    keys, across the local window's edge to the cache's capacity: at every step the reference pipeline's rows, and
+    its output."""
+    steps, tokens, capacity = 8, 140, 148
+    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, group=4, dim=64)
+    keys[:, :, 70:100] = keys[:, :, 40:70]
+    mask = torch.ones(2, tokens, dtype=torch.bool)
+    mask[1, :25] = False
+    keys, values, prefill, mask = (t.cuda() for t in (keys, values, prefill, mask))
+    pipe = oa.build({**DEFAULT, "gqa": gqa})
+    reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
+    prepared = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
+    state = StaticState.from_state(prepared, capacity)
+    assert state.fused is not None and state.fused.shortlist_cuda, state.fused.shortlist_note
+    B, H, _, D = keys.shape
+    cache_k, cache_v = keys.new_zeros(B, H, capacity, D), values.new_zeros(B, H, capacity, D)
+    cache_k[:, :, :tokens], cache_v[:, :, :tokens] = keys[:, :, :tokens], values[:, :, :tokens]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(steps):
+        n = tokens + step
+        reference.append(keys[:, :, n : n + 1], values[:, :, n : n + 1])
+        cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, n], values[:, :, n]
+        state.length += 1
+        query = keys[:, torch.arange(4 * H, device="cuda") // 4, n : n + 1] * 1.1
+        query = query + 0.3 * torch.randn(query.shape, generator=gen, device="cuda")
+        out, selection = state.fused.run(state, query, cache_k, cache_v)
+        expected = pipe.explain(query, reference).selection.index
+        assert _rows(selection.index) == _rows(expected), f"step {step}"
+        ref_out = pipe.attend(query, reference)
+        assert float((out - ref_out).norm() / ref_out.norm()) < 1e-4
+    assert "pq_shortlist" in state.fused.launches(state)
+
+
+def _rows(index):
+    return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]
