@@ -24,6 +24,11 @@
 // Order keys as ``unsigned_key``: the float's bits, negated magnitude for negative floats, plus 2^31 (-0.0 and 0.0
 // share a key).
 
+//
+// Compiled once per (query heads a KV head, shared or per head) pair: the heads' loops unroll, the sums stay in
+// registers. `stop` (a study's knob, 0 in the step) ends the launch after a phase: 1 the scores, 2 the cut, 3 the
+// listing without the exact logits.
+
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,17 +39,21 @@ namespace cg = cooperative_groups;
 
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
-constexpr int MAX_HEADS = 8;  // GS · G: the query heads of a KV head
+constexpr int MAX_HEADS = 8;  // query heads a KV head
 constexpr int MAX_D = 256;    // head dim
+constexpr int GATHER = 2;     // the listed K rows a warp reads at once
 
 __device__ __forceinline__ unsigned order_key(float f) {
     const unsigned bits = __float_as_uint(f);
     return (bits & 0x80000000u) ? 0x80000000u - (bits & 0x7FFFFFFFu) : bits | 0x80000000u;
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// Element i of a K row of dtype 0 float32, 1 float16, 2 bfloat16.
+__device__ __forceinline__ float load_element(const void* row, int i, int dtype) {
+    if (dtype == 0) return static_cast<const float*>(row)[i];
+    if (dtype == 1) return __half2float(static_cast<const __half*>(row)[i]);
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(row)[i]);
+}
 
 struct Args {
     const float* tables;        // [BH, GS, G, M, CC]
@@ -55,7 +64,7 @@ struct Args {
     const double* density;      // [1]
     const double* multiple;     // [1]
     const void* keys;           // K [B, Hkv, CAP, D] at strides sk_b, sk_h, sk_n (elements)
-    const void* query;          // Q [B, Hq, 1, D] at strides sq_b, sq_h
+    const void* query;          // Q [B, Hq, 1, D] at strides sq_b, sq_h, of the keys' dtype
     float* scores;              // [BH·GS, CAP]
     int* listed;                // [BH·GS, L]
     float* exact;               // [BH·GS, L]
@@ -63,13 +72,14 @@ struct Args {
     int64_t* cut;               // [BH·GS]
     int* ties;                  // [BH·GS]
     int64_t sk_b, sk_h, sk_n, sq_b, sq_h;
-    int Hkv, GS, G, M, CC, W, packed, D, C, local, cap, fixed, tokens, L, chunk;
+    int Hkv, M, CC, W, packed, D, C, local, cap, fixed, tokens, L, chunk, dtype, stop;
     float scale;
 };
 
 // The digit of each row's cut from the cluster's summed histograms `total` [GS][256]: the largest d whose bins
 // d..255 hold at least rest[s] keys; rest[s] becomes the count still wanted within bin d. A warp a row.
-__device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* rest, int GS) {
+template <int GS>
+__device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* rest) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int s = warp; s < GS; s += WARPS) {
         unsigned c[8], mine = 0;
@@ -98,86 +108,97 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
     }
 }
 
-// An exclusive prefix over the block's threads of `flag`, and the block's total: warp ballots, then the warps'
-// totals (`warp_totals`, WARPS entries of shared memory, free on entry and on return).
-__device__ __forceinline__ unsigned block_rank(bool flag, unsigned* warp_totals, unsigned* total) {
+// For each of NF flags, an exclusive prefix over the block's threads and the block's total: warp ballots, then the
+// warps' totals in `warp_totals` [NF][WARPS] (shared memory, free on entry and on return).
+template <int NF>
+__device__ __forceinline__ void block_ranks(const bool (&flag)[NF], unsigned (*warp_totals)[WARPS],
+                                            unsigned (&before)[NF], unsigned (&total)[NF]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, flag);
-    if (lane == 0) warp_totals[warp] = __popc(ballot);
-    __syncthreads();
-    unsigned before = __popc(ballot & ((1u << lane) - 1u)), all = 0;
+    unsigned ballot[NF];
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-        const unsigned t = warp_totals[w];
-        before += w < warp ? t : 0;
-        all += t;
+    for (int f = 0; f < NF; ++f) {
+        ballot[f] = __ballot_sync(0xFFFFFFFFu, flag[f]);
+        if (lane == 0) warp_totals[f][warp] = __popc(ballot[f]);
     }
     __syncthreads();
-    *total = all;
-    return before;
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+        unsigned b = __popc(ballot[f] & ((1u << lane) - 1u)), all = 0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const unsigned t = warp_totals[f][w];
+            b += w < warp ? t : 0;
+            all += t;
+        }
+        before[f] = b;
+        total[f] = all;
+    }
+    __syncthreads();
 }
 
-template <class T>
+template <int HEADS, bool SHARED>
 __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
+    constexpr int GS = SHARED ? 1 : HEADS;  // selection rows of the KV head
+    constexpr int G = SHARED ? HEADS : 1;   // query heads a selection row
     cg::cluster_group cluster = cg::this_cluster();
     const int CL = cluster.num_blocks();
     const int rank = cluster.block_rank();
     const int bh = blockIdx.x / CL;
     const int b = bh / a.Hkv, h = bh % a.Hkv;
-    const int heads = a.GS * a.G;
     const int64_t n = a.length[0];
     const int first = rank * a.chunk;
     const int len = (int)max((int64_t)0, min((int64_t)a.chunk, n - first));
+    const int table_size = a.M * a.CC;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    float* table = reinterpret_cast<float*>(smem);                        // heads · M · CC
-    float* q = table + heads * a.M * a.CC;                                // heads · D
-    float* value = q + heads * a.D;                                       // GS · chunk: the scores
-    unsigned* hist = reinterpret_cast<unsigned*>(value + a.GS * a.chunk);  // GS · 256: this block's
-    unsigned* total = hist + a.GS * 256;                                  // GS · 256: the cluster's
-    __shared__ unsigned prefix[MAX_HEADS], rest[MAX_HEADS], digit[MAX_HEADS], wanted[MAX_HEADS];
-    __shared__ unsigned above[MAX_HEADS], tied[MAX_HEADS], kept_before[MAX_HEADS], tied_before[MAX_HEADS];
-    __shared__ unsigned warp_totals[2 * MAX_HEADS + 1][WARPS];
-    __shared__ int union_pos[THREADS], union_slot[THREADS][MAX_HEADS];
+    float* table = reinterpret_cast<float*>(smem);                        // HEADS · M · CC
+    float* q = table + HEADS * table_size;                                // HEADS · D
+    float* value = q + HEADS * a.D;                                       // GS · chunk: the scores
+    unsigned* hist = reinterpret_cast<unsigned*>(value + GS * a.chunk);   // GS · 256: this block's
+    unsigned* total = hist + GS * 256;                                    // GS · 256: the cluster's
+    __shared__ unsigned prefix[GS], rest[GS], digit[GS], wanted[GS];
+    __shared__ unsigned above[GS], tied[GS], kept_before[GS], tied_before[GS];
+    __shared__ unsigned warp_totals[GS + 1][WARPS];
+    __shared__ int union_pos[THREADS], union_slot[THREADS][GS];
 
-    const float* tables = a.tables + (size_t)bh * heads * a.M * a.CC;
-    for (int i = threadIdx.x; i < heads * a.M * a.CC; i += THREADS) table[i] = tables[i];
-    const T* query = static_cast<const T*>(a.query);
-    for (int i = threadIdx.x; i < heads * a.D; i += THREADS) {
-        const int j = i / a.D, d = i % a.D;  // query head h·heads + j
-        q[i] = to_float(query[b * a.sq_b + (int64_t)(h * heads + j) * a.sq_h + d]);
+    const float* tables = a.tables + (size_t)bh * HEADS * table_size;
+    for (int i = threadIdx.x; i < HEADS * table_size; i += THREADS) table[i] = tables[i];
+    for (int i = threadIdx.x; i < HEADS * a.D; i += THREADS) {
+        const int j = i / a.D, d = i % a.D;  // query head h·HEADS + j
+        const char* row = static_cast<const char*>(a.query);
+        const int size = a.dtype == 0 ? 4 : 2;
+        q[i] = load_element(row + (b * a.sq_b + (int64_t)(h * HEADS + j) * a.sq_h) * size, d, a.dtype);
     }
-    for (int i = threadIdx.x; i < a.GS * 256; i += THREADS) hist[i] = 0;
-    if (threadIdx.x < a.GS) above[threadIdx.x] = tied[threadIdx.x] = prefix[threadIdx.x] = digit[threadIdx.x] = 0;
+    for (int i = threadIdx.x; i < GS * 256; i += THREADS) hist[i] = 0;
+    if (threadIdx.x < GS) above[threadIdx.x] = tied[threadIdx.x] = prefix[threadIdx.x] = digit[threadIdx.x] = 0;
     __syncthreads();
 
     // 1. The scores and each row's first digit.
     const int64_t leaving = n - 1 - a.local;  // the row leaving the window: it joins a cluster in this step
     for (int i = threadIdx.x; i < len; i += THREADS) {
         const int64_t pos = first + i;
-        const int64_t cluster_of = a.assignment[(size_t)bh * a.cap + pos];
-        const bool inside = cluster_of != a.C || pos == leaving;
-        float sums[MAX_HEADS];
+        const bool inside = a.assignment[(size_t)bh * a.cap + pos] != a.C || pos == leaving;
+        float sums[HEADS];
 #pragma unroll
-        for (int j = 0; j < MAX_HEADS; ++j) sums[j] = 0.f;
+        for (int j = 0; j < HEADS; ++j) sums[j] = 0.f;
         if (inside) {
             const uint8_t* code = a.codes + ((size_t)bh * a.cap + pos) * a.W;
-            // Four code bytes, the first of them byte `first_byte` of the key's.
+            // Four code bytes, the first of them byte `first_byte` of the key's: sub-spaces in order.
             auto add = [&](unsigned word, int first_byte) {
 #pragma unroll
                 for (int byte = 0; byte < 4; ++byte) {
                     const unsigned c = (word >> (8 * byte)) & 0xFF;
-                    const int m = a.packed ? 2 * (first_byte + byte) : first_byte + byte;
+                    if (a.packed) {
+                        const float* entry = table + 2 * (first_byte + byte) * a.CC;
 #pragma unroll
-                    for (int j = 0; j < MAX_HEADS; ++j) {
-                        if (j < heads) {
-                            if (a.packed) {
-                                sums[j] += table[(j * a.M + m) * a.CC + (c & 15)];
-                                sums[j] += table[(j * a.M + m + 1) * a.CC + (c >> 4)];
-                            } else {
-                                sums[j] += table[(j * a.M + m) * a.CC + c];
-                            }
+                        for (int j = 0; j < HEADS; ++j) {
+                            sums[j] += entry[j * table_size + (c & 15)];
+                            sums[j] += entry[j * table_size + a.CC + (c >> 4)];
                         }
+                    } else {
+                        const float* entry = table + (first_byte + byte) * a.CC;
+#pragma unroll
+                        for (int j = 0; j < HEADS; ++j) sums[j] += entry[j * table_size + c];
                     }
                 }
             };
@@ -190,28 +211,29 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
                 for (int w = 0; w < a.W; w += 4) add(__ldg(reinterpret_cast<const unsigned*>(code + w)), w);
             }
         }
-        for (int s = 0; s < a.GS; ++s) {
-            float best = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < MAX_HEADS; ++j)
-                if (j / a.G == s && j < heads) best = fmaxf(best, sums[j]);
+        for (int s = 0; s < GS; ++s) {
+            float best = sums[s * G];
+#pragma unroll
+            for (int j = 1; j < G; ++j) best = fmaxf(best, sums[s * G + j]);
             const float score = inside ? best * a.scale : -INFINITY;
             value[s * a.chunk + i] = score;
             if (inside) atomicAdd(&hist[s * 256 + (order_key(score) >> 24)], 1u);
         }
     }
+    if (a.stop == 1) return;  // (no block has read another's memory yet)
 
     // 2. The cut: four digits, each from the cluster's histograms summed.
-    const int sel_row0 = bh * a.GS;  // the head's first selection row
+    const int row0 = bh * GS;  // the head's first selection row
     for (int pass = 0; pass < 4; ++pass) {
         cluster.sync();  // every block's histogram complete
-        for (int i = threadIdx.x; i < a.GS * 256; i += THREADS) {
+        for (int i = threadIdx.x; i < GS * 256; i += THREADS) {
             unsigned sum = 0;
             for (int r = 0; r < CL; ++r) sum += cluster.map_shared_rank(hist, r)[i];
             total[i] = sum;
         }
         __syncthreads();
-        if (pass == 0 && threadIdx.x < a.GS) {  // k: the budget's shortlist, at most L and the inside positions
+        if (pass == 0 && threadIdx.x < GS) {  // k: the budget's shortlist, at most L and the inside positions
             unsigned inside = 0;
             for (int d = 0; d < 256; ++d) inside += total[threadIdx.x * 256 + d];
             const int64_t valid = n - a.start[b];
@@ -222,16 +244,17 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             wanted[threadIdx.x] = rest[threadIdx.x] = (unsigned)k;
         }
         __syncthreads();
-        pick_digits(total, digit, rest, a.GS);
+        pick_digits<GS>(total, digit, rest);
         __syncthreads();
-        if (threadIdx.x < a.GS) prefix[threadIdx.x] = (prefix[threadIdx.x] << 8) | digit[threadIdx.x];
+        if (threadIdx.x < GS) prefix[threadIdx.x] = (prefix[threadIdx.x] << 8) | digit[threadIdx.x];
         cluster.sync();  // every block done reading the histograms
         if (pass == 3) break;
-        for (int i = threadIdx.x; i < a.GS * 256; i += THREADS) hist[i] = 0;
+        for (int i = threadIdx.x; i < GS * 256; i += THREADS) hist[i] = 0;
         __syncthreads();
         const int shift = 24 - 8 * pass;  // the digits found so far are the key's bits from here up
         for (int i = threadIdx.x; i < len; i += THREADS) {
-            for (int s = 0; s < a.GS; ++s) {
+#pragma unroll
+            for (int s = 0; s < GS; ++s) {
                 const float score = value[s * a.chunk + i];
                 const unsigned key = order_key(score);
                 if (score > -INFINITY && (key >> shift) == prefix[s])
@@ -240,10 +263,12 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         }
     }
     // prefix[s] is τ, rest[s] the ties at τ the shortlist takes (where wanted[s] > 0).
+    if (a.stop == 2) return;
 
     // 3. The listing. This block's keys above τ and at τ, then its place after the blocks before it.
     for (int i = threadIdx.x; i < len; i += THREADS) {
-        for (int s = 0; s < a.GS; ++s) {
+#pragma unroll
+        for (int s = 0; s < GS; ++s) {
             const float score = value[s * a.chunk + i];
             if (wanted[s] == 0 || !(score > -INFINITY)) continue;
             const unsigned key = order_key(score);
@@ -252,7 +277,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         }
     }
     cluster.sync();
-    if (threadIdx.x < a.GS) {
+    if (threadIdx.x < GS) {
         const int s = threadIdx.x;
         unsigned a_before = 0, t_before = 0;
         for (int r = 0; r < rank; ++r) {
@@ -262,80 +287,137 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         tied_before[s] = t_before;
         kept_before[s] = a_before + min(t_before, rest[s]);
         if (rank == 0) {
-            const int p = sel_row0 + s;
-            a.counts[p] = (int)wanted[s];
-            a.cut[p] = wanted[s] > 0 ? (int64_t)prefix[s] : (int64_t)4294967296LL;
-            a.ties[p] = wanted[s] > 0 ? (int)rest[s] : 0;
+            a.counts[row0 + s] = (int)wanted[s];
+            a.cut[row0 + s] = wanted[s] > 0 ? (int64_t)prefix[s] : (int64_t)4294967296LL;
+            a.ties[row0 + s] = wanted[s] > 0 ? (int)rest[s] : 0;
         }
     }
     __syncthreads();
-    const T* krows = static_cast<const T*>(a.keys) + b * a.sk_b + h * a.sk_h;
+    const char* krows = static_cast<const char*>(a.keys) + (b * a.sk_b + h * a.sk_h) * (a.dtype == 0 ? 4 : 2);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int tile = 0; tile < len; tile += THREADS) {
         const int i = tile + threadIdx.x;
         const bool here = i < len;
         const int64_t pos = first + i;
-        bool any = false;
-        int slots[MAX_HEADS];
-        for (int s = 0; s < a.GS; ++s) {
-            const float score = here ? value[s * a.chunk + i] : -INFINITY;
-            const unsigned key = order_key(score);
-            const bool ok = wanted[s] > 0 && score > -INFINITY;
-            const bool over = ok && key > prefix[s], tie = ok && key == prefix[s];
-            const unsigned ties_so_far = tied_before[s], kept_so_far = kept_before[s];  // (thread 0 moves them below)
-            unsigned tie_count, kept_count;
-            const unsigned tie_rank = ties_so_far + block_rank(tie, warp_totals[2 * s], &tie_count);
-            const bool keep = over || (tie && tie_rank < rest[s]);
-            const unsigned slot = kept_so_far + block_rank(keep, warp_totals[2 * s + 1], &kept_count);
-            slots[s] = keep ? (int)slot : -1;
-            any |= keep;
-            if (threadIdx.x == 0) {
-                tied_before[s] += tie_count;
-                kept_before[s] += kept_count;
-            }
-            if (keep) a.listed[(size_t)(sel_row0 + s) * a.L + slot] = (int)pos;
-            if (here) {  // the score, or the listed position's box
-                const float out = keep ? __uint_as_float((slot + 1) | 0x7F800000u) : score;
-                a.scores[(size_t)(sel_row0 + s) * a.cap + pos] = out;
-            }
+        float score[GS];
+        bool over[GS], flag[GS + 1];
+        unsigned before[GS + 1], count[GS + 1];
+#pragma unroll
+        for (int s = 0; s < GS; ++s) {
+            score[s] = here ? value[s * a.chunk + i] : -INFINITY;
+            const bool ok = wanted[s] > 0 && score[s] > -INFINITY;
+            const unsigned key = order_key(score[s]);
+            over[s] = ok && key > prefix[s];
+            flag[s] = ok && key == prefix[s];  // tied
         }
-        // The positions some row lists, gathered: their K rows read once, a warp a row, for every query head.
-        unsigned gathered;
-        const unsigned u = block_rank(any, warp_totals[2 * MAX_HEADS], &gathered);
+        flag[GS] = false;
+        // The counts before this tile, read before the barriers below, after which thread 0 moves them.
+        unsigned ties_before_tile[GS], kept_before_tile[GS];
+#pragma unroll
+        for (int s = 0; s < GS; ++s) ties_before_tile[s] = tied_before[s], kept_before_tile[s] = kept_before[s];
+        block_ranks<GS + 1>(flag, warp_totals, before, count);  // the ties' ranks
+        bool any = false;
+#pragma unroll
+        for (int s = 0; s < GS; ++s) {
+            const bool tie = flag[s];
+            flag[s] = over[s] || (tie && ties_before_tile[s] + before[s] < rest[s]);  // kept
+            any |= flag[s];
+            if (threadIdx.x == 0) tied_before[s] += count[s];
+        }
+        flag[GS] = any;
+        block_ranks<GS + 1>(flag, warp_totals, before, count);  // the kept entries' slots, the union's places
+        int slots[GS];
+#pragma unroll
+        for (int s = 0; s < GS; ++s) {
+            const unsigned slot = kept_before_tile[s] + before[s];
+            slots[s] = flag[s] ? (int)slot : -1;
+            if (flag[s]) a.listed[(size_t)(row0 + s) * a.L + slot] = (int)pos;
+            if (here)  // the score, or the listed position's box
+                a.scores[(size_t)(row0 + s) * a.cap + pos] = flag[s] ? __uint_as_float((slot + 1) | 0x7F800000u)
+                                                                    : score[s];
+        }
+        const unsigned gathered = count[GS];
         if (any) {
-            union_pos[u] = (int)pos;
-            for (int s = 0; s < a.GS; ++s) union_slot[u][s] = slots[s];
+            union_pos[before[GS]] = (int)pos;
+#pragma unroll
+            for (int s = 0; s < GS; ++s) union_slot[before[GS]][s] = slots[s];
+        }
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int s = 0; s < GS; ++s) kept_before[s] += count[s];
         }
         __syncthreads();
-        for (unsigned e = warp; e < gathered; e += WARPS) {
-            const T* krow = krows + (int64_t)union_pos[e] * a.sk_n;
-            float kv[MAX_D / 32];
+        // The positions some row lists: their K rows read once, a warp a row (GATHER at once), for every head.
+        if (a.stop != 3) {
+            for (unsigned e0 = warp; e0 < gathered; e0 += GATHER * WARPS) {
+                float kv[GATHER][MAX_D / 32];
 #pragma unroll
-            for (int t = 0; t < MAX_D / 32; ++t) {
-                const int d = lane + 32 * t;
-                kv[t] = d < a.D ? to_float(krow[d]) : 0.f;
-            }
-            float best = -INFINITY;
-            for (int j = 0; j < heads; ++j) {
-                float dot = 0.f;
+                for (int u = 0; u < GATHER; ++u) {
+                    const unsigned e = e0 + u * WARPS;
+                    const char* krow = krows + (int64_t)(e < gathered ? union_pos[e] : 0) * a.sk_n *
+                                                   (a.dtype == 0 ? 4 : 2);
 #pragma unroll
-                for (int t = 0; t < MAX_D / 32; ++t) {
-                    const int d = lane + 32 * t;
-                    if (d < a.D) dot += kv[t] * q[j * a.D + d];
+                    for (int t = 0; t < MAX_D / 32; ++t) {
+                        const int d = lane + 32 * t;
+                        kv[u][t] = e < gathered && d < a.D ? load_element(krow, d, a.dtype) : 0.f;
+                    }
                 }
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
-                best = fmaxf(best, dot);
-                if ((j + 1) % a.G == 0) {  // the end of selection row s's heads
-                    const int s = j / a.G, slot = union_slot[e][s];
-                    if (lane == 0 && slot >= 0) a.exact[(size_t)(sel_row0 + s) * a.L + slot] = best * a.scale;
-                    best = -INFINITY;
+                for (int u = 0; u < GATHER; ++u) {
+                    const unsigned e = e0 + u * WARPS;
+                    if (e >= gathered) break;
+#pragma unroll
+                    for (int s = 0; s < GS; ++s) {
+                        float best = -INFINITY;
+#pragma unroll
+                        for (int j = 0; j < G; ++j) {
+                            const float* qj = q + (s * G + j) * a.D;
+                            float dot = 0.f;
+#pragma unroll
+                            for (int t = 0; t < MAX_D / 32; ++t) {
+                                const int d = lane + 32 * t;
+                                if (d < a.D) dot += kv[u][t] * qj[d];
+                            }
+#pragma unroll
+                            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+                            best = fmaxf(best, dot);
+                        }
+                        const int slot = union_slot[e][s];
+                        if (lane == 0 && slot >= 0) a.exact[(size_t)(row0 + s) * a.L + slot] = best * a.scale;
+                    }
                 }
             }
         }
-        __syncthreads();  // the gathered entries read before the next tile writes them
+        __syncthreads();  // the gathered entries read, the counts moved, before the next tile
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
+}
+
+template <int HEADS, bool SHARED>
+static cudaError_t launch(const Args& args, int blocks, int CL, size_t smem, cudaStream_t stream) {
+    auto kernel = pq_shortlist<HEADS, SHARED>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err == cudaSuccess && CL > 8) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) return err;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(THREADS);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = CL;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args);
+}
+
+template <int HEADS>
+static cudaError_t launch_heads(const Args& args, bool shared, int blocks, int CL, size_t smem, cudaStream_t stream) {
+    return shared ? launch<HEADS, true>(args, blocks, CL, smem, stream)
+                  : launch<HEADS, false>(args, blocks, CL, smem, stream);
 }
 
 extern "C" {
@@ -352,43 +434,37 @@ size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int D, int chunk) 
            sizeof(unsigned) * 2 * GS * 256;
 }
 
-// dtype: 0 float32, 1 float16, 2 bfloat16 (the keys' and the query's). Returns a cudaError_t (0: launched).
+// GS selection rows of G query heads each (GS = 1 or G = 1); dtype: 0 float32, 1 float16, 2 bfloat16 (the keys' and
+// the query's); stop: 0 (see the top). Returns a cudaError_t (0: launched).
 int oa_pq_shortlist(const float* tables, const uint8_t* codes, const int64_t* assignment, const int64_t* length,
                     const int64_t* start, const double* density, const double* multiple, const void* keys,
                     const void* query, float* scores, int* listed, float* exact, int* counts, int64_t* cut, int* ties,
                     int64_t sk_b, int64_t sk_h, int64_t sk_n, int64_t sq_b, int64_t sq_h, int B, int Hkv, int GS,
                     int G, int M, int CC, int W, int packed, int D, int C, int local, int cap, int fixed, int tokens,
-                    int L, float scale, int CL, int dtype, void* stream) {
-    if (GS * G > MAX_HEADS || D > MAX_D || W % 4 != 0 || CL < 1 || CL > 16 || dtype < 0 || dtype > 2)
+                    int L, float scale, int CL, int dtype, int stop, void* stream) {
+    const int heads = GS * G;
+    if ((GS != 1 && G != 1) || heads < 1 || heads > MAX_HEADS || D > MAX_D || W % 4 != 0 || CL < 1 || CL > 16 ||
+        dtype < 0 || dtype > 2)
         return (int)cudaErrorInvalidValue;
     int chunk = (cap + CL - 1) / CL;
     chunk = (chunk + THREADS - 1) / THREADS * THREADS;
     Args args = {tables, codes, assignment, length, start, density, multiple, keys, query, scores, listed, exact,
-                 counts, cut, ties, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, GS, G, M, CC, W, packed, D, C, local, cap,
-                 fixed, tokens, L, chunk, scale};
-    const size_t smem = oa_pq_shortlist_smem(GS * G, GS, M, CC, D, chunk);
-    void (*kernel)(Args) = dtype == 0 ? pq_shortlist<float> : dtype == 1 ? pq_shortlist<__half>
-                                                                         : pq_shortlist<__nv_bfloat16>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err != cudaSuccess) return (int)err;
-    if (CL > 8) {
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-        if (err != cudaSuccess) return (int)err;
+                 counts, cut, ties, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, M, CC, W, packed, D, C, local, cap, fixed,
+                 tokens, L, chunk, dtype, stop, scale};
+    const size_t smem = oa_pq_shortlist_smem(heads, GS, M, CC, D, chunk);
+    const int blocks = B * Hkv * CL;
+    const bool shared = GS == 1 && G > 1;
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (heads) {
+        case 1: return (int)launch_heads<1>(args, shared, blocks, CL, smem, s);
+        case 2: return (int)launch_heads<2>(args, shared, blocks, CL, smem, s);
+        case 3: return (int)launch_heads<3>(args, shared, blocks, CL, smem, s);
+        case 4: return (int)launch_heads<4>(args, shared, blocks, CL, smem, s);
+        case 5: return (int)launch_heads<5>(args, shared, blocks, CL, smem, s);
+        case 6: return (int)launch_heads<6>(args, shared, blocks, CL, smem, s);
+        case 7: return (int)launch_heads<7>(args, shared, blocks, CL, smem, s);
+        default: return (int)launch_heads<8>(args, shared, blocks, CL, smem, s);
     }
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(B * Hkv * CL);
-    config.blockDim = dim3(THREADS);
-    config.dynamicSmemBytes = smem;
-    config.stream = (cudaStream_t)stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = CL;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    err = cudaLaunchKernelEx(&config, kernel, args);
-    return (int)err;
 }
 
 }  // extern "C"

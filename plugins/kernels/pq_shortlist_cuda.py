@@ -117,9 +117,12 @@ def group_reason(state, heads: int, rows: int, D: int) -> str | None:
     return None
 
 
-def launch(two_stage, state, tables: Tensor, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs, G):
+def launch(
+    two_stage, state, tables: Tensor, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs, G, stop=0
+):
     """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``),
-    in one launch; ``unavailable_reason`` said None for this state."""
+    in one launch; ``unavailable_reason`` and ``group_reason`` said None. ``stop`` (a study's knob): end after the
+    scores (1), the cut (2), the listing without the exact logits (3)."""
     from oa_plugins.kernels.two_stage import PQ_SEGMENT
 
     if keys.dtype not in DTYPES or query.dtype != keys.dtype:
@@ -146,6 +149,7 @@ def launch(two_stage, state, tables: Tensor, scores: Tensor, keys: Tensor, query
         ctypes.c_float(state.scale),
         i32(size),
         i32(DTYPES[keys.dtype]),
+        i32(stop),
         ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
     )
     if error:
