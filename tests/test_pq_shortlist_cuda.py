@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import oa_core as oa
+from conftest import load_benchmark
 from oa_core.ops import triton_path
 from oa_core.static import StaticState
 from oa_core.testing import make_inputs
@@ -21,6 +22,7 @@ DEFAULT = {
     "budget": {"density": 0.2},
     "kernel": "flash",
 }
+needs_cpu_triton = pytest.mark.skipif(not triton_path.interpreting(), reason="Triton on the CPU: TRITON_INTERPRET=1")
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 # On a GPU the Triton launches it is checked against must be compiled: TRITON_INTERPRET=0 python -m pytest <this file>
 needs_sm90 = pytest.mark.skipif(
@@ -52,6 +54,7 @@ def _state(gqa="per_head", group=4, dim=32, device="cpu", dtype=torch.float32, t
     return state, cache_k, query
 
 
+@needs_cpu_triton
 def test_on_the_cpu_the_step_keeps_tritons_launches_and_says_why():
     state, _, _ = _state()
     fused = state.fused
@@ -59,6 +62,7 @@ def test_on_the_cpu_the_step_keeps_tritons_launches_and_says_why():
     assert "pq_shortlist" not in fused.launches(state) and "pq_scores" in fused.launches(state)
 
 
+@needs_cpu_triton
 def test_oa_cuda_0_turns_it_off_and_other_selectors_never_take_it(monkeypatch):
     state, _, _ = _state()
     monkeypatch.setenv("OA_CUDA", "0")
@@ -91,6 +95,68 @@ def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
         pq_shortlist_cuda.library.cache_clear()
 
 
+def _both(gqa, group, dim, device, dtype):
+    """The Triton launches' shortlist and the CUDA launch's (None on the CPU) on one state, with what they need."""
+    state, cache_k, query = _state(gqa, group, dim, device, dtype)
+    fused = state.fused
+    Gs, G = (1, group) if gqa == "shared" else (group, 1)
+    rows, cap = cache_k.shape[0] * cache_k.shape[1] * Gs, cache_k.shape[2]
+    budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
+    tables = fused.scoring.project(state, query, cache_k)
+    three = torch.full((rows, cap), float("nan"), device=device)
+    expected = fused.two_stage.pq_shortlist(tables, state, three, cache_k, query, budget_args, Gs, G)
+    got, one = None, None
+    if device == "cuda":
+        assert fused.shortlist_cuda, fused.shortlist_note
+        one = torch.full_like(three, float("nan"))
+        got = pq_shortlist_cuda.launch(fused.two_stage, state, tables, one, cache_k, query, budget_args, Gs, G)
+        torch.cuda.synchronize()
+    return (state, tables, cache_k, query, Gs, G), (expected, three), (got, one)
+
+
+@needs_cpu_triton
+def test_the_listing_check_passes_tritons_shortlist_and_catches_each_fault():
+    """``listing_faults`` (what the GPU tests and the phases study check the CUDA launch by) finds nothing wrong with
+    the Triton launches' shortlist, and finds each fault made in it: a box moved, an entry swapped with an unlisted
+    better-than-cut position's, an exact logit off, a score off, the order broken."""
+    check = load_benchmark("pq_shortlist_phases").listing_faults
+    inputs, (listing, scores), _ = _both("per_head", 4, 32, "cpu", torch.float32)
+    assert set(check(*inputs, listing, scores, listing.counts).values()) == {0}
+
+    def broken(change):
+        bad_listing = listing._replace(listed=listing.listed.clone(), exact=listing.exact.clone())
+        bad_scores = scores.clone()
+        change(bad_listing, bad_scores)
+        return {k for k, v in check(*inputs, bad_listing, bad_scores, listing.counts).items() if v}
+
+    def move_box(lst, sc):
+        sc[0, int(lst.listed[0, 0]) + 0], sc[0, 139] = 1.0, sc[0, int(lst.listed[0, 0])]
+
+    def drop_best(lst, sc):  # the best position's entry given to an unlisted one
+        k = int(lst.counts[0])
+        chosen = set(lst.listed[0, :k].tolist())
+        outside = next(p for p in range(20, 120) if p not in chosen and sc[0, p] > float("-inf"))
+        lst.listed[0, 0] = outside
+
+    def shift_exact(lst, sc):
+        lst.exact[1, 2] += 0.5
+
+    def shift_score(lst, sc):
+        k = int(lst.counts[2])
+        chosen = set(lst.listed[2, :k].tolist())
+        p = next(p for p in range(20, 120) if p not in chosen and sc[2, p] > float("-inf"))
+        sc[2, p] += 0.5
+
+    def swap_order(lst, sc):
+        lst.listed[3, [0, 1]] = lst.listed[3, [1, 0]]
+
+    assert "boxes" in broken(move_box)
+    assert {"selection", "boxes"} <= broken(drop_best)
+    assert broken(shift_exact) == {"exact"}
+    assert broken(shift_score) == {"scores"}
+    assert "order" in broken(swap_order)
+
+
 @needs_sm90
 @pytest.mark.parametrize(
     "gqa,group,dim,dtype",
@@ -99,35 +165,19 @@ def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
         ("shared", 4, 64, torch.float32),
         ("per_head", 1, 64, torch.float32),
         ("per_head", 4, 128, torch.bfloat16),
+        ("shared", 3, 128, torch.float16),
     ],
 )
-def test_one_launch_leaves_what_the_three_triton_launches_leave(gqa, group, dim, dtype):
-    """The same outputs as ``pq_scores`` + ``pq_cut`` + ``pq_list`` on the same state: the masked scores (to float
-    rounding: the sums run in another order), the listed positions boxed, each row's length, cut and ties at it,
-    its positions in position order, their exact logits — over tied keys, a left-padded row, codes of 8 and of 16
-    bytes or more (the kernel's two loads)."""
-    state, cache_k, query = _state(gqa, group, dim, "cuda", dtype)
-    fused = state.fused
-    assert fused.shortlist_cuda, fused.shortlist_note
-    Gs, G = (1, group) if gqa == "shared" else (group, 1)
-    rows, cap, n = cache_k.shape[0] * cache_k.shape[1] * Gs, 150, 141
-    budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
-    tables = fused.scoring.project(state, query, cache_k)
-    three = torch.full((rows, cap), float("nan"), device="cuda")
-    expected = fused.two_stage.pq_shortlist(tables, state, three, cache_k, query, budget_args, Gs, G)
-    one = torch.full_like(three, float("nan"))
-    got = pq_shortlist_cuda.launch(fused.two_stage, state, tables, one, cache_k, query, budget_args, Gs, G)
-    torch.cuda.synchronize()
-    assert torch.equal(got.counts, expected.counts) and torch.equal(got.cut, expected.cut)
-    assert torch.equal(got.ties, expected.ties)
+def test_one_launch_lists_what_the_three_triton_launches_list(gqa, group, dim, dtype):
+    """On one state, the CUDA launch's shortlist passes every check that the Triton launches' passes
+    (``listing_faults``: lengths, order, boxes, scores, the selection at the cut, ties by position, the cut, exact
+    logits), over tied keys, a left-padded row, codes of 8 and of 16 bytes or more (the kernel's two loads), float32,
+    bfloat16 and float16 keys, groups of 1, 3 and 4 heads."""
+    check = load_benchmark("pq_shortlist_phases").listing_faults
+    inputs, (expected, three), (got, one) = _both(gqa, group, dim, "cuda", dtype)
+    assert set(check(*inputs, expected, three, expected.counts).values()) == {0}
+    assert check(*inputs, got, one, expected.counts) == dict.fromkeys(check(*inputs, got, one, expected.counts), 0)
     assert int(got.counts.min()) > 0 and int(got.ties.max()) > 0
-    boxed_one, boxed_three = one[:, :n].isnan(), three[:, :n].isnan()
-    assert torch.equal(boxed_one, boxed_three)
-    assert torch.allclose(one[:, :n][~boxed_one], three[:, :n][~boxed_three], rtol=1e-5, atol=1e-5)
-    assert torch.equal(one[:, :n][boxed_one].view(torch.int32), three[:, :n][boxed_three].view(torch.int32))
-    for row, count in enumerate(got.counts.tolist()):
-        assert torch.equal(got.listed[row, :count], expected.listed[row, :count])
-        assert torch.allclose(got.exact[row, :count], expected.exact[row, :count], rtol=1e-5, atol=1e-5)
 
 
 @needs_sm90

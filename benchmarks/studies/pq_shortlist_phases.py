@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,6 +52,82 @@ def inputs(batch: int, context: int, device: torch.device):
     keys = torch.randn(batch, HKV, n, D, device=device, generator=gen).to(torch.bfloat16)
     query = torch.randn(batch, HQ, 1, D, device=device, generator=gen).to(torch.bfloat16)
     return state, keys, query
+
+
+def reference_scores(state, tables: torch.Tensor, Gs: int, G: int) -> torch.Tensor:
+    """PQS's scores in torch: s·max over a row's G heads of Σ_m table[m, code_m], -inf outside the clusters (the
+    row leaving the window inside) and past the length → ``[B·Hkv·Gs, capacity]`` float32."""
+    codes = state.index.codes.long()  # [B, H, N, W], two 4-bit codes a byte: sub-space 2j low, 2j + 1 high
+    codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+    B, H, N, M = codes.shape
+    sums = torch.zeros(B, H, Gs * G, N, device=codes.device)
+    for m in range(M):
+        table = tables.reshape(B, H, Gs * G, M, -1)[:, :, :, m]  # [B, H, J, CC]
+        sums += table.gather(-1, codes[:, :, None, :, m].expand(-1, -1, Gs * G, -1))
+    scores = sums.view(B, H, Gs, G, N).amax(3) * state.scale
+    n = int(state.length)
+    position = torch.arange(N, device=codes.device)
+    inside = ((state.assignment != state.num_clusters) | (position == n - 1 - state.pipeline.spec.local)) & (
+        position < n
+    )
+    return scores.masked_fill(~inside[:, :, None], float("-inf")).reshape(B * H * Gs, N)
+
+
+def listing_faults(state, tables, keys, query, Gs: int, G: int, listing, scores, counts) -> dict[str, int]:
+    """What a shortlist (``two_stage.Listing``) and its boxed ``scores`` get wrong against torch, row by row, with the
+    sums' rounding allowed for (the kernel's and torch's run in other orders) → the rows at fault, per check (all 0:
+    none). ``counts``: each row's expected length. Checked: the lengths; positions listed in increasing order, all
+    inside; every listed position boxed with its entry, nothing else boxed; the other scores torch's; every key
+    clearly above the k-th best listed and every one clearly below it not; among keys of the same codes (the same
+    score, to the bit, in any order of sums) the earlier listed first; the cut the k-th best score; each entry's
+    exact logit s·max_j q_j·k."""
+    ref = reference_scores(state, tables, Gs, G)
+    rows, N = ref.shape
+    n = int(state.length)
+    B, H = keys.shape[:2]
+    codes = state.index.codes.reshape(B * H, N, -1)[:, :n]
+    queries = query.float().reshape(B, H, Gs, G, -1)
+    faults = dict.fromkeys(("length", "order", "boxes", "scores", "selection", "tie_order", "cut", "exact"), 0)
+    for row in range(rows):
+        k, head = int(listing.counts[row]), row // Gs
+        b, h, s = head // H, head % H, row % Gs
+        faults["length"] += k != int(counts[row])
+        listed = listing.listed[row, :k].long()
+        mine, theirs = scores[row, :n], ref[row, :n]
+        inside = theirs > float("-inf")
+        faults["order"] += bool(k and ((listed[1:] <= listed[:-1]).any() or not inside[listed].all()))
+        boxed = mine.isnan()
+        entries = (mine[listed].view(torch.int32) & 0x7FFFFF) - 1
+        named = torch.equal(entries.cpu(), torch.arange(k))  # each box names its own entry
+        faults["boxes"] += bool(int(boxed.sum()) != k or not boxed[listed].all() or not named)
+        other = ~boxed
+        tolerance = 1e-5 * (1 + theirs[inside].abs().max()) if inside.any() else 0
+        faults["scores"] += bool(
+            not torch.equal(mine[other] == float("-inf"), theirs[other] == float("-inf"))
+            or ((mine[other] - theirs[other]).abs()[inside[other]] > tolerance).any()
+        )
+        chosen = torch.zeros(n, dtype=torch.bool, device=ref.device)
+        chosen[listed] = True
+        if k:
+            tau = theirs.topk(k).values[-1]
+            faults["selection"] += bool(
+                (inside & (theirs > tau + tolerance) & ~chosen).any() or (chosen & (theirs < tau - tolerance)).any()
+            )
+            key = int(listing.cut[row]) - 2**31  # ``order_key`` undone: the last listed score
+            cut = struct.unpack("<f", struct.pack("<I", key if key >= 0 else (-key) | 0x80000000))[0]
+            faults["cut"] += bool(abs(cut - float(tau)) > float(tolerance))
+            exact = (keys[b, h, listed].float() @ queries[b, h, s].T).amax(-1) * state.scale
+            faults["exact"] += bool(not torch.allclose(listing.exact[row, :k], exact, rtol=1e-4, atol=1e-4))
+        # The same codes score the same: where a later one is listed, every earlier inside one is too.
+        _, group = torch.unique(codes[head], dim=0, return_inverse=True)
+        places = torch.arange(n, device=ref.device)
+        last_listed = torch.full((int(group.max()) + 1,), -1, device=ref.device).scatter_reduce(
+            0, group[chosen], places[chosen], "amax"
+        )
+        unlisted = inside & ~chosen
+        first_unlisted = torch.full_like(last_listed, n).scatter_reduce(0, group[unlisted], places[unlisted], "amin")
+        faults["tie_order"] += bool((first_unlisted < last_listed).any())
+    return faults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,28 +178,21 @@ def main(argv: list[str] | None = None) -> int:
 
                 expected, got = three(), one()
                 torch.cuda.synchronize()
-                boxed = one_scores.isnan()
+                counts = expected.counts
                 same = {
-                    "counts_cut_ties": all(
-                        torch.equal(getattr(got, f), getattr(expected, f)) for f in ("counts", "cut", "ties")
-                    ),
-                    "boxes": torch.equal(boxed, three_scores.isnan())
-                    and torch.equal(one_scores[boxed].view(torch.int32), three_scores[boxed].view(torch.int32)),
-                    "scores_max_diff": float((one_scores[~boxed] - three_scores[~boxed]).abs().max()),
+                    "cuda_faults": listing_faults(state, tables, keys, query, Gs, G, got, one_scores, counts),
+                    "triton_faults": listing_faults(state, tables, keys, query, Gs, G, expected, three_scores, counts),
+                    "mean_length": float(counts.float().mean()),
                 }
-                listed_same, exact_diff = True, 0.0
-                for row, count in enumerate(got.counts.tolist()):
-                    listed_same &= torch.equal(got.listed[row, :count], expected.listed[row, :count])
-                    diff = (got.exact[row, :count] - expected.exact[row, :count]).abs().max() if count else 0
-                    exact_diff = max(exact_diff, float(diff))
-                same.update(listed=listed_same, exact_max_diff=exact_diff, mean_length=float(got.counts.float().mean()))
                 record = {"batch": batch, "context": context, "gqa": gqa, "density": density, "checks": same}
                 record["triton_three_launches"] = timed(three)
                 for name, stop in STOPS.items():
                     record[f"cuda_{name}"] = timed(lambda stop=stop, one=one: one(stop))
                 runs.append(record)
+                faults = {f"{way} {k}": v for way in ("cuda", "triton") for k, v in same[f"{way}_faults"].items() if v}
                 print(
-                    f"{batch:>2} × {context:>6} {gqa:8s} {density:.0%}: {same}; graphed ms — Triton "
+                    f"{batch:>2} × {context:>6} {gqa:8s} {density:.0%}: rows at fault {faults or 'none'}; "
+                    "graphed ms — Triton "
                     f"{record['triton_three_launches']['graph_ms']:.3f}; CUDA "
                     + ", ".join(f"{name} {record[f'cuda_{name}']['graph_ms']:.3f}" for name in STOPS),
                     flush=True,

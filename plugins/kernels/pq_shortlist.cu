@@ -41,7 +41,7 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int MAX_HEADS = 8;  // query heads a KV head
 constexpr int MAX_D = 256;    // head dim
-constexpr int GATHER = 2;     // the listed K rows a warp reads at once
+constexpr int GATHER = 4;     // the listed K rows a warp reads at once
 
 __device__ __forceinline__ unsigned order_key(float f) {
     const unsigned bits = __float_as_uint(f);
@@ -53,6 +53,13 @@ __device__ __forceinline__ float load_element(const void* row, int i, int dtype)
     if (dtype == 0) return static_cast<const float*>(row)[i];
     if (dtype == 1) return __half2float(static_cast<const __half*>(row)[i]);
     return __bfloat162float(static_cast<const __nv_bfloat16*>(row)[i]);
+}
+
+// Elements d and d + 1 of a K row (d even).
+__device__ __forceinline__ float2 load_pair(const void* row, int d, int dtype) {
+    if (dtype == 0) return *reinterpret_cast<const float2*>(static_cast<const float*>(row) + d);
+    if (dtype == 1) return __half22float2(*reinterpret_cast<const __half2*>(static_cast<const __half*>(row) + d));
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(row) + d));
 }
 
 struct Args {
@@ -158,8 +165,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     unsigned* total = hist + GS * 256;                                    // GS · 256: the cluster's
     __shared__ unsigned prefix[GS], rest[GS], digit[GS], wanted[GS];
     __shared__ unsigned above[GS], tied[GS], kept_before[GS], tied_before[GS];
-    __shared__ unsigned warp_totals[GS + 1][WARPS];
-    __shared__ int union_pos[THREADS], union_slot[THREADS][GS];
+    __shared__ unsigned warp_totals[GS][WARPS];
 
     const float* tables = a.tables + (size_t)bh * HEADS * table_size;
     for (int i = threadIdx.x; i < HEADS * table_size; i += THREADS) table[i] = tables[i];
@@ -295,13 +301,18 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     __syncthreads();
     const char* krows = static_cast<const char*>(a.keys) + (b * a.sk_b + h * a.sk_h) * (a.dtype == 0 ? 4 : 2);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Each row's ties and entries before the tile: the blocks' before this one's, then its tiles' (every thread
+    // keeps the same counts: the block's totals come from block_ranks).
+    unsigned ties_run[GS], begin[GS], end[GS];
+#pragma unroll
+    for (int s = 0; s < GS; ++s) ties_run[s] = tied_before[s], begin[s] = end[s] = kept_before[s];
     for (int tile = 0; tile < len; tile += THREADS) {
         const int i = tile + threadIdx.x;
         const bool here = i < len;
         const int64_t pos = first + i;
         float score[GS];
-        bool over[GS], flag[GS + 1];
-        unsigned before[GS + 1], count[GS + 1];
+        bool over[GS], flag[GS];
+        unsigned before[GS], count[GS];
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
             score[s] = here ? value[s * a.chunk + i] : -INFINITY;
@@ -310,85 +321,70 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             over[s] = ok && key > prefix[s];
             flag[s] = ok && key == prefix[s];  // tied
         }
-        flag[GS] = false;
-        // The counts before this tile, read before the barriers below, after which thread 0 moves them.
-        unsigned ties_before_tile[GS], kept_before_tile[GS];
-#pragma unroll
-        for (int s = 0; s < GS; ++s) ties_before_tile[s] = tied_before[s], kept_before_tile[s] = kept_before[s];
-        block_ranks<GS + 1>(flag, warp_totals, before, count);  // the ties' ranks
-        bool any = false;
+        block_ranks<GS>(flag, warp_totals, before, count);  // the ties' ranks
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
-            const bool tie = flag[s];
-            flag[s] = over[s] || (tie && ties_before_tile[s] + before[s] < rest[s]);  // kept
-            any |= flag[s];
-            if (threadIdx.x == 0) tied_before[s] += count[s];
+            flag[s] = over[s] || (flag[s] && ties_run[s] + before[s] < rest[s]);  // kept
+            ties_run[s] += count[s];
         }
-        flag[GS] = any;
-        block_ranks<GS + 1>(flag, warp_totals, before, count);  // the kept entries' slots, the union's places
-        int slots[GS];
+        block_ranks<GS>(flag, warp_totals, before, count);  // the kept entries' slots
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
-            const unsigned slot = kept_before_tile[s] + before[s];
-            slots[s] = flag[s] ? (int)slot : -1;
+            const unsigned slot = end[s] + before[s];
             if (flag[s]) a.listed[(size_t)(row0 + s) * a.L + slot] = (int)pos;
             if (here)  // the score, or the listed position's box
                 a.scores[(size_t)(row0 + s) * a.cap + pos] = flag[s] ? __uint_as_float((slot + 1) | 0x7F800000u)
                                                                     : score[s];
+            end[s] += count[s];
         }
-        const unsigned gathered = count[GS];
-        if (any) {
-            union_pos[before[GS]] = (int)pos;
+    }
+    __syncthreads();  // the block's entries written
+    // The exact logits of this block's entries (slots begin[s]..end[s] of each row s): a warp an entry, GATHER
+    // entries at once, each lane two elements of the K row at a time.
+    if (a.stop != 3) {
+        unsigned work = 0;
 #pragma unroll
-            for (int s = 0; s < GS; ++s) union_slot[before[GS]][s] = slots[s];
-        }
-        if (threadIdx.x == 0) {
+        for (int s = 0; s < GS; ++s) work += end[s] - begin[s];
+        for (unsigned w0 = warp; w0 < work; w0 += GATHER * WARPS) {
+            float2 kv[GATHER][MAX_D / 64];
+            int row_of[GATHER], slot_of[GATHER];
 #pragma unroll
-            for (int s = 0; s < GS; ++s) kept_before[s] += count[s];
-        }
-        __syncthreads();
-        // The positions some row lists: their K rows read once, a warp a row (GATHER at once), for every head.
-        if (a.stop != 3) {
-            for (unsigned e0 = warp; e0 < gathered; e0 += GATHER * WARPS) {
-                float kv[GATHER][MAX_D / 32];
-#pragma unroll
-                for (int u = 0; u < GATHER; ++u) {
-                    const unsigned e = e0 + u * WARPS;
-                    const char* krow = krows + (int64_t)(e < gathered ? union_pos[e] : 0) * a.sk_n *
-                                                   (a.dtype == 0 ? 4 : 2);
-#pragma unroll
-                    for (int t = 0; t < MAX_D / 32; ++t) {
-                        const int d = lane + 32 * t;
-                        kv[u][t] = e < gathered && d < a.D ? load_element(krow, d, a.dtype) : 0.f;
-                    }
+            for (int u = 0; u < GATHER; ++u) {
+                unsigned w = w0 + u * WARPS, s = 0;
+                row_of[u] = -1;
+                if (w < work) {
+                    while (w >= end[s] - begin[s]) w -= end[s] - begin[s], ++s;
+                    row_of[u] = (int)s;
+                    slot_of[u] = (int)(begin[s] + w);
                 }
+                const int position = row_of[u] >= 0 ? a.listed[(size_t)(row0 + s) * a.L + slot_of[u]] : 0;
+                const char* krow = krows + (int64_t)position * a.sk_n * (a.dtype == 0 ? 4 : 2);
 #pragma unroll
-                for (int u = 0; u < GATHER; ++u) {
-                    const unsigned e = e0 + u * WARPS;
-                    if (e >= gathered) break;
-#pragma unroll
-                    for (int s = 0; s < GS; ++s) {
-                        float best = -INFINITY;
-#pragma unroll
-                        for (int j = 0; j < G; ++j) {
-                            const float* qj = q + (s * G + j) * a.D;
-                            float dot = 0.f;
-#pragma unroll
-                            for (int t = 0; t < MAX_D / 32; ++t) {
-                                const int d = lane + 32 * t;
-                                if (d < a.D) dot += kv[u][t] * qj[d];
-                            }
-#pragma unroll
-                            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
-                            best = fmaxf(best, dot);
-                        }
-                        const int slot = union_slot[e][s];
-                        if (lane == 0 && slot >= 0) a.exact[(size_t)(row0 + s) * a.L + slot] = best * a.scale;
-                    }
+                for (int t = 0; t < MAX_D / 64; ++t) {
+                    const int d = 2 * lane + 64 * t;
+                    kv[u][t] = row_of[u] >= 0 && d < a.D ? load_pair(krow, d, a.dtype) : make_float2(0.f, 0.f);
                 }
             }
+#pragma unroll
+            for (int u = 0; u < GATHER; ++u) {
+                if (row_of[u] < 0) break;
+                float best = -INFINITY;
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    const float* qj = q + (row_of[u] * G + j) * a.D;
+                    float dot = 0.f;
+#pragma unroll
+                    for (int t = 0; t < MAX_D / 64; ++t) {
+                        const int d = 2 * lane + 64 * t;
+                        if (d < a.D) dot += kv[u][t].x * qj[d] + kv[u][t].y * qj[d + 1];
+                    }
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
+                    best = fmaxf(best, dot);
+                }
+                if (lane == 0) a.exact[(size_t)(row0 + row_of[u]) * a.L + slot_of[u]] = best * a.scale;
+            }
         }
-        __syncthreads();  // the gathered entries read, the counts moved, before the next tile
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
 }
