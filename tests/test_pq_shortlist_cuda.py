@@ -74,11 +74,14 @@ def test_oa_cuda_0_turns_it_off_and_other_selectors_never_take_it(monkeypatch):
     assert qgs.fused is not None and "PQS's two-stage selection only" in qgs.fused.shortlist_note
 
 
-def test_the_default_step_declares_one_launch_for_the_three():
+def test_the_default_step_declares_the_cuda_launches_for_the_three(monkeypatch):
     triton = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1)
-    cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
-    assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n != "pq_shortlist"]
-    assert len(triton) == 9 and len(cuda) == 7 and cuda.count("pq_shortlist") == 1
+    assert len(triton) == 9
+    for exact, names in [("cuda", ["pq_shortlist"]), ("triton", ["pq_shortlist", "exact_logits"])]:
+        monkeypatch.setattr(pq_shortlist_cuda, "EXACT", exact)
+        cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
+        assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n not in names]
+        assert len(cuda) == 6 + len(names) and cuda.count("pq_shortlist") == 1
 
 
 @pytest.mark.skipif(pq_shortlist_cuda.nvcc() is None, reason="no nvcc")

@@ -27,7 +27,9 @@ import torch
 
 HKV, HQ, D, M, CC, C = 8, 32, 128, 64, 16, 64
 SINK, LOCAL, RERANK, FLOOR = 4, 64, 4.0, 0.5
-STOPS = {"scores": 1, "scores_and_cut": 2, "all_but_exact_logits": 3, "whole": 0}
+# The CUDA launch stopped after a phase (``stop``), whole with the exact logits in it, and with Triton's after it.
+STOPS = {"scores": (1, "cuda"), "scores_and_cut": (2, "cuda"), "all_but_exact_logits": (3, "cuda")}
+STOPS.update(whole=(0, "cuda"), with_triton_exact_logits=(0, "triton"))
 
 
 def inputs(batch: int, context: int, device: torch.device):
@@ -176,20 +178,27 @@ def main(argv: list[str] | None = None) -> int:
                 three = functools.partial(two_stage.pq_shortlist, tables, state, three_scores, *rest)
                 one = functools.partial(pq_shortlist_cuda.launch, two_stage, state, tables, one_scores, *rest)
 
-                expected, got = three(), one()
+                check = functools.partial(listing_faults, state, tables, keys, query, Gs, G)
+                expected, got = three(), one(0, "cuda")
                 torch.cuda.synchronize()
                 counts = expected.counts
-                same = {
-                    "cuda_faults": listing_faults(state, tables, keys, query, Gs, G, got, one_scores, counts),
-                    "triton_faults": listing_faults(state, tables, keys, query, Gs, G, expected, three_scores, counts),
-                    "mean_length": float(counts.float().mean()),
-                }
+                same = {"cuda_faults": check(got, one_scores, counts)}
+                got = one(0, "triton")
+                torch.cuda.synchronize()
+                same["cuda_triton_exact_faults"] = check(got, one_scores, counts)
+                same["triton_faults"] = check(expected, three_scores, counts)
+                same["mean_length"] = float(counts.float().mean())
                 record = {"batch": batch, "context": context, "gqa": gqa, "density": density, "checks": same}
                 record["triton_three_launches"] = timed(three)
-                for name, stop in STOPS.items():
-                    record[f"cuda_{name}"] = timed(lambda stop=stop, one=one: one(stop))
+                for name, (stop, exact) in STOPS.items():
+                    record[f"cuda_{name}"] = timed(functools.partial(one, stop, exact))
                 runs.append(record)
-                faults = {f"{way} {k}": v for way in ("cuda", "triton") for k, v in same[f"{way}_faults"].items() if v}
+                faults = {
+                    f"{way} {k}": v
+                    for way in ("cuda", "cuda_triton_exact", "triton")
+                    for k, v in same[f"{way}_faults"].items()
+                    if v
+                }
                 print(
                     f"{batch:>2} × {context:>6} {gqa:8s} {density:.0%}: rows at fault {faults or 'none'}; "
                     "graphed ms — Triton "

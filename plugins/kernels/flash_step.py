@@ -273,7 +273,7 @@ class FusedStep:
         ``cuda``: PQS's shortlist in one CUDA launch (``pq_shortlist_cuda``)."""
         project, scores = scoring.LAUNCHES
         names = [project, "grow", *([] if floor else ["plan"])]
-        shortlist = ["pq_shortlist"] if cuda else scoring.SHORTLIST
+        shortlist = pq_shortlist_cuda.launch_names() if cuda else scoring.SHORTLIST
         names += [*shortlist, *([] if floor else ["refine"])] if rerank else [scores]
         names += ["plan"] if floor else []  # the plan takes the shift and the floor
         return [*names, *["_select_kernel"] * classes, "sparse_pass", "merge"]

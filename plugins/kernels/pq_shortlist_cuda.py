@@ -35,6 +35,14 @@ MAX_HEADS, MAX_D = 8, 256  # the kernel's register arrays: query heads per KV he
 STATIC_SMEM = 12 * 1024  # the kernel's own shared arrays (about 10 KB: ptxas -v), with room
 CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# Where the listed rows' exact logits are taken: "cuda", in the launch (a warp a K row, within the clusters' blocks),
+# or "triton", ``exact_logits`` in a second launch (a program per 32 entries of a row: many more programs).
+EXACT = "triton"
+
+
+def launch_names() -> list[str]:
+    """The launches ``launch`` makes (``FusedStep.launch_names``)."""
+    return ["pq_shortlist", *(["exact_logits"] if EXACT == "triton" else [])]
 
 
 def nvcc() -> str | None:
@@ -118,10 +126,21 @@ def group_reason(state, heads: int, rows: int, D: int) -> str | None:
 
 
 def launch(
-    two_stage, state, tables: Tensor, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs, G, stop=0
+    two_stage,
+    state,
+    tables: Tensor,
+    scores: Tensor,
+    keys: Tensor,
+    query: Tensor,
+    budget_args: tuple,
+    Gs: int,
+    G: int,
+    stop: int = 0,
+    exact: str | None = None,
 ):
-    """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``),
-    in one launch; ``unavailable_reason`` and ``group_reason`` said None. ``stop`` (a study's knob): end after the
+    """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``);
+    ``unavailable_reason`` and ``group_reason`` said None. The exact logits (``exact``, else ``EXACT``): in the same
+    launch ("cuda"), or by Triton's ``exact_logits`` in a second ("triton"). ``stop`` (a study's knob): end after the
     scores (1), the cut (2), the listing without the exact logits (3)."""
     from oa_plugins.kernels.two_stage import PQ_SEGMENT
 
@@ -149,9 +168,11 @@ def launch(
         ctypes.c_float(state.scale),
         i32(size),
         i32(DTYPES[keys.dtype]),
-        i32(stop),
+        i32(3 if (exact or EXACT) == "triton" and stop == 0 else stop),
         ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
     )
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
+    if (exact or EXACT) == "triton" and stop == 0:
+        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
     return listing

@@ -105,7 +105,7 @@ class TwoStage:
         key and ties at it, and each segment's place in it): launches 1–7. The row leaving the window counts as joined
         (the join may run beside these)."""
         rows, cap = scores.shape
-        H, D = keys.shape[1], keys.shape[-1]
+        H = keys.shape[1]
         listed, exact, counts, cut, ties, _, places = listing = self.listing(rows, cap, scores.device, SEGMENT)
         L, S = listed.shape[1], places.shape[1]
         device = scores.device
@@ -155,21 +155,31 @@ class TwoStage:
             num_warps=4,
         )
         compact[(rows, S)](scores, length, listed, cut, ties, places, cap, L, S, BLOCK=SEGMENT, num_warps=SEGMENT_WARPS)
+        self.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
+        return listing
+
+    @staticmethod
+    def exact_logits(listing: Listing, scores: Tensor, keys: Tensor, query: Tensor, scale: float, Gs: int, G: int):
+        """Each listed row's exact logit into ``listing.exact`` (the largest over the selection row's query heads)
+        and its score boxed, a program per (selection row, LIST_BLOCK entries): launch 7 (and the CUDA shortlist's
+        second, ``pq_shortlist_cuda``)."""
+        rows, L = listing.listed.shape
+        H, D = keys.shape[1], keys.shape[-1]
         exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
             keys,
             query,
             scores,
-            listed,
-            counts,
-            exact,
+            listing.listed,
+            listing.counts,
+            listing.exact,
             *keys.stride()[:3],
             query.stride(0),
             query.stride(1),
             H,
             Gs,
             L,
-            cap,
-            state.scale,
+            scores.shape[1],
+            scale,
             G=G,
             GQ=G * Gs,
             D=D,
@@ -177,7 +187,6 @@ class TwoStage:
             BLOCK_L=LIST_BLOCK,
             num_warps=4,
         )
-        return listing
 
     def listing(self, rows: int, cap: int, device: torch.device, segment: int) -> Listing:
         """A shortlist's buffers, its places by ``segment`` positions (``Listing``)."""
