@@ -72,6 +72,10 @@ KV_BYTES = 2  # bf16 keys and values
 # counted apart, a write per shortlist entry), the selection reads its clusters' members (counted whole) and re-ranks
 # the boxed scores as it reads them.
 SCORE_PASSES = 5
+# With the CUDA shortlist (``oa_plugins.kernels.pq_shortlist_cuda``, sm_90) a row of scores is written once, boxes in
+# it, and read once by the selection; ``exact_logits`` then reads each selection row's listed K rows for that row
+# alone (no union: the shortlist's K rows count G times per head) and writes the boxes again.
+CUDA_SCORE_PASSES = 2
 PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
 
 
@@ -86,13 +90,15 @@ def step_bytes(
     group: int = SHAPE["query_heads"] // SHAPE["kv_heads"],
     candidates: float | None = None,
     reread: float = 0.0,
+    score_passes: int = SCORE_PASSES,
 ) -> dict[str, float]:
     """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
     once). With ``candidates`` (a share of the clusterable positions), the one-program design's instead: no row of
     scores goes through memory whole, each head's candidates are written and read once (a float32 score and an int32
     position each), and a share ``reread`` of the codes is read a second time (``one_program_factors``); with
-    ``candidates=0``, the cluster design's: no score leaves the chip."""
+    ``candidates=0``, the cluster design's: no score leaves the chip. ``score_passes``: the scores' trips whole (the
+    CUDA shortlist's step: ``CUDA_SCORE_PASSES``)."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -112,7 +118,7 @@ def step_bytes(
         "selected_rows": (fixed + selected_union * selectable) * row,
         "proxies": clusters * sums * 4,
         "state": codes + row + 2 * sums * 4 + shortlist_union * shortlist * 4,
-        "scores": score_rows * (clusterable * SCORE_PASSES + shortlist) * 4,  # the passes and the boxes
+        "scores": score_rows * (clusterable * score_passes + shortlist) * 4,  # the passes and the boxes
     }
     if candidates is not None:
         per_head["scores"] = score_rows * clusterable * candidates * (4 + 4) * 2
@@ -260,12 +266,13 @@ def transfer(union: float, measured_group: int, group: int) -> float:
     return round(1 + (union - 1) / (measured_group - 1) * (group - 1), 3)
 
 
-def fused_launches(pipe: oa.Pipeline) -> int:
-    """The fused step's launches a layer for ``pipe``'s components, at one size class of clusters."""
+def fused_launches(pipe: oa.Pipeline, cuda: bool = False) -> int:
+    """The fused step's launches a layer for ``pipe``'s components, at one size class of clusters (``cuda``: with the
+    CUDA shortlist)."""
     from oa_plugins.kernels.flash_step import SCORING, FusedStep
 
     rerank, floor = pipe.selector.config.rerank > 0, pipe.allocator.config.floor > 0
-    return len(FusedStep.launch_names(SCORING[type(pipe.selector)], rerank, floor, classes=1))
+    return len(FusedStep.launch_names(SCORING[type(pipe.selector)], rerank, floor, classes=1, cuda=cuda))
 
 
 def byte_fields(parts: dict[str, float]) -> dict:
@@ -278,15 +285,16 @@ def byte_fields(parts: dict[str, float]) -> dict:
     }
 
 
-def configs(pipe_for, measured: list[dict]) -> list[dict]:
-    """Every configuration's bytes: shared (union 1), and per head at both bounds and at each measured factor."""
+def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
+    """Every configuration's bytes: shared (union 1), and per head at both bounds and at each measured factor.
+    ``cuda``: the step with the CUDA shortlist (``CUDA_SCORE_PASSES``)."""
     G = SHAPE["query_heads"] // SHAPE["kv_heads"]
     rows = []
     for batch, context in CONFIGS:
         for density in DENSITIES:
             for gqa in ("per_head", "shared"):
                 pipe = pipe_for(density, gqa)
-                launches = fused_launches(pipe)
+                launches = fused_launches(pipe, cuda)
                 cases = (
                     {"shared": (1.0, 1.0)} if gqa == "shared" else {"heads agree": (1.0, 1.0), "heads disjoint": (G, G)}
                 )
@@ -299,7 +307,12 @@ def configs(pipe_for, measured: list[dict]) -> list[dict]:
                                 for key in ("shortlist_union", "selected_union")
                             )
                 for case, (short, sel) in cases.items():
-                    parts = step_bytes(pipe, batch, context, SHAPE["kv_heads"], SHAPE["head_dim"], short, sel)
+                    passes, short = (
+                        (CUDA_SCORE_PASSES, G if gqa == "per_head" else 1.0) if cuda else (SCORE_PASSES, short)
+                    )
+                    parts = step_bytes(
+                        pipe, batch, context, SHAPE["kv_heads"], SHAPE["head_dim"], short, sel, score_passes=passes
+                    )
                     rows.append(
                         {
                             "batch": batch,
@@ -397,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
     measured = [] if args.no_measure else [measure(model, DENSITIES) for model in (None, "gemma3-270m")]
     rows = configs(pipe_for, measured)
+    cuda_rows = configs(pipe_for, measured, cuda=True)
     designed = {design: projections(pipe_for, measured, design) for design in DESIGNS}
     result = {
         "shape": SHAPE,
@@ -405,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         "measured_overlap": measured,
         "measure_setting": MEASURE,
         "configs": rows,
+        "cuda_shortlist_configs": cuda_rows,
+        "cuda_shortlist_note": "the fused step with the CUDA shortlist (sm_90+, nvcc; oa_plugins.kernels."
+        f"pq_shortlist_cuda), built: the scores written once and read once by the selection ({CUDA_SCORE_PASSES} "
+        "passes), the shortlist's K rows read per selection row by exact_logits (per head: G times)",
         "one_program_projection": designed["one_program"],
         "cluster_projection": designed["cluster"],
         "projection_note": "issue 56's one-program step, not built: the scores' trips replaced by each head's "
@@ -429,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in rows:
         print(share_line(r))
+    print("the fused step with the CUDA shortlist (sm_90+):")
+    for r in cuda_rows:
+        print(share_line(r) + f"  {r['launches']} launches")
     for design, rows_of in designed.items():
         print(f"issue 56's {design.replace('_', '-')} design (not built; {DESIGNS[design]} launches):")
         for r in rows_of:

@@ -85,6 +85,28 @@ def test_the_launches_are_the_fused_step_s_own_count():
     assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 7
 
 
+def test_the_cuda_shortlist_step_counts_two_score_passes_and_each_rows_k_rows():
+    """With the CUDA shortlist the default's step is eight launches; its scores go through memory twice, not five
+    times, and per head each selection row's listed K rows are read for it alone (the union factor is G)."""
+    assert step_cost.fused_launches(_pipe(), cuda=True) == 8
+
+    def pipe_for(density, gqa):
+        return _pipe(density, gqa=gqa)
+
+    triton, cuda = step_cost.configs(pipe_for, []), step_cost.configs(pipe_for, [], cuda=True)
+    assert len(triton) == len(cuda)
+    for a, b in zip(triton, cuda, strict=True):
+        assert b["launches"] == 8 and a["launches"] == 9
+        rows = 4 if a["gqa"] == "per_head" else 1
+        fewer = (step_cost.SCORE_PASSES - step_cost.CUDA_SCORE_PASSES) * rows * 4 * a["batch"] * 8
+        assert a["bytes"]["scores"] - b["bytes"]["scores"] == pytest.approx(fewer * (a["context"] - 68), rel=1e-6)
+        union = 4 if a["gqa"] == "per_head" else 1
+        assert b["shortlist_union"] == union
+        assert b["bytes"]["shortlist_keys"] == pytest.approx(
+            a["bytes"]["shortlist_keys"] * union / a["shortlist_union"]
+        )
+
+
 def test_running_candidates_hold_the_shortlist_and_follow_the_order_of_the_scores():
     C, length = step_cost.CHUNKS, 5
     N = C * 8

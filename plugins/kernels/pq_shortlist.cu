@@ -115,6 +115,13 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
     }
 }
 
+// hist[bin] += 1 for each lane where `active`: the lanes of one bin add once, together (most scores share their
+// first digits, and 32 lanes adding to one address one by one would serialise).
+__device__ __forceinline__ void count_in(unsigned* hist, unsigned bin, bool active) {
+    const unsigned same = __match_any_sync(__activemask(), active ? bin : 0xFFFFFFFFu);
+    if (active && __ffs(same) - 1 == (int)(threadIdx.x % 32)) atomicAdd(hist + bin, (unsigned)__popc(same));
+}
+
 // For each of NF flags, an exclusive prefix over the block's threads and the block's total: warp ballots, then the
 // warps' totals in `warp_totals` [NF][WARPS] (shared memory, free on entry and on return).
 template <int NF>
@@ -224,7 +231,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             for (int j = 1; j < G; ++j) best = fmaxf(best, sums[s * G + j]);
             const float score = inside ? best * a.scale : -INFINITY;
             value[s * a.chunk + i] = score;
-            if (inside) atomicAdd(&hist[s * 256 + (order_key(score) >> 24)], 1u);
+            count_in(hist, s * 256 + (order_key(score) >> 24), inside);
         }
     }
     if (a.stop == 1) return;  // (no block has read another's memory yet)
@@ -263,8 +270,8 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             for (int s = 0; s < GS; ++s) {
                 const float score = value[s * a.chunk + i];
                 const unsigned key = order_key(score);
-                if (score > -INFINITY && (key >> shift) == prefix[s])
-                    atomicAdd(&hist[s * 256 + ((key >> (shift - 8)) & 0xFF)], 1u);
+                const bool shares = score > -INFINITY && (key >> shift) == prefix[s];  // the cut's digits so far
+                count_in(hist, s * 256 + ((key >> (shift - 8)) & 0xFF), shares);
             }
         }
     }
