@@ -18,12 +18,10 @@
 //      takes (the first ones in position order: the reference's stable sort);
 //   3. the listing, in position order: a block's place in the row's shortlist from the counts of the blocks before
 //      it; within the block, tiles of THREADS positions whose ranks come from warp ballots. Each listed position is
-//      written to `listed` with its exact logit (s·max_j q_j·k, the K row read once for every row that lists it),
-//      and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``); every other position
-//      below the length gets its score.
+//      written to `listed`, and its score (written in 1.) becomes its box (a NaN whose payload is its entry + 1:
+//      ``listed_box``); then each listed row's exact logit s·max_j q_j·k (or Triton's ``exact_logits`` after).
 // Order keys as ``unsigned_key``: the float's bits, negated magnitude for negative floats, plus 2^31 (-0.0 and 0.0
 // share a key).
-
 //
 // Compiled once per (query heads a KV head, shared or per head) pair: the heads' loops unroll, the sums stay in
 // registers. `stop` (a study's knob, 0 in the step) ends the launch after a phase: 1 the scores, 2 the cut, 3 the
@@ -231,6 +229,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             for (int j = 1; j < G; ++j) best = fmaxf(best, sums[s * G + j]);
             const float score = inside ? best * a.scale : -INFINITY;
             value[s * a.chunk + i] = score;
+            a.scores[(size_t)(bh * GS + s) * a.cap + pos] = score;  // (the listing boxes the listed ones)
             count_in(hist, s * 256 + (order_key(score) >> 24), inside);
         }
     }
@@ -271,7 +270,8 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
                 const float score = value[s * a.chunk + i];
                 const unsigned key = order_key(score);
                 const bool shares = score > -INFINITY && (key >> shift) == prefix[s];  // the cut's digits so far
-                count_in(hist, s * 256 + ((key >> (shift - 8)) & 0xFF), shares);
+                if (__any_sync(__activemask(), shares))
+                    count_in(hist, s * 256 + ((key >> (shift - 8)) & 0xFF), shares);
             }
         }
     }
@@ -339,9 +339,8 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         for (int s = 0; s < GS; ++s) {
             const unsigned slot = end[s] + before[s];
             if (flag[s]) a.listed[(size_t)(row0 + s) * a.L + slot] = (int)pos;
-            if (here)  // the score, or the listed position's box
-                a.scores[(size_t)(row0 + s) * a.cap + pos] = flag[s] ? __uint_as_float((slot + 1) | 0x7F800000u)
-                                                                    : score[s];
+            if (flag[s])  // the listed position's box over its score
+                a.scores[(size_t)(row0 + s) * a.cap + pos] = __uint_as_float((slot + 1) | 0x7F800000u);
             end[s] += count[s];
         }
     }
@@ -400,7 +399,8 @@ template <int HEADS, bool SHARED>
 static cudaError_t launch(const Args& args, int blocks, int CL, size_t smem, cudaStream_t stream) {
     auto kernel = pq_shortlist<HEADS, SHARED>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err == cudaSuccess && CL > 8) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err == cudaSuccess && CL > 8)
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(blocks);
