@@ -18,10 +18,12 @@
 //      takes (the first ones in position order: the reference's stable sort);
 //   3. the listing, in position order: a block's place in the row's shortlist from the counts of the blocks before
 //      it; within the block, tiles of THREADS positions whose ranks come from warp ballots. Each listed position is
-//      written to `listed`, and its score (written in 1.) becomes its box (a NaN whose payload is its entry + 1:
-//      ``listed_box``); then each listed row's exact logit s·max_j q_j·k (or Triton's ``exact_logits`` after).
+//      written to `listed` with its exact logit (s·max_j q_j·k, the K row read once for every row that lists it),
+//      and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``); every other position
+//      below the length gets its score.
 // Order keys as ``unsigned_key``: the float's bits, negated magnitude for negative floats, plus 2^31 (-0.0 and 0.0
 // share a key).
+
 //
 // Compiled once per (query heads a KV head, shared or per head) pair: the heads' loops unroll, the sums stay in
 // registers. `stop` (a study's knob, 0 in the step) ends the launch after a phase: 1 the scores, 2 the cut, 3 the
@@ -111,13 +113,6 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
         }
         __syncwarp();
     }
-}
-
-// hist[bin] += 1 for each lane where `active`: the lanes of one bin add once, together (most scores share their
-// first digits, and 32 lanes adding to one address one by one would serialise).
-__device__ __forceinline__ void count_in(unsigned* hist, unsigned bin, bool active) {
-    const unsigned same = __match_any_sync(__activemask(), active ? bin : 0xFFFFFFFFu);
-    if (active && __ffs(same) - 1 == (int)(threadIdx.x % 32)) atomicAdd(hist + bin, (unsigned)__popc(same));
 }
 
 // For each of NF flags, an exclusive prefix over the block's threads and the block's total: warp ballots, then the
@@ -229,8 +224,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             for (int j = 1; j < G; ++j) best = fmaxf(best, sums[s * G + j]);
             const float score = inside ? best * a.scale : -INFINITY;
             value[s * a.chunk + i] = score;
-            a.scores[(size_t)(bh * GS + s) * a.cap + pos] = score;  // (the listing boxes the listed ones)
-            count_in(hist, s * 256 + (order_key(score) >> 24), inside);
+            if (inside) atomicAdd(&hist[s * 256 + (order_key(score) >> 24)], 1u);
         }
     }
     if (a.stop == 1) return;  // (no block has read another's memory yet)
@@ -269,9 +263,8 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             for (int s = 0; s < GS; ++s) {
                 const float score = value[s * a.chunk + i];
                 const unsigned key = order_key(score);
-                const bool shares = score > -INFINITY && (key >> shift) == prefix[s];  // the cut's digits so far
-                if (__any_sync(__activemask(), shares))
-                    count_in(hist, s * 256 + ((key >> (shift - 8)) & 0xFF), shares);
+                if (score > -INFINITY && (key >> shift) == prefix[s])
+                    atomicAdd(&hist[s * 256 + ((key >> (shift - 8)) & 0xFF)], 1u);
             }
         }
     }
@@ -339,8 +332,9 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         for (int s = 0; s < GS; ++s) {
             const unsigned slot = end[s] + before[s];
             if (flag[s]) a.listed[(size_t)(row0 + s) * a.L + slot] = (int)pos;
-            if (flag[s])  // the listed position's box over its score
-                a.scores[(size_t)(row0 + s) * a.cap + pos] = __uint_as_float((slot + 1) | 0x7F800000u);
+            if (here)  // the score, or the listed position's box
+                a.scores[(size_t)(row0 + s) * a.cap + pos] = flag[s] ? __uint_as_float((slot + 1) | 0x7F800000u)
+                                                                    : score[s];
             end[s] += count[s];
         }
     }
@@ -399,8 +393,7 @@ template <int HEADS, bool SHARED>
 static cudaError_t launch(const Args& args, int blocks, int CL, size_t smem, cudaStream_t stream) {
     auto kernel = pq_shortlist<HEADS, SHARED>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err == cudaSuccess && CL > 8)
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err == cudaSuccess && CL > 8) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(blocks);
