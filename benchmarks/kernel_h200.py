@@ -95,7 +95,7 @@ def kernel_breakdown(fn, repeats: int = 10) -> dict[str, float]:
     totals: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name.split("(")[0].split("<")[0][:60]
+            name = event.name.split("(")[0].split("<")[0].removeprefix("void ")[:60]
             totals[name] = totals.get(name, 0.0) + event.device_time / 1e3 / repeats
     return {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 

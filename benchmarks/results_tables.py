@@ -723,18 +723,24 @@ def layer_table() -> str:
                     f"{run['dense_graph_ms']:.3f}",
                     f"{run['static_step_graph_ms']:.3f}",
                     f"{run['static_step_ms']:.3f}",
+                    # the same step with Triton's three shortlist launches, where the CUDA one ran (sm_90+)
+                    f"{run['static_step_triton_shortlist_graph_ms']:.3f}" if "static_step_shortlist" in run else "",
                     f"{speed:.2f}×",
                     "" if target is None else f"{target:g}×, {'met' if speed >= target else 'missed'}",
-                    ", ".join(f"`{k.strip()}` {ms:.2f}" for k, ms in kernels[:6]),
+                    ", ".join(f"`{k.removeprefix('void ').strip()}` {ms:.2f}" for k, ms in kernels[:6]),
                 ]
             )
     caption = (
         f"The default (`{result['spec']}`) per head, one layer's decode step (the fused static step: grow + attend) "
         f"against dense SDPA, Llama-3.1-8B shape, ms (`{'`, `'.join(LAYER)}`: `bash benchmarks/gpu_report.sh layer`, "
-        f"which runs `benchmarks/kernel_h200.py` per head at each batch × context). Made by: "
+        f"which runs `benchmarks/kernel_h200.py` per head at each batch × context). The step takes PQS's shortlist in "
+        "one CUDA launch and Triton's `exact_logits` where the GPU allows (sm_90+, nvcc: "
+        "`oa_plugins.kernels.pq_shortlist_cuda`); beside it, the same step with Triton's three launches instead. "
+        "Made by: "
         f"{'; '.join(sorted(machines))}."
     )
-    header = ["batch × context", "density", "dense", "step, graphed", "step, eager", "speed", "target", "kernels, ms"]
+    header = ["batch × context", "density", "dense", "step, graphed", "step, eager", "Triton's shortlist, graphed"]
+    header += ["speed", "target", "kernels, ms"]
     return caption + "\n\n" + _table(header, rows)
 
 

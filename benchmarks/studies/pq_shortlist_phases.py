@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             Gs, G = (HQ // HKV, 1) if gqa == "per_head" else (1, HQ // HKV)
             for density in args.density:
                 tables = torch.randn(batch, HKV, HQ // HKV, M, CC, device=device)
-                width = SINK + LOCAL + context
+                width = max(int(density * context) - SINK - LOCAL, 0)  # E_sel at capacity (``StaticState.width``)
                 two_stage = TwoStage(RERANK, FLOOR, width, context, device)
                 budget = (state.length, state.start, torch.tensor(density, dtype=torch.float64, device=device))
                 budget_args = (*budget, SINK + LOCAL, -1)
