@@ -1282,6 +1282,39 @@ MUTATIONS = [
         ("tests/test_step_cost.py",),
         "the cluster design is projected with the one-program design's candidates and code re-reads",
     ),
+    mutation(
+        "cuda-shortlist-ignores-oa-cuda",
+        "plugins/kernels/pq_shortlist_cuda.py",
+        [('if os.environ.get("OA_CUDA", "1") == "0":', 'if os.environ.get("OA_CUDA", "1") == "off":')],
+        ("tests/test_pq_shortlist_cuda.py",),
+        "OA_CUDA=0 does not turn the CUDA shortlist off",
+    ),
+    mutation(
+        "cuda-shortlist-declared-as-three",
+        "plugins/kernels/flash_step.py",
+        [
+            (
+                "shortlist = pq_shortlist_cuda.launch_names() if cuda else scoring.SHORTLIST",
+                "shortlist = scoring.SHORTLIST",
+            )
+        ],
+        ("tests/test_pq_shortlist_cuda.py", "tests/test_step_cost.py"),
+        "the step with the CUDA shortlist declares (and the cost model counts) Triton's three launches",
+    ),
+    mutation(
+        "cuda-shortlist-scores-counted-five-times",
+        "benchmarks/step_cost.py",
+        [("CUDA_SCORE_PASSES = 2", "CUDA_SCORE_PASSES = 5")],
+        ("tests/test_step_cost.py",),
+        "the cost model counts the CUDA shortlist's scores as going through memory five times",
+    ),
+    mutation(
+        "listing-check-misses-unlisted-better-keys",
+        "benchmarks/studies/pq_shortlist_phases.py",
+        [("(inside & (theirs > tau + tolerance) & ~chosen).any() or ", "")],
+        ("tests/test_pq_shortlist_cuda.py",),
+        "the shortlist check passes a shortlist that leaves out a key clearly above the cut",
+    ),
 ]
 
 

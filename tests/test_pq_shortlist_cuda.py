@@ -84,6 +84,15 @@ def test_the_default_step_declares_the_cuda_launches_for_the_three(monkeypatch):
         assert len(cuda) == 6 + len(names) and cuda.count("pq_shortlist") == 1
 
 
+def test_without_nvcc_the_library_says_so(monkeypatch):
+    monkeypatch.setattr(pq_shortlist_cuda, "nvcc", lambda: None)
+    pq_shortlist_cuda.library.cache_clear()
+    try:
+        assert "no nvcc found" in pq_shortlist_cuda.library((9, 0))
+    finally:
+        pq_shortlist_cuda.library.cache_clear()
+
+
 @pytest.mark.skipif(pq_shortlist_cuda.nvcc() is None, reason="no nvcc")
 def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
     """nvcc takes the source (the library is cached by its source's hash: a second call loads it)."""
@@ -120,8 +129,8 @@ def _both(gqa, group, dim, device, dtype):
 @needs_cpu_triton
 def test_the_listing_check_passes_tritons_shortlist_and_catches_each_fault():
     """``listing_faults`` (what the GPU tests and the phases study check the CUDA launch by) finds nothing wrong with
-    the Triton launches' shortlist, and finds each fault made in it: a box moved, an entry swapped with an unlisted
-    better-than-cut position's, an exact logit off, a score off, the order broken."""
+    the Triton launches' shortlist, and finds each fault made in it: a box moved, an entry given to an unlisted position
+    or lost, an exact logit off, a score off, the order broken."""
     check = load_benchmark("pq_shortlist_phases").listing_faults
     inputs, (listing, scores), _ = _both("per_head", 4, 32, "cpu", torch.float32)
     assert set(check(*inputs, listing, scores, listing.counts).values()) == {0}
@@ -141,6 +150,9 @@ def test_the_listing_check_passes_tritons_shortlist_and_catches_each_fault():
         outside = next(p for p in range(20, 120) if p not in chosen and sc[0, p] > float("-inf"))
         lst.listed[0, 0] = outside
 
+    def drop_first(lst, sc):  # the first entry's position lost (listed twice instead): a key above the cut unlisted
+        lst.listed[0, 0] = lst.listed[0, 1]
+
     def shift_exact(lst, sc):
         lst.exact[1, 2] += 0.5
 
@@ -155,6 +167,7 @@ def test_the_listing_check_passes_tritons_shortlist_and_catches_each_fault():
 
     assert "boxes" in broken(move_box)
     assert {"selection", "boxes"} <= broken(drop_best)
+    assert {"selection", "order"} <= broken(drop_first)
     assert broken(shift_exact) == {"exact"}
     assert broken(shift_score) == {"scores"}
     assert "order" in broken(swap_order)

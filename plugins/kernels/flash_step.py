@@ -28,7 +28,10 @@ group's selection rows, each K row once for the rows that list it); the default'
 and one per size class of clusters in the selection
 (``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
-against 0.99 and 1.35 ms now: too few programs, each a long chain.
+against 0.99 and 1.35 ms with the three launches: too few programs, each a long chain. On a GPU of sm_90 or later
+with nvcc, PQS's scores and shortlist take one CUDA launch instead — a thread-block cluster per (batch row, KV head)
+that keeps the scores on chip between the cut's passes — and Triton's ``exact_logits`` a second
+(``pq_shortlist_cuda``: the step 1.30–1.47× faster per head on an H100); ``shortlist_note`` says why not where not.
 
 The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
 cluster after its codes are written, in an earlier step or by ``project`` in the same one), so in a CUDA graph's
