@@ -138,11 +138,13 @@ def static_cache_checks() -> list[dict]:
         cache = handle.static_cache(max_new_tokens=16)
         eager_tokens, eager = greedy(**oa.cache_kwargs(model, cache), disable_compile=True)
         fused = all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
+        cuda = [layer.state.fused.shortlist_note or "cuda" for layer in cache.layers if fused]
         graph_tokens, graph = greedy(**oa.cache_kwargs(model, handle.static_cache(max_new_tokens=16)))
     record = {
         "check": "static cache",
         "dtype": "torch.float32",
         "every_layer_fused": fused,
+        "shortlist": sorted(set(cuda)),  # "cuda": the CUDA shortlist served every layer (sm_90+); else why not
         "eager_static_vs_default_max_logit_difference": float((eager - logits).abs().max()),
         "graphed_static_vs_eager_max_logit_difference": float((graph - eager).abs().max()),
         "same_tokens": bool(torch.equal(eager_tokens, tokens) and torch.equal(graph_tokens, tokens)),
