@@ -1,8 +1,9 @@
-"""PQS's scores and shortlist in one CUDA launch on sm_90+ (``pq_shortlist.cu``): the fused step's ``pq_scores``,
-``pq_cut`` and ``pq_list`` in one thread-block cluster per (batch row, KV head), the scores kept in the blocks' shared
-memory between the phases. Same outputs as the three Triton launches (``TwoStage.pq_shortlist``): each selection
-row's scores with its listed positions boxed, its shortlist in position order with the exact logits, its length, cut
-key and ties at the cut (``two_stage.Listing``; the segments' places are not written: only ``pq_list`` reads them).
+"""PQS's scores and shortlist in one CUDA launch on sm_90+ (``pq_shortlist.cu``), and Triton's ``exact_logits`` after
+it: the fused step's ``pq_scores``, ``pq_cut`` and ``pq_list`` as one thread-block cluster per (batch row, KV head),
+the scores kept in the blocks' shared memory between the phases. Same outputs as the three Triton launches
+(``TwoStage.pq_shortlist``): each selection row's scores with its listed positions boxed, its shortlist in position
+order with the exact logits, its length, cut key and ties at the cut (``two_stage.Listing``; the segments' places are
+not written: only ``pq_list`` reads them).
 
 The source is compiled by nvcc at first use for the device's architecture into the cache that the CPU's compiled
 selection uses (``oa_core.ops.native.compiled``; ``$OA_NATIVE_CACHE``), then loaded with ctypes, and launched on the
@@ -10,9 +11,10 @@ current stream (so a CUDA graph captures it). Where it cannot run — no nvcc, a
 shape the kernel does not take, ``OA_CUDA=0`` — the step keeps the Triton launches, and ``FusedStep.shortlist_note``
 says why.
 
-The sums run in another order than Triton's (sub-spaces in sequence, a warp's shuffle tree for the exact logits), so
-a score within float rounding of the cut may fall the other way; ``benchmarks/kernel_h200.py`` checks the rows
-against the reference pipeline and times the step both ways."""
+The scores' sums run in another order than Triton's (sub-spaces in sequence), so a score within float rounding of the
+cut may fall the other way. ``tests/test_pq_shortlist_cuda.py`` checks the kernel on a GPU against Triton's launches
+and torch (``listing_faults``); ``benchmarks/kernel_h200.py`` checks the step's rows against the reference pipeline
+and times the step both ways; ``benchmarks/studies/pq_shortlist_phases.py`` times the kernel's phases."""
 
 from __future__ import annotations
 
@@ -35,8 +37,10 @@ MAX_HEADS, MAX_D = 8, 256  # the kernel's register arrays: query heads per KV he
 STATIC_SMEM = 12 * 1024  # the kernel's own shared arrays (about 10 KB: ptxas -v), with room
 CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Where the listed rows' exact logits are taken: "cuda", in the launch (a warp a K row, within the clusters' blocks),
-# or "triton", ``exact_logits`` in a second launch (a program per 32 entries of a row: many more programs).
+# Where the listed rows' exact logits are taken: "triton", ``exact_logits`` in a second launch (a program per 32
+# entries of a row), or "cuda", in the launch (a warp a K row, within the clusters' blocks: too few of them). Per head
+# on an H100 at 32 × 32K the kernel's took 0.79 ms at 1% and 2.7 ms at 3%, ``exact_logits`` 0.13 and 0.35
+# (``benchmarks/studies/results/pq_shortlist_phases_h100.json``).
 EXACT = "triton"
 
 
