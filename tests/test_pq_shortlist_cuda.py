@@ -59,6 +59,7 @@ def test_on_the_cpu_the_step_keeps_tritons_launches_and_says_why():
     state, _, _ = _state()
     fused = state.fused
     assert fused.shortlist_note == "not a CUDA device" and not fused.shortlist_cuda
+    assert fused.note == "the kernel's fused step, PQS's shortlist by Triton (not a CUDA device)"  # the run's records
     assert "pq_shortlist" not in fused.launches(state) and "pq_scores" in fused.launches(state)
 
 

@@ -182,7 +182,7 @@ def prefill(
             dense=False,
             density=float((runtime.pipeline.spec.budget.rows(lengths) / lengths).mean()),
             reason="static cache: each decode step reads this budget (steps are not recorded one by one; "
-            + ("the kernel's fused step)" if layer.state.fused is not None else "each component in turn)"),
+            + (f"{layer.state.fused.note})" if layer.state.fused is not None else "each component in turn)"),
         )
     return out, weights
 

@@ -258,6 +258,14 @@ class FusedStep:
         )
         self.shortlist_cuda = self.shortlist_note is None
 
+    @property
+    def note(self) -> str:
+        """What the step is, for the run's records: with PQS's shortlist, whether it is the CUDA launch, or why not."""
+        if self.two_stage is None or not isinstance(self.scoring, PQSScoring):
+            return "the kernel's fused step"
+        how = "in one CUDA launch" if self.shortlist_cuda else f"by Triton ({self.shortlist_note})"
+        return f"the kernel's fused step, PQS's shortlist {how}"
+
     def launches(self, state) -> list[str]:
         """The Triton programs one step launches, in the order of the code (the growth and the plan may run on a second
         stream beside the scores): the step's own declaration, which ``tests/test_flash_step.py`` checks against the
