@@ -150,6 +150,10 @@ def launch(
 
     if keys.dtype not in DTYPES or query.dtype != keys.dtype:
         raise ValueError(f"CUDA shortlist: keys {keys.dtype}, query {query.dtype} (one of float32, float16, bfloat16)")
+    if not all(t.is_contiguous() for t in (tables, scores, state.assignment)) or keys.stride(-1) != 1:
+        raise ValueError(
+            "CUDA shortlist: the tables, scores and clusters contiguous, the keys' rows dense (its layout)"
+        )
     lib = library(torch.cuda.get_device_capability(scores.device))
     assert not isinstance(lib, str)  # unavailable_reason said it built
     rows, cap = scores.shape
@@ -164,17 +168,18 @@ def launch(
     i64, i32 = ctypes.c_int64, ctypes.c_int
     pointers = (tables, codes, state.assignment, length, start, density, two_stage.multiple_t, keys, query, scores)
     outputs = (listing.listed, listing.exact, listing.counts, listing.cut, listing.ties)
-    error = lib.oa_pq_shortlist(
-        *(ctypes.c_void_p(t.data_ptr()) for t in (*pointers, *outputs)),
-        *(i64(v) for v in (*keys.stride()[:3], query.stride(0), query.stride(1))),
-        *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)), D, state.num_clusters)),
-        *(i32(v) for v in (state.pipeline.spec.local, cap, fixed, tokens, listing.listed.shape[1])),
-        ctypes.c_float(state.scale),
-        i32(size),
-        i32(DTYPES[keys.dtype]),
-        i32(3 if (exact or EXACT) == "triton" and stop == 0 else stop),
-        ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
-    )
+    with torch.cuda.device(scores.device):  # the library's runtime launches on the thread's current device
+        error = lib.oa_pq_shortlist(
+            *(ctypes.c_void_p(t.data_ptr()) for t in (*pointers, *outputs)),
+            *(i64(v) for v in (*keys.stride()[:3], query.stride(0), query.stride(1))),
+            *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)), D, state.num_clusters)),
+            *(i32(v) for v in (state.pipeline.spec.local, cap, fixed, tokens, listing.listed.shape[1])),
+            ctypes.c_float(state.scale),
+            i32(size),
+            i32(DTYPES[keys.dtype]),
+            i32(3 if (exact or EXACT) == "triton" and stop == 0 else stop),
+            ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
+        )
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
     if (exact or EXACT) == "triton" and stop == 0:
