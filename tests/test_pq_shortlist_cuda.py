@@ -95,12 +95,13 @@ def test_without_nvcc_the_library_says_so(monkeypatch):
 
 
 @pytest.mark.skipif(pq_shortlist_cuda.nvcc() is None, reason="no nvcc")
-def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch):
-    """nvcc takes the source (the library is cached by its source's hash: a second call loads it)."""
+def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch, capsys):
+    """nvcc takes the source, saying so first (the library is cached by its source's hash: a second call loads it)."""
     monkeypatch.setenv("OA_NATIVE_CACHE", str(tmp_path))
     pq_shortlist_cuda.library.cache_clear()
     try:
         lib = pq_shortlist_cuda.library((9, 0))
+        assert "compiling the CUDA shortlist for sm_90" in capsys.readouterr().err
         assert not isinstance(lib, str), lib
         assert lib.oa_pq_shortlist_smem(4, 4, 64, 16, 128, 2048) == 4 * (4 * 64 * 16 + 4 * 128 + 4 * 2048 + 2 * 4 * 256)
         assert len(list(tmp_path.glob("oa_pq_shortlist_*.so"))) == 1

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -99,14 +100,17 @@ def _compiler() -> str | None:
     return next((path for name in ("c++", "g++", "clang++") if (path := shutil.which(name))), None)
 
 
-def compiled(name: str, source: str, suffix: str, command: list[str]) -> Path:
+def compiled(name: str, source: str, suffix: str, command: list[str], note: str | None = None) -> Path:
     """``source`` compiled by ``command`` (the compiler and its flags: the source file, ``-o`` and the target are
     appended) into the cache folder (``_cache_dir``), named ``name`` and a hash of the source and the command; the
     cached file where it is there already. Compiled into a temporary name, then renamed: ranks that compile at once
-    each finish with a whole file. Raises RuntimeError with the compiler's last words where it fails."""
+    each finish with a whole file. ``note``: said on stderr before a compile (a long one). Raises RuntimeError with
+    the compiler's last words where it fails."""
     digest = hashlib.sha256((source + " ".join(command[1:])).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}_{digest}.so"
     if not target.exists():
+        if note:
+            print(f"openattention: {note}", file=sys.stderr, flush=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             file = Path(work) / f"{name}{suffix}"

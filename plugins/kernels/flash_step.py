@@ -267,10 +267,10 @@ class FusedStep:
         return f"the kernel's fused step, PQS's shortlist {how}"
 
     def launches(self, state) -> list[str]:
-        """The Triton programs one step launches, in the order of the code (the growth and the plan may run on a second
-        stream beside the scores): the step's own declaration, which ``tests/test_flash_step.py`` checks against the
-        launches a step makes. The selection takes one launch per size class of clusters (``size_classes``: from the
-        largest cluster's slots)."""
+        """The programs one step launches (Triton's, and the CUDA shortlist where it runs), in the order of the code
+        (the growth and the plan may run on a second stream beside the scores): the step's own declaration, which
+        ``tests/test_flash_step.py`` checks against the launches a step makes. The selection takes one launch per size
+        class of clusters (``size_classes``: from the largest cluster's slots)."""
         classes = len(size_classes(state.members.shape[-1], self.select_block))
         floor = self.two_stage is not None and self.two_stage.floor > 0
         return self.launch_names(type(self.scoring), self.two_stage is not None, floor, classes, self.shortlist_cuda)

@@ -66,7 +66,8 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL | str:
     arch = f"{capability[0]}{capability[1]}"
     command = [compiler, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     try:
-        lib = ctypes.CDLL(str(native.compiled("oa_pq_shortlist", SOURCE.read_text(), ".cu", command)))
+        note = f"compiling the CUDA shortlist for sm_{arch} with nvcc (once per machine: about a quarter minute)"
+        lib = ctypes.CDLL(str(native.compiled("oa_pq_shortlist", SOURCE.read_text(), ".cu", command, note)))
     except (OSError, RuntimeError, native.subprocess.SubprocessError) as exc:
         return f"the CUDA shortlist did not build: {exc}"
     lib.oa_pq_shortlist_smem.restype = ctypes.c_size_t
