@@ -75,6 +75,24 @@ def test_oa_cuda_0_turns_it_off_and_other_selectors_never_take_it(monkeypatch):
     assert qgs.fused is not None and "PQS's two-stage selection only" in qgs.fused.shortlist_note
 
 
+@needs_cpu_triton
+def test_a_launch_refuses_keys_and_layouts_the_kernel_does_not_take():
+    """Before the library is touched: keys of another dtype than float32/16 and bfloat16, a query of another dtype
+    than the keys', scores that are not one dense block."""
+    state, cache_k, query = _state()
+    fused = state.fused
+    budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
+    tables = fused.scoring.project(state, query, cache_k)
+    scores = torch.empty(2 * 2 * 4, 150)
+    args = (fused.two_stage, state, tables)
+    with pytest.raises(ValueError, match=r"keys torch.float64, query torch.float64 \(one of float32"):
+        pq_shortlist_cuda.launch(*args, scores, cache_k.double(), query.double(), budget_args, 4, 1)
+    with pytest.raises(ValueError, match=r"keys torch.float32, query torch.float16"):
+        pq_shortlist_cuda.launch(*args, scores, cache_k, query.half(), budget_args, 4, 1)
+    with pytest.raises(ValueError, match="the tables, scores and clusters contiguous"):
+        pq_shortlist_cuda.launch(*args, torch.empty(150, 16).T, cache_k, query, budget_args, 4, 1)
+
+
 def test_the_default_step_declares_the_cuda_launches_for_the_three(monkeypatch):
     triton = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1)
     assert len(triton) == 9
@@ -103,7 +121,8 @@ def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch, capsys):
         lib = pq_shortlist_cuda.library((9, 0))
         assert "compiling the CUDA shortlist for sm_90" in capsys.readouterr().err
         assert not isinstance(lib, str), lib
-        assert lib.oa_pq_shortlist_smem(4, 4, 64, 16, 128, 2048) == 4 * (4 * 64 * 16 + 4 * 128 + 4 * 2048 + 2 * 4 * 256)
+        smem = lib.oa_pq_shortlist_smem  # (heads, rows, M, CC, D, capacity, blocks): a block's 2048 positions here
+        assert smem(4, 4, 64, 16, 128, 16384, 8) == 4 * (4 * 64 * 16 + 4 * 128 + 4 * 2048 + 2 * 4 * 256)
         assert len(list(tmp_path.glob("oa_pq_shortlist_*.so"))) == 1
     finally:
         pq_shortlist_cuda.library.cache_clear()

@@ -90,6 +90,7 @@ def listing_faults(state, tables, keys, query, Gs: int, G: int, listing, scores,
     codes = state.index.codes.reshape(B * H, N, -1)[:, :n]
     queries = query.float().reshape(B, H, Gs, G, -1)
     faults = dict.fromkeys(("length", "order", "boxes", "scores", "selection", "tie_order", "cut", "exact"), 0)
+    groups: dict[int, torch.Tensor] = {}
     for row in range(rows):
         k, head = int(listing.counts[row]), row // Gs
         b, h, s = head // H, head % H, row % Gs
@@ -121,7 +122,9 @@ def listing_faults(state, tables, keys, query, Gs: int, G: int, listing, scores,
             exact = (keys[b, h, listed].float() @ queries[b, h, s].T).amax(-1) * state.scale
             faults["exact"] += bool(not torch.allclose(listing.exact[row, :k], exact, rtol=1e-4, atol=1e-4))
         # The same codes score the same: where a later one is listed, every earlier inside one is too.
-        _, group = torch.unique(codes[head], dim=0, return_inverse=True)
+        if head not in groups:  # the head's keys by their codes (one grouping for its selection rows)
+            groups[head] = torch.unique(codes[head], dim=0, return_inverse=True)[1]
+        group = groups[head]
         places = torch.arange(n, device=ref.device)
         last_listed = torch.full((int(group.max()) + 1,), -1, device=ref.device).scatter_reduce(
             0, group[chosen], places[chosen], "amax"

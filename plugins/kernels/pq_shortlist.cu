@@ -424,9 +424,13 @@ int oa_shared_memory_limit(int device) {
     return cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess ? bytes : 0;
 }
 
-// The dynamic shared memory a block needs (the scores of `chunk` positions, the tables, the queries, histograms).
-size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int D, int chunk) {
-    return sizeof(float) * ((size_t)heads * M * CC + (size_t)heads * D + (size_t)GS * chunk) +
+// The positions a block of a CL-block cluster owns: a whole number of tiles.
+static int chunk_of(int cap, int CL) { return ((cap + CL - 1) / CL + THREADS - 1) / THREADS * THREADS; }
+
+// The dynamic shared memory a block of a CL-block cluster needs over `cap` positions (the scores of its positions,
+// the tables, the queries, histograms).
+size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int D, int cap, int CL) {
+    return sizeof(float) * ((size_t)heads * M * CC + (size_t)heads * D + (size_t)GS * chunk_of(cap, CL)) +
            sizeof(unsigned) * 2 * GS * 256;
 }
 
@@ -442,12 +446,11 @@ int oa_pq_shortlist(const float* tables, const uint8_t* codes, const int64_t* as
     if ((GS != 1 && G != 1) || heads < 1 || heads > MAX_HEADS || D > MAX_D || W % 4 != 0 || CL < 1 || CL > 16 ||
         dtype < 0 || dtype > 2)
         return (int)cudaErrorInvalidValue;
-    int chunk = (cap + CL - 1) / CL;
-    chunk = (chunk + THREADS - 1) / THREADS * THREADS;
+    const int chunk = chunk_of(cap, CL);
     Args args = {tables, codes, assignment, length, start, density, multiple, keys, query, scores, listed, exact,
                  counts, cut, ties, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, M, CC, W, packed, D, C, local, cap, fixed,
                  tokens, L, chunk, dtype, stop, scale};
-    const size_t smem = oa_pq_shortlist_smem(heads, GS, M, CC, D, chunk);
+    const size_t smem = oa_pq_shortlist_smem(heads, GS, M, CC, D, cap, CL);
     const int blocks = B * Hkv * CL;
     const bool shared = GS == 1 && G > 1;
     cudaStream_t s = (cudaStream_t)stream;

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import shutil
 from pathlib import Path
@@ -32,7 +31,6 @@ from oa_core.ops import native
 from oa_plugins.selectors.pq import packed
 
 SOURCE = Path(__file__).with_name("pq_shortlist.cu")
-THREADS = 256  # the kernel's block
 MAX_HEADS, MAX_D = 8, 256  # the kernel's register arrays: query heads per KV head, head dim
 STATIC_SMEM = 12 * 1024  # the kernel's own shared arrays (about 10 KB: ptxas -v), with room
 CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
@@ -71,7 +69,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL | str:
     except (OSError, RuntimeError, native.subprocess.SubprocessError) as exc:
         return f"the CUDA shortlist did not build: {exc}"
     lib.oa_pq_shortlist_smem.restype = ctypes.c_size_t
-    lib.oa_pq_shortlist_smem.argtypes = [ctypes.c_int] * 6
+    lib.oa_pq_shortlist_smem.argtypes = [ctypes.c_int] * 7
     lib.oa_pq_shortlist.restype = ctypes.c_int
     lib.oa_shared_memory_limit.restype = ctypes.c_int
     lib.oa_shared_memory_limit.argtypes = [ctypes.c_int]
@@ -90,12 +88,10 @@ def cluster_size(heads: int, rows: int, M: int, CC: int, D: int, capacity: int, 
         return None
     limit = lib.oa_shared_memory_limit(device.index if device.index is not None else torch.cuda.current_device())
     limit -= STATIC_SMEM
-    for size in CLUSTER_SIZES:
-        chunk = math.ceil(math.ceil(capacity / size) / THREADS) * THREADS  # the kernel's positions a block
-        needed = 4 * (heads * M * CC + heads * D + rows * chunk) + 4 * 2 * rows * 256
-        if needed <= limit:
-            return size
-    return None
+    return next(
+        (size for size in CLUSTER_SIZES if lib.oa_pq_shortlist_smem(heads, rows, M, CC, D, capacity, size) <= limit),
+        None,
+    )
 
 
 def unavailable_reason(state) -> str | None:
