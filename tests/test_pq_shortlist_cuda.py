@@ -93,14 +93,13 @@ def test_a_launch_refuses_keys_and_layouts_the_kernel_does_not_take():
         pq_shortlist_cuda.launch(*args, torch.empty(150, 16).T, cache_k, query, budget_args, 4, 1)
 
 
-def test_the_default_step_declares_the_cuda_launches_for_the_three(monkeypatch):
+def test_the_default_step_declares_the_cuda_launches_for_the_three():
     triton = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1)
     assert len(triton) == 9
-    for exact, names in [("cuda", ["pq_shortlist"]), ("triton", ["pq_shortlist", "exact_logits"])]:
-        monkeypatch.setattr(pq_shortlist_cuda, "EXACT", exact)
-        cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
-        assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n not in names]
-        assert len(cuda) == 6 + len(names) and cuda.count("pq_shortlist") == 1
+    cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
+    names = ["pq_shortlist", "exact_logits"]
+    assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n not in names]
+    assert len(cuda) == 8 and cuda.count("pq_shortlist") == 1
 
 
 def test_without_nvcc_the_library_says_so(monkeypatch):
@@ -121,8 +120,8 @@ def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch, capsys):
         lib = pq_shortlist_cuda.library((9, 0))
         assert "compiling the CUDA shortlist for sm_90" in capsys.readouterr().err
         assert not isinstance(lib, str), lib
-        smem = lib.oa_pq_shortlist_smem  # (heads, rows, M, CC, D, capacity, blocks): a block's 2048 positions here
-        assert smem(4, 4, 64, 16, 128, 16384, 8) == 4 * (4 * 64 * 16 + 4 * 128 + 4 * 2048 + 2 * 4 * 256)
+        smem = lib.oa_pq_shortlist_smem  # (heads, rows, M, CC, capacity, blocks): a block's 2048 positions here
+        assert smem(4, 4, 64, 16, 16384, 8) == 4 * (4 * 64 * 16 + 4 * 2048 + 2 * 4 * 256)
         assert len(list(tmp_path.glob("oa_pq_shortlist_*.so"))) == 1
     finally:
         pq_shortlist_cuda.library.cache_clear()
@@ -192,6 +191,25 @@ def test_the_listing_check_passes_tritons_shortlist_and_catches_each_fault():
     assert broken(shift_exact) == {"exact"}
     assert broken(shift_score) == {"scores"}
     assert "order" in broken(swap_order)
+
+
+@needs_cpu_triton
+def test_exact_logits_over_the_union_read_each_k_row_once_and_write_every_rows():
+    """With every row's listed scores boxed (what the CUDA launch leaves), ``exact_logits(union=True)`` gives each
+    row the exact logits that the per-row programs give, though a position listed by several rows of a KV head is
+    read by the first's program only, and it leaves the scores as they are."""
+    (state, _, cache_k, query, Gs, G), (listing, scores), _ = _both("per_head", 4, 32, "cpu", torch.float32)
+    listed = [set(row[: int(n)].tolist()) for row, n in zip(listing.listed, listing.counts, strict=True)]
+    assert any(listed[0] & listed[r] for r in range(1, 4))  # rows of a KV head share positions: the union bites
+    two_stage = state.fused.two_stage
+    per_row = listing._replace(exact=torch.full_like(listing.exact, float("nan")))
+    two_stage.exact_logits(per_row, scores.clone(), cache_k, query, state.scale, Gs, G)
+    union = listing._replace(exact=torch.full_like(listing.exact, float("nan")))
+    boxed = scores.clone()
+    two_stage.exact_logits(union, boxed, cache_k, query, state.scale, Gs, G, union=True)
+    for row, n in enumerate(listing.counts.tolist()):
+        assert torch.equal(union.exact[row, :n], per_row.exact[row, :n]), row
+    assert torch.equal(boxed.isnan(), scores.isnan()) and torch.equal(boxed.nan_to_num(), scores.nan_to_num())
 
 
 @needs_sm90

@@ -2,12 +2,14 @@
 replaces (``pq_scores``, ``pq_cut``, ``pq_list``), on the same inputs at the Llama-3.1-8B shape, and its phases timed
 apart (GPU only, sm_90+).
 
-Inputs: random tables and 4-bit codes of 64 sub-spaces (head dim 128), keys and queries (bf16), clusters of random
-positions (the sink and the local window outside), per head (4 selection rows a KV head) and shared, the default's
-rerank 4 at 1% and 3%. Checks, at that scale: both ways give the same lengths, cuts, ties and listed positions, exact
-logits and scores within float rounding (the sums run in another order), the same boxes. Timed (median ms, eagerly and
-replayed from a CUDA graph): the three launches; the kernel whole; the kernel stopped after the scores, after the cut,
-and after the listing without the exact logits (its ``stop`` knob) — each phase's cost is the difference.
+Inputs: random tables (a KV head's query heads in part alike: ``group_tables``) and 4-bit codes of 64 sub-spaces (head
+dim 128), keys and queries (bf16), clusters of random positions (the sink and the local window outside), per head (4
+selection rows a KV head) and shared, the default's rerank 4 at 1% and 3%. Checks, at that scale: both ways give the
+same lengths, cuts, ties and listed positions, exact logits and scores within float rounding (the sums run in another
+order), the same boxes. Timed (median ms, eagerly and replayed from a CUDA graph): the three launches; the CUDA launch
+stopped after the scores, after the cut (its ``stop`` knob), and whole (the listing), each phase's cost the difference;
+with Triton's ``exact_logits`` after it, each K row read once for the rows that list it (what the step runs), and read
+for each row. ``union_share``: the K rows read once over the listed entries.
 Writes ``benchmarks/studies/results/pq_shortlist_phases_<gpu>.json``.
 
     python benchmarks/studies/pq_shortlist_phases.py
@@ -27,9 +29,13 @@ import torch
 
 HKV, HQ, D, M, CC, C = 8, 32, 128, 64, 16, 64
 SINK, LOCAL, RERANK, FLOOR = 4, 64, 4.0, 0.5
-# The CUDA launch stopped after a phase (``stop``), whole with the exact logits in it, and with Triton's after it.
-STOPS = {"scores": (1, "cuda"), "scores_and_cut": (2, "cuda"), "all_but_exact_logits": (3, "cuda")}
-STOPS.update(whole=(0, "cuda"), with_triton_exact_logits=(0, "triton"))
+# The query heads' own part of their tables: at 0.7 a KV head's four shortlists take about 0.63 of their entries' K
+# rows (``union_share``), as on SmolLM2 and Gemma (2.45–2.52 rows of 4: ``benchmarks/results/step_cost.json``).
+HEAD_SPREAD = 0.7
+# The CUDA launch stopped after a phase (``stop``), whole (3: without the exact logits), and with Triton's
+# ``exact_logits`` after it, reading each K row once for the rows that list it (union) or for each row.
+STOPS = {"scores": (1, None), "scores_and_cut": (2, None), "listing": (3, None)}
+STOPS.update(with_exact_logits=(0, True), with_per_row_exact_logits=(3, False))
 
 
 def inputs(batch: int, context: int, device: torch.device):
@@ -54,6 +60,22 @@ def inputs(batch: int, context: int, device: torch.device):
     keys = torch.randn(batch, HKV, n, D, device=device, generator=gen).to(torch.bfloat16)
     query = torch.randn(batch, HQ, 1, D, device=device, generator=gen).to(torch.bfloat16)
     return state, keys, query
+
+
+def group_tables(batch: int, device: torch.device) -> torch.Tensor:
+    """Random tables ``[batch, HKV, G, M, CC]`` whose G query heads of a KV head share a component (HEAD_SPREAD the
+    heads' own part): their shortlists overlap in part, as a model's do."""
+    shape = (batch, HKV, HQ // HKV, M, CC)
+    return torch.randn(*shape[:2], 1, *shape[3:], device=device) + HEAD_SPREAD * torch.randn(shape, device=device)
+
+
+def union_share(listing, heads: int, Gs: int) -> float:
+    """The distinct positions listed by a KV head's rows over the entries of all of them, summed over the KV heads:
+    the share of the per-row reads that the union reads."""
+    listed = [row[: int(n)].tolist() for row, n in zip(listing.listed.cpu(), listing.counts.cpu(), strict=True)]
+    entries = sum(len(row) for row in listed)
+    distinct = sum(len(set().union(*listed[i * Gs : (i + 1) * Gs])) for i in range(heads))
+    return distinct / max(entries, 1)
 
 
 def reference_scores(state, tables: torch.Tensor, Gs: int, G: int) -> torch.Tensor:
@@ -168,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for gqa in ("per_head", "shared"):
             Gs, G = (HQ // HKV, 1) if gqa == "per_head" else (1, HQ // HKV)
             for density in args.density:
-                tables = torch.randn(batch, HKV, HQ // HKV, M, CC, device=device)
+                tables = group_tables(batch, device)
                 width = max(int(density * context) - SINK - LOCAL, 0)  # E_sel at capacity (``StaticState.width``)
                 two_stage = TwoStage(RERANK, FLOOR, width, context, device)
                 budget = (state.length, state.start, torch.tensor(density, dtype=torch.float64, device=device))
@@ -179,32 +201,40 @@ def main(argv: list[str] | None = None) -> int:
 
                 rest = (keys, query, budget_args, Gs, G)
                 three = functools.partial(two_stage.pq_shortlist, tables, state, three_scores, *rest)
-                one = functools.partial(pq_shortlist_cuda.launch, two_stage, state, tables, one_scores, *rest)
+                cuda = functools.partial(pq_shortlist_cuda.launch, two_stage, state, tables, one_scores, *rest)
+
+                def one(stop, union, cuda=cuda, two_stage=two_stage, scores=one_scores, rest=rest, state=state):
+                    listing = cuda(stop)
+                    if union is False:
+                        keys, query, _, Gs, G = rest
+                        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
+                    return listing
 
                 check = functools.partial(listing_faults, state, tables, keys, query, Gs, G)
-                expected, got = three(), one(0, "cuda")
+                expected, got = three(), one(0, True)
                 torch.cuda.synchronize()
                 counts = expected.counts
                 same = {"cuda_faults": check(got, one_scores, counts)}
-                got = one(0, "triton")
+                got = one(3, False)
                 torch.cuda.synchronize()
-                same["cuda_triton_exact_faults"] = check(got, one_scores, counts)
+                same["cuda_per_row_exact_faults"] = check(got, one_scores, counts)
                 same["triton_faults"] = check(expected, three_scores, counts)
                 same["mean_length"] = float(counts.float().mean())
+                same["union_share"] = union_share(expected, batch * HKV, Gs)
                 record = {"batch": batch, "context": context, "gqa": gqa, "density": density, "checks": same}
                 record["triton_three_launches"] = timed(three)
-                for name, (stop, exact) in STOPS.items():
-                    record[f"cuda_{name}"] = timed(functools.partial(one, stop, exact))
+                for name, (stop, union) in STOPS.items():
+                    record[f"cuda_{name}"] = timed(functools.partial(one, stop, union))
                 runs.append(record)
                 faults = {
                     f"{way} {k}": v
-                    for way in ("cuda", "cuda_triton_exact", "triton")
+                    for way in ("cuda", "cuda_per_row_exact", "triton")
                     for k, v in same[f"{way}_faults"].items()
                     if v
                 }
                 print(
                     f"{batch:>2} × {context:>6} {gqa:8s} {density:.0%}: rows at fault {faults or 'none'}; "
-                    "graphed ms — Triton "
+                    f"union share {same['union_share']:.3f}; graphed ms — Triton "
                     f"{record['triton_three_launches']['graph_ms']:.3f}; CUDA "
                     + ", ".join(f"{name} {record[f'cuda_{name}']['graph_ms']:.3f}" for name in STOPS),
                     flush=True,

@@ -369,7 +369,7 @@ class FusedStep:
         if self.two_stage is None:
             self.scoring.score(state, prepared, scores, G)
         else:  # the scores, the shortlist and its exact logits
-            if self.shortlist_cuda and (reason := pq_shortlist_cuda.group_reason(state, Gs * G, Gs, D)) is not None:
+            if self.shortlist_cuda and (reason := pq_shortlist_cuda.group_reason(state, Gs * G, Gs)) is not None:
                 self.shortlist_cuda, self.shortlist_note = False, reason  # (the same group every step: once)
             shortlist = pq_shortlist_cuda.launch if self.shortlist_cuda else self.scoring.shortlist
             listing = shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)

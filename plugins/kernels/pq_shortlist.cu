@@ -18,20 +18,19 @@
 //      takes (the first ones in position order: the reference's stable sort);
 //   3. the listing, in position order: a block's place in the row's shortlist from the counts of the blocks before
 //      it; within the block, tiles of THREADS positions whose ranks come from warp ballots. Each listed position is
-//      written to `listed` with its exact logit (s·max_j q_j·k, the K row read once for every row that lists it),
-//      and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``); every other position
-//      below the length gets its score.
+//      written to `listed`, and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``);
+//      every other position below the length gets its score.
+// The listed rows' exact logits are Triton's (``exact_logits``, the launch after this one: a separate launch keeps
+// every SM's warps on the K rows' loads; inside this launch, within the clusters' blocks, they took 0.8–0.9 ms per
+// head at 32 × 32K and 1%, against 0.13 ms).
 // Order keys as ``unsigned_key``: the float's bits, negated magnitude for negative floats, plus 2^31 (-0.0 and 0.0
 // share a key).
 
 //
 // Compiled once per (query heads a KV head, shared or per head) pair: the heads' loops unroll, the sums stay in
-// registers. `stop` (a study's knob, 0 in the step) ends the launch after a phase: 1 the scores, 2 the cut, 3 the
-// listing without the exact logits.
+// registers. `stop` (a study's knob, 0 in the step) ends the launch after a phase: 1 the scores, 2 the cut.
 
 #include <cooperative_groups.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -40,26 +39,10 @@ namespace cg = cooperative_groups;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int MAX_HEADS = 8;  // query heads a KV head
-constexpr int MAX_D = 256;    // head dim
-constexpr int GATHER = 4;     // the listed K rows a warp reads at once
 
 __device__ __forceinline__ unsigned order_key(float f) {
     const unsigned bits = __float_as_uint(f);
     return (bits & 0x80000000u) ? 0x80000000u - (bits & 0x7FFFFFFFu) : bits | 0x80000000u;
-}
-
-// Element i of a K row of dtype 0 float32, 1 float16, 2 bfloat16.
-__device__ __forceinline__ float load_element(const void* row, int i, int dtype) {
-    if (dtype == 0) return static_cast<const float*>(row)[i];
-    if (dtype == 1) return __half2float(static_cast<const __half*>(row)[i]);
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(row)[i]);
-}
-
-// Elements d and d + 1 of a K row (d even).
-__device__ __forceinline__ float2 load_pair(const void* row, int d, int dtype) {
-    if (dtype == 0) return *reinterpret_cast<const float2*>(static_cast<const float*>(row) + d);
-    if (dtype == 1) return __half22float2(*reinterpret_cast<const __half2*>(static_cast<const __half*>(row) + d));
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(row) + d));
 }
 
 struct Args {
@@ -70,16 +53,12 @@ struct Args {
     const int64_t* start;       // [B]: each row's first valid position
     const double* density;      // [1]
     const double* multiple;     // [1]
-    const void* keys;           // K [B, Hkv, CAP, D] at strides sk_b, sk_h, sk_n (elements)
-    const void* query;          // Q [B, Hq, 1, D] at strides sq_b, sq_h, of the keys' dtype
     float* scores;              // [BH·GS, CAP]
     int* listed;                // [BH·GS, L]
-    float* exact;               // [BH·GS, L]
     int* counts;                // [BH·GS]
     int64_t* cut;               // [BH·GS]
     int* ties;                  // [BH·GS]
-    int64_t sk_b, sk_h, sk_n, sq_b, sq_h;
-    int Hkv, M, CC, W, packed, D, C, local, cap, fixed, tokens, L, chunk, dtype, stop;
+    int Hkv, M, CC, W, packed, C, local, cap, fixed, tokens, L, chunk, stop;
     float scale;
 };
 
@@ -151,7 +130,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     const int CL = cluster.num_blocks();
     const int rank = cluster.block_rank();
     const int bh = blockIdx.x / CL;
-    const int b = bh / a.Hkv, h = bh % a.Hkv;
+    const int b = bh / a.Hkv;
     const int64_t n = a.length[0];
     const int first = rank * a.chunk;
     const int len = (int)max((int64_t)0, min((int64_t)a.chunk, n - first));
@@ -159,8 +138,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
 
     extern __shared__ __align__(16) unsigned char smem[];
     float* table = reinterpret_cast<float*>(smem);                        // HEADS · M · CC
-    float* q = table + HEADS * table_size;                                // HEADS · D
-    float* value = q + HEADS * a.D;                                       // GS · chunk: the scores
+    float* value = table + HEADS * table_size;                            // GS · chunk: the scores
     unsigned* hist = reinterpret_cast<unsigned*>(value + GS * a.chunk);   // GS · 256: this block's
     unsigned* total = hist + GS * 256;                                    // GS · 256: the cluster's
     __shared__ unsigned prefix[GS], rest[GS], digit[GS], wanted[GS];
@@ -169,12 +147,6 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
 
     const float* tables = a.tables + (size_t)bh * HEADS * table_size;
     for (int i = threadIdx.x; i < HEADS * table_size; i += THREADS) table[i] = tables[i];
-    for (int i = threadIdx.x; i < HEADS * a.D; i += THREADS) {
-        const int j = i / a.D, d = i % a.D;  // query head h·HEADS + j
-        const char* row = static_cast<const char*>(a.query);
-        const int size = a.dtype == 0 ? 4 : 2;
-        q[i] = load_element(row + (b * a.sq_b + (int64_t)(h * HEADS + j) * a.sq_h) * size, d, a.dtype);
-    }
     for (int i = threadIdx.x; i < GS * 256; i += THREADS) hist[i] = 0;
     if (threadIdx.x < GS) above[threadIdx.x] = tied[threadIdx.x] = prefix[threadIdx.x] = digit[threadIdx.x] = 0;
     __syncthreads();
@@ -299,13 +271,11 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         }
     }
     __syncthreads();
-    const char* krows = static_cast<const char*>(a.keys) + (b * a.sk_b + h * a.sk_h) * (a.dtype == 0 ? 4 : 2);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Each row's ties and entries before the tile: the blocks' before this one's, then its tiles' (every thread
     // keeps the same counts: the block's totals come from block_ranks).
-    unsigned ties_run[GS], begin[GS], end[GS];
+    unsigned ties_run[GS], end[GS];
 #pragma unroll
-    for (int s = 0; s < GS; ++s) ties_run[s] = tied_before[s], begin[s] = end[s] = kept_before[s];
+    for (int s = 0; s < GS; ++s) ties_run[s] = tied_before[s], end[s] = kept_before[s];
     for (int tile = 0; tile < len; tile += THREADS) {
         const int i = tile + threadIdx.x;
         const bool here = i < len;
@@ -336,54 +306,6 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
                 a.scores[(size_t)(row0 + s) * a.cap + pos] = flag[s] ? __uint_as_float((slot + 1) | 0x7F800000u)
                                                                     : score[s];
             end[s] += count[s];
-        }
-    }
-    __syncthreads();  // the block's entries written
-    // The exact logits of this block's entries (slots begin[s]..end[s] of each row s): a warp an entry, GATHER
-    // entries at once, each lane two elements of the K row at a time.
-    if (a.stop != 3) {
-        unsigned work = 0;
-#pragma unroll
-        for (int s = 0; s < GS; ++s) work += end[s] - begin[s];
-        for (unsigned w0 = warp; w0 < work; w0 += GATHER * WARPS) {
-            float2 kv[GATHER][MAX_D / 64];
-            int row_of[GATHER], slot_of[GATHER];
-#pragma unroll
-            for (int u = 0; u < GATHER; ++u) {
-                unsigned w = w0 + u * WARPS, s = 0;
-                row_of[u] = -1;
-                if (w < work) {
-                    while (w >= end[s] - begin[s]) w -= end[s] - begin[s], ++s;
-                    row_of[u] = (int)s;
-                    slot_of[u] = (int)(begin[s] + w);
-                }
-                const int position = row_of[u] >= 0 ? a.listed[(size_t)(row0 + s) * a.L + slot_of[u]] : 0;
-                const char* krow = krows + (int64_t)position * a.sk_n * (a.dtype == 0 ? 4 : 2);
-#pragma unroll
-                for (int t = 0; t < MAX_D / 64; ++t) {
-                    const int d = 2 * lane + 64 * t;
-                    kv[u][t] = row_of[u] >= 0 && d < a.D ? load_pair(krow, d, a.dtype) : make_float2(0.f, 0.f);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < GATHER; ++u) {
-                if (row_of[u] < 0) break;
-                float best = -INFINITY;
-#pragma unroll
-                for (int j = 0; j < G; ++j) {
-                    const float* qj = q + (row_of[u] * G + j) * a.D;
-                    float dot = 0.f;
-#pragma unroll
-                    for (int t = 0; t < MAX_D / 64; ++t) {
-                        const int d = 2 * lane + 64 * t;
-                        if (d < a.D) dot += kv[u][t].x * qj[d] + kv[u][t].y * qj[d + 1];
-                    }
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, o);
-                    best = fmaxf(best, dot);
-                }
-                if (lane == 0) a.exact[(size_t)(row0 + row_of[u]) * a.L + slot_of[u]] = best * a.scale;
-            }
         }
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
@@ -428,29 +350,26 @@ int oa_shared_memory_limit(int device) {
 static int chunk_of(int cap, int CL) { return ((cap + CL - 1) / CL + THREADS - 1) / THREADS * THREADS; }
 
 // The dynamic shared memory a block of a CL-block cluster needs over `cap` positions (the scores of its positions,
-// the tables, the queries, histograms).
-size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int D, int cap, int CL) {
-    return sizeof(float) * ((size_t)heads * M * CC + (size_t)heads * D + (size_t)GS * chunk_of(cap, CL)) +
+// the tables, histograms).
+size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int cap, int CL) {
+    return sizeof(float) * ((size_t)heads * M * CC + (size_t)GS * chunk_of(cap, CL)) +
            sizeof(unsigned) * 2 * GS * 256;
 }
 
-// GS selection rows of G query heads each (GS = 1 or G = 1); dtype: 0 float32, 1 float16, 2 bfloat16 (the keys' and
-// the query's); stop: 0 (see the top). Returns a cudaError_t (0: launched).
+// GS selection rows of G query heads each (GS = 1 or G = 1); stop: 0 (see the top). Returns a cudaError_t (0:
+// launched).
 int oa_pq_shortlist(const float* tables, const uint8_t* codes, const int64_t* assignment, const int64_t* length,
-                    const int64_t* start, const double* density, const double* multiple, const void* keys,
-                    const void* query, float* scores, int* listed, float* exact, int* counts, int64_t* cut, int* ties,
-                    int64_t sk_b, int64_t sk_h, int64_t sk_n, int64_t sq_b, int64_t sq_h, int B, int Hkv, int GS,
-                    int G, int M, int CC, int W, int packed, int D, int C, int local, int cap, int fixed, int tokens,
-                    int L, float scale, int CL, int dtype, int stop, void* stream) {
+                    const int64_t* start, const double* density, const double* multiple, float* scores, int* listed,
+                    int* counts, int64_t* cut, int* ties, int B, int Hkv, int GS, int G, int M, int CC, int W,
+                    int packed, int C, int local, int cap, int fixed, int tokens, int L, float scale, int CL, int stop,
+                    void* stream) {
     const int heads = GS * G;
-    if ((GS != 1 && G != 1) || heads < 1 || heads > MAX_HEADS || D > MAX_D || W % 4 != 0 || CL < 1 || CL > 16 ||
-        dtype < 0 || dtype > 2)
+    if ((GS != 1 && G != 1) || heads < 1 || heads > MAX_HEADS || W % 4 != 0 || CL < 1 || CL > 16)
         return (int)cudaErrorInvalidValue;
     const int chunk = chunk_of(cap, CL);
-    Args args = {tables, codes, assignment, length, start, density, multiple, keys, query, scores, listed, exact,
-                 counts, cut, ties, sk_b, sk_h, sk_n, sq_b, sq_h, Hkv, M, CC, W, packed, D, C, local, cap, fixed,
-                 tokens, L, chunk, dtype, stop, scale};
-    const size_t smem = oa_pq_shortlist_smem(heads, GS, M, CC, D, cap, CL);
+    Args args = {tables, codes, assignment, length, start, density, multiple, scores, listed, counts, cut, ties,
+                 Hkv, M, CC, W, packed, C, local, cap, fixed, tokens, L, chunk, stop, scale};
+    const size_t smem = oa_pq_shortlist_smem(heads, GS, M, CC, cap, CL);
     const int blocks = B * Hkv * CL;
     const bool shared = GS == 1 && G > 1;
     cudaStream_t s = (cudaStream_t)stream;

@@ -1,6 +1,7 @@
 """PQS's scores and shortlist in one CUDA launch on sm_90+ (``pq_shortlist.cu``), and Triton's ``exact_logits`` after
-it: the fused step's ``pq_scores``, ``pq_cut`` and ``pq_list`` as one thread-block cluster per (batch row, KV head),
-the scores kept in the blocks' shared memory between the phases. Same outputs as the three Triton launches
+it (each listed K row read once for the KV head's rows that list it): the fused step's ``pq_scores``, ``pq_cut`` and
+``pq_list`` as one thread-block cluster per (batch row, KV head), the scores kept in the blocks' shared memory between
+the phases. Same outputs as the three Triton launches
 (``TwoStage.pq_shortlist``): each selection row's scores with its listed positions boxed, its shortlist in position
 order with the exact logits, its length, cut key and ties at the cut (``two_stage.Listing``; the segments' places are
 not written: only ``pq_list`` reads them).
@@ -31,20 +32,15 @@ from oa_core.ops import native
 from oa_plugins.selectors.pq import packed
 
 SOURCE = Path(__file__).with_name("pq_shortlist.cu")
-MAX_HEADS, MAX_D = 8, 256  # the kernel's register arrays: query heads per KV head, head dim
+MAX_HEADS = 8  # the kernel's register arrays: query heads per KV head
 STATIC_SMEM = 12 * 1024  # the kernel's own shared arrays (about 10 KB: ptxas -v), with room
 CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# Where the listed rows' exact logits are taken: "triton", ``exact_logits`` in a second launch (a program per 32
-# entries of a row), or "cuda", in the launch (a warp a K row, within the clusters' blocks: too few of them). Per head
-# on an H100 at 32 × 32K the kernel's took 0.79 ms at 1% and 2.7 ms at 3%, ``exact_logits`` 0.13 and 0.35
-# (``benchmarks/studies/results/pq_shortlist_phases_h100.json``).
-EXACT = "triton"
 
 
 def launch_names() -> list[str]:
     """The launches ``launch`` makes (``FusedStep.launch_names``)."""
-    return ["pq_shortlist", *(["exact_logits"] if EXACT == "triton" else [])]
+    return ["pq_shortlist", "exact_logits"]
 
 
 def nvcc() -> str | None:
@@ -69,7 +65,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL | str:
     except (OSError, RuntimeError, native.subprocess.SubprocessError) as exc:
         return f"the CUDA shortlist did not build: {exc}"
     lib.oa_pq_shortlist_smem.restype = ctypes.c_size_t
-    lib.oa_pq_shortlist_smem.argtypes = [ctypes.c_int] * 7
+    lib.oa_pq_shortlist_smem.argtypes = [ctypes.c_int] * 6
     lib.oa_pq_shortlist.restype = ctypes.c_int
     lib.oa_shared_memory_limit.restype = ctypes.c_int
     lib.oa_shared_memory_limit.argtypes = [ctypes.c_int]
@@ -77,11 +73,11 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL | str:
 
 
 @functools.cache
-def cluster_size(heads: int, rows: int, M: int, CC: int, D: int, capacity: int, device: torch.device) -> int | None:
+def cluster_size(heads: int, rows: int, M: int, CC: int, capacity: int, device: torch.device) -> int | None:
     """The blocks a cluster for a (batch row, KV head) of ``capacity`` positions, ``rows`` selection rows of
     ``heads`` query heads in all: the first of ``CLUSTER_SIZES`` whose block's shared memory fits the device; None
-    where none does, or where the kernel's registers do not take the heads or the head dim."""
-    if heads > MAX_HEADS or D > MAX_D:
+    where none does, or where the kernel's registers do not take the heads."""
+    if heads > MAX_HEADS:
         return None
     lib = library(torch.cuda.get_device_capability(device))
     if isinstance(lib, str):
@@ -89,7 +85,7 @@ def cluster_size(heads: int, rows: int, M: int, CC: int, D: int, capacity: int, 
     limit = lib.oa_shared_memory_limit(device.index if device.index is not None else torch.cuda.current_device())
     limit -= STATIC_SMEM
     return next(
-        (size for size in CLUSTER_SIZES if lib.oa_pq_shortlist_smem(heads, rows, M, CC, D, capacity, size) <= limit),
+        (size for size in CLUSTER_SIZES if lib.oa_pq_shortlist_smem(heads, rows, M, CC, capacity, size) <= limit),
         None,
     )
 
@@ -115,13 +111,13 @@ def unavailable_reason(state) -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-def group_reason(state, heads: int, rows: int, D: int) -> str | None:
-    """Why the CUDA shortlist cannot take a group of ``heads`` query heads in ``rows`` selection rows, of dim ``D``."""
+def group_reason(state, heads: int, rows: int) -> str | None:
+    """Why the CUDA shortlist cannot take a group of ``heads`` query heads in ``rows`` selection rows."""
     M, CC = state.index.centroids.shape[2:4]
-    if cluster_size(heads, rows, M, CC, D, state.capacity, state.length.device) is None:
+    if cluster_size(heads, rows, M, CC, state.capacity, state.length.device) is None:
         return (
-            f"{heads} query heads of dim {D} a KV head over {state.capacity:,} positions (CUDA shortlist: at most "
-            f"{MAX_HEADS} heads, dim {MAX_D}, and a cluster's shared memory)"
+            f"{heads} query heads a KV head over {state.capacity:,} positions (CUDA shortlist: at most "
+            f"{MAX_HEADS} heads, and a cluster's shared memory)"
         )
     return None
 
@@ -137,12 +133,11 @@ def launch(
     Gs: int,
     G: int,
     stop: int = 0,
-    exact: str | None = None,
 ):
-    """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``);
-    ``unavailable_reason`` and ``group_reason`` said None. The exact logits (``exact``, else ``EXACT``): in the same
-    launch ("cuda"), or by Triton's ``exact_logits`` in a second ("triton"). ``stop`` (a study's knob): end after the
-    scores (1), the cut (2), the listing without the exact logits (3)."""
+    """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``),
+    its exact logits by Triton's ``exact_logits`` in a second launch; ``unavailable_reason`` and ``group_reason`` said
+    None. ``stop`` (a study's knob): end after the scores (1), the cut (2), the listing without the exact logits
+    (3)."""
     from oa_plugins.kernels.two_stage import PQ_SEGMENT
 
     if keys.dtype not in DTYPES or query.dtype != keys.dtype:
@@ -156,29 +151,26 @@ def launch(
     rows, cap = scores.shape
     B, H = tables.shape[:2]
     M, CC = tables.shape[-2:]
-    D = keys.shape[-1]
     codes = state.index.codes
     listing = two_stage.listing(rows, cap, scores.device, PQ_SEGMENT)
     length, start, density, fixed, tokens = budget_args
-    size = cluster_size(Gs * G, Gs, M, CC, D, cap, scores.device)
+    size = cluster_size(Gs * G, Gs, M, CC, cap, scores.device)
     assert size is not None  # group_reason said None
-    i64, i32 = ctypes.c_int64, ctypes.c_int
-    pointers = (tables, codes, state.assignment, length, start, density, two_stage.multiple_t, keys, query, scores)
-    outputs = (listing.listed, listing.exact, listing.counts, listing.cut, listing.ties)
+    i32 = ctypes.c_int
+    pointers = (tables, codes, state.assignment, length, start, density, two_stage.multiple_t, scores)
+    outputs = (listing.listed, listing.counts, listing.cut, listing.ties)
     with torch.cuda.device(scores.device):  # the library's runtime launches on the thread's current device
         error = lib.oa_pq_shortlist(
             *(ctypes.c_void_p(t.data_ptr()) for t in (*pointers, *outputs)),
-            *(i64(v) for v in (*keys.stride()[:3], query.stride(0), query.stride(1))),
-            *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)), D, state.num_clusters)),
+            *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)), state.num_clusters)),
             *(i32(v) for v in (state.pipeline.spec.local, cap, fixed, tokens, listing.listed.shape[1])),
             ctypes.c_float(state.scale),
             i32(size),
-            i32(DTYPES[keys.dtype]),
-            i32(3 if (exact or EXACT) == "triton" and stop == 0 else stop),
+            i32(stop if stop in (1, 2) else 0),
             ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
         )
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
-    if (exact or EXACT) == "triton" and stop == 0:
-        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
+    if stop == 0:
+        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G, union=True)
     return listing
