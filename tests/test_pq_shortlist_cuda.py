@@ -193,25 +193,6 @@ def test_the_listing_check_passes_tritons_shortlist_and_catches_each_fault():
     assert "order" in broken(swap_order)
 
 
-@needs_cpu_triton
-def test_exact_logits_over_the_union_read_each_k_row_once_and_write_every_rows():
-    """With every row's listed scores boxed (what the CUDA launch leaves), ``exact_logits(union=True)`` gives each
-    row the exact logits that the per-row programs give, though a position listed by several rows of a KV head is
-    read by the first's program only, and it leaves the scores as they are."""
-    (state, _, cache_k, query, Gs, G), (listing, scores), _ = _both("per_head", 4, 32, "cpu", torch.float32)
-    listed = [set(row[: int(n)].tolist()) for row, n in zip(listing.listed, listing.counts, strict=True)]
-    assert any(listed[0] & listed[r] for r in range(1, 4))  # rows of a KV head share positions: the union bites
-    two_stage = state.fused.two_stage
-    per_row = listing._replace(exact=torch.full_like(listing.exact, float("nan")))
-    two_stage.exact_logits(per_row, scores.clone(), cache_k, query, state.scale, Gs, G)
-    union = listing._replace(exact=torch.full_like(listing.exact, float("nan")))
-    boxed = scores.clone()
-    two_stage.exact_logits(union, boxed, cache_k, query, state.scale, Gs, G, union=True)
-    for row, n in enumerate(listing.counts.tolist()):
-        assert torch.equal(union.exact[row, :n], per_row.exact[row, :n]), row
-    assert torch.equal(boxed.isnan(), scores.isnan()) and torch.equal(boxed.nan_to_num(), scores.nan_to_num())
-
-
 @needs_sm90
 @pytest.mark.parametrize(
     "gqa,group,dim,dtype",

@@ -8,8 +8,8 @@ selection rows a KV head) and shared, the default's rerank 4 at 1% and 3%. Check
 same lengths, cuts, ties and listed positions, exact logits and scores within float rounding (the sums run in another
 order), the same boxes. Timed (median ms, eagerly and replayed from a CUDA graph): the three launches; the CUDA launch
 stopped after the scores, after the cut (its ``stop`` knob), and whole (the listing), each phase's cost the difference;
-with Triton's ``exact_logits`` after it, each K row read once for the rows that list it (what the step runs), and read
-for each row. ``union_share``: the K rows read once over the listed entries.
+with Triton's ``exact_logits`` after it (the step's two launches). ``union_share``: the distinct K rows a KV head's
+rows list over their entries (what a read of the union would save).
 Writes ``benchmarks/studies/results/pq_shortlist_phases_<gpu>.json``.
 
     python benchmarks/studies/pq_shortlist_phases.py
@@ -33,9 +33,8 @@ SINK, LOCAL, RERANK, FLOOR = 4, 64, 4.0, 0.5
 # rows (``union_share``), as on SmolLM2 and Gemma (2.45–2.52 rows of 4: ``benchmarks/results/step_cost.json``).
 HEAD_SPREAD = 0.7
 # The CUDA launch stopped after a phase (``stop``), whole (3: without the exact logits), and with Triton's
-# ``exact_logits`` after it, reading each K row once for the rows that list it (union) or for each row.
-STOPS = {"scores": (1, None), "scores_and_cut": (2, None), "listing": (3, None)}
-STOPS.update(with_exact_logits=(0, True), with_per_row_exact_logits=(3, False))
+# ``exact_logits`` after it (0: the step's).
+STOPS = {"scores": 1, "scores_and_cut": 2, "listing": 3, "with_exact_logits": 0}
 
 
 def inputs(batch: int, context: int, device: torch.device):
@@ -201,37 +200,22 @@ def main(argv: list[str] | None = None) -> int:
 
                 rest = (keys, query, budget_args, Gs, G)
                 three = functools.partial(two_stage.pq_shortlist, tables, state, three_scores, *rest)
-                cuda = functools.partial(pq_shortlist_cuda.launch, two_stage, state, tables, one_scores, *rest)
-
-                def one(stop, union, cuda=cuda, two_stage=two_stage, scores=one_scores, rest=rest, state=state):
-                    listing = cuda(stop)
-                    if union is False:
-                        keys, query, _, Gs, G = rest
-                        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
-                    return listing
+                one = functools.partial(pq_shortlist_cuda.launch, two_stage, state, tables, one_scores, *rest)
 
                 check = functools.partial(listing_faults, state, tables, keys, query, Gs, G)
-                expected, got = three(), one(0, True)
+                expected, got = three(), one()
                 torch.cuda.synchronize()
                 counts = expected.counts
                 same = {"cuda_faults": check(got, one_scores, counts)}
-                got = one(3, False)
-                torch.cuda.synchronize()
-                same["cuda_per_row_exact_faults"] = check(got, one_scores, counts)
                 same["triton_faults"] = check(expected, three_scores, counts)
                 same["mean_length"] = float(counts.float().mean())
                 same["union_share"] = union_share(expected, batch * HKV, Gs)
                 record = {"batch": batch, "context": context, "gqa": gqa, "density": density, "checks": same}
                 record["triton_three_launches"] = timed(three)
-                for name, (stop, union) in STOPS.items():
-                    record[f"cuda_{name}"] = timed(functools.partial(one, stop, union))
+                for name, stop in STOPS.items():
+                    record[f"cuda_{name}"] = timed(functools.partial(one, stop))
                 runs.append(record)
-                faults = {
-                    f"{way} {k}": v
-                    for way in ("cuda", "cuda_per_row_exact", "triton")
-                    for k, v in same[f"{way}_faults"].items()
-                    if v
-                }
+                faults = {f"{way} {k}": v for way in ("cuda", "triton") for k, v in same[f"{way}_faults"].items() if v}
                 print(
                     f"{batch:>2} × {context:>6} {gqa:8s} {density:.0%}: rows at fault {faults or 'none'}; "
                     f"union share {same['union_share']:.3f}; graphed ms — Triton "

@@ -20,9 +20,12 @@
 //      it; within the block, tiles of THREADS positions whose ranks come from warp ballots. Each listed position is
 //      written to `listed`, and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``);
 //      every other position below the length gets its score.
-// The listed rows' exact logits are Triton's (``exact_logits``, the launch after this one: a separate launch keeps
-// every SM's warps on the K rows' loads; inside this launch, within the clusters' blocks, they took 0.8–0.9 ms per
-// head at 32 × 32K and 1%, against 0.13 ms).
+// The listed rows' exact logits are Triton's (``exact_logits``, the launch after this one: a launch of its own keeps
+// every SM's warps on the K rows' loads). On an H100, per head at 32 × 32K and 1%, inside this launch (within the
+// clusters' blocks, a warp eight K rows at a time, each read once for the rows that list it) they took 0.9 ms against
+// 0.10; a Triton launch over the union of a KV head's entries (each K row read by the first row that lists it, the
+// others' entries found through their boxes) took 0.14 against 0.10, and 0.41 against 0.27 at 3%: each box's 4-byte
+// read costs a 32-byte sector (commit 70cddbc, ``pq_shortlist_phases``).
 // Order keys as ``unsigned_key``: the float's bits, negated magnitude for negative floats, plus 2^31 (-0.0 and 0.0
 // share a key).
 

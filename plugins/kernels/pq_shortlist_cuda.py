@@ -1,7 +1,6 @@
 """PQS's scores and shortlist in one CUDA launch on sm_90+ (``pq_shortlist.cu``), and Triton's ``exact_logits`` after
-it (each listed K row read once for the KV head's rows that list it): the fused step's ``pq_scores``, ``pq_cut`` and
-``pq_list`` as one thread-block cluster per (batch row, KV head), the scores kept in the blocks' shared memory between
-the phases. Same outputs as the three Triton launches
+it: the fused step's ``pq_scores``, ``pq_cut`` and ``pq_list`` as one thread-block cluster per (batch row, KV head),
+the scores kept in the blocks' shared memory between the phases. Same outputs as the three Triton launches
 (``TwoStage.pq_shortlist``): each selection row's scores with its listed positions boxed, its shortlist in position
 order with the exact logits, its length, cut key and ties at the cut (``two_stage.Listing``; the segments' places are
 not written: only ``pq_list`` reads them).
@@ -33,7 +32,7 @@ from oa_plugins.selectors.pq import packed
 
 SOURCE = Path(__file__).with_name("pq_shortlist.cu")
 MAX_HEADS = 8  # the kernel's register arrays: query heads per KV head
-STATIC_SMEM = 12 * 1024  # the kernel's own shared arrays (about 10 KB: ptxas -v), with room
+STATIC_SMEM = 1024  # the kernel's own shared arrays (at most 512 bytes: ptxas -v), with room
 CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -172,5 +171,5 @@ def launch(
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
     if stop == 0:
-        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G, union=True)
+        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
     return listing

@@ -159,20 +159,10 @@ class TwoStage:
         return listing
 
     @staticmethod
-    def exact_logits(
-        listing: Listing,
-        scores: Tensor,
-        keys: Tensor,
-        query: Tensor,
-        scale: float,
-        Gs: int,
-        G: int,
-        union: bool = False,
-    ):
+    def exact_logits(listing: Listing, scores: Tensor, keys: Tensor, query: Tensor, scale: float, Gs: int, G: int):
         """Each listed row's exact logit into ``listing.exact`` (the largest over the selection row's query heads)
-        and its score boxed, a program per (selection row, LIST_BLOCK entries): launch 7. ``union``: the listed
-        scores are boxed already (the CUDA shortlist's second launch, ``pq_shortlist_cuda``), and each K row is read
-        once for the KV head's rows that list it."""
+        and its score boxed, a program per (selection row, LIST_BLOCK entries): launch 7 (and the CUDA shortlist's
+        second, ``pq_shortlist_cuda``)."""
         rows, L = listing.listed.shape
         H, D = keys.shape[1], keys.shape[-1]
         exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
@@ -186,15 +176,15 @@ class TwoStage:
             query.stride(0),
             query.stride(1),
             H,
+            Gs,
             L,
             scores.shape[1],
             scale,
-            GS=Gs,
             G=G,
+            GQ=G * Gs,
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
             BLOCK_L=LIST_BLOCK,
-            UNION=union and Gs > 1,
             num_warps=4,
         )
 

@@ -211,15 +211,6 @@ if triton is not None:
             tl.store(LISTED + p * L + slot, offs.to(tl.int32), mask=keep & (slot >= 0) & (slot < L))  # never past it
 
     @triton.jit
-    def _best_logit(Q, k, sq_h, offs_d, d_ok, G: tl.constexpr, BLOCK_L: tl.constexpr):
-        """max over the G query heads at ``Q`` (``sq_h`` apart) of q·k, for each of the tile's K rows ``k``."""
-        best = tl.full([BLOCK_L], float("-inf"), tl.float32)
-        for j in tl.static_range(G):
-            q = tl.load(Q + j * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            best = tl.maximum(best, tl.sum(k * q[None, :], axis=1))
-        return best
-
-    @triton.jit
     def exact_logits(
         K,
         Q,
@@ -233,57 +224,42 @@ if triton is not None:
         sq_b,
         sq_h,
         Hkv,
+        Gs,
         L,
         CAP,
         scale,
-        GS: tl.constexpr,
         G: tl.constexpr,
+        GQ: tl.constexpr,
         D: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr,
-        UNION: tl.constexpr,
     ):
-        """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows.
-        Without UNION their scores are boxed here (``listed_box``: the selection reads the exact logits through
-        them). UNION: every row's listed scores are boxed already, so a K row is read once for the KV head's GS rows:
-        by the program of the first row that lists it, which writes the exact logit of every row that does (a box's
-        payload is the position's entry in its row)."""
+        """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows;
+        their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
         p = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * BLOCK_L
         n = tl.load(COUNTS + p)
         if first < n:
-            b = p // (GS * Hkv)
-            h = (p // GS) % Hkv
-            s = p % GS
+            b = p // (Gs * Hkv)
+            h = (p // Gs) % Hkv
+            s = p % Gs
             offs = first + tl.arange(0, BLOCK_L)
             ok = offs < n
             pos = tl.load(LISTED + p * L + offs, mask=ok, other=0).to(tl.int64)
             pos_ok = ok & (pos >= 0) & (pos < CAP)  # a listed position is a slot of the cache (never read past it)
-            mine = pos_ok  # the entries whose K row this program reads
-            if UNION:
-                for r in tl.static_range(GS):
-                    if r < s:  # listed by an earlier row: its program reads the row
-                        other = tl.load(SCORES + (p - s + r) * CAP + pos, mask=mine, other=0.0)
-                        mine = mine & (other == other)
             offs_d = tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
             k = tl.load(
                 K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
-                mask=mine[:, None] & d_ok[None, :],
+                mask=pos_ok[:, None] & d_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
-            head = b * sq_b + (h * GS * G) * sq_h  # the KV head's first query head
-            best = _best_logit(Q + head + s * G * sq_h, k, sq_h, offs_d, d_ok, G, BLOCK_L)
-            tl.store(EXACT + p * L + offs, best * scale, mask=mine if UNION else ok)
-            if UNION:
-                for r in tl.static_range(1, GS):
-                    if r > s:  # a later row that lists the position too: its entry, its box's payload
-                        box = tl.load(SCORES + (p - s + r) * CAP + pos, mask=mine, other=0.0)
-                        entry = (box.to(tl.int32, bitcast=True) & 0x7FFFFF) - 1
-                        best = _best_logit(Q + head + r * G * sq_h, k, sq_h, offs_d, d_ok, G, BLOCK_L)
-                        tl.store(EXACT + (p - s + r) * L + entry, best * scale, mask=mine & (box != box))
-            if not UNION:
-                tl.store(SCORES + p * CAP + pos, listed_box(offs.to(tl.int32)), mask=pos_ok)
+            best = tl.full([BLOCK_L], float("-inf"), tl.float32)
+            for j in tl.static_range(G):
+                q = tl.load(Q + b * sq_b + (h * GQ + s * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                best = tl.maximum(best, tl.sum(k * q[None, :], axis=1))
+            tl.store(EXACT + p * L + offs, best * scale, mask=ok)
+            tl.store(SCORES + p * CAP + pos, listed_box(offs.to(tl.int32)), mask=pos_ok)
 
     @triton.jit
     def row_shift(COUNTS, EXACT, CUT, SHIFTS, p, L, BLOCK: tl.constexpr):
