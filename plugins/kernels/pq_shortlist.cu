@@ -97,16 +97,6 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
     }
 }
 
-// hist[bin] += the warp's lanes that `take`, one atomic per distinct bin: a row's scores share their leading digits,
-// so an atomic per lane would queue on a few addresses. Every lane of the warp calls it.
-__device__ __forceinline__ void warp_count(unsigned* hist, unsigned bin, bool take) {
-    const unsigned active = __ballot_sync(0xFFFFFFFFu, take);
-    if (take) {
-        const unsigned peers = __match_any_sync(active, bin);
-        if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-    }
-}
-
 // For each of NF flags, an exclusive prefix over the block's threads and the block's total: warp ballots, then the
 // warps' totals in `warp_totals` [NF][WARPS] (shared memory, free on entry and on return).
 template <int NF>
@@ -166,11 +156,9 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
 
     // 1. The scores and each row's first digit.
     const int64_t leaving = n - 1 - a.local;  // the row leaving the window: it joins a cluster in this step
-    for (int tile = 0; tile < len; tile += THREADS) {  // (whole warps: ``warp_count``)
-        const int i = tile + threadIdx.x;
+    for (int i = threadIdx.x; i < len; i += THREADS) {
         const int64_t pos = first + i;
-        const bool here = i < len;
-        const bool inside = here && (a.assignment[(size_t)bh * a.cap + pos] != a.C || pos == leaving);
+        const bool inside = a.assignment[(size_t)bh * a.cap + pos] != a.C || pos == leaving;
         float sums[HEADS];
 #pragma unroll
         for (int j = 0; j < HEADS; ++j) sums[j] = 0.f;
@@ -210,8 +198,8 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
 #pragma unroll
             for (int j = 1; j < G; ++j) best = fmaxf(best, sums[s * G + j]);
             const float score = inside ? best * a.scale : -INFINITY;
-            if (here) value[s * a.chunk + i] = score;
-            warp_count(hist + s * 256, order_key(score) >> 24, inside);
+            value[s * a.chunk + i] = score;
+            if (inside) atomicAdd(&hist[s * 256 + (order_key(score) >> 24)], 1u);
         }
     }
     if (a.stop == 1) return;  // (no block has read another's memory yet)
@@ -245,14 +233,13 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         for (int i = threadIdx.x; i < GS * 256; i += THREADS) hist[i] = 0;
         __syncthreads();
         const int shift = 24 - 8 * pass;  // the digits found so far are the key's bits from here up
-        for (int tile = 0; tile < len; tile += THREADS) {
-            const int i = tile + threadIdx.x;
+        for (int i = threadIdx.x; i < len; i += THREADS) {
 #pragma unroll
             for (int s = 0; s < GS; ++s) {
-                const float score = i < len ? value[s * a.chunk + i] : -INFINITY;
+                const float score = value[s * a.chunk + i];
                 const unsigned key = order_key(score);
-                const bool take = score > -INFINITY && (key >> shift) == prefix[s];
-                warp_count(hist + s * 256, (key >> (shift - 8)) & 0xFF, take);
+                if (score > -INFINITY && (key >> shift) == prefix[s])
+                    atomicAdd(&hist[s * 256 + ((key >> (shift - 8)) & 0xFF)], 1u);
             }
         }
     }
@@ -260,17 +247,14 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     if (a.stop == 2) return;
 
     // 3. The listing. This block's keys above τ and at τ, then its place after the blocks before it.
-    for (int tile = 0; tile < len; tile += THREADS) {
-        const int i = tile + threadIdx.x;
+    for (int i = threadIdx.x; i < len; i += THREADS) {
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
-            const float score = i < len ? value[s * a.chunk + i] : -INFINITY;
-            const bool ok = wanted[s] > 0 && score > -INFINITY;
+            const float score = value[s * a.chunk + i];
+            if (wanted[s] == 0 || !(score > -INFINITY)) continue;
             const unsigned key = order_key(score);
-            const unsigned up = __ballot_sync(0xFFFFFFFFu, ok && key > prefix[s]);
-            const unsigned at = __ballot_sync(0xFFFFFFFFu, ok && key == prefix[s]);
-            if (threadIdx.x % 32 == 0 && up) atomicAdd(&above[s], __popc(up));
-            if (threadIdx.x % 32 == 0 && at) atomicAdd(&tied[s], __popc(at));
+            if (key > prefix[s]) atomicAdd(&above[s], 1u);
+            else if (key == prefix[s]) atomicAdd(&tied[s], 1u);
         }
     }
     cluster.sync();
