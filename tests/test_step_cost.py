@@ -77,18 +77,18 @@ def test_a_measured_union_keeps_its_share_of_the_way_to_disjoint_on_another_grou
 
 def test_the_launches_are_the_fused_step_s_own_count():
     """The cost model's launches are the fused step's declaration (``FusedStep.launch_names``, which
-    ``tests/test_flash_step.py`` checks against a step's launches): the default's nine at one size class, QGS's
-    fourteen with its re-rank, the paper's pipeline seven."""
-    assert step_cost.fused_launches(_pipe()) == 9
+    ``tests/test_flash_step.py`` checks against a step's launches): the default's eight at one size class, QGS's
+    thirteen with its re-rank, the paper's pipeline six."""
+    assert step_cost.fused_launches(_pipe()) == 8
     specs = Path(__file__).resolve().parents[1] / "specs"
-    assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 14
-    assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 7
+    assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 13
+    assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 6
 
 
 def test_the_cuda_shortlist_step_counts_two_score_passes_and_each_rows_k_rows():
-    """With the CUDA shortlist the default's step is eight launches; its scores go through memory twice, not five
+    """With the CUDA shortlist the default's step is seven launches; its scores go through memory twice, not five
     times, and per head each selection row's listed K rows are read for it alone (the union factor is G)."""
-    assert step_cost.fused_launches(_pipe(), cuda=True) == 8
+    assert step_cost.fused_launches(_pipe(), cuda=True) == 7
 
     def pipe_for(density, gqa):
         return _pipe(density, gqa=gqa)
@@ -96,7 +96,7 @@ def test_the_cuda_shortlist_step_counts_two_score_passes_and_each_rows_k_rows():
     triton, cuda = step_cost.configs(pipe_for, []), step_cost.configs(pipe_for, [], cuda=True)
     assert len(triton) == len(cuda)
     for a, b in zip(triton, cuda, strict=True):
-        assert b["launches"] == 8 and a["launches"] == 9
+        assert b["launches"] == 7 and a["launches"] == 8
         rows = 4 if a["gqa"] == "per_head" else 1
         fewer = (step_cost.SCORE_PASSES - 2) * rows * 4 * a["batch"] * 8  # written once, read once by the selection
         assert a["bytes"]["scores"] - b["bytes"]["scores"] == pytest.approx(fewer * (a["context"] - 68), rel=1e-6)

@@ -3,7 +3,7 @@
 Per selection row p (a batch row, KV head, selection head and query) the exact rows X_p are read by index and the G
 query heads that share the selection (the whole GQA group with ``gqa: shared``, one head otherwise) are served by
 each row read. A selection from the pipeline lists each cluster's selected rows as one run (``Selection.runs``); one
-without runs is regrouped by cluster first. Two kernels (``flash_programs.py``); each KV byte is read once:
+without runs is regrouped by cluster first. One launch (``flash_programs.py``); each KV byte is read once:
 
 1. ``sparse_pass``, flash-decoding style: a program per (row, part) gathers its columns' keys and values, takes
    z_i = s·q·k_i + ln η_i and keeps its part of the softmax (a running max, Σe^{z_i}, Σe^{z_i}·v_i). With proxies
@@ -15,10 +15,12 @@ without runs is regrouped by cluster first. Two kernels (``flash_programs.py``);
    tail's part e^{ℓ_b} over the softmax's denominator, e^{ℓ_b}·(Σv_b − Σ_{X∩b} v_i)/n_T over its numerator.
    Second-order proxies also sum Σ_{X∩b} (s·q·k_i)² and add ln(1 + σ̂_T²/2) to ℓ_b: the cluster's logit variance
    (from the pooled Σk and Σk⊙k) with the rows read taken out, as the reference kernel has it.
-2. ``merge``: the parts rescaled to one max, summed, divided, written in the query's layout and dtype.
+2. the merge (``merge_row``), by the row's last part to finish — each part counts its arrival on a counter per row
+   that starts at zero (an atomic that publishes its stores) — instead of a launch of its own: the parts rescaled to
+   one max, summed, divided, written in the query's layout and dtype.
 
-Each kernel's programs form one 1-D grid with the selection row varying fastest (keeping a row's programs together
-was slower).
+The programs form one 1-D grid with the selection row varying fastest (keeping a row's programs together was
+slower).
 
 Inputs may be float32, float16 or bfloat16; accumulation is float32. 16-bit inputs use tensor-core dots for q·k, e·v
 and the one-hot sums of v; everything else (and float32 inputs throughout) uses ``ieee`` float32 dots, no TF32.
@@ -40,7 +42,7 @@ from oa_core.ops.triton_path import triton
 from oa_plugins.kernels.reference import TorchKernel
 
 if triton is not None:
-    from oa_plugins.kernels.flash_programs import merge, sparse_pass
+    from oa_plugins.kernels.flash_programs import sparse_pass
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -115,16 +117,18 @@ class FlashKernel(Kernel):
             )
             return out, None
         self.note = "triton" + (" (interpreter)" if triton_path.interpreting() else "")
-        return self._sparse(query, keys, values, selection, proxies, scale)
+        return self.sparse(query, keys, values, selection, proxies, scale)
 
     def static_step(self, state):
-        """``flash_step.FusedStep``: the whole step in seven to ten launches, where the pipeline's other components
+        """``flash_step.FusedStep``: the whole step in six to nine launches, where the pipeline's other components
         are the components it fuses (QGC, QGS or PQS, ErrorGate) and the state's device runs Triton; else None."""
         from oa_plugins.kernels.flash_step import FusedStep, fused_unsupported
 
         return FusedStep(state) if fused_unsupported(state) is None else None
 
-    def _sparse(self, query, keys, values, selection, proxies, scale):
+    def sparse(self, query, keys, values, selection, proxies, scale, arrivals: Tensor | None = None):
+        """``attend`` with a selection, on Triton. ``arrivals``: int32 zeros, one per selection row, that the pass
+        counts its parts on (the fused step's plan zeroes them: no launch of their own); None: zeros made here."""
         B, Hq, T, D = query.shape
         Hkv = keys.shape[1]
         Gs = selection.index.shape[2]
@@ -169,6 +173,14 @@ class FlashKernel(Kernel):
 
         row_max, den, acc = empty(P, parts, G), empty(P, parts, G), empty(P, parts, G, D)
         used_parts = empty(P, parts, dtype=torch.int32)
+        out = empty(B, Hq, T, D, dtype=query.dtype)
+        used = empty(P, dtype=torch.int32)
+        if arrivals is None:
+            arrivals = torch.zeros(P, dtype=torch.int32, device=device)
+        elif arrivals.shape != (P,) or arrivals.dtype != torch.int32 or arrivals.device != device:
+            raise ValueError(
+                f"flash: arrivals must be int32 [{P}] on {device}, got {arrivals.dtype} {list(arrivals.shape)}"
+            )
         # 16-bit inputs use tensor-core dots. Triton's CPU interpreter (3.9) gets bf16 dots wrong, so there bf16 is
         # upcast first; the device benchmark checks the bf16 dots against the reference at the target shapes.
         half = triton_path.tensor_core_dots(query.dtype)
@@ -187,6 +199,9 @@ class FlashKernel(Kernel):
             den,
             acc,
             used_parts,
+            arrivals,
+            out,
+            used,
             query.stride(0),
             query.stride(1),
             query.stride(2),
@@ -213,30 +228,12 @@ class FlashKernel(Kernel):
             PROXY=proxy,
             SECOND=second,
             HALF=half,
+            BLOCK_PARTS=_pow2(parts, 2),
             **{
                 name: value
                 for name, value in (("num_warps", self.num_warps), ("num_stages", self.num_stages))
                 if value is not None
             },
-        )
-        out = empty(B, Hq, T, D, dtype=query.dtype)
-        used = empty(P, dtype=torch.int32)
-        merge[(P,)](
-            row_max,
-            den,
-            acc,
-            used_parts,
-            out,
-            used,
-            Hkv,
-            Gs,
-            T,
-            parts,
-            G=G,
-            BLOCK_G=block_g,
-            D=D,
-            BLOCK_D=block_d,
-            BLOCK_PARTS=_pow2(parts, 2),
         )
         return out, used.view(B, Hkv, Gs, T) if proxy else None
 

@@ -1,5 +1,5 @@
-"""The Triton programs of the flash kernel (``flash.py`` launches them and documents the passes): the sparse pass over
-each selection row's parts and the merge of the parts."""
+"""The Triton programs of the flash kernel (``flash.py`` launches them and documents the pass): the sparse pass over
+each selection row's parts, whose last part to finish merges them."""
 
 from __future__ import annotations
 
@@ -88,6 +88,9 @@ if triton is not None:
         L_OUT,
         ACC_OUT,
         USED_OUT,
+        ARRIVALS,
+        OUT,
+        USED,
         sq_b,
         sq_h,
         sq_t,
@@ -114,11 +117,13 @@ if triton is not None:
         PROXY: tl.constexpr,
         SECOND: tl.constexpr,
         HALF: tl.constexpr,
+        BLOCK_PARTS: tl.constexpr,
     ):
         """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the PARTS parts
         share every column; with proxies part j holds the runs of clusters jC', ..., jC' + C' − 1 (C' = CHUNK_C),
         their proxies, and its share of the columns outside the runs (the sink, the window, padding). SECOND: the
-        proxies are second-order (``PooledClusters.second_order``)."""
+        proxies are second-order (``PooledClusters.second_order``). The row's last part to finish merges the row's
+        parts (``merge_row``): each part counts its arrival at ``ARRIVALS + p`` (zero before the launch)."""
         p = tl.program_id(0) % ROWS
         part = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
@@ -281,9 +286,17 @@ if triton is not None:
         tl.store(L_OUT + out, den, mask=g_ok)
         tl.store(ACC_OUT + out[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
         tl.store(USED_OUT + p * PARTS + part, used)
+        # The arrival: after every thread's stores (the barrier), released with them at the device's scope; the last
+        # part acquires the others' and merges.
+        tl.debug_barrier()
+        if tl.atomic_add(ARRIVALS + p, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+            merge_row(
+                p, M_OUT, L_OUT, ACC_OUT, USED_OUT, OUT, USED, Hkv, Gs, T, PARTS, G, BLOCK_G, D, BLOCK_D, BLOCK_PARTS
+            )
 
     @triton.jit
-    def merge(
+    def merge_row(
+        p,
         M_IN,
         L_IN,
         ACC_IN,
@@ -300,9 +313,9 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_PARTS: tl.constexpr,
     ):
-        """The parts' numerators and denominators rescaled to one max and summed, divided, written in the query's
-        layout and dtype; the proxies used, summed."""
-        p = tl.program_id(0)
+        """Row p's parts: their numerators and denominators rescaled to one max and summed, divided, written in the
+        query's layout and dtype; the proxies used, summed. The parts are read past the L1 cache (``.cg``): other
+        programs wrote them."""
         b, h, s, t = _row(p, Hkv, Gs, T)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -314,6 +327,7 @@ if triton is not None:
                 M_IN + (p * PARTS + offs_p[:, None]) * G + offs_g[None, :],
                 mask=(offs_p[:, None] < PARTS) & g_ok[None, :],
                 other=float("-inf"),
+                cache_modifier=".cg",
             ),
             axis=0,
         )
@@ -322,9 +336,11 @@ if triton is not None:
         numerator = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         for part in range(0, PARTS):
             rows = (p * PARTS + part) * G + offs_g
-            w = tl.exp(tl.load(M_IN + rows, mask=g_ok, other=float("-inf")) - top)  # 0 for a part that read nothing
-            den += w * tl.load(L_IN + rows, mask=g_ok, other=0.0)
-            numerator += w[:, None] * tl.load(ACC_IN + rows[:, None] * D + offs_d[None, :], mask=both, other=0.0)
+            m = tl.load(M_IN + rows, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp(m - top)  # 0 for a part that read nothing
+            den += w * tl.load(L_IN + rows, mask=g_ok, other=0.0, cache_modifier=".cg")
+            acc = tl.load(ACC_IN + rows[:, None] * D + offs_d[None, :], mask=both, other=0.0, cache_modifier=".cg")
+            numerator += w[:, None] * acc
         head = h * (G * Gs) + s * G + offs_g
         out = numerator / tl.where(g_ok, den, 1.0)[:, None]  # padding lanes: no 0/0
         tl.store(
@@ -332,4 +348,5 @@ if triton is not None:
             out.to(OUT.dtype.element_ty),
             mask=both,
         )
-        tl.store(USED + p, tl.sum(tl.load(USED_IN + p * PARTS + offs_p, mask=offs_p < PARTS, other=0), axis=0))
+        used = tl.load(USED_IN + p * PARTS + offs_p, mask=offs_p < PARTS, other=0, cache_modifier=".cg")
+        tl.store(USED + p, tl.sum(used, axis=0))

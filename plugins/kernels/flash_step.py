@@ -1,4 +1,4 @@
-"""The fast decode path's whole step in seven to ten launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
+"""The fast decode path's whole step in six to nine launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
 allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
@@ -14,9 +14,10 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    holds it, and the chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
 4. ``plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
    ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
-   each cluster's run, -1 padding — with the runs flash reads;
+   each cluster's run, -1 padding — with the runs flash reads, and the row's counter of flash's parts zeroed;
 5. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
-   the benchmarks' shapes, three once a cluster may pass 4096 rows); 6–7. flash's pass and merge.
+   the benchmarks' shapes, three once a cluster may pass 4096 rows); 6. flash's pass, whose last part of each row
+   merges the row (``FlashKernel.sparse``).
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor, and each row's shift; the listed scores
@@ -24,7 +25,7 @@ are boxed and the selection re-ranks as it reads them), and the plan waits for t
 row's shift and floor first (without a floor, ``refine`` takes the shift, a program per row). QGS's shortlist takes
 seven launches after its scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores
 with each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
-group's selection rows, each K row once for the rows that list it); the default's step is eight launches a layer
+group's selection rows, each K row once for the rows that list it); the default's step is seven launches a layer
 and one per size class of clusters in the selection
 (``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
@@ -287,7 +288,7 @@ class FusedStep:
         shortlist = pq_shortlist_cuda.launch_names() if cuda else scoring.SHORTLIST
         names += [*shortlist, *([] if floor else ["refine"])] if rerank else [scores]
         names += ["plan"] if floor else []  # the plan takes the shift and the floor
-        return [*names, *["_select_kernel"] * classes, "sparse_pass", "merge"]
+        return [*names, *["_select_kernel"] * classes, "sparse_pass"]
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -321,6 +322,7 @@ class FusedStep:
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
+        arrivals = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the plan, for the flash pass
         floor = self.two_stage is not None and self.two_stage.floor > 0
         budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
         # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
@@ -365,7 +367,9 @@ class FusedStep:
                 num_warps=4,
             )
             if not floor:
-                self.plan(state, mean_logit, logit_var, None, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
+                self.plan(
+                    state, mean_logit, logit_var, None, (quotas, offsets, runs, chosen, log_weight, arrivals), H, Gs, G
+                )
         if self.two_stage is None:
             self.scoring.score(state, prepared, scores, G)
         else:  # the scores, the shortlist and its exact logits
@@ -376,7 +380,9 @@ class FusedStep:
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         if floor:  # the plan takes each row's shift and floor (after the join: the floor reads its rows' clusters)
-            self.plan(state, mean_logit, logit_var, listing, quotas, offsets, runs, chosen, log_weight, H, Gs, G)
+            self.plan(
+                state, mean_logit, logit_var, listing, (quotas, offsets, runs, chosen, log_weight, arrivals), H, Gs, G
+            )
         elif self.two_stage is not None:  # each row's shift
             self.two_stage.refine(listing)
         # With a shortlist the scores are boxed: the selection re-ranks as it reads them.
@@ -388,12 +394,14 @@ class FusedStep:
             runs.view(B, H, Gs, 1, C + 1),
         )
         proxies = pipe.tail_proxies(state.pooled, state.assignment)
-        out, _ = pipe.kernel.attend(query, keys, values, selection, proxies, state.scale)
+        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, arrivals)
         return out, selection
 
-    def plan(self, state, mean_logit, logit_var, listing, quotas, offsets, runs, chosen, log_weight, H, Gs, G):
-        """The plan's launch; with a ``listing`` (a shortlist with a floor), after it: the program takes the row's
-        shift and floor first."""
+    def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G):
+        """The plan's launch into ``outputs`` (quotas, offsets, runs, the index, its log weights, the flash pass's
+        arrivals); with a ``listing`` (a shortlist with a floor), after it: the program takes the row's shift and floor
+        first."""
+        quotas, offsets, runs, chosen, log_weight, arrivals = outputs
         C = state.num_clusters
         block_c, warps = launch_config(C)
         floor = listing is not None
@@ -423,6 +431,7 @@ class FusedStep:
                 runs,
                 chosen,
                 log_weight,
+                arrivals,
                 H,
                 Gs,
                 C,

@@ -255,6 +255,7 @@ if triton is not None:
         RUNS,
         INDEX,
         LW,
+        ARRIVALS,
         Hkv,
         Gs,
         C,
@@ -271,8 +272,9 @@ if triton is not None:
         RADIX_BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
-        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out. FLOOR: after the
-        shortlist, whose shift (``row_shift``) and floor (``floor_counts``) the program takes first."""
+        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out; the row's counter
+        of the flash pass's parts zeroed (``sparse_pass``'s ``ARRIVALS``). FLOOR: after the shortlist, whose shift
+        (``row_shift``) and floor (``floor_counts``) the program takes first."""
         p = tl.program_id(0).to(tl.int64)
         b = p // (Gs * Hkv)
         h = (p // Gs) % Hkv
@@ -326,6 +328,7 @@ if triton is not None:
         tl.store(OFFSETS + p * C + offs_c, ends - quotas, mask=c_ok)
         tl.store(RUNS + p * (C + 1) + 1 + offs_c, ends.to(tl.int32), mask=c_ok)
         tl.store(RUNS + p * (C + 1), (p * 0 + F).to(tl.int32))
+        tl.store(ARRIVALS + p, (p * 0).to(tl.int32))
         # The index: the sink and the local window first (the window's slots move with the length), then the runs
         # (written by the selection), then -1 up to the width; every column's log weight 0 (all are exact rows).
         offs_f = tl.arange(0, BLOCK_F)
