@@ -685,6 +685,21 @@ MUTATIONS = [
         KERNEL_TESTS,
         "the free columns that do not divide evenly among the chunks are never read",
     ),
+    mutation(
+        "flash-merge-by-the-first-part",
+        "plugins/kernels/flash_programs.py",
+        [('sem="acq_rel", scope="gpu") == PARTS - 1:', 'sem="acq_rel", scope="gpu") == 0:')],
+        KERNEL_TESTS,
+        "a row's first part to finish merges the row, before the other parts are written",
+    ),
+    mutation(
+        "fused-step-arrivals-not-zeroed",
+        "plugins/kernels/flash_step_programs.py",
+        [("        tl.store(ARRIVALS + p, (p * 0).to(tl.int32))\n", "")],
+        ("tests/test_flash_step.py",),
+        "the fused step's plan leaves the flash pass's counters as the allocator gave them: a row may be merged by "
+        "the wrong part, or never",
+    ),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation(
         "triton-selection-ties-to-the-last-position",
