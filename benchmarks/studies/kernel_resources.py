@@ -78,6 +78,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
                 PROXY=True,
                 SECOND=True,
                 HALF=dtype != "fp32",
+                BLOCK_PARTS=4,  # 64 clusters, 16 a part
             )
             types = dict(
                 Q=f"*{dtype}",
@@ -94,6 +95,9 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
                 L_OUT="*fp32",
                 ACC_OUT="*fp32",
                 USED_OUT="*i32",
+                ARRIVALS="*i32",
+                OUT=f"*{dtype}",
+                USED="*i32",
                 scale="fp32",
             )
             rows.append(
