@@ -243,7 +243,7 @@ def test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_le
     query = keys[:, torch.arange(H * group) // group, 140:141] * 1.1
     Gs, G = (1, group) if gqa == "shared" else (group, 1)
     budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
-    tables = fused.scoring.project(state, query, cache_k)
+    tables = fused.prologue(state, query, cache_k, torch.zeros_like(cache_k))[0]  # (the state grows: one step's)
     seven = torch.empty(B * H * Gs, 150)
     fused.scoring.score(state, tables, seven, G)
     expected = fused.two_stage.shortlist(seven, cache_k, query, state, budget_args, Gs, G, pipe.spec.local)
@@ -323,8 +323,9 @@ def test_pqs_cut_of_scores_that_share_their_first_digits_is_the_stable_sorts():
 )
 def test_a_step_launches_what_it_declares(stages, monkeypatch):
     """``FusedStep.launches`` — what the cost model counts — is what a step launches, program for program (counted
-    at the interpreter's launch); the default's step (Triton's shortlist) is eight launches with one size class of
-    clusters: the flash pass merges each row's parts in its last program, no launch of its own."""
+    at the interpreter's launch); the default's step (Triton's shortlist) is seven launches with one size class of
+    clusters: the growth runs in the projection's launch, and the flash pass merges each row's parts in its last
+    program."""
     from collections import Counter
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -346,8 +347,8 @@ def test_a_step_launches_what_it_declares(stages, monkeypatch):
     state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
     assert Counter(launched) == Counter(declared)
     if stages is PQS_TWO_STAGE:
-        assert len(declared) == 7 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
-        assert "merge" not in declared
+        assert len(declared) == 6 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
+        assert "merge" not in declared and "grow" not in declared
 
 
 def test_a_floor_above_the_shortlist_composes_its_own_step():

@@ -82,7 +82,7 @@ def test_a_launch_refuses_keys_and_layouts_the_kernel_does_not_take():
     state, cache_k, query = _state()
     fused = state.fused
     budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
-    tables = fused.scoring.project(state, query, cache_k)
+    tables = fused.prologue(state, query, cache_k, torch.zeros_like(cache_k))[0]  # (the state grows: one step's)
     scores = torch.empty(2 * 2 * 4, 150)
     args = (fused.two_stage, state, tables)
     with pytest.raises(ValueError, match=r"keys torch.float64, query torch.float64 \(one of float32"):
@@ -95,11 +95,11 @@ def test_a_launch_refuses_keys_and_layouts_the_kernel_does_not_take():
 
 def test_the_default_step_declares_the_cuda_launches_for_the_three():
     triton = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1)
-    assert len(triton) == 8
+    assert len(triton) == 7
     cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
     names = ["pq_shortlist", "exact_logits"]
     assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n not in names]
-    assert len(cuda) == 7 and cuda.count("pq_shortlist") == 1
+    assert len(cuda) == 6 and cuda.count("pq_shortlist") == 1
 
 
 def test_without_nvcc_the_library_says_so(monkeypatch):
@@ -134,7 +134,7 @@ def _both(gqa, group, dim, device, dtype):
     Gs, G = (1, group) if gqa == "shared" else (group, 1)
     rows, cap = cache_k.shape[0] * cache_k.shape[1] * Gs, cache_k.shape[2]
     budget_args = (state.length, state.start, fused.density, fused.fixed, fused.tokens)
-    tables = fused.scoring.project(state, query, cache_k)
+    tables = fused.prologue(state, query, cache_k, torch.zeros_like(cache_k))[0]  # (the state grows: one step's)
     three = torch.full((rows, cap), float("nan"), device=device)
     expected = fused.two_stage.pq_shortlist(tables, state, three, cache_k, query, budget_args, Gs, G)
     got, one = None, None

@@ -37,14 +37,22 @@ import headline_scripts  # noqa: F401 (benchmarks/ on the path: the headline scr
 import generate_speed as gs  # the model, the methods and the timing of generate_speed
 
 HOST_PHASES = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch", "cudaStreamSynchronize")
-# The fast path's kernels (``_split_pass``: the dense engine's; ``_cluster_stats``: the fused step's in earlier
-# commits).
+# The fast path's kernels, by the start of their names (``FusedStep.launch_names``; ``_split_pass``: the dense
+# engine's; ``grow``, ``_cluster_stats`` and ``merge``: the fused step's in earlier commits).
 ATTENTION_KERNELS = (
     "project",
+    "pq_project",
     "grow",
     "_cluster_stats",
     "plan",
     "_group_int8_scores",
+    "_group_lut_scores",
+    "radix_pass",
+    "cut_row",
+    "compact",
+    "pq_",
+    "exact_logits",
+    "refine",
     "_select_kernel",
     "sparse_pass",
     "merge",

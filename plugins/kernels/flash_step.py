@@ -1,22 +1,22 @@
-"""The fast decode path's whole step in six to nine launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
+"""The fast decode path's whole step in five to eight launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
 allocation and flash's kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
 most of the step. Where the pipeline is made of the components below, ``FlashKernel.static_step`` takes the step:
 
-1. the selector's ``project``, a program per (batch row, KV head): the new row's codes and the query heads in the
-   codes' terms — QGS: its int8 codes and the heads projected on its basis (``project``); PQS, the default: each
-   sub-space's nearest centroid and the heads' tables q_m·μ_{m,c} (``pq_project``);
+1. the prologue (``FusedStep.prologue``), a grid of (batch row, KV head) × (1 + its chunks of 16 clusters): part 0
+   the selector's projection, the new row's codes and the query heads in the codes' terms — QGS: its int8 codes and
+   the heads projected on its basis (``project``); PQS, the default: each sub-space's nearest centroid and the heads'
+   tables q_m·μ_{m,c} (``pq_project``); the other parts the growth, the row leaving the local window placed in its
+   nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the chunk that
+   holds it, and each chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
 2. the selector's score kernel over the codes (``group_int8_scores``, ``group_lut_scores``);
-3. ``grow``, a program per (batch row, KV head, chunk of 16 clusters): the row leaving the local window placed in
-   its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the chunk that
-   holds it, and the chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
-4. ``plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
+3. ``plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
    ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
    each cluster's run, -1 padding — with the runs flash reads, and the row's counter of flash's parts zeroed;
-5. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
-   the benchmarks' shapes, three once a cluster may pass 4096 rows); 6. flash's pass, whose last part of each row
+4. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
+   the benchmarks' shapes, three once a cluster may pass 4096 rows); 5. flash's pass, whose last part of each row
    merges the row (``FlashKernel.sparse``).
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
@@ -25,7 +25,7 @@ are boxed and the selection re-ranks as it reads them), and the plan waits for t
 row's shift and floor first (without a floor, ``refine`` takes the shift, a program per row). QGS's shortlist takes
 seven launches after its scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores
 with each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
-group's selection rows, each K row once for the rows that list it); the default's step is seven launches a layer
+group's selection rows, each K row once for the rows that list it); the default's step is six launches a layer
 and one per size class of clusters in the selection
 (``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
@@ -34,10 +34,12 @@ with nvcc, PQS's scores and shortlist take one CUDA launch instead — a thread-
 that keeps the scores on chip between the cut's passes — and Triton's ``exact_logits`` a second
 (``pq_shortlist_cuda``: the step 1.30–1.47× faster per head on an H100); ``shortlist_note`` says why not where not.
 
-The scores read nothing that the growth and the plan write, nor they anything the scores write (a row joins a
-cluster after its codes are written, in an earlier step or by ``project`` in the same one), so in a CUDA graph's
-capture ``grow`` and ``plan`` run on a second stream (of high priority) beside the scores, and the selection waits
-for both: the graph holds two branches. Launched eagerly, the step keeps to one stream.
+Without a floor the scores read nothing that the plan writes, nor it anything the scores write, so in a CUDA graph's
+capture the plan runs on a second stream (of high priority) beside the scores, and the selection waits for both: the
+graph holds two branches. With a floor (the default's) the plan follows the shortlist. Launched eagerly, the step
+keeps to one stream. The growth, in the prologue, is written before the scores read the clusters: the row leaving
+the window is inside the shortlist's clusters whether or not its join is written (a row joins a cluster after its
+codes are written, in an earlier step or by the projection in the same launch).
 
 The statistics are computed where the join is, a program per chunk of clusters: inside ``plan``, one program per
 row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being
@@ -70,7 +72,7 @@ from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
 if triton is not None:
-    from oa_plugins.kernels.flash_step_programs import grow, plan, pq_project, project
+    from oa_plugins.kernels.flash_step_programs import plan, pq_project, project
 
 
 def fused_unsupported(state) -> str | None:
@@ -128,30 +130,20 @@ class QGSScoring:
             raise ValueError("fused static step: the codes and scales must be contiguous (the kernels' layout)")
         self.basis = index.basis.float().contiguous()  # constant through decoding: a row-major copy
 
-    def project(self, state, query: Tensor, keys: Tensor) -> Tensor:
-        B, Hq, _, D = query.shape
-        H, cap = keys.shape[1], keys.shape[2]
+    def project(self, state, query: Tensor, keys: Tensor, growth: dict) -> Tensor:
+        """The projection and ``growth`` (``FusedStep.prologue``'s arguments of ``_grow_chunk``) in one launch."""
+        B, Hq = query.shape[:2]
+        H = keys.shape[1]
         g, r = Hq // H, self.basis.shape[-1]
         projected = torch.empty(B, H, g, r, dtype=torch.float32, device=query.device)
-        project[(B * H,)](
-            keys,
-            query,
-            state.length,
-            self.basis,
-            state.index.codes,
-            state.index.scales,
-            projected,
-            *keys.stride()[:3],
-            query.stride(0),
-            query.stride(1),
-            H,
-            cap,
-            G=g,
-            D=D,
-            BLOCK_D=triton.next_power_of_2(D),
+        project[(B * H, 1 + triton.cdiv(growth["C"], growth["STATS_C"]))](
+            BASIS=self.basis,
+            CODES=state.index.codes,
+            SCALES=state.index.scales,
+            QP=projected,
             R=r,
             BLOCK_R=triton.next_power_of_2(r),
-            num_warps=4,
+            **growth,
         )
         return projected
 
@@ -177,34 +169,27 @@ class PQSScoring:
             raise ValueError("fused static step: the codes must be contiguous (the kernels' layout)")
         self.centroids = state.index.centroids.float().contiguous()  # [B, Hkv, M, C, dims], constant
 
-    def project(self, state, query: Tensor, keys: Tensor) -> Tensor:
+    def project(self, state, query: Tensor, keys: Tensor, growth: dict) -> Tensor:
+        """The codes and tables and ``growth`` (``FusedStep.prologue``'s arguments of ``_grow_chunk``) in one
+        launch."""
         B, Hq = query.shape[:2]
-        H, cap = keys.shape[1], keys.shape[2]
+        H = keys.shape[1]
         M, C, dims = self.centroids.shape[2:]
         g = Hq // H
         tables = torch.empty(B, H, g, M, C, dtype=torch.float32, device=query.device)
-        pq_project[(B * H,)](
-            keys,
-            query,
-            state.length,
-            self.centroids,
-            state.index.codes,
-            tables,
-            *keys.stride()[:3],
-            query.stride(0),
-            query.stride(1),
-            H,
-            cap,
-            G=g,
+        pq_project[(B * H, 1 + triton.cdiv(growth["C"], growth["STATS_C"]))](
+            TABLE_CENT=self.centroids,
+            CODES=state.index.codes,
+            TABLES=tables,
             M=M,
-            C=C,
+            CC=C,
             DIMS=dims,
             W=state.index.codes.shape[-1],
             PACKED=packed(C),
             BLOCK_M=code_block(M),
-            BLOCK_C=min(self.BLOCK_C, triton.next_power_of_2(C)),
+            BLOCK_CC=min(self.BLOCK_C, triton.next_power_of_2(C)),
             BLOCK_DIMS=triton.next_power_of_2(dims),
-            num_warps=4,
+            **growth,
         )
         return tables
 
@@ -284,7 +269,7 @@ class FusedStep:
         floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state);
         ``cuda``: PQS's shortlist in one CUDA launch (``pq_shortlist_cuda``)."""
         project, scores = scoring.LAUNCHES
-        names = [project, "grow", *([] if floor else ["plan"])]
+        names = [project, *([] if floor else ["plan"])]
         shortlist = pq_shortlist_cuda.launch_names() if cuda else scoring.SHORTLIST
         names += [*shortlist, *([] if floor else ["refine"])] if rerank else [scores]
         names += ["plan"] if floor else []  # the plan takes the shift and the floor
@@ -307,69 +292,30 @@ class FusedStep:
         g = Hq // H
         Gs, G = (1, g) if self.shared else (g, 1)
         rows = B * H * Gs
-        rc = self.projection.shape[-1]
         device = query.device
-        prepared = self.scoring.project(state, query, keys)
-        # The growth and the plan, and the selector's scores, do not read what the other writes: in a CUDA graph the
-        # growth and the plan run on a second stream of high priority beside the scores (the graph holds two branches).
-        # The scores fill the device with programs; the priority lets the short chain's programs in first. Every
-        # tensor the second stream touches is allocated on the first, which waits for it.
+        prepared, mean_logit, logit_var = self.prologue(state, query, keys, values)
+        # Without a floor the plan and the selector's scores do not read what the other writes: in a CUDA graph the
+        # plan runs on a second stream of high priority beside the scores (the graph holds two branches). The scores
+        # fill the device with programs; the priority lets the plan's in first. Every tensor the second stream touches
+        # is allocated on the first, which waits for it. The plan's outputs, and the flash pass's arrivals (the plan
+        # zeroes them).
         scores = torch.empty(rows, cap, dtype=torch.float32, device=device)
-        mean_logit = torch.empty(B, H, g, 1, C, dtype=torch.float32, device=device)
-        logit_var = torch.empty_like(mean_logit)
         quotas = torch.empty(rows, C, dtype=torch.long, device=device)
         offsets = torch.empty(rows, C, dtype=torch.long, device=device)
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        arrivals = torch.empty(rows, dtype=torch.int32, device=device)  # zeroed by the plan, for the flash pass
+        outputs = (quotas, offsets, runs, chosen, log_weight, torch.empty(rows, dtype=torch.int32, device=device))
         floor = self.two_stage is not None and self.two_stage.floor > 0
         budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
         # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
         # (``torch.cuda.stream(None)`` keeps the current stream.)
-        side = self.side if self.side is not None and torch.cuda.is_current_stream_capturing() else None
+        side = self.side if self.side is not None and torch.cuda.is_current_stream_capturing() and not floor else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            grow[(B * H, triton.cdiv(C, STATS_CLUSTERS))](
-                keys,
-                values,
-                query,
-                state.length,
-                self.projection,
-                self.centroids,
-                state.assignment,
-                state.pooled.count,
-                state.pooled.key_sum,
-                state.pooled.value_sum,
-                state.pooled.key_square_sum,
-                state.members,
-                state.member_counts,
-                mean_logit,
-                logit_var,
-                *keys.stride()[:3],
-                *values.stride()[:3],
-                query.stride(0),
-                query.stride(1),
-                H,
-                cap,
-                C,
-                state.members.shape[-1],
-                pipe.spec.local,
-                state.scale,
-                G=g,
-                D=D,
-                BLOCK_D=triton.next_power_of_2(D),
-                RC=rc,
-                BLOCK_RC=triton.next_power_of_2(rc),
-                BLOCK_C=max(16, triton.next_power_of_2(C)),
-                STATS_C=STATS_CLUSTERS,
-                num_warps=4,
-            )
             if not floor:
-                self.plan(
-                    state, mean_logit, logit_var, None, (quotas, offsets, runs, chosen, log_weight, arrivals), H, Gs, G
-                )
+                self.plan(state, mean_logit, logit_var, None, outputs, H, Gs, G)
         if self.two_stage is None:
             self.scoring.score(state, prepared, scores, G)
         else:  # the scores, the shortlist and its exact logits
@@ -380,9 +326,7 @@ class FusedStep:
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
         if floor:  # the plan takes each row's shift and floor (after the join: the floor reads its rows' clusters)
-            self.plan(
-                state, mean_logit, logit_var, listing, (quotas, offsets, runs, chosen, log_weight, arrivals), H, Gs, G
-            )
+            self.plan(state, mean_logit, logit_var, listing, outputs, H, Gs, G)
         elif self.two_stage is not None:  # each row's shift
             self.two_stage.refine(listing)
         # With a shortlist the scores are boxed: the selection re-ranks as it reads them.
@@ -394,8 +338,54 @@ class FusedStep:
             runs.view(B, H, Gs, 1, C + 1),
         )
         proxies = pipe.tail_proxies(state.pooled, state.assignment)
-        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, arrivals)
+        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, outputs[-1])
         return out, selection
+
+    def prologue(self, state, query: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The step's first launch: the selector's projection (``scoring.project``: QGS's projected heads or PQS's
+        tables, returned) and the growth — the row leaving the window joined to its QGC cluster, each chunk's logit
+        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``)."""
+        B, Hq, _, D = query.shape
+        H, cap = keys.shape[1], keys.shape[2]
+        C, g, rc = state.num_clusters, Hq // H, self.projection.shape[-1]
+        mean_logit = torch.empty(B, H, g, 1, C, dtype=torch.float32, device=query.device)
+        logit_var = torch.empty_like(mean_logit)
+        growth = dict(
+            K=keys,
+            Q=query,
+            LENGTH=state.length,
+            V=values,
+            PROJ=self.projection,
+            CENT=self.centroids,
+            ASSIGNMENT=state.assignment,
+            COUNT=state.pooled.count,
+            KSUM=state.pooled.key_sum,
+            VSUM=state.pooled.value_sum,
+            KSQ=state.pooled.key_square_sum,
+            MEMBERS=state.members,
+            MEMBER_COUNT=state.member_counts,
+            MEAN_LOGIT=mean_logit,
+            LOGIT_VAR=logit_var,
+            **dict(zip(("sk_b", "sk_h", "sk_n"), keys.stride()[:3], strict=True)),
+            **dict(zip(("sv_b", "sv_h", "sv_n"), values.stride()[:3], strict=True)),
+            sq_b=query.stride(0),
+            sq_h=query.stride(1),
+            Hkv=H,
+            CAP=cap,
+            C=C,
+            S=state.members.shape[-1],
+            LOCAL=state.pipeline.spec.local,
+            scale=state.scale,
+            G=g,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            RC=rc,
+            BLOCK_RC=triton.next_power_of_2(rc),
+            BLOCK_C=max(16, triton.next_power_of_2(C)),
+            STATS_C=STATS_CLUSTERS,
+            num_warps=4,
+        )
+        return self.scoring.project(state, query, keys, growth), mean_logit, logit_var
 
     def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G):
         """The plan's launch into ``outputs`` (quotas, offsets, runs, the index, its log weights, the flash pass's

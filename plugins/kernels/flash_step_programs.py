@@ -1,5 +1,5 @@
 """The Triton programs of the fused decode step (``flash_step.py`` launches them): the new row's codes (QGS's or
-PQS's), the state's growth, and the read plan of each step."""
+PQS's) with the state's growth in one launch, and the read plan of each step."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ if triton is not None:
         return tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
 
     @triton.jit
-    def project(
+    def _project_row(
+        head,
         K,
         Q,
         LENGTH,
@@ -46,9 +47,8 @@ if triton is not None:
         R: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        """Program (batch row, KV head): the new row's QGS codes (quantize of kᵀU_r: symmetric int8, a scale per
+        """(batch row, KV head) ``head``: the new row's QGS codes (quantize of kᵀU_r: symmetric int8, a scale per
         row) and the G query heads projected on the same basis (U_rᵀq: what QGS scores with)."""
-        head = tl.program_id(0).to(tl.int64)
         b = head // Hkv
         h = head % Hkv
         newest = tl.load(LENGTH).to(tl.int64) - 1
@@ -70,7 +70,8 @@ if triton is not None:
             tl.store(QP + (head * G + j) * R + offs_r, tl.sum(q[:, None] * basis, axis=0), mask=r_ok)
 
     @triton.jit
-    def pq_project(
+    def _pq_project_row(
+        head,
         K,
         Q,
         LENGTH,
@@ -94,12 +95,11 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         BLOCK_DIMS: tl.constexpr,
     ):
-        """Program (batch row, KV head): the new row's PQS codes — in each of the M sub-spaces the nearest of the C
+        """(batch row, KV head) ``head``: the new row's PQS codes — in each of the M sub-spaces the nearest of the C
         centroids, argmin of ‖μ‖² − 2·k·μ, the first of equals (``oa_core.ops.kmeans.nearest``) — and the G query
         heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a tile of BLOCK_C centroids at a time. The codes
         are stored as the index keeps them: W bytes, two codes a byte where PACKED (``pack_codes``; a sub-space past
         M, of no key coordinate, codes 0)."""
-        head = tl.program_id(0).to(tl.int64)
         b = head // Hkv
         h = head % Hkv
         newest = tl.load(LENGTH).to(tl.int64) - 1
@@ -142,7 +142,9 @@ if triton is not None:
             tl.store(CODES + (head * CAP + newest) * W + offs_m, code.to(tl.uint8), mask=m_ok)
 
     @triton.jit
-    def grow(
+    def _grow_chunk(
+        head,
+        chunk,
         K,
         V,
         Q,
@@ -180,10 +182,8 @@ if triton is not None:
         BLOCK_C: tl.constexpr,
         STATS_C: tl.constexpr,
     ):
-        """Program (batch row, KV head, chunk of STATS_C clusters): the chunk's clusters after the leaving row's join
-        and their logit statistics. It reads no codes, so it runs beside QGS's scores."""
-        head = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
+        """(batch row, KV head) ``head``, chunk ``chunk`` of STATS_C clusters: the chunk's clusters after the leaving
+        row's join and their logit statistics."""
         b = head // Hkv
         h = head % Hkv
         newest = tl.load(LENGTH).to(tl.int64) - 1
@@ -232,6 +232,245 @@ if triton is not None:
         for i in tl.static_range(G):
             q = tl.load(Q + b * sq_b + (h * G + i) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * G + i) * C + offs_s, s_ok)
+
+    # The step's first launch, a grid (batch row × KV head, 1 + the chunks of STATS_C clusters): part 0 of each
+    # (batch row, KV head) the selector's projection, part j > 0 the growth of the j-th chunk of clusters. Neither reads
+    # what the other writes (the growth reads no codes).
+
+    @triton.jit
+    def project(
+        K,
+        Q,
+        LENGTH,
+        BASIS,
+        CODES,
+        SCALES,
+        QP,
+        V,
+        PROJ,
+        CENT,
+        ASSIGNMENT,
+        COUNT,
+        KSUM,
+        VSUM,
+        KSQ,
+        MEMBERS,
+        MEMBER_COUNT,
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        sk_b,
+        sk_h,
+        sk_n,
+        sv_b,
+        sv_h,
+        sv_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        CAP,
+        C,
+        S,
+        LOCAL,
+        scale,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        RC: tl.constexpr,
+        BLOCK_RC: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        STATS_C: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+    ):
+        """QGS's projection (``_project_row``) and the growth (``_grow_chunk``)."""
+        head = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        if part == 0:
+            _project_row(
+                head,
+                K,
+                Q,
+                LENGTH,
+                BASIS,
+                CODES,
+                SCALES,
+                QP,
+                sk_b,
+                sk_h,
+                sk_n,
+                sq_b,
+                sq_h,
+                Hkv,
+                CAP,
+                G,
+                D,
+                BLOCK_D,
+                R,
+                BLOCK_R,
+            )
+        else:
+            _grow_chunk(
+                head,
+                part - 1,
+                K,
+                V,
+                Q,
+                LENGTH,
+                PROJ,
+                CENT,
+                ASSIGNMENT,
+                COUNT,
+                KSUM,
+                VSUM,
+                KSQ,
+                MEMBERS,
+                MEMBER_COUNT,
+                MEAN_LOGIT,
+                LOGIT_VAR,
+                sk_b,
+                sk_h,
+                sk_n,
+                sv_b,
+                sv_h,
+                sv_n,
+                sq_b,
+                sq_h,
+                Hkv,
+                CAP,
+                C,
+                S,
+                LOCAL,
+                scale,
+                G,
+                D,
+                BLOCK_D,
+                RC,
+                BLOCK_RC,
+                BLOCK_C,
+                STATS_C,
+            )
+
+    @triton.jit
+    def pq_project(
+        K,
+        Q,
+        LENGTH,
+        TABLE_CENT,
+        CODES,
+        TABLES,
+        V,
+        PROJ,
+        CENT,
+        ASSIGNMENT,
+        COUNT,
+        KSUM,
+        VSUM,
+        KSQ,
+        MEMBERS,
+        MEMBER_COUNT,
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        sk_b,
+        sk_h,
+        sk_n,
+        sv_b,
+        sv_h,
+        sv_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        CAP,
+        C,
+        S,
+        LOCAL,
+        scale,
+        G: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        RC: tl.constexpr,
+        BLOCK_RC: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        STATS_C: tl.constexpr,
+        M: tl.constexpr,
+        CC: tl.constexpr,
+        DIMS: tl.constexpr,
+        W: tl.constexpr,
+        PACKED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_CC: tl.constexpr,
+        BLOCK_DIMS: tl.constexpr,
+    ):
+        """PQS's projection (``_pq_project_row``: CC centroids a sub-space, TABLE_CENT) and the growth
+        (``_grow_chunk``)."""
+        head = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        if part == 0:
+            _pq_project_row(
+                head,
+                K,
+                Q,
+                LENGTH,
+                TABLE_CENT,
+                CODES,
+                TABLES,
+                sk_b,
+                sk_h,
+                sk_n,
+                sq_b,
+                sq_h,
+                Hkv,
+                CAP,
+                G,
+                M,
+                CC,
+                DIMS,
+                W,
+                PACKED,
+                BLOCK_M,
+                BLOCK_CC,
+                BLOCK_DIMS,
+            )
+        else:
+            _grow_chunk(
+                head,
+                part - 1,
+                K,
+                V,
+                Q,
+                LENGTH,
+                PROJ,
+                CENT,
+                ASSIGNMENT,
+                COUNT,
+                KSUM,
+                VSUM,
+                KSQ,
+                MEMBERS,
+                MEMBER_COUNT,
+                MEAN_LOGIT,
+                LOGIT_VAR,
+                sk_b,
+                sk_h,
+                sk_n,
+                sv_b,
+                sv_h,
+                sv_n,
+                sq_b,
+                sq_h,
+                Hkv,
+                CAP,
+                C,
+                S,
+                LOCAL,
+                scale,
+                G,
+                D,
+                BLOCK_D,
+                RC,
+                BLOCK_RC,
+                BLOCK_C,
+                STATS_C,
+            )
 
     @triton.jit
     def plan(
