@@ -693,8 +693,21 @@ MUTATIONS = [
         "a row's first part to finish merges the row, before the other parts are written",
     ),
     mutation(
+        "fused-prologue-drops-the-last-chunk",
+        "plugins/kernels/flash_step.py",
+        [
+            (
+                'pq_project[(B * H, 1 + triton.cdiv(growth["C"], growth["STATS_C"]))](',
+                'pq_project[(B * H, triton.cdiv(growth["C"], growth["STATS_C"]))](',
+            )
+        ],
+        ("tests/test_flash_step.py",),
+        "PQS's prologue launches a part too few: the last chunk of clusters never takes the leaving row, and its "
+        "statistics are not written",
+    ),
+    mutation(
         "fused-step-arrivals-not-zeroed",
-        "plugins/kernels/flash_step_programs.py",
+        "plugins/kernels/plan_programs.py",
         [("        tl.store(ARRIVALS + p, (p * 0).to(tl.int32))\n", "")],
         ("tests/test_flash_step.py",),
         "the fused step's plan leaves the flash pass's counters as the allocator gave them: a row may be merged by "
@@ -1059,7 +1072,7 @@ MUTATIONS = [
     ),
     mutation(
         "fused-window-one-behind",
-        "plugins/kernels/flash_step_programs.py",
+        "plugins/kernels/plan_programs.py",
         [
             (
                 "other=0) + length * tl.load(\n            FIXED_MOVES",
@@ -1195,12 +1208,11 @@ MUTATIONS = [
         "plugins/kernels/two_stage_programs.py",
         [("mask=ok, other=C) == C) & (offs != n - 1 - LOCAL)", "mask=ok, other=C) == C)")],
         FUSED_TWO_STAGE_TESTS,
-        "the row joining a cluster in this step is not shortlisted when the join has not run yet (a CUDA graph "
-        "runs it beside the shortlist)",
+        "the row joining a cluster in this step is not shortlisted when the join has not run yet",
     ),
     mutation(
         "fused-floor-rows-dropped",
-        "plugins/kernels/flash_step_programs.py",
+        "plugins/kernels/plan_programs.py",
         [("            quotas = first + rest\n", "            quotas = rest\n")],
         FUSED_TWO_STAGE_TESTS,
         "the fused plan water-fills the rest but forgets the floor's own rows",

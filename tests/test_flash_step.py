@@ -505,8 +505,8 @@ def test_the_fused_step_takes_one_decode_query_per_row():
 
 
 def test_the_shortlist_counts_the_row_leaving_the_window_as_joined_before_its_join():
-    """In a CUDA graph the join (``grow``) runs beside the shortlist's passes: whether the leaving row's cluster is
-    written yet or not, the shortlist is the same, and holds that row when it scores best."""
+    """Whether the leaving row's cluster is written yet or not (the prologue joins it before the shortlist; a step
+    laid out otherwise may not), the shortlist is the same, and holds that row when it scores best."""
     keys, values, prefill, _ = make_inputs(tokens=120)
     pipe = oa.build({**SPEC, "gqa": "per_head", **TWO_STAGE})
     state = StaticState.from_state(pipe.prepare(keys, values, prefill), 130)

@@ -72,7 +72,8 @@ from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
 if triton is not None:
-    from oa_plugins.kernels.flash_step_programs import plan, pq_project, project
+    from oa_plugins.kernels.flash_step_programs import pq_project, project
+    from oa_plugins.kernels.plan_programs import plan
 
 
 def fused_unsupported(state) -> str | None:
@@ -254,7 +255,7 @@ class FusedStep:
 
     def launches(self, state) -> list[str]:
         """The programs one step launches (Triton's, and the CUDA shortlist where it runs), in the order of the code
-        (the growth and the plan may run on a second stream beside the scores): the step's own declaration, which
+        (without a floor the plan may run on a second stream beside the scores): the step's own declaration, which
         ``tests/test_flash_step.py`` checks against the launches a step makes. The selection takes one launch per size
         class of clusters (``size_classes``: from the largest cluster's slots)."""
         classes = len(size_classes(state.members.shape[-1], self.select_block))

@@ -18,7 +18,7 @@ each, from many programs: one program per row made each pass a chain of latencie
    over the selection head's query heads (what the oracle selector scores);
 8. the shift that puts each row's unlisted scores below its shortlist's lowest exact logit (``rerank_exact``) and,
    with a floor, the shortlist's best ⌊f·E_sel⌋ by exact logit (the same radix select, over the shortlist) counted
-   per cluster: in the plan's program after the join (``flash_step_programs.plan``), or without a floor in
+   per cluster: in the plan's program after the join (``plan_programs.plan``), or without a floor in
    ``refine``, a program per row.
 
 The re-ranked scores are never written out. The listing (7, or ``pq_list``) overwrites each listed position's score

@@ -321,5 +321,5 @@ if triton is not None:
     @triton.jit
     def refine(COUNTS, EXACT, CUT, SHIFTS, L, BLOCK: tl.constexpr):
         """Program per selection row of a shortlist without a floor: its shift (``row_shift``). With a floor, the
-        plan's program takes the shift and the floor (``flash_step_programs.plan``)."""
+        plan's program takes the shift and the floor (``plan_programs.plan``)."""
         row_shift(COUNTS, EXACT, CUT, SHIFTS, tl.program_id(0).to(tl.int64), L, BLOCK)
