@@ -693,17 +693,17 @@ MUTATIONS = [
         "a row's first part to finish merges the row, before the other parts are written",
     ),
     mutation(
-        "fused-prologue-drops-the-last-chunk",
-        "plugins/kernels/flash_step.py",
+        "fused-prologue-grows-the-next-chunk",
+        "plugins/kernels/flash_step_programs.py",
         [
             (
-                'pq_project[(B * H, 1 + triton.cdiv(growth["C"], growth["STATS_C"]))](',
-                'pq_project[(B * H, triton.cdiv(growth["C"], growth["STATS_C"]))](',
+                "            _grow_chunk(\n                head,\n                part - 1,",
+                "            _grow_chunk(\n                head,\n                part,",
             )
         ],
         ("tests/test_flash_step.py",),
-        "PQS's prologue launches a part too few: the last chunk of clusters never takes the leaving row, and its "
-        "statistics are not written",
+        "the prologue gives each growth program the next chunk of clusters: the first 16 never take the leaving row, "
+        "and their statistics are not written",
     ),
     mutation(
         "fused-step-arrivals-not-zeroed",

@@ -5,12 +5,12 @@ allocation and flash's kernels (docs/design.md §2).
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
 most of the step. Where the pipeline is made of the components below, ``FlashKernel.static_step`` takes the step:
 
-1. the prologue (``FusedStep.prologue``), a grid of (batch row, KV head) × (1 + its chunks of 16 clusters): part 0
+1. ``prologue`` (``FusedStep.prologue``), a grid of (batch row, KV head) × (1 + its chunks of 16 clusters): part 0
    the selector's projection, the new row's codes and the query heads in the codes' terms — QGS: its int8 codes and
-   the heads projected on its basis (``project``); PQS, the default: each sub-space's nearest centroid and the heads'
-   tables q_m·μ_{m,c} (``pq_project``); the other parts the growth, the row leaving the local window placed in its
-   nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the chunk that
-   holds it, and each chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
+   the heads projected on its basis (``_project_row``); PQS, the default: each sub-space's nearest centroid and the
+   heads' tables q_m·μ_{m,c} (``_pq_project_row``); the other parts the growth, the row leaving the local window
+   placed in its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the
+   chunk that holds it, and each chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
 2. the selector's score kernel over the codes (``group_int8_scores``, ``group_lut_scores``);
 3. ``plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
    ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
@@ -72,7 +72,7 @@ from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
 if triton is not None:
-    from oa_plugins.kernels.flash_step_programs import pq_project, project
+    from oa_plugins.kernels.flash_step_programs import prologue
     from oa_plugins.kernels.plan_programs import plan
 
 
@@ -118,11 +118,11 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class QGSScoring:
-    """QGS's part of the step: ``project`` writes the new row's int8 codes and projects the query heads on the QGS
-    basis; ``group_int8_scores`` scores every position's codes."""
+    """QGS's part of the step: the prologue's projection writes the new row's int8 codes and projects the query heads
+    on the QGS basis; ``group_int8_scores`` scores every position's codes."""
 
     # The programs it launches: the projection, the scores; with a re-rank, the scores and the shortlist's seven.
-    LAUNCHES = ("project", "_group_int8_scores")
+    LAUNCHES = ("prologue", "_group_int8_scores")
     SHORTLIST = ("_group_int8_scores", *["radix_pass"] * 4, "cut_row", "compact", "exact_logits")
 
     def __init__(self, state) -> None:
@@ -131,19 +131,21 @@ class QGSScoring:
             raise ValueError("fused static step: the codes and scales must be contiguous (the kernels' layout)")
         self.basis = index.basis.float().contiguous()  # constant through decoding: a row-major copy
 
-    def project(self, state, query: Tensor, keys: Tensor, growth: dict) -> Tensor:
+    def project(self, state, query: Tensor, keys: Tensor, grid: tuple[int, int], growth: dict) -> Tensor:
         """The projection and ``growth`` (``FusedStep.prologue``'s arguments of ``_grow_chunk``) in one launch."""
         B, Hq = query.shape[:2]
         H = keys.shape[1]
         g, r = Hq // H, self.basis.shape[-1]
         projected = torch.empty(B, H, g, r, dtype=torch.float32, device=query.device)
-        project[(B * H, 1 + triton.cdiv(growth["C"], growth["STATS_C"]))](
-            BASIS=self.basis,
+        prologue[grid](
+            SPACE=self.basis,
             CODES=state.index.codes,
             SCALES=state.index.scales,
-            QP=projected,
+            OUT=projected,
+            PQ=False,
             R=r,
             BLOCK_R=triton.next_power_of_2(r),
+            **dict.fromkeys(("M", "CC", "DIMS", "W", "PACKED", "BLOCK_M", "BLOCK_CC", "BLOCK_DIMS"), 1),
             **growth,
         )
         return projected
@@ -158,11 +160,11 @@ class QGSScoring:
 
 
 class PQSScoring:
-    """PQS's part of the step: ``pq_project`` writes the new row's codes (each sub-space's nearest centroid) and the
-    query heads' tables; ``group_lut_scores`` sums every position's table entries."""
+    """PQS's part of the step: the prologue's projection writes the new row's codes (each sub-space's nearest
+    centroid) and the query heads' tables; ``group_lut_scores`` sums every position's table entries."""
 
-    BLOCK_C = 16  # centroids per tile of ``pq_project``
-    LAUNCHES = ("pq_project", "_group_lut_scores")
+    BLOCK_C = 16  # centroids per tile of ``_pq_project_row``
+    LAUNCHES = ("prologue", "_group_lut_scores")
     SHORTLIST = ("pq_scores", "pq_cut", "pq_list")  # the scores and the shortlist
 
     def __init__(self, state) -> None:
@@ -170,7 +172,7 @@ class PQSScoring:
             raise ValueError("fused static step: the codes must be contiguous (the kernels' layout)")
         self.centroids = state.index.centroids.float().contiguous()  # [B, Hkv, M, C, dims], constant
 
-    def project(self, state, query: Tensor, keys: Tensor, growth: dict) -> Tensor:
+    def project(self, state, query: Tensor, keys: Tensor, grid: tuple[int, int], growth: dict) -> Tensor:
         """The codes and tables and ``growth`` (``FusedStep.prologue``'s arguments of ``_grow_chunk``) in one
         launch."""
         B, Hq = query.shape[:2]
@@ -178,10 +180,14 @@ class PQSScoring:
         M, C, dims = self.centroids.shape[2:]
         g = Hq // H
         tables = torch.empty(B, H, g, M, C, dtype=torch.float32, device=query.device)
-        pq_project[(B * H, 1 + triton.cdiv(growth["C"], growth["STATS_C"]))](
-            TABLE_CENT=self.centroids,
+        prologue[grid](
+            SPACE=self.centroids,
             CODES=state.index.codes,
-            TABLES=tables,
+            SCALES=tables,  # (QGS's: not read)
+            OUT=tables,
+            PQ=True,
+            R=1,
+            BLOCK_R=1,
             M=M,
             CC=C,
             DIMS=dims,
@@ -386,7 +392,8 @@ class FusedStep:
             STATS_C=STATS_CLUSTERS,
             num_warps=4,
         )
-        return self.scoring.project(state, query, keys, growth), mean_logit, logit_var
+        grid = (B * H, 1 + triton.cdiv(C, STATS_CLUSTERS))
+        return self.scoring.project(state, query, keys, grid, growth), mean_logit, logit_var
 
     def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G):
         """The plan's launch into ``outputs`` (quotas, offsets, runs, the index, its log weights, the flash pass's

@@ -1,6 +1,5 @@
-"""The Triton programs of the fused decode step's first launch (``flash_step.py`` launches them): the new row's codes
-(QGS's or PQS's) and the query heads in their terms, with the state's growth. The step's read plan:
-``plan_programs.py``."""
+"""The fused decode step's first launch (``prologue``; ``flash_step.py`` launches it): the new row's codes (QGS's or
+PQS's) and the query heads in their terms, with the state's growth. The step's read plan: ``plan_programs.py``."""
 
 from __future__ import annotations
 
@@ -231,19 +230,15 @@ if triton is not None:
             q = tl.load(Q + b * sq_b + (h * G + i) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
             store_logit_stats(mean, var, q, scale, MEAN_LOGIT, LOGIT_VAR, (head * G + i) * C + offs_s, s_ok)
 
-    # The step's first launch, a grid (batch row × KV head, 1 + the chunks of STATS_C clusters): part 0 of each
-    # (batch row, KV head) the selector's projection, part j > 0 the growth of the j-th chunk of clusters. Neither reads
-    # what the other writes (the growth reads no codes).
-
     @triton.jit
-    def project(
+    def prologue(
         K,
         Q,
         LENGTH,
-        BASIS,
+        SPACE,
         CODES,
         SCALES,
-        QP,
+        OUT,
         V,
         PROJ,
         CENT,
@@ -277,118 +272,9 @@ if triton is not None:
         BLOCK_RC: tl.constexpr,
         BLOCK_C: tl.constexpr,
         STATS_C: tl.constexpr,
+        PQ: tl.constexpr,
         R: tl.constexpr,
         BLOCK_R: tl.constexpr,
-    ):
-        """QGS's projection (``_project_row``) and the growth (``_grow_chunk``)."""
-        head = tl.program_id(0).to(tl.int64)
-        part = tl.program_id(1)
-        if part == 0:
-            _project_row(
-                head,
-                K,
-                Q,
-                LENGTH,
-                BASIS,
-                CODES,
-                SCALES,
-                QP,
-                sk_b,
-                sk_h,
-                sk_n,
-                sq_b,
-                sq_h,
-                Hkv,
-                CAP,
-                G,
-                D,
-                BLOCK_D,
-                R,
-                BLOCK_R,
-            )
-        else:
-            _grow_chunk(
-                head,
-                part - 1,
-                K,
-                V,
-                Q,
-                LENGTH,
-                PROJ,
-                CENT,
-                ASSIGNMENT,
-                COUNT,
-                KSUM,
-                VSUM,
-                KSQ,
-                MEMBERS,
-                MEMBER_COUNT,
-                MEAN_LOGIT,
-                LOGIT_VAR,
-                sk_b,
-                sk_h,
-                sk_n,
-                sv_b,
-                sv_h,
-                sv_n,
-                sq_b,
-                sq_h,
-                Hkv,
-                CAP,
-                C,
-                S,
-                LOCAL,
-                scale,
-                G,
-                D,
-                BLOCK_D,
-                RC,
-                BLOCK_RC,
-                BLOCK_C,
-                STATS_C,
-            )
-
-    @triton.jit
-    def pq_project(
-        K,
-        Q,
-        LENGTH,
-        TABLE_CENT,
-        CODES,
-        TABLES,
-        V,
-        PROJ,
-        CENT,
-        ASSIGNMENT,
-        COUNT,
-        KSUM,
-        VSUM,
-        KSQ,
-        MEMBERS,
-        MEMBER_COUNT,
-        MEAN_LOGIT,
-        LOGIT_VAR,
-        sk_b,
-        sk_h,
-        sk_n,
-        sv_b,
-        sv_h,
-        sv_n,
-        sq_b,
-        sq_h,
-        Hkv,
-        CAP,
-        C,
-        S,
-        LOCAL,
-        scale,
-        G: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        RC: tl.constexpr,
-        BLOCK_RC: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        STATS_C: tl.constexpr,
         M: tl.constexpr,
         CC: tl.constexpr,
         DIMS: tl.constexpr,
@@ -398,36 +284,63 @@ if triton is not None:
         BLOCK_CC: tl.constexpr,
         BLOCK_DIMS: tl.constexpr,
     ):
-        """PQS's projection (``_pq_project_row``: CC centroids a sub-space, TABLE_CENT) and the growth
-        (``_grow_chunk``)."""
+        """The step's first launch, a program per (batch row, KV head) and part: part 0 the selector's projection —
+        PQ: PQS's codes and tables (``_pq_project_row``: SPACE its centroids, CC a sub-space, OUT the tables), else
+        QGS's codes and projected heads (``_project_row``: SPACE its basis, OUT the heads, R its rank) — and part j > 0
+        the growth of the j-th chunk of STATS_C clusters (``_grow_chunk``). Neither reads what the other writes (the
+        growth reads no codes). The other selector's arguments are placeholders."""
         head = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         if part == 0:
-            _pq_project_row(
-                head,
-                K,
-                Q,
-                LENGTH,
-                TABLE_CENT,
-                CODES,
-                TABLES,
-                sk_b,
-                sk_h,
-                sk_n,
-                sq_b,
-                sq_h,
-                Hkv,
-                CAP,
-                G,
-                M,
-                CC,
-                DIMS,
-                W,
-                PACKED,
-                BLOCK_M,
-                BLOCK_CC,
-                BLOCK_DIMS,
-            )
+            if PQ:
+                _pq_project_row(
+                    head,
+                    K,
+                    Q,
+                    LENGTH,
+                    SPACE,
+                    CODES,
+                    OUT,
+                    sk_b,
+                    sk_h,
+                    sk_n,
+                    sq_b,
+                    sq_h,
+                    Hkv,
+                    CAP,
+                    G,
+                    M,
+                    CC,
+                    DIMS,
+                    W,
+                    PACKED,
+                    BLOCK_M,
+                    BLOCK_CC,
+                    BLOCK_DIMS,
+                )
+            else:
+                _project_row(
+                    head,
+                    K,
+                    Q,
+                    LENGTH,
+                    SPACE,
+                    CODES,
+                    SCALES,
+                    OUT,
+                    sk_b,
+                    sk_h,
+                    sk_n,
+                    sq_b,
+                    sq_h,
+                    Hkv,
+                    CAP,
+                    G,
+                    D,
+                    BLOCK_D,
+                    R,
+                    BLOCK_R,
+                )
         else:
             _grow_chunk(
                 head,
