@@ -120,7 +120,7 @@ class FlashKernel(Kernel):
         return self.sparse(query, keys, values, selection, proxies, scale)
 
     def static_step(self, state):
-        """``flash_step.FusedStep``: the whole step in six to nine launches, where the pipeline's other components
+        """``flash_step.FusedStep``: the whole step in a few launches, where the pipeline's other components
         are the components it fuses (QGC, QGS or PQS, ErrorGate) and the state's device runs Triton; else None."""
         from oa_plugins.kernels.flash_step import FusedStep, fused_unsupported
 

@@ -1,5 +1,6 @@
-"""The fast decode path's whole step in five to eight launches, for QGC's clusters, QGS's or PQS's codes, ErrorGate's
-allocation and flash's kernels (docs/design.md §2).
+"""The fast decode path's whole step in a few launches — the default's: six a layer with the CUDA shortlist, seven
+with Triton's (``FusedStep.launches``) — for QGC's clusters, QGS's or PQS's codes, ErrorGate's allocation and flash's
+kernels (docs/design.md §2).
 
 ``StaticState.step`` composes the components' own steps, about fifty launches a layer: most are a few microseconds
 of glue (casts, index arithmetic, cumulative sums, the new row's codes in torch), and at decode shapes that glue is
