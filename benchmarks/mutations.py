@@ -693,19 +693,6 @@ MUTATIONS = [
         "a row's first part to finish merges the row, before the other parts are written",
     ),
     mutation(
-        "fused-prologue-grows-the-next-chunk",
-        "plugins/kernels/flash_step_programs.py",
-        [
-            (
-                "            _grow_chunk(\n                head,\n                part - 1,",
-                "            _grow_chunk(\n                head,\n                part,",
-            )
-        ],
-        ("tests/test_flash_step.py",),
-        "the prologue gives each growth program the next chunk of clusters: the first 16 never take the leaving row, "
-        "and their statistics are not written",
-    ),
-    mutation(
         "fused-step-arrivals-not-zeroed",
         "plugins/kernels/plan_programs.py",
         [("        tl.store(ARRIVALS + p, (p * 0).to(tl.int32))\n", "")],
