@@ -3,12 +3,12 @@
     python benchmarks/studies/kernel_resources.py                       # head dims 64, 128, 256 → JSON on stdout
     python benchmarks/studies/kernel_resources.py --dims 256 --out benchmarks/studies/results/kernel_resources_sm90.json
 
-Each kernel is compiled with the block sizes and launch options its caller picks at that head dim (``flash``'s pass,
-key k-means' Lloyd step, nearest centroid and k-means++), and read back from the cubin: registers, the stack a thread
-spills to (``cuobjdump -res-usage``) and the shared memory. A kernel whose shared memory passes the 227 KB an sm_90
-block can have does not launch; a large stack is reserved by the driver for every thread the GPU can hold (2048 per
-SM × 132 SMs: 1 GiB per process at 4 KB), which ran ten ranks on one H200 out of memory at Gemma-3's head dim 256.
-``tests/plugins/test_kernel_resources.py`` holds every kernel to these limits.
+Each kernel is compiled with the block sizes and launch options its caller picks at that head dim (``flash``'s pass, key
+k-means' Lloyd step, nearest centroid and k-means++, PQS's shortlist and the fused step's prologue), and read back from
+the cubin: registers, the stack a thread spills to (``cuobjdump -res-usage``) and the shared memory. A kernel whose
+shared memory passes the 227 KB an sm_90 block can have does not launch; a large stack is reserved by the driver for
+every thread the GPU can hold (2048 per SM × 132 SMs: 1 GiB per process at 4 KB), which ran ten ranks on one H200 out of
+memory at Gemma-3's head dim 256. ``tests/plugins/test_kernel_resources.py`` holds every kernel to these limits.
 
 Needs Triton's NVIDIA backend (its ptxas and cuobjdump ship in the wheel), not a GPU; runs with TRITON_INTERPRET
 unset (the interpreter's kernels cannot be compiled).
@@ -163,9 +163,29 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
             }
         )
         rows += pq_shortlist_rows(dim, first=dim == dims[0])
+        rows.append(prologue_row(dim))
     for row in rows:
         row["fits"] = row["shared"] <= SHARED_LIMIT and row["stack"] <= STACK_LIMIT
     return rows
+
+
+def prologue_row(dim: int) -> dict:
+    """The fused step's first launch for the default (PQS's codes and tables with QGC's growth, 4 query heads a KV
+    head, 64 clusters of rank 16) at ``dim``, bf16 keys."""
+    from oa_plugins.kernels import flash_step_programs
+    from oa_plugins.selectors.pq import code_block
+
+    M = dim // 2
+    constants = dict(G=4, D=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()), RC=16, BLOCK_RC=16, BLOCK_C=64)
+    constants.update(STATS_C=16, PQ=True, R=1, BLOCK_R=1, M=M, CC=16, DIMS=2, W=M // 2, PACKED=True)
+    constants.update(BLOCK_M=code_block(M), BLOCK_CC=16, BLOCK_DIMS=2)
+    types = dict(K="*bf16", Q="*bf16", V="*bf16", LENGTH="*i64", CODES="*u8", ASSIGNMENT="*i64", MEMBERS="*i32")
+    types.update(MEMBER_COUNT="*i64", scale="fp32", sk_b="i64", sk_h="i64", sk_n="i64", sv_b="i64", sv_h="i64")
+    types.update(sv_n="i64", sq_b="i64", sq_h="i64")
+    for name in ("SPACE", "SCALES", "OUT", "PROJ", "CENT", "COUNT", "KSUM", "VSUM", "KSQ", "MEAN_LOGIT", "LOGIT_VAR"):
+        types[name] = "*fp32"
+    usage = _compile(flash_step_programs.prologue, types, constants, num_warps=4)
+    return {"kernel": "flash_step_programs.prologue", "dim": dim, "dtype": "bf16", **usage}
 
 
 def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
