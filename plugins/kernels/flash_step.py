@@ -132,24 +132,14 @@ class QGSScoring:
             raise ValueError("fused static step: the codes and scales must be contiguous (the kernels' layout)")
         self.basis = index.basis.float().contiguous()  # constant through decoding: a row-major copy
 
-    def project(self, state, query: Tensor, keys: Tensor, grid: tuple[int, int], growth: dict) -> Tensor:
-        """The projection and ``growth`` (``FusedStep.prologue``'s arguments of ``_grow_chunk``) in one launch."""
+    def projection(self, state, query: Tensor, keys: Tensor) -> tuple[Tensor, dict]:
+        """The prologue's projection: its output (the heads projected, ``[B, Hkv, g, r]``) and its arguments."""
         B, Hq = query.shape[:2]
         H = keys.shape[1]
         g, r = Hq // H, self.basis.shape[-1]
         projected = torch.empty(B, H, g, r, dtype=torch.float32, device=query.device)
-        prologue[grid](
-            SPACE=self.basis,
-            CODES=state.index.codes,
-            SCALES=state.index.scales,
-            OUT=projected,
-            PQ=False,
-            R=r,
-            BLOCK_R=triton.next_power_of_2(r),
-            **dict.fromkeys(("M", "CC", "DIMS", "W", "PACKED", "BLOCK_M", "BLOCK_CC", "BLOCK_DIMS"), 1),
-            **growth,
-        )
-        return projected
+        args = dict(SPACE=self.basis, CODES=state.index.codes, SCALES=state.index.scales, OUT=projected, PQ=False)
+        return projected, {**args, "R": r, "BLOCK_R": triton.next_power_of_2(r)}
 
     def score(self, state, projected: Tensor, scores: Tensor, G: int) -> None:
         group_int8_scores(projected, state.index.codes, state.index.scales, state.scale, 1, G, out=scores)
@@ -173,22 +163,18 @@ class PQSScoring:
             raise ValueError("fused static step: the codes must be contiguous (the kernels' layout)")
         self.centroids = state.index.centroids.float().contiguous()  # [B, Hkv, M, C, dims], constant
 
-    def project(self, state, query: Tensor, keys: Tensor, grid: tuple[int, int], growth: dict) -> Tensor:
-        """The codes and tables and ``growth`` (``FusedStep.prologue``'s arguments of ``_grow_chunk``) in one
-        launch."""
+    def projection(self, state, query: Tensor, keys: Tensor) -> tuple[Tensor, dict]:
+        """The prologue's projection: its output (the heads' tables, ``[B, Hkv, g, M, C]``) and its arguments."""
         B, Hq = query.shape[:2]
         H = keys.shape[1]
         M, C, dims = self.centroids.shape[2:]
         g = Hq // H
         tables = torch.empty(B, H, g, M, C, dtype=torch.float32, device=query.device)
-        prologue[grid](
+        return tables, dict(
             SPACE=self.centroids,
             CODES=state.index.codes,
-            SCALES=tables,  # (QGS's: not read)
             OUT=tables,
             PQ=True,
-            R=1,
-            BLOCK_R=1,
             M=M,
             CC=C,
             DIMS=dims,
@@ -197,9 +183,7 @@ class PQSScoring:
             BLOCK_M=code_block(M),
             BLOCK_CC=min(self.BLOCK_C, triton.next_power_of_2(C)),
             BLOCK_DIMS=triton.next_power_of_2(dims),
-            **growth,
         )
-        return tables
 
     def score(self, state, tables: Tensor, scores: Tensor, G: int) -> None:
         B, H = tables.shape[:2]
@@ -305,15 +289,17 @@ class FusedStep:
         # Without a floor the plan and the selector's scores do not read what the other writes: in a CUDA graph the
         # plan runs on a second stream of high priority beside the scores (the graph holds two branches). The scores
         # fill the device with programs; the priority lets the plan's in first. Every tensor the second stream touches
-        # is allocated on the first, which waits for it. The plan's outputs, and the flash pass's arrivals (the plan
-        # zeroes them).
+        # is allocated on the first, which waits for it.
         scores = torch.empty(rows, cap, dtype=torch.float32, device=device)
         quotas = torch.empty(rows, C, dtype=torch.long, device=device)
         offsets = torch.empty(rows, C, dtype=torch.long, device=device)
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        outputs = (quotas, offsets, runs, chosen, log_weight, torch.empty(rows, dtype=torch.int32, device=device))
+        arrivals = torch.empty(
+            rows, dtype=torch.int32, device=device
+        )  # the flash pass's counters: the plan zeroes them
+        outputs = (quotas, offsets, runs, chosen, log_weight, arrivals)
         floor = self.two_stage is not None and self.two_stage.floor > 0
         budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
         # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
@@ -346,11 +332,11 @@ class FusedStep:
             runs.view(B, H, Gs, 1, C + 1),
         )
         proxies = pipe.tail_proxies(state.pooled, state.assignment)
-        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, outputs[-1])
+        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, arrivals)
         return out, selection
 
     def prologue(self, state, query: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The step's first launch: the selector's projection (``scoring.project``: QGS's projected heads or PQS's
+        """The step's first launch: the selector's projection (``scoring.projection``: QGS's projected heads or PQS's
         tables, returned) and the growth — the row leaving the window joined to its QGC cluster, each chunk's logit
         statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``)."""
         B, Hq, _, D = query.shape
@@ -393,8 +379,12 @@ class FusedStep:
             STATS_C=STATS_CLUSTERS,
             num_warps=4,
         )
-        grid = (B * H, 1 + triton.cdiv(C, STATS_CLUSTERS))
-        return self.scoring.project(state, query, keys, grid, growth), mean_logit, logit_var
+        prepared, projection = self.scoring.projection(state, query, keys)
+        # The other selector's arguments: placeholders its branch never reads.
+        unused = dict(SCALES=prepared, R=1, BLOCK_R=1, M=1, CC=1, DIMS=1, W=1, PACKED=False, BLOCK_M=1, BLOCK_CC=1)
+        unused.update(BLOCK_DIMS=1)
+        prologue[(B * H, 1 + triton.cdiv(C, STATS_CLUSTERS))](**{**unused, **projection, **growth})
+        return prepared, mean_logit, logit_var
 
     def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G):
         """The plan's launch into ``outputs`` (quotas, offsets, runs, the index, its log weights, the flash pass's

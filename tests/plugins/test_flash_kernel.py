@@ -162,6 +162,20 @@ def test_lengths_not_a_multiple_of_the_block(tokens):
     _compare(_case(tokens=tokens, density=0.5, batch=3, kv_heads=1, group=4, seed=5), 1e-4)
 
 
+def test_the_pass_counts_its_parts_on_zeros_it_is_given_and_refuses_others():
+    """``FlashKernel.sparse`` takes the row counters its parts count their arrival on (the fused step's, which its plan
+    zeroes): zeros give ``attend``'s output; a counter of another length, dtype or device is refused, by name."""
+    query, keys, values, selection, proxies, scale = _case()
+    kernel = FlashKernel()
+    expected, _ = kernel.attend(query, keys, values, selection, proxies, scale)
+    rows = selection.index[..., 0].numel()
+    out, _ = kernel.sparse(query, keys, values, selection, proxies, scale, torch.zeros(rows, dtype=torch.int32))
+    assert torch.equal(out, expected)
+    for bad in (torch.zeros(rows + 1, dtype=torch.int32), torch.zeros(rows, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=rf"flash: arrivals must be int32 \[{rows}\] on cpu, got"):
+            kernel.sparse(query, keys, values, selection, proxies, scale, bad)
+
+
 def test_dense_attend_and_fallback_reason(monkeypatch):
     query, keys, values, _, _, scale = _case()
     kernel = FlashKernel()
