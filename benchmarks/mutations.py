@@ -700,6 +700,31 @@ MUTATIONS = [
         "the fused step's plan leaves the flash pass's counters as the allocator gave them: a row may be merged by "
         "the wrong part, or never",
     ),
+    mutation(
+        "fused-step-plan-at-the-first-exact-logits",
+        "plugins/kernels/plan_programs.py",
+        [
+            (
+                'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:',
+                'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == 0:',
+            )
+        ],
+        ("tests/test_flash_step.py",),
+        "a row's first program of the exact logits to finish runs the row's plan, before the others' logits are "
+        "written: its shift and floor read entries not yet there",
+    ),
+    mutation(
+        "fused-step-listing-counters-not-zeroed",
+        "plugins/kernels/flash_step_programs.py",
+        [
+            (
+                "tl.store(FINISHED + head * ROWS + rows, tl.zeros([BLOCK_ROWS], tl.int32), mask=rows < ROWS)",
+                "pass",
+            )
+        ],
+        ("tests/test_flash_step.py",),
+        "the prologue leaves the shortlist's counters as the allocator gave them: a row's plan may run early, or never",
+    ),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation(
         "triton-selection-ties-to-the-last-position",

@@ -323,9 +323,9 @@ def test_pqs_cut_of_scores_that_share_their_first_digits_is_the_stable_sorts():
 )
 def test_a_step_launches_what_it_declares(stages, monkeypatch):
     """``FusedStep.launches`` — what the cost model counts — is what a step launches, program for program (counted
-    at the interpreter's launch); the default's step (Triton's shortlist) is seven launches with one size class of
-    clusters: the growth runs in the projection's launch, and the flash pass merges each row's parts in its last
-    program."""
+    at the interpreter's launch); the default's step (Triton's shortlist) is six launches with one size class of
+    clusters: the growth runs in the projection's launch, the plan in the listing's, and the flash pass merges each
+    row's parts in its last program."""
     from collections import Counter
 
     from triton.runtime.interpreter import InterpretedFunction
@@ -347,8 +347,8 @@ def test_a_step_launches_what_it_declares(stages, monkeypatch):
     state.fused.run(state, keys[:, :, 120:121].repeat_interleave(3, 1), cache_k, cache_v)
     assert Counter(launched) == Counter(declared)
     if stages is PQS_TWO_STAGE:
-        assert len(declared) == 6 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
-        assert "merge" not in declared and "grow" not in declared
+        assert len(declared) == 5 + declared.count("_select_kernel") and declared.count("_select_kernel") >= 1
+        assert not {"merge", "grow", "plan", "refine"} & set(declared)
 
 
 def test_a_floor_above_the_shortlist_composes_its_own_step():

@@ -52,7 +52,6 @@ ATTENTION_KERNELS = (
     "compact",
     "pq_",
     "exact_logits",
-    "refine",
     "_select_kernel",
     "sparse_pass",
     "merge",

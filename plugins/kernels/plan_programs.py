@@ -1,5 +1,8 @@
 """The fused decode step's read plan (``flash_step.py`` launches it): each selection row's quotas — ErrorGate's
-priority water-filled, after its floor — and its index laid out."""
+priority water-filled, after its floor — and its index laid out (``plan_row``). Without a shortlist it is a launch of
+its own (``plan``); with one, the last program of the row's listing runs it (``exact_logits`` here, PQS's ``pq_list``):
+each of the listing's programs counts its arrival on a counter that starts at zero, an atomic that publishes its
+stores, as the flash pass's parts do before their merge."""
 
 from __future__ import annotations
 
@@ -8,13 +11,14 @@ from oa_core.ops.triton_path import tl, triton
 if triton is not None:
     from oa_core.ops.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
-    from oa_plugins.kernels.two_stage_programs import floor_counts, row_budget, row_shift
+    from oa_plugins.kernels.two_stage_programs import exact_chunk, floor_counts, row_budget, row_shift
 
 
 if triton is not None:
 
     @triton.jit
-    def plan(
+    def plan_row(
+        p,
         MEAN_LOGIT,
         LOGIT_VAR,
         COUNT,
@@ -48,14 +52,14 @@ if triton is not None:
         BLOCK_G: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_F: tl.constexpr,
+        LISTING: tl.constexpr,
         FLOOR: tl.constexpr,
         RADIX_BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
-        """Program (batch row, KV head, selection head): the quotas, and the row's index laid out; the row's counter
-        of the flash pass's parts zeroed (``sparse_pass``'s ``ARRIVALS``). FLOOR: after the shortlist, whose shift
-        (``row_shift``) and floor (``floor_counts``) the program takes first."""
-        p = tl.program_id(0).to(tl.int64)
+        """Selection row ``p`` (batch row, KV head, selection head): the quotas, and the row's index laid out; the
+        row's counter of the flash pass's parts zeroed (``sparse_pass``'s ``ARRIVALS``). LISTING: after the shortlist,
+        whose shift (``row_shift``) the row takes first; FLOOR: and the floor (``floor_counts``) before the rest."""
         b = p // (Gs * Hkv)
         h = (p // Gs) % Hkv
         s = p % Gs
@@ -72,8 +76,9 @@ if triton is not None:
         row = row_log_priority(mean_logit, logit_var, count, G, LIBDEVICE)
         length = tl.load(LENGTH).to(tl.int64)
         budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
-        if FLOOR:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
+        if LISTING:
             row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
+        if FLOOR:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
             first = floor_counts(
                 ASSIGNMENT,
                 LENGTH,
@@ -122,3 +127,216 @@ if triton is not None:
             cols = start + offs_f
             tl.store(INDEX + p * WIDTH + cols, tl.full([BLOCK_F], -1, tl.int64), mask=(cols >= end) & (cols < WIDTH))
             tl.store(LW + p * WIDTH + cols, tl.zeros([BLOCK_F], tl.float32), mask=cols < WIDTH)
+
+    @triton.jit
+    def plan(
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        COUNT,
+        LENGTH,
+        START,
+        DENSITY,
+        FIXED_BASE,
+        FIXED_MOVES,
+        ASSIGNMENT,
+        FLOOR_SHARE,
+        LISTED,
+        LISTED_COUNTS,
+        EXACT,
+        CUT,
+        SHIFTS,
+        QUOTAS,
+        OFFSETS,
+        RUNS,
+        INDEX,
+        LW,
+        ARRIVALS,
+        Hkv,
+        Gs,
+        C,
+        F,
+        WIDTH,
+        TOKENS,
+        CAP,
+        L,
+        G: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+        LISTING: tl.constexpr,
+        FLOOR: tl.constexpr,
+        RADIX_BLOCK: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
+        """The plan's own launch, a program per selection row (``plan_row``): for a step without a shortlist."""
+        plan_row(
+            tl.program_id(0).to(tl.int64),
+            MEAN_LOGIT,
+            LOGIT_VAR,
+            COUNT,
+            LENGTH,
+            START,
+            DENSITY,
+            FIXED_BASE,
+            FIXED_MOVES,
+            ASSIGNMENT,
+            FLOOR_SHARE,
+            LISTED,
+            LISTED_COUNTS,
+            EXACT,
+            CUT,
+            SHIFTS,
+            QUOTAS,
+            OFFSETS,
+            RUNS,
+            INDEX,
+            LW,
+            ARRIVALS,
+            Hkv,
+            Gs,
+            C,
+            F,
+            WIDTH,
+            TOKENS,
+            CAP,
+            L,
+            G,
+            BLOCK_G,
+            BLOCK_C,
+            BLOCK_F,
+            LISTING,
+            FLOOR,
+            RADIX_BLOCK,
+            LIBDEVICE,
+        )
+
+    @triton.jit
+    def exact_logits(
+        K,
+        Q,
+        SCORES,
+        FINISHED,
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        COUNT,
+        LENGTH,
+        START,
+        DENSITY,
+        FIXED_BASE,
+        FIXED_MOVES,
+        ASSIGNMENT,
+        FLOOR_SHARE,
+        LISTED,
+        LISTED_COUNTS,
+        EXACT,
+        CUT,
+        SHIFTS,
+        QUOTAS,
+        OFFSETS,
+        RUNS,
+        INDEX,
+        LW,
+        ARRIVALS,
+        sk_b,
+        sk_h,
+        sk_n,
+        sq_b,
+        sq_h,
+        Hkv,
+        Gs,
+        C,
+        F,
+        WIDTH,
+        TOKENS,
+        CAP,
+        L,
+        scale,
+        G: tl.constexpr,
+        GQ: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+        PLAN: tl.constexpr,
+        FLOOR: tl.constexpr,
+        RADIX_BLOCK: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+    ):
+        """Program (selection row, chunk of BLOCK_L listed entries): the entries' exact logits (``exact_chunk``); then
+        each program counts its arrival at ``FINISHED + p`` (zero before the launch) and the row's last runs the row's
+        plan after its shortlist (PLAN, ``plan_row``: the shift, with FLOOR the floor, the quotas, the index) or only
+        its shift."""
+        p = tl.program_id(0).to(tl.int64)
+        exact_chunk(
+            K,
+            Q,
+            SCORES,
+            LISTED,
+            LISTED_COUNTS,
+            EXACT,
+            p,
+            sk_b,
+            sk_h,
+            sk_n,
+            sq_b,
+            sq_h,
+            Hkv,
+            Gs,
+            L,
+            CAP,
+            scale,
+            G,
+            GQ,
+            D,
+            BLOCK_D,
+            BLOCK_L,
+        )
+        # The arrival: after every thread's stores (the barrier), released with them at the device's scope; the last
+        # program acquires the others' exact logits.
+        tl.debug_barrier()
+        if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            if PLAN:
+                plan_row(
+                    p,
+                    MEAN_LOGIT,
+                    LOGIT_VAR,
+                    COUNT,
+                    LENGTH,
+                    START,
+                    DENSITY,
+                    FIXED_BASE,
+                    FIXED_MOVES,
+                    ASSIGNMENT,
+                    FLOOR_SHARE,
+                    LISTED,
+                    LISTED_COUNTS,
+                    EXACT,
+                    CUT,
+                    SHIFTS,
+                    QUOTAS,
+                    OFFSETS,
+                    RUNS,
+                    INDEX,
+                    LW,
+                    ARRIVALS,
+                    Hkv,
+                    Gs,
+                    C,
+                    F,
+                    WIDTH,
+                    TOKENS,
+                    CAP,
+                    L,
+                    G,
+                    BLOCK_G,
+                    BLOCK_C,
+                    BLOCK_F,
+                    True,
+                    FLOOR,
+                    RADIX_BLOCK,
+                    LIBDEVICE,
+                )
+            else:  # the shift alone (a shortlist without the plan: tests, studies)
+                row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)

@@ -9,11 +9,13 @@ from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
     from oa_core.ops.selection import listed_box
+    from oa_plugins.kernels.plan_programs import plan_row
     from oa_plugins.kernels.two_stage_programs import (
         digit_histogram,
         pick_digit,
         radix_digit,
         row_budget,
+        row_shift,
         unsigned_key,
     )
     from oa_plugins.selectors.pq import load_codes, lut_sums
@@ -168,19 +170,41 @@ if triton is not None:
         K,
         Q,
         SCORES,
-        LENGTH,
-        LISTED,
-        EXACT,
-        CUT,
         TIES,
         PLACES,
         SCRATCH,
+        FINISHED,
+        MEAN_LOGIT,
+        LOGIT_VAR,
+        COUNT,
+        LENGTH,
+        START,
+        DENSITY,
+        FIXED_BASE,
+        FIXED_MOVES,
+        ASSIGNMENT,
+        FLOOR_SHARE,
+        LISTED,
+        LISTED_COUNTS,
+        EXACT,
+        CUT,
+        SHIFTS,
+        QUOTAS,
+        OFFSETS,
+        RUNS,
+        INDEX,
+        LW,
+        ARRIVALS,
         sk_b,
         sk_h,
         sk_n,
         sq_b,
         sq_h,
         Hkv,
+        C,
+        F,
+        WIDTH,
+        TOKENS,
         CAP,
         L,
         S,
@@ -193,11 +217,21 @@ if triton is not None:
         SEGMENT: tl.constexpr,
         BLOCK_L: tl.constexpr,
         BLOCK_U: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+        PLAN: tl.constexpr,
+        FLOOR: tl.constexpr,
+        RADIX_BLOCK: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
     ):
         """Program (batch row · KV head, segment): the segment's listed positions of each of the head's GS selection
         rows, at the segment's place in the row's shortlist (position order: every key above τ, the ties at τ until
         the row's are taken), and their exact logits (s·max over the row's G query heads of q·k) — a K row read once
-        for every row that lists it. SCRATCH: ``(1 + BLOCK_GS) · BLOCK_L`` int32 a program."""
+        for every row that lists it. SCRATCH: ``(1 + BLOCK_GS) · BLOCK_L`` int32 a program. Then each program counts
+        its arrival at ``FINISHED`` + the head's first row (zero before the launch), and the head's last runs its rows'
+        plans after their shortlists (PLAN, ``plan_row``: the shift, with FLOOR the floor, the quotas, the index) or
+        only their shifts."""
         head = tl.program_id(0).to(tl.int64)
         segment = tl.program_id(1)
         scratch = SCRATCH + (head * S + segment) * ((1 + BLOCK_GS) * BLOCK_L)
@@ -261,3 +295,50 @@ if triton is not None:
                 tl.debug_barrier()  # read before the next block writes
                 counts += tl.sum(keep.to(tl.int32), axis=1)
                 tied += tl.sum(tie.to(tl.int32), axis=1)
+        # The arrival (as ``exact_logits``'s): the head's last program acquires the others' entries.
+        tl.debug_barrier()
+        if tl.atomic_add(FINISHED + head * GS, 1, sem="acq_rel", scope="gpu") == S - 1:
+            for s in tl.static_range(GS):
+                if PLAN:
+                    plan_row(
+                        head * GS + s,
+                        MEAN_LOGIT,
+                        LOGIT_VAR,
+                        COUNT,
+                        LENGTH,
+                        START,
+                        DENSITY,
+                        FIXED_BASE,
+                        FIXED_MOVES,
+                        ASSIGNMENT,
+                        FLOOR_SHARE,
+                        LISTED,
+                        LISTED_COUNTS,
+                        EXACT,
+                        CUT,
+                        SHIFTS,
+                        QUOTAS,
+                        OFFSETS,
+                        RUNS,
+                        INDEX,
+                        LW,
+                        ARRIVALS,
+                        Hkv,
+                        GS,
+                        C,
+                        F,
+                        WIDTH,
+                        TOKENS,
+                        CAP,
+                        L,
+                        G,
+                        BLOCK_G,
+                        BLOCK_C,
+                        BLOCK_F,
+                        True,
+                        FLOOR,
+                        RADIX_BLOCK,
+                        LIBDEVICE,
+                    )
+                else:  # the shift alone (a shortlist without the plan: tests, studies)
+                    row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, head * GS + s, L, RADIX_BLOCK)
