@@ -705,7 +705,7 @@ MUTATIONS = [
         "plugins/kernels/plan_programs.py",
         [
             (
-                'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:',
+                'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:',
                 'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == 0:',
             )
         ],
@@ -714,16 +714,17 @@ MUTATIONS = [
         "written: its shift and floor read entries not yet there",
     ),
     mutation(
-        "fused-step-listing-counters-not-zeroed",
-        "plugins/kernels/flash_step_programs.py",
+        "fused-selection-reads-the-boxes-as-scores",
+        "plugins/kernels/plan_programs.py",
         [
             (
-                "tl.store(FINISHED + head * ROWS + rows, tl.zeros([BLOCK_ROWS], tl.int32), mask=rows < ROWS)",
-                "pass",
+                "            L,\n            BLOCK,\n            False,\n            FEW,\n            True,\n",
+                "            L,\n            BLOCK,\n            False,\n            FEW,\n            False,\n",
             )
         ],
         ("tests/test_flash_step.py",),
-        "the prologue leaves the shortlist's counters as the allocator gave them: a row's plan may run early, or never",
+        "the listing launch's selection reads the scores as written, not through their boxes: a listed row ranks by "
+        "its NaN, the others unshifted",
     ),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation(

@@ -190,17 +190,20 @@ def prologue_row(dim: int) -> dict:
 
 
 def plan_arguments() -> tuple[dict[str, str], dict]:
-    """The plan's pointer types and constants, for the launches whose last programs run it (``plan_programs``):
-    the default's (64 clusters, a floor; sink and window under 32 rows)."""
+    """The plan's and the selection's pointer types and constants, for the listing's launches that run them
+    (``plan_programs``): the default's (64 clusters, a floor; sink and window under 32 rows)."""
     from oa_plugins.kernels import two_stage
 
     types = dict.fromkeys(("MEAN_LOGIT", "LOGIT_VAR", "COUNT", "EXACT", "SHIFTS", "LW"), "*fp32")
     types.update(dict.fromkeys(("LENGTH", "START", "FIXED_BASE", "FIXED_MOVES", "ASSIGNMENT", "CUT"), "*i64"))
     types.update(dict.fromkeys(("QUOTAS", "OFFSETS", "INDEX"), "*i64"))
     types.update(dict.fromkeys(("LISTED", "LISTED_COUNTS", "RUNS", "ARRIVALS", "FINISHED"), "*i32"))
-    types.update(DENSITY="*fp64", FLOOR_SHARE="*fp64")
+    types.update(DENSITY="*fp64", FLOOR_SHARE="*fp64", MEMBERS="*i32", MEMBER_COUNTS="*i64")
     constants = dict(BLOCK_G=1, BLOCK_C=64, BLOCK_F=32, PLAN=True, FLOOR=True, RADIX_BLOCK=two_stage.RADIX_BLOCK)
-    return types, {**constants, "LIBDEVICE": True}
+    # The selection at 64 clusters of 32K positions: the first size class in registers (1024 lanes), larger
+    # clusters a block at a time.
+    selection = dict(SELECT=True, BLOCK=1024, LARGE=True, FEW=16)
+    return types, {**constants, **selection, "LIBDEVICE": True}
 
 
 def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
@@ -235,9 +238,9 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
             pq_shortlist_programs.pq_list,
             {**plan_types, **list_pointers},
             {**listing, **plan},
-            two_stage.LIST_WARPS,
+            4,  # with the selection (``two_stage.finishing``)
         ),
-        ("plan_programs.exact_logits", plan_programs.exact_logits, exact_types, exact, 4),
+        ("plan_programs.exact_logits", plan_programs.exact_logits, exact_types, exact, 4),  # (the host's warps)
     ]
     if first:
         cut_pointers = dict(SCORES="*fp32", HIST="*i32", LENGTH="*i64", START="*i64", DENSITY="*fp64", MULTIPLE="*fp64")

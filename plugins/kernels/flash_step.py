@@ -262,11 +262,13 @@ class FusedStep:
         """``launches`` for a selector's part of the step (``SCORING``'s value), with or without a re-rank, and
         ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state); ``cuda``: PQS's
         shortlist in one CUDA launch (``pq_shortlist_cuda``). With a re-rank the shortlist's last launch runs the plan
-        (each row's last program); without, the plan is a launch of its own, beside the scores in a CUDA graph."""
+        (each row's last program) and the selection; without, the plan is a launch of its own, beside the scores in a
+        CUDA graph, and the selection one per size class."""
         project, scores = scoring.LAUNCHES
         shortlist = pq_shortlist_cuda.launch_names() if cuda else scoring.SHORTLIST
-        names = [project, *shortlist] if rerank else [project, "plan", scores]
-        return [*names, *["_select_kernel"] * classes, "sparse_pass"]
+        if rerank:  # the plan and the selection in the listing's launch
+            return [project, *shortlist, "sparse_pass"]
+        return [project, "plan", scores, *["_select_kernel"] * classes, "sparse_pass"]
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -286,8 +288,9 @@ class FusedStep:
         Gs, G = (1, g) if self.shared else (g, 1)
         rows = B * H * Gs
         device = query.device
-        # The shortlist's counters of its last launch's programs (``TwoStage.finishing``): the prologue zeroes them.
-        finished = torch.empty(rows, dtype=torch.int32, device=device)
+        # The shortlist's counters of its last launch's programs and its ticket (``TwoStage.finishing``): the prologue
+        # zeroes them.
+        finished = torch.empty(rows + 1, dtype=torch.int32, device=device)
         prepared, mean_logit, logit_var = self.prologue(state, query, keys, values, finished)
         scores = torch.empty(rows, cap, dtype=torch.float32, device=device)
         quotas = torch.empty(rows, C, dtype=torch.long, device=device)
@@ -295,9 +298,7 @@ class FusedStep:
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        arrivals = torch.empty(
-            rows, dtype=torch.int32, device=device
-        )  # the flash pass's counters: the plan zeroes them
+        arrivals = torch.empty(rows, dtype=torch.int32, device=device)  # flash's counters: the plan zeroes them
         outputs = (quotas, offsets, runs, chosen, log_weight, arrivals)
         plan = self.plan_arguments(state, mean_logit, logit_var, outputs, finished, G)
         if self.two_stage is None:
@@ -315,15 +316,16 @@ class FusedStep:
             self.scoring.score(state, prepared, scores, G)
             if side is not None:
                 torch.cuda.current_stream(device).wait_stream(side)
-        else:  # the scores, the shortlist, its exact logits, and each row's plan in the last launch's programs
+            launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block)
+        else:  # the scores, the shortlist, its exact logits, each row's plan and the selection (boxed scores: it
+            # re-ranks as it reads them) in the shortlist's launches
             if self.shortlist_cuda and (reason := pq_shortlist_cuda.group_reason(state, Gs * G, Gs)) is not None:
                 self.shortlist_cuda, self.shortlist_note = False, reason  # (the same group every step: once)
             shortlist = pq_shortlist_cuda.launch if self.shortlist_cuda else self.scoring.shortlist
             budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
-            listing = shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G, plan)
-        # With a shortlist the scores are boxed: the selection re-ranks as it reads them.
-        boxes = (listing.exact, listing.shifts) if self.two_stage is not None else None
-        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block, boxes)
+            # The selection in the listing's launch too, after each row's plan (``TwoStage.finishing``).
+            plan.update(stages.selection_arguments(state.members, state.member_counts, self.select_block))
+            shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G, plan)
         selection = Selection(
             chosen.view(B, H, Gs, 1, self.width),
             log_weight.view(B, H, Gs, 1, self.width),
@@ -338,12 +340,12 @@ class FusedStep:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The step's first launch: the selector's projection (``scoring.projection``: QGS's projected heads or PQS's
         tables, returned) and the growth — the row leaving the window joined to its QGC cluster, each chunk's logit
-        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``); the shortlist's counters ``finished`` zeroed
-        (``[B · Hkv · Gs]``; None: the prologue alone, a test's)."""
+        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``); the shortlist's counters and ticket ``finished``
+        zeroed (``[B · Hkv · Gs + 1]``; None: the prologue alone, a test's)."""
         B, Hq, _, D = query.shape
         H, cap = keys.shape[1], keys.shape[2]
         if finished is None:
-            finished = torch.empty(B * H * (1 if self.shared else Hq // H), dtype=torch.int32, device=query.device)
+            finished = torch.empty(B * H * (1 if self.shared else Hq // H) + 1, dtype=torch.int32, device=query.device)
         C, g, rc = state.num_clusters, Hq // H, self.projection.shape[-1]
         mean_logit = torch.empty(B, H, g, 1, C, dtype=torch.float32, device=query.device)
         logit_var = torch.empty_like(mean_logit)
@@ -364,8 +366,8 @@ class FusedStep:
             MEAN_LOGIT=mean_logit,
             LOGIT_VAR=logit_var,
             FINISHED=finished,
-            ROWS=finished.shape[0] // (B * H),
-            BLOCK_ROWS=triton.next_power_of_2(finished.shape[0] // (B * H)),
+            ROWS=(finished.shape[0] - 1) // (B * H),
+            BLOCK_ROWS=triton.next_power_of_2((finished.shape[0] - 1) // (B * H)),
             **dict(zip(("sk_b", "sk_h", "sk_n"), keys.stride()[:3], strict=True)),
             **dict(zip(("sv_b", "sv_h", "sv_n"), values.stride()[:3], strict=True)),
             sq_b=query.stride(0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
+    from oa_core.ops.selection import select_cluster
     from oa_core.ops.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
     from oa_plugins.kernels.two_stage_programs import exact_chunk, floor_counts, row_budget, row_shift
@@ -237,6 +238,8 @@ if triton is not None:
         INDEX,
         LW,
         ARRIVALS,
+        MEMBERS,
+        MEMBER_COUNTS,
         sk_b,
         sk_h,
         sk_n,
@@ -250,6 +253,11 @@ if triton is not None:
         TOKENS,
         CAP,
         L,
+        SLOTS,
+        HEAD_STRIDE,
+        ROWS,
+        CHUNKS,
+        SPLIT,
         scale,
         G: tl.constexpr,
         GQ: tl.constexpr,
@@ -263,80 +271,212 @@ if triton is not None:
         FLOOR: tl.constexpr,
         RADIX_BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
+        SELECT: tl.constexpr,
+        BLOCK: tl.constexpr,
+        LARGE: tl.constexpr,
+        FEW: tl.constexpr,
     ):
-        """Program (selection row, chunk of BLOCK_L listed entries): the entries' exact logits (``exact_chunk``); then
-        each program counts its arrival at ``FINISHED + p`` (zero before the launch) and the row's last runs the row's
-        plan after its shortlist (PLAN, ``plan_row``: the shift, with FLOOR the floor, the quotas, the index) or only
-        its shift."""
-        p = tl.program_id(0).to(tl.int64)
-        exact_chunk(
-            K,
-            Q,
-            SCORES,
-            LISTED,
-            LISTED_COUNTS,
-            EXACT,
-            p,
-            sk_b,
-            sk_h,
-            sk_n,
-            sq_b,
-            sq_h,
-            Hkv,
-            Gs,
-            L,
-            CAP,
-            scale,
-            G,
-            GQ,
-            D,
-            BLOCK_D,
-            BLOCK_L,
-        )
-        # The arrival: after every thread's stores (the barrier), released with them at the device's scope; the last
-        # program acquires the others' exact logits.
+        """The shortlist's exact logits, each row's plan and, with CLASSES > 0, the per-cluster selection, in one
+        launch of ROWS · CHUNKS (+ ROWS · C) programs. Each takes a ticket (``FINISHED + ROWS``, zero before the
+        launch), so that the work is handed out in order whatever order the programs start in:
+
+        - tickets below ROWS · CHUNKS: (selection row, chunk of BLOCK_L entries), the entries' exact logits
+          (``exact_chunk``); each counts its arrival at ``FINISHED + p`` (zero before the launch), and the row's last
+          runs the row's plan (PLAN, ``plan_row``: the shift, with FLOOR the floor, the quotas, the index; without,
+          the shift alone: a shortlist on its own, tests', studies') and counts once more: the row is planned;
+        - the rest: (selection row, cluster), which waits until its row is planned and selects the cluster's quota
+          (``select_planned``).
+
+        The arrivals publish the stores before them (a barrier, then an atomic that releases them at the device's
+        scope); the row's last program, and the selection after the plan, acquire them."""
+        ticket = tl.atomic_add(FINISHED + ROWS, 1, sem="relaxed", scope="gpu")
+        if ticket < ROWS * CHUNKS:
+            p = (ticket // CHUNKS).to(tl.int64)
+            exact_chunk(
+                K,
+                Q,
+                SCORES,
+                LISTED,
+                LISTED_COUNTS,
+                EXACT,
+                p,
+                ticket % CHUNKS,
+                sk_b,
+                sk_h,
+                sk_n,
+                sq_b,
+                sq_h,
+                Hkv,
+                Gs,
+                L,
+                CAP,
+                scale,
+                G,
+                GQ,
+                D,
+                BLOCK_D,
+                BLOCK_L,
+            )
+            tl.debug_barrier()
+            if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+                if PLAN:
+                    plan_row(
+                        p,
+                        MEAN_LOGIT,
+                        LOGIT_VAR,
+                        COUNT,
+                        LENGTH,
+                        START,
+                        DENSITY,
+                        FIXED_BASE,
+                        FIXED_MOVES,
+                        ASSIGNMENT,
+                        FLOOR_SHARE,
+                        LISTED,
+                        LISTED_COUNTS,
+                        EXACT,
+                        CUT,
+                        SHIFTS,
+                        QUOTAS,
+                        OFFSETS,
+                        RUNS,
+                        INDEX,
+                        LW,
+                        ARRIVALS,
+                        Hkv,
+                        Gs,
+                        C,
+                        F,
+                        WIDTH,
+                        TOKENS,
+                        CAP,
+                        L,
+                        G,
+                        BLOCK_G,
+                        BLOCK_C,
+                        BLOCK_F,
+                        True,
+                        FLOOR,
+                        RADIX_BLOCK,
+                        LIBDEVICE,
+                    )
+                else:
+                    row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
+                tl.debug_barrier()
+                tl.atomic_add(FINISHED + p, 1, sem="release", scope="gpu")  # planned: CHUNKS + 1
+        else:
+            select_planned(
+                ticket - ROWS * CHUNKS,
+                FINISHED,
+                1,
+                CHUNKS + 1,
+                SCORES,
+                MEMBERS,
+                MEMBER_COUNTS,
+                QUOTAS,
+                OFFSETS,
+                INDEX,
+                EXACT,
+                SHIFTS,
+                CAP,
+                C,
+                SLOTS,
+                HEAD_STRIDE,
+                WIDTH,
+                Gs,
+                L,
+                SPLIT,
+                BLOCK,
+                LARGE,
+                FEW,
+            )
+
+    @triton.jit
+    def select_planned(
+        item,
+        FINISHED,
+        GROUP,
+        PLANNED,
+        SCORES,
+        MEMBERS,
+        MEMBER_COUNTS,
+        QUOTAS,
+        OFFSETS,
+        INDEX,
+        EXACT,
+        SHIFTS,
+        N,
+        C,
+        S,
+        HEAD_STRIDE,
+        WIDTH,
+        Gs,
+        L,
+        SPLIT,
+        BLOCK: tl.constexpr,
+        LARGE: tl.constexpr,
+        FEW: tl.constexpr,
+    ):
+        """A listing launch's selection program ``item``: (selection row p, cluster c), once the row is planned — once
+        the counter at ``FINISHED`` + the first row of p's group of GROUP reaches PLANNED (its ticket came after every
+        listing program's, all running or done, so the wait ends) — by ``select_cluster`` over the boxed scores: a
+        cluster of at most SPLIT rows in registers (BLOCK lanes, or half), a larger one (LARGE: some cluster may be)
+        BLOCK rows at a time, so that no path holds more than the first size class's block."""
+        p = (item // C).to(tl.int64)
+        c = item % C
+        counter = FINISHED + (p // GROUP) * GROUP
+        planned = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        while planned < PLANNED:
+            planned = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
-        if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-            if PLAN:
-                plan_row(
-                    p,
-                    MEAN_LOGIT,
-                    LOGIT_VAR,
-                    COUNT,
-                    LENGTH,
-                    START,
-                    DENSITY,
-                    FIXED_BASE,
-                    FIXED_MOVES,
-                    ASSIGNMENT,
-                    FLOOR_SHARE,
-                    LISTED,
-                    LISTED_COUNTS,
-                    EXACT,
-                    CUT,
-                    SHIFTS,
-                    QUOTAS,
-                    OFFSETS,
-                    RUNS,
-                    INDEX,
-                    LW,
-                    ARRIVALS,
-                    Hkv,
-                    Gs,
-                    C,
-                    F,
-                    WIDTH,
-                    TOKENS,
-                    CAP,
-                    L,
-                    G,
-                    BLOCK_G,
-                    BLOCK_C,
-                    BLOCK_F,
-                    True,
-                    FLOOR,
-                    RADIX_BLOCK,
-                    LIBDEVICE,
-                )
-            else:  # the shift alone (a shortlist without the plan: tests, studies)
-                row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
+        select_cluster(
+            p,
+            c,
+            SCORES,
+            MEMBERS,
+            MEMBER_COUNTS,
+            QUOTAS,
+            OFFSETS,
+            INDEX,
+            EXACT,
+            SHIFTS,
+            N,
+            C,
+            S,
+            HEAD_STRIDE,
+            WIDTH,
+            Gs,
+            0,
+            SPLIT,
+            L,
+            BLOCK,
+            False,
+            FEW,
+            True,
+        )
+        if LARGE:
+            select_cluster(
+                p,
+                c,
+                SCORES,
+                MEMBERS,
+                MEMBER_COUNTS,
+                QUOTAS,
+                OFFSETS,
+                INDEX,
+                EXACT,
+                SHIFTS,
+                N,
+                C,
+                S,
+                HEAD_STRIDE,
+                WIDTH,
+                Gs,
+                SPLIT,
+                2147483647,
+                L,
+                BLOCK,
+                True,
+                FEW,
+                True,
+            )

@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from oa_core.ops.selection import FEW_PICKS, select_warps, size_classes
 from oa_core.ops.triton_path import triton
 from oa_core.ops.water_filling import launch_config
 from oa_plugins.allocators.errorgate import quiet_interpreter
@@ -178,12 +179,15 @@ class TwoStage:
     ):
         """Each listed row's exact logit into ``listing.exact`` (the largest over the selection row's query heads)
         and its score boxed, a program per (selection row, LIST_BLOCK entries), the row's last program running its
-        plan (``finishing``): launch 7 (and the CUDA shortlist's second, ``pq_shortlist_cuda``)."""
+        plan, and then with a ``plan`` that carries them the selection's (row, cluster) programs (``finishing``,
+        ``plan_programs.exact_logits``): launch 7 (and the CUDA shortlist's second, ``pq_shortlist_cuda``)."""
         rows, L = listing.listed.shape
         H, D = keys.shape[1], keys.shape[-1]
         finish, warps = finishing(listing, state, plan)
+        chunks = triton.cdiv(L, LIST_BLOCK)
+        items = rows * state.num_clusters if finish["SELECT"] else 0  # the selection's (row, cluster) programs
         with quiet_interpreter():  # the plan's logarithms of empty clusters
-            exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
+            exact_logits[(rows * chunks + items,)](
                 keys,
                 query,
                 scores,
@@ -195,6 +199,8 @@ class TwoStage:
                 Gs=Gs,
                 CAP=scores.shape[1],
                 L=L,
+                ROWS=rows,
+                CHUNKS=chunks,
                 scale=state.scale,
                 G=G,
                 GQ=G * Gs,
@@ -292,8 +298,9 @@ class TwoStage:
         )
         block_l = min(PQ_LIST_BLOCK, PQ_SEGMENT)
         finish, warps = finishing(listing, state, plan)
+        items = rows * state.num_clusters if finish["SELECT"] else 0  # the selection's (row, cluster) programs
         with quiet_interpreter():  # the plan's logarithms of empty clusters
-            pq_list[(B * H, S)](
+            pq_list[(B * H * S + items,)](
                 keys,
                 query,
                 scores,
@@ -308,6 +315,7 @@ class TwoStage:
                 CAP=cap,
                 L=L,
                 S=S,
+                ROWS=rows,
                 scale=state.scale,
                 GS=Gs,
                 G=G,
@@ -343,9 +351,10 @@ PLAN_POINTERS = (
 
 
 def finishing(listing: Listing, state, plan: dict | None) -> tuple[dict, int]:
-    """The arguments with which a listing's last programs finish its rows (``exact_logits``, ``pq_list``), and the
-    warps they need: with ``plan`` (``FusedStep.plan_arguments``: its counters ``FINISHED`` zeroed) each row's plan,
-    its shift first; without, the shift alone (a shortlist on its own: tests, studies), on fresh counters."""
+    """The arguments with which a listing's launch finishes its rows (``exact_logits``, ``pq_list``), and the warps
+    they need: with ``plan`` (``FusedStep.plan_arguments``: its counters ``FINISHED`` zeroed, the selection's
+    arguments) each row's plan, its shift first, and its selection; without, the shift alone (a shortlist on its own:
+    tests, studies), on fresh counters."""
     listing_args = dict(
         LENGTH=state.length,
         LISTED=listing.listed,
@@ -356,8 +365,27 @@ def finishing(listing: Listing, state, plan: dict | None) -> tuple[dict, int]:
         RADIX_BLOCK=RADIX_BLOCK,
     )
     if plan is not None:
-        return {**plan, **listing_args, "PLAN": True}, launch_config(state.num_clusters)[1]
+        # With the selection at least 4 warps: at 2 the listing's and the selection's registers spill (ptxas, sm_90:
+        # ``benchmarks/studies/kernel_resources.py``).
+        warps = max(launch_config(state.num_clusters)[1], max(4, select_warps(plan["BLOCK"])) if plan["SELECT"] else 1)
+        return {**plan, **listing_args, "PLAN": True}, warps
     unused: dict[str, object] = dict.fromkeys(PLAN_POINTERS, listing.exact)
     unused.update(C=1, F=0, WIDTH=1, TOKENS=-1, BLOCK_G=1, BLOCK_C=16, BLOCK_F=16, FLOOR=False, LIBDEVICE=False)
-    finished = torch.zeros(listing.counts.shape[0], dtype=torch.int32, device=listing.counts.device)
+    unused.update(no_selection(listing.exact))
+    finished = torch.zeros(listing.counts.shape[0] + 1, dtype=torch.int32, device=listing.counts.device)
     return {**unused, **listing_args, "FINISHED": finished, "PLAN": False}, 1
+
+
+def selection_arguments(members: Tensor, counts: Tensor, small: int) -> dict:
+    """The selection's arguments in a listing's launch (``launch_select``'s, boxed: ``plan_programs.select_planned``)
+    from the members' table ``[B, Hkv, C, S]``: the first size class (``size_classes``) in registers, the rest a
+    block of its size at a time."""
+    (_, split, block), *larger = size_classes(members.shape[-1], small)
+    args = dict(MEMBERS=members, MEMBER_COUNTS=counts, SLOTS=members.shape[-1], HEAD_STRIDE=members.stride(1))
+    return {**args, "SPLIT": split, "SELECT": True, "BLOCK": block, "LARGE": bool(larger), "FEW": FEW_PICKS}
+
+
+def no_selection(stand_in: Tensor) -> dict:
+    """The selection's arguments of a listing's launch that selects nothing (its pointers: ``stand_in``)."""
+    args = dict(MEMBERS=stand_in, MEMBER_COUNTS=stand_in, SLOTS=1, HEAD_STRIDE=1, SPLIT=0)
+    return {**args, "SELECT": False, "BLOCK": 16, "LARGE": False, "FEW": FEW_PICKS}

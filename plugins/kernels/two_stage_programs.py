@@ -219,6 +219,7 @@ if triton is not None:
         COUNTS,
         EXACT,
         p,
+        chunk,
         sk_b,
         sk_h,
         sk_n,
@@ -235,9 +236,9 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr,
     ):
-        """Selection row ``p``'s chunk ``program_id(1)`` of BLOCK_L listed rows: s·max over the row's G query heads of
-        q·k, their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
-        first = tl.program_id(1) * BLOCK_L
+        """Selection row ``p``'s chunk ``chunk`` of BLOCK_L listed rows: s·max over the row's G query heads of q·k,
+        their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
+        first = chunk * BLOCK_L
         n = tl.load(COUNTS + p)
         if first < n:
             b = p // (Gs * Hkv)
