@@ -95,11 +95,11 @@ def test_a_launch_refuses_keys_and_layouts_the_kernel_does_not_take():
 
 def test_the_default_step_declares_the_cuda_launches_for_the_three():
     triton = FusedStep.launch_names(PQSScoring, rerank=True, classes=1)
-    assert len(triton) == 6
+    assert len(triton) == 5
     cuda = FusedStep.launch_names(PQSScoring, rerank=True, classes=1, cuda=True)
     names = ["pq_shortlist", "exact_logits"]
     assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n not in names]
-    assert len(cuda) == 5 and cuda.count("pq_shortlist") == 1
+    assert len(cuda) == 4 and cuda.count("pq_shortlist") == 1
 
 
 def test_without_nvcc_the_library_says_so(monkeypatch):
