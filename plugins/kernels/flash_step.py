@@ -1,4 +1,4 @@
-"""The fast decode path's whole step in a few launches — the default's: five a layer with the CUDA shortlist, six
+"""The fast decode path's whole step in a few launches — the default's: four a layer with the CUDA shortlist, five
 with Triton's (``FusedStep.launches``) — for QGC's clusters, QGS's or PQS's codes, ErrorGate's allocation and flash's
 kernels (docs/design.md §2).
 
@@ -17,25 +17,27 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    (``row_log_priority``, ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out —
    sink and local window, each cluster's run, -1 padding — with the runs flash reads, and the row's counter of
    flash's parts zeroed;
-4. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
-   the benchmarks' shapes, three once a cluster may pass 4096 rows); 5. flash's pass, whose last part of each row
-   merges the row (``FlashKernel.sparse``).
+4. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at the
+   benchmarks' shapes, three once a cluster may pass 4096 rows; with a shortlist, in its launch); 5. flash's pass, whose
+   last part of each row merges the row (``FlashKernel.sparse``).
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
-(``two_stage``: the shortlist by a radix select, its exact logits, and each row's shift and floor; the listed scores
-are boxed and the selection re-ranks as it reads them), and the plan is no launch of its own: the shortlist's last
-launch (``exact_logits``, PQS's ``pq_list``) counts its programs' arrivals per row on counters the prologue zeroes, and
-a row's last program runs the row's plan — its shift, its floor, its quotas and index — as flash's last part merges
-the row. QGS's shortlist takes seven launches after its scores. PQS's — the default's — takes three in all
-(``TwoStage.pq_shortlist``): its scores with each row's first radix digit counted, the cut, the listing with the
-exact logits (the codes read once for the group's selection rows, each K row once for the rows that list it); the
-default's step is six launches a layer and one per size class of clusters in the selection (``FusedStep.launches``).
-One program per (batch row, KV head) for the scores and the shortlist (73c848f) took 2.41 ms a layer at 16 × 16K and
-16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``), against 0.99 and 1.35 ms with the
-three launches: too few programs, each a long chain. On a GPU of sm_90 or later with nvcc, PQS's scores and shortlist
-take one CUDA launch instead — a thread-block cluster per (batch row, KV head) that keeps the scores on chip between
-the cut's passes — and Triton's ``exact_logits`` a second (``pq_shortlist_cuda``: the step 1.37–1.56× faster per
-head on an H100); ``shortlist_note`` says why not where not.
+(``two_stage``: the shortlist by a radix select, its exact logits, and each row's shift and floor; the listed scores are
+boxed and the selection re-ranks as it reads them), and neither the plan nor the selection is a launch of its own: the
+shortlist's last launch (``exact_logits``, PQS's ``pq_list``) counts its programs' arrivals per row on counters the
+prologue zeroes, and a row's last program runs the row's plan — its shift, its floor, its quotas and index — as flash's
+last part merges the row; the launch's further programs, one per (row, cluster), each wait for their row's plan and
+select the cluster's quota (``plan_programs.select_planned``). Every program takes a ticket first, so the work is handed
+out in order: a waiting program waits only on programs already running. QGS's shortlist takes seven launches after its
+scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores with each row's first radix
+digit counted, the cut, the listing with the exact logits (the codes read once for the group's selection rows, each K
+row once for the rows that list it); the default's step is five launches a layer (``FusedStep.launches``). One program
+per (batch row, KV head) for the scores and the shortlist (73c848f) took 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 ×
+128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``), against 0.99 and 1.35 ms with the three launches: too
+few programs, each a long chain. On a GPU of sm_90 or later with nvcc, PQS's scores and shortlist take one CUDA launch
+instead — a thread-block cluster per (batch row, KV head) that keeps the scores on chip between the cut's passes — and
+Triton's ``exact_logits`` a second (``pq_shortlist_cuda``: the step 1.37–1.56× faster per head on an H100);
+``shortlist_note`` says why not where not.
 
 Without a shortlist the scores read nothing that the plan writes, nor it anything the scores write, so in a CUDA
 graph's capture the plan runs on a second stream (of high priority) beside the scores, and the selection waits for
@@ -251,7 +253,7 @@ class FusedStep:
         """The programs one step launches (Triton's, and the CUDA shortlist where it runs), in the order of the code
         (without a shortlist the plan may run on a second stream beside the scores): the step's own declaration, which
         ``tests/test_flash_step.py`` checks against the launches a step makes. The selection takes one launch per size
-        class of clusters (``size_classes``: from the largest cluster's slots)."""
+        class of clusters without a shortlist (``size_classes``: from the largest cluster's slots)."""
         classes = len(size_classes(state.members.shape[-1], self.select_block))
         return self.launch_names(type(self.scoring), self.two_stage is not None, classes, self.shortlist_cuda)
 
@@ -340,8 +342,8 @@ class FusedStep:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The step's first launch: the selector's projection (``scoring.projection``: QGS's projected heads or PQS's
         tables, returned) and the growth — the row leaving the window joined to its QGC cluster, each chunk's logit
-        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``); the shortlist's counters and ticket ``finished``
-        zeroed (``[B · Hkv · Gs + 1]``; None: the prologue alone, a test's)."""
+        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``); the shortlist's counters and ticket
+        ``finished`` zeroed (``[B · Hkv · Gs + 1]``; None: the prologue alone, a test's)."""
         B, Hq, _, D = query.shape
         H, cap = keys.shape[1], keys.shape[2]
         if finished is None:
