@@ -364,7 +364,7 @@ if triton is not None:
                     row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
                 tl.debug_barrier()
                 tl.atomic_add(FINISHED + p, 1, sem="release", scope="gpu")  # planned: CHUNKS + 1
-        else:
+        elif SELECT:  # (not compiled without a selection)
             select_planned(
                 ticket - ROWS * CHUNKS,
                 FINISHED,

@@ -359,7 +359,7 @@ if triton is not None:
                         row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, head * GS + s, L, RADIX_BLOCK)
                 tl.debug_barrier()
                 tl.atomic_add(FINISHED + head * GS, 1, sem="release", scope="gpu")  # planned: S + 1
-        else:
+        elif SELECT:  # (not compiled without a selection)
             select_planned(
                 ticket - (ROWS // GS) * S,
                 FINISHED,

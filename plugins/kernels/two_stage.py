@@ -369,9 +369,12 @@ def finishing(listing: Listing, state, plan: dict | None) -> tuple[dict, int]:
         # ``benchmarks/studies/kernel_resources.py``).
         warps = max(launch_config(state.num_clusters)[1], max(4, select_warps(plan["BLOCK"])) if plan["SELECT"] else 1)
         return {**plan, **listing_args, "PLAN": True}, warps
+    # Stand-ins of the pointers' dtypes: the selection's programs are compiled though none runs.
     unused: dict[str, object] = dict.fromkeys(PLAN_POINTERS, listing.exact)
+    unused.update(dict.fromkeys(("QUOTAS", "OFFSETS", "INDEX"), listing.cut))
     unused.update(C=1, F=0, WIDTH=1, TOKENS=-1, BLOCK_G=1, BLOCK_C=16, BLOCK_F=16, FLOOR=False, LIBDEVICE=False)
-    unused.update(no_selection(listing.exact))
+    unused.update(MEMBERS=listing.counts, MEMBER_COUNTS=listing.cut, SLOTS=1, HEAD_STRIDE=1, SPLIT=0)
+    unused.update(SELECT=False, BLOCK=16, LARGE=False, FEW=FEW_PICKS)
     finished = torch.zeros(listing.counts.shape[0] + 1, dtype=torch.int32, device=listing.counts.device)
     return {**unused, **listing_args, "FINISHED": finished, "PLAN": False}, 1
 
@@ -383,9 +386,3 @@ def selection_arguments(members: Tensor, counts: Tensor, small: int) -> dict:
     (_, split, block), *larger = size_classes(members.shape[-1], small)
     args = dict(MEMBERS=members, MEMBER_COUNTS=counts, SLOTS=members.shape[-1], HEAD_STRIDE=members.stride(1))
     return {**args, "SPLIT": split, "SELECT": True, "BLOCK": block, "LARGE": bool(larger), "FEW": FEW_PICKS}
-
-
-def no_selection(stand_in: Tensor) -> dict:
-    """The selection's arguments of a listing's launch that selects nothing (its pointers: ``stand_in``)."""
-    args = dict(MEMBERS=stand_in, MEMBER_COUNTS=stand_in, SLOTS=1, HEAD_STRIDE=1, SPLIT=0)
-    return {**args, "SELECT": False, "BLOCK": 16, "LARGE": False, "FEW": FEW_PICKS}
