@@ -700,32 +700,6 @@ MUTATIONS = [
         "the fused step's plan leaves the flash pass's counters as the allocator gave them: a row may be merged by "
         "the wrong part, or never",
     ),
-    mutation(
-        "fused-step-plan-at-the-first-exact-logits",
-        "plugins/kernels/plan_programs.py",
-        [
-            (
-                'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:',
-                'if tl.atomic_add(FINISHED + p, 1, sem="acq_rel", scope="gpu") == 0:',
-            )
-        ],
-        ("tests/test_flash_step.py",),
-        "a row's first program of the exact logits to finish runs the row's plan, before the others' logits are "
-        "written: its shift and floor read entries not yet there",
-    ),
-    mutation(
-        "fused-selection-reads-the-boxes-as-scores",
-        "plugins/kernels/plan_programs.py",
-        [
-            (
-                "            L,\n            BLOCK,\n            False,\n            FEW,\n            True,\n",
-                "            L,\n            BLOCK,\n            False,\n            FEW,\n            False,\n",
-            )
-        ],
-        ("tests/test_flash_step.py",),
-        "the listing launch's selection reads the scores as written, not through their boxes: a listed row ranks by "
-        "its NaN, the others unshifted",
-    ),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation(
         "triton-selection-ties-to-the-last-position",

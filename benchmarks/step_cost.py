@@ -26,7 +26,7 @@ context, the model's own queries at the next 16 positions, three layers; sink 4 
 benchmarks run), carried to the shape's group of 4 as the same share of the way from agreeing heads to disjoint ones
 (SmolLM2's groups have 3 heads, Gemma-3-270M's 4).
 
-``launches``: the fused step's own count for the default (``FusedStep.launch_names``: five launches and one per
+``launches``: the fused step's own count for the default (``FusedStep.launch_names``: six launches and one per
 size class of clusters), at one size class — the selection takes one more launch per further class, which depends on
 the largest cluster (``oa_core.ops.selection.size_classes``).
 
@@ -271,8 +271,8 @@ def fused_launches(pipe: oa.Pipeline, cuda: bool = False) -> int:
     CUDA shortlist)."""
     from oa_plugins.kernels.flash_step import SCORING, FusedStep
 
-    rerank = pipe.selector.config.rerank > 0
-    return len(FusedStep.launch_names(SCORING[type(pipe.selector)], rerank, classes=1, cuda=cuda))
+    rerank, floor = pipe.selector.config.rerank > 0, pipe.allocator.config.floor > 0
+    return len(FusedStep.launch_names(SCORING[type(pipe.selector)], rerank, floor, classes=1, cuda=cuda))
 
 
 def byte_fields(parts: dict[str, float]) -> dict:

@@ -94,12 +94,12 @@ def test_a_launch_refuses_keys_and_layouts_the_kernel_does_not_take():
 
 
 def test_the_default_step_declares_the_cuda_launches_for_the_three():
-    triton = FusedStep.launch_names(PQSScoring, rerank=True, classes=1)
-    assert len(triton) == 5
-    cuda = FusedStep.launch_names(PQSScoring, rerank=True, classes=1, cuda=True)
+    triton = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1)
+    assert len(triton) == 7
+    cuda = FusedStep.launch_names(PQSScoring, rerank=True, floor=True, classes=1, cuda=True)
     names = ["pq_shortlist", "exact_logits"]
     assert [n for n in triton if n not in PQSScoring.SHORTLIST] == [n for n in cuda if n not in names]
-    assert len(cuda) == 4 and cuda.count("pq_shortlist") == 1
+    assert len(cuda) == 6 and cuda.count("pq_shortlist") == 1
 
 
 def test_without_nvcc_the_library_says_so(monkeypatch):

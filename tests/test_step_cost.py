@@ -77,18 +77,18 @@ def test_a_measured_union_keeps_its_share_of_the_way_to_disjoint_on_another_grou
 
 def test_the_launches_are_the_fused_step_s_own_count():
     """The cost model's launches are the fused step's declaration (``FusedStep.launch_names``, which
-    ``tests/test_flash_step.py`` checks against a step's launches): the default's five, QGS's ten with its re-rank,
-    the paper's pipeline five at one size class."""
-    assert step_cost.fused_launches(_pipe()) == 5
+    ``tests/test_flash_step.py`` checks against a step's launches): the default's seven at one size class, QGS's
+    twelve with its re-rank, the paper's pipeline five."""
+    assert step_cost.fused_launches(_pipe()) == 7
     specs = Path(__file__).resolve().parents[1] / "specs"
-    assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 10
+    assert step_cost.fused_launches(oa.build(specs / "ablate-selector-qgs.yaml")) == 12
     assert step_cost.fused_launches(oa.build(specs / "openattention-paper.yaml")) == 5
 
 
 def test_the_cuda_shortlist_step_counts_two_score_passes_and_each_rows_k_rows():
-    """With the CUDA shortlist the default's step is four launches; its scores go through memory twice, not five
+    """With the CUDA shortlist the default's step is six launches; its scores go through memory twice, not five
     times, and per head each selection row's listed K rows are read for it alone (the union factor is G)."""
-    assert step_cost.fused_launches(_pipe(), cuda=True) == 4
+    assert step_cost.fused_launches(_pipe(), cuda=True) == 6
 
     def pipe_for(density, gqa):
         return _pipe(density, gqa=gqa)
@@ -96,7 +96,7 @@ def test_the_cuda_shortlist_step_counts_two_score_passes_and_each_rows_k_rows():
     triton, cuda = step_cost.configs(pipe_for, []), step_cost.configs(pipe_for, [], cuda=True)
     assert len(triton) == len(cuda)
     for a, b in zip(triton, cuda, strict=True):
-        assert b["launches"] == 4 and a["launches"] == 5
+        assert b["launches"] == 6 and a["launches"] == 7
         rows = 4 if a["gqa"] == "per_head" else 1
         fewer = (step_cost.SCORE_PASSES - 2) * rows * 4 * a["batch"] * 8  # written once, read once by the selection
         assert a["bytes"]["scores"] - b["bytes"]["scores"] == pytest.approx(fewer * (a["context"] - 68), rel=1e-6)

@@ -52,6 +52,7 @@ ATTENTION_KERNELS = (
     "compact",
     "pq_",
     "exact_logits",
+    "refine",
     "_select_kernel",
     "sparse_pass",
     "merge",

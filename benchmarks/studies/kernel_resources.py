@@ -178,9 +178,8 @@ def prologue_row(dim: int) -> dict:
     M = dim // 2
     constants = dict(G=4, D=dim, BLOCK_D=max(16, 1 << (dim - 1).bit_length()), RC=16, BLOCK_RC=16, BLOCK_C=64)
     constants.update(STATS_C=16, PQ=True, R=1, BLOCK_R=1, M=M, CC=16, DIMS=2, W=M // 2, PACKED=True)
-    constants.update(BLOCK_M=code_block(M), BLOCK_CC=16, BLOCK_DIMS=2, ROWS=4, BLOCK_ROWS=4)
+    constants.update(BLOCK_M=code_block(M), BLOCK_CC=16, BLOCK_DIMS=2)
     types = dict(K="*bf16", Q="*bf16", V="*bf16", LENGTH="*i64", CODES="*u8", ASSIGNMENT="*i64", MEMBERS="*i32")
-    types.update(FINISHED="*i32")
     types.update(MEMBER_COUNT="*i64", scale="fp32", sk_b="i64", sk_h="i64", sk_n="i64", sv_b="i64", sv_h="i64")
     types.update(sv_n="i64", sq_b="i64", sq_h="i64")
     for name in ("SPACE", "SCALES", "OUT", "PROJ", "CENT", "COUNT", "KSUM", "VSUM", "KSQ", "MEAN_LOGIT", "LOGIT_VAR"):
@@ -189,30 +188,13 @@ def prologue_row(dim: int) -> dict:
     return {"kernel": "flash_step_programs.prologue", "dim": dim, "dtype": "bf16", **usage}
 
 
-def plan_arguments() -> tuple[dict[str, str], dict]:
-    """The plan's and the selection's pointer types and constants, for the listing's launches that run them
-    (``plan_programs``): the default's (64 clusters, a floor; sink and window under 32 rows)."""
-    from oa_plugins.kernels import two_stage
-
-    types = dict.fromkeys(("MEAN_LOGIT", "LOGIT_VAR", "COUNT", "EXACT", "SHIFTS", "LW"), "*fp32")
-    types.update(dict.fromkeys(("LENGTH", "START", "FIXED_BASE", "FIXED_MOVES", "ASSIGNMENT", "CUT"), "*i64"))
-    types.update(dict.fromkeys(("QUOTAS", "OFFSETS", "INDEX"), "*i64"))
-    types.update(dict.fromkeys(("LISTED", "LISTED_COUNTS", "RUNS", "ARRIVALS", "FINISHED"), "*i32"))
-    types.update(DENSITY="*fp64", FLOOR_SHARE="*fp64", MEMBERS="*i32", MEMBER_COUNTS="*i64")
-    constants = dict(BLOCK_G=1, BLOCK_C=64, BLOCK_F=32, PLAN=True, FLOOR=True, RADIX_BLOCK=two_stage.RADIX_BLOCK)
-    # The selection at 64 clusters of 32K positions: the first size class in registers (1024 lanes), larger
-    # clusters a block at a time.
-    selection = dict(SELECT=True, BLOCK=1024, LARGE=True, FEW=16)
-    return types, {**constants, **selection, "LIBDEVICE": True}
-
-
 def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
     """The default's shortlist (``TwoStage.pq_shortlist``) per head at Llama's group of 4, with its launch constants:
     the scores at PQS's default (16 centroids a pair of dimensions) and the listing at ``dim``; the cut, which no
     head dim changes, with the first."""
     import triton
 
-    from oa_plugins.kernels import plan_programs, pq_shortlist_programs, two_stage
+    from oa_plugins.kernels import pq_shortlist_programs, two_stage
     from oa_plugins.selectors.pq import code_block, lut_block
 
     M = dim // 2
@@ -227,20 +209,9 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
         K="*bf16", Q="*bf16", SCORES="*fp32", LENGTH="*i64", LISTED="*i32", EXACT="*fp32", CUT="*i64", TIES="*i32"
     )
     list_pointers.update(PLACES="*i32", SCRATCH="*i32", scale="fp32")
-    plan_types, plan = plan_arguments()
-    exact = dict(G=1, GQ=4, D=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_L=two_stage.LIST_BLOCK, **plan)
-    exact_types = dict(K="*bf16", Q="*bf16", SCORES="*fp32", scale="fp32", **plan_types)
-    exact_types.update(sk_b="i64", sk_h="i64", sk_n="i64", sq_b="i64", sq_h="i64")
     launches = [
         ("pq_shortlist_programs.pq_scores", pq_shortlist_programs.pq_scores, pointers, scores, two_stage.SCORE_WARPS),
-        (
-            "pq_shortlist_programs.pq_list",
-            pq_shortlist_programs.pq_list,
-            {**plan_types, **list_pointers},
-            {**listing, **plan},
-            4,  # with the selection (``two_stage.finishing``)
-        ),
-        ("plan_programs.exact_logits", plan_programs.exact_logits, exact_types, exact, 4),  # (the host's warps)
+        ("pq_shortlist_programs.pq_list", pq_shortlist_programs.pq_list, list_pointers, listing, two_stage.LIST_WARPS),
     ]
     if first:
         cut_pointers = dict(SCORES="*fp32", HIST="*i32", LENGTH="*i64", START="*i64", DENSITY="*fp64", MULTIPLE="*fp64")

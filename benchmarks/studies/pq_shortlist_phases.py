@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 record = {"batch": batch, "context": context, "gqa": gqa, "density": density, "checks": same}
                 record["triton_three_launches"] = timed(three)
                 for name, stop in STOPS.items():
-                    record[f"cuda_{name}"] = timed(functools.partial(one, stop=stop))
+                    record[f"cuda_{name}"] = timed(functools.partial(one, stop))
                 runs.append(record)
                 faults = {f"{way} {k}": v for way in ("cuda", "triton") for k, v in same[f"{way}_faults"].items() if v}
                 print(

@@ -37,7 +37,7 @@ KNOBS = {
     "LIST_GATHER": [8, 16, 32],
     "LIST_WARPS": [2, 4, 8],
 }
-KERNELS = ("pq_scores", "pq_cut", "pq_list")
+KERNELS = ("pq_scores", "pq_cut", "pq_list", "refine")
 
 
 def module(knob: str):

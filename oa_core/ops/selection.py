@@ -2,27 +2,31 @@
 
 ``select`` is the entry: on CUDA tensors the Triton kernel below (``select_per_cluster``), on CPU tensors its C++
 counterpart (``oa_core.ops.native``: each cluster's threshold by ``std::nth_element``, compiled at first use);
-``select_by_sorting``, the torch reference they are tested against, runs where neither can: same positions and order.
+``select_by_sorting`` is the torch reference they are tested against, and what runs where neither can. All of them
+list the same positions in the same order.
 
-The torch reference sorts every row's N scores twice. Here each (selection row, cluster) program reads only its
-cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at prepare and extended by
-growth — and takes its q_b best on the scores' order-preserving 32-bit keys. Up to ``FEW_PICKS`` are picked one at a
-time: each pick is one max-reduction over (key, lane) packed in 64 bits, so the largest key and the first position
-among its ties come together; the picks' positions are then written in position order. A larger quota is found by
-bisection for the q_b-th largest key, between the cluster's smallest and largest (at most 32 counts over the cluster
-held in registers, fewer when a count hits q_b exactly), then the positions above it and those tied with it in
-position order until q_b are taken. Either way: the same set as the reference's stable sort (score descending,
-position ascending), listed per cluster in position order. A cluster whose quota covers it is copied unread.
+The torch reference sorts every row's N scores twice. Here each (selection row, cluster)
+program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
+prepare and extended by growth — and takes its q_b best on the scores' order-preserving 32-bit keys. Up to
+``FEW_PICKS`` are picked one at a time: each pick is one max-reduction over (key, lane) packed in 64 bits, so the
+largest key and the first position among its ties come together; the picks' positions are then written in position
+order. A larger quota is found by bisection for the q_b-th largest key, between the cluster's smallest and largest
+(at most 32 counts over the cluster held in registers, fewer when a count hits q_b exactly), then the positions above
+it and those tied with it in position order until q_b are taken. Either way: the same set as the reference's stable
+sort (score descending, position ascending), listed per cluster in position order. A cluster whose quota covers it is
+copied without reading scores.
 
 Clusters are ragged (the largest a few times the mean), so one block sized for the largest would run every count over
-its size. Instead a launch covers a size class and holds two paths: (0, 2s] with blocks of s and 2s lanes (s: the
-power of two at or above a typical cluster's size, at most ``SMALL_CLUSTER``: ``smallest_block``), then classes four
-times wider up to ``REGISTER_LIMIT``, then everything larger a block at a time; a program takes the smaller block when
-its cluster fits it, and ends at once when its cluster is not in its class (``select_cluster``). The classes follow
+its size. Instead a launch covers a size class and holds two paths: (0, 2s] with blocks of s and 2s lanes, where s is
+the power of two at or above a typical cluster's size, at most ``SMALL_CLUSTER`` (``smallest_block``), then classes
+four times wider up to ``REGISTER_LIMIT``, then everything larger a block at a time; a program takes the smaller block
+when its cluster fits it, and ends at once when its cluster is not in the launch's class. The classes launched follow
 from the largest cluster, which the host knows from ``members``' shape: nothing waits on the device (CUDA-graph
-capturable). Why this shape: a program's cost is latency, not bytes. Reading the scores contiguously instead of
-through ``members``, or scoring a cluster's codes inside the selection, gained little; one launch with two paths
-instead of one launch per block size gained most (``benchmarks/kernel_h200.py``).
+capturable).
+
+Why this shape: a program's cost is latency, not bytes. Reading the scores contiguously instead of through
+``members``, or scoring a cluster's codes inside the selection, gained little; one launch with two paths instead of
+one launch per block size gained most (``benchmarks/kernel_h200.py``; the figures are in the README).
 """
 
 from __future__ import annotations
@@ -302,54 +306,6 @@ if triton is not None:
             ties_left -= tl.sum((tie & keep).to(tl.int32), axis=0)
 
     @triton.jit
-    def select_cluster(
-        p,
-        c,
-        SCORES,
-        MEMBERS,
-        COUNTS,
-        QUOTAS,
-        OFFSETS,
-        OUT,
-        EXACT,
-        SHIFTS,
-        N,
-        C,
-        S,
-        HEAD_STRIDE,
-        WIDTH,
-        ROWS_PER_HEAD,
-        LOW,
-        HIGH,
-        L,
-        BLOCK: tl.constexpr,
-        BLOCKWISE: tl.constexpr,
-        FEW: tl.constexpr,
-        BOXED: tl.constexpr,
-    ):
-        """Row ``p``'s cluster ``c`` if LOW < its size ≤ HIGH. BOXED: a two-stage selection's (``_cluster_keys``)."""
-        exact = EXACT + p * L
-        shift = tl.load(SHIFTS + p) if BOXED else 0.0
-        head = p // ROWS_PER_HEAD  # (batch row, KV head)
-        n = tl.load(COUNTS + head * C + c)
-        quota = tl.load(QUOTAS + p * C + c)  # loaded with n, not after the test: one wait instead of two
-        first = tl.load(OFFSETS + p * C + c)
-        if (n > LOW) & (n <= HIGH):
-            out = OUT + p * WIDTH + first
-            members = MEMBERS + head * HEAD_STRIDE + c * S
-            if quota >= n:  # the whole cluster (often, for small ones): its positions as listed, no scores read
-                for start in range(0, n, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    tl.store(out + offs, tl.load(members + offs, mask=offs < n).to(tl.int64), mask=offs < n)
-            elif quota > 0:
-                if BLOCKWISE:
-                    _take_top_blockwise(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK)
-                elif n <= BLOCK // 2:  # (each path in its own call: their tensors differ in shape)
-                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK // 2, FEW)
-                else:
-                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK, FEW)
-
-    @triton.jit
     def _select_kernel(
         SCORES,
         MEMBERS,
@@ -373,32 +329,31 @@ if triton is not None:
         FEW: tl.constexpr,
         BOXED: tl.constexpr,
     ):
-        """Program (selection row: batch row, KV head, selection head, query; cluster) (``select_cluster``)."""
-        select_cluster(
-            tl.program_id(0).to(tl.int64),
-            tl.program_id(1),
-            SCORES,
-            MEMBERS,
-            COUNTS,
-            QUOTAS,
-            OFFSETS,
-            OUT,
-            EXACT,
-            SHIFTS,
-            N,
-            C,
-            S,
-            HEAD_STRIDE,
-            WIDTH,
-            ROWS_PER_HEAD,
-            LOW,
-            HIGH,
-            L,
-            BLOCK,
-            BLOCKWISE,
-            FEW,
-            BOXED,
-        )
+        """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring).
+        BOXED: a two-stage selection's scores (``_cluster_keys``), the rows' shortlists ``EXACT`` ``[rows, L]`` and
+        shifts ``SHIFTS`` ``[rows]``."""
+        p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
+        c = tl.program_id(1)
+        exact = EXACT + p * L
+        shift = tl.load(SHIFTS + p) if BOXED else 0.0
+        head = p // ROWS_PER_HEAD  # (batch row, KV head)
+        n = tl.load(COUNTS + head * C + c)
+        quota = tl.load(QUOTAS + p * C + c)  # loaded with n, not after the test: one wait instead of two
+        first = tl.load(OFFSETS + p * C + c)
+        if (n > LOW) & (n <= HIGH):
+            out = OUT + p * WIDTH + first
+            members = MEMBERS + head * HEAD_STRIDE + c * S
+            if quota >= n:  # the whole cluster (often, for small ones): its positions as listed, no scores read
+                for start in range(0, n, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    tl.store(out + offs, tl.load(members + offs, mask=offs < n).to(tl.int64), mask=offs < n)
+            elif quota > 0:
+                if BLOCKWISE:
+                    _take_top_blockwise(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK)
+                elif n <= BLOCK // 2:  # (each path in its own call: their tensors differ in shape)
+                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK // 2, FEW)
+                else:
+                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK, FEW)
 
 
 def smallest_block(typical: float) -> int:
@@ -423,8 +378,9 @@ def size_classes(largest: int, small: int | None = None) -> list[tuple[int, int,
     return classes
 
 
-def select_warps(block: int) -> int:
-    """Warps a program at ``block`` lanes: 2 up to 1024 (the fastest in ``benchmarks/kernel_h200.py``), 8 above."""
+def _warps(block: int) -> int:
+    """Warps per program of a launch whose largest block is ``block`` lanes: 2 for the classes up to 1024 lanes (the
+    fastest in ``benchmarks/kernel_h200.py``), 8 above."""
     return 2 if block <= 1024 else 8
 
 
@@ -496,5 +452,5 @@ def launch_select(
             BLOCKWISE=low >= block,
             FEW=FEW_PICKS,
             BOXED=listing is not None,
-            num_warps=select_warps(block),
+            num_warps=_warps(block),
         )

@@ -1,4 +1,4 @@
-"""The fast decode path's whole step in a few launches — the default's: four a layer with the CUDA shortlist, five
+"""The fast decode path's whole step in a few launches — the default's: six a layer with the CUDA shortlist, seven
 with Triton's (``FusedStep.launches``) — for QGC's clusters, QGS's or PQS's codes, ErrorGate's allocation and flash's
 kernels (docs/design.md §2).
 
@@ -13,38 +13,34 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    placed in its nearest QGC centroid and joined to it (its slot's cluster, the pooled sums, the member list) by the
    chunk that holds it, and each chunk's logit statistics from the pooled sums (``cluster_stats``' arithmetic);
 2. the selector's score kernel over the codes (``group_int8_scores``, ``group_lut_scores``);
-3. the plan (``plan_programs.plan_row``), per selection row: ErrorGate's priority and water-filling
-   (``row_log_priority``, ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out —
-   sink and local window, each cluster's run, -1 padding — with the runs flash reads, and the row's counter of
-   flash's parts zeroed;
-4. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at the
-   benchmarks' shapes, three once a cluster may pass 4096 rows; with a shortlist, in its launch); 5. flash's pass, whose
-   last part of each row merges the row (``FlashKernel.sparse``).
+3. ``plan``, a program per selection row: ErrorGate's priority and water-filling (``row_log_priority``,
+   ``water_fill_row``: the allocator's own Triton functions), then the row's index laid out — sink and local window,
+   each cluster's run, -1 padding — with the runs flash reads, and the row's counter of flash's parts zeroed;
+4. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
+   the benchmarks' shapes, three once a cluster may pass 4096 rows); 5. flash's pass, whose last part of each row
+   merges the row (``FlashKernel.sparse``).
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
-(``two_stage``: the shortlist by a radix select, its exact logits, and each row's shift and floor; the listed scores are
-boxed and the selection re-ranks as it reads them), and neither the plan nor the selection is a launch of its own: the
-shortlist's last launch (``exact_logits``, PQS's ``pq_list``) counts its programs' arrivals per row on counters the
-prologue zeroes, and a row's last program runs the row's plan — its shift, its floor, its quotas and index — as flash's
-last part merges the row; the launch's further programs, one per (row, cluster), each wait for their row's plan and
-select the cluster's quota (``plan_programs.select_planned``). Every program takes a ticket first, so the work is handed
-out in order: a waiting program waits only on programs already running. QGS's shortlist takes seven launches after its
-scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores with each row's first radix
-digit counted, the cut, the listing with the exact logits (the codes read once for the group's selection rows, each K
-row once for the rows that list it); the default's step is five launches a layer (``FusedStep.launches``). One program
-per (batch row, KV head) for the scores and the shortlist (73c848f) took 2.41 ms a layer at 16 × 16K and 16.4 ms at 2 ×
-128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``), against 0.99 and 1.35 ms with the three launches: too
-few programs, each a long chain. On a GPU of sm_90 or later with nvcc, PQS's scores and shortlist take one CUDA launch
-instead — a thread-block cluster per (batch row, KV head) that keeps the scores on chip between the cut's passes — and
-Triton's ``exact_logits`` a second (``pq_shortlist_cuda``: the step 1.37–1.56× faster per head on an H100);
-``shortlist_note`` says why not where not.
+(``two_stage``: the shortlist by a radix select, its exact logits, the floor, and each row's shift; the listed scores
+are boxed and the selection re-ranks as it reads them), and the plan waits for the floor: its program takes the
+row's shift and floor first (without a floor, ``refine`` takes the shift, a program per row). QGS's shortlist takes
+seven launches after its scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores
+with each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
+group's selection rows, each K row once for the rows that list it); the default's step is six launches a layer
+and one per size class of clusters in the selection
+(``FusedStep.launches``). One program per (batch row, KV head) for the scores and the shortlist (73c848f) took
+2.41 ms a layer at 16 × 16K and 16.4 ms at 2 × 128K on an H100, per head at 1% (``benchmarks/kernel_h200.py``),
+against 0.99 and 1.35 ms with the three launches: too few programs, each a long chain. On a GPU of sm_90 or later
+with nvcc, PQS's scores and shortlist take one CUDA launch instead — a thread-block cluster per (batch row, KV head)
+that keeps the scores on chip between the cut's passes — and Triton's ``exact_logits`` a second
+(``pq_shortlist_cuda``: the step 1.30–1.47× faster per head on an H100); ``shortlist_note`` says why not where not.
 
-Without a shortlist the scores read nothing that the plan writes, nor it anything the scores write, so in a CUDA
-graph's capture the plan runs on a second stream (of high priority) beside the scores, and the selection waits for
-both: the graph holds two branches. Launched eagerly, the step keeps to one stream. The growth, in the prologue, is
-written before the scores read the clusters: the row leaving the window is inside the shortlist's clusters whether
-or not its join is written (a row joins a cluster after its codes are written, in an earlier step or by the
-projection in the same launch), and the floor, in the plan, reads its rows' clusters after the join.
+Without a floor the scores read nothing that the plan writes, nor it anything the scores write, so in a CUDA graph's
+capture the plan runs on a second stream (of high priority) beside the scores, and the selection waits for both: the
+graph holds two branches. With a floor (the default's) the plan follows the shortlist. Launched eagerly, the step
+keeps to one stream. The growth, in the prologue, is written before the scores read the clusters: the row leaving
+the window is inside the shortlist's clusters whether or not its join is written (a row joins a cluster after its
+codes are written, in an earlier step or by the projection in the same launch).
 
 The statistics are computed where the join is, a program per chunk of clusters: inside ``plan``, one program per
 row, they took 32–43 µs against 6 µs for a launch of their own (at 16 × 16K on an H200), the head's moments being
@@ -78,7 +74,7 @@ from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
 if triton is not None:
     from oa_plugins.kernels.flash_step_programs import prologue
-    from oa_plugins.kernels.plan_programs import plan as plan_kernel
+    from oa_plugins.kernels.plan_programs import plan
 
 
 def fused_unsupported(state) -> str | None:
@@ -148,10 +144,10 @@ class QGSScoring:
     def score(self, state, projected: Tensor, scores: Tensor, G: int) -> None:
         group_int8_scores(projected, state.index.codes, state.index.scales, state.scale, 1, G, out=scores)
 
-    def shortlist(self, two_stage, state, projected, scores, keys, query, budget_args, Gs: int, G: int, plan: dict):
-        """The scores, then the two-stage shortlist's seven launches (the last runs each row's ``plan``)."""
+    def shortlist(self, two_stage, state, projected, scores, keys, query, budget_args, Gs: int, G: int):
+        """The scores, then the two-stage shortlist's seven launches."""
         self.score(state, projected, scores, G)
-        return two_stage.shortlist(scores, keys, query, state, budget_args, Gs, G, state.pipeline.spec.local, plan)
+        return two_stage.shortlist(scores, keys, query, state, budget_args, Gs, G, state.pipeline.spec.local)
 
 
 class PQSScoring:
@@ -193,10 +189,9 @@ class PQSScoring:
         B, H = tables.shape[:2]
         group_lut_scores(tables, state.index.codes, state.scale, 1, G, out=scores.view(B, H, -1, scores.shape[-1]))
 
-    def shortlist(self, two_stage, state, tables, scores, keys, query, budget_args, Gs: int, G: int, plan: dict):
-        """The scores and the two-stage shortlist in three launches (``TwoStage.pq_shortlist``; the last runs each
-        row's ``plan``)."""
-        return two_stage.pq_shortlist(tables, state, scores, keys, query, budget_args, Gs, G, plan)
+    def shortlist(self, two_stage, state, tables, scores, keys, query, budget_args, Gs: int, G: int):
+        """The scores and the two-stage shortlist in three launches (``TwoStage.pq_shortlist``)."""
+        return two_stage.pq_shortlist(tables, state, scores, keys, query, budget_args, Gs, G)
 
 
 # The selectors the step fuses, by exact type (a subclass may change the arithmetic the kernels repeat).
@@ -251,26 +246,26 @@ class FusedStep:
 
     def launches(self, state) -> list[str]:
         """The programs one step launches (Triton's, and the CUDA shortlist where it runs), in the order of the code
-        (without a shortlist the plan may run on a second stream beside the scores): the step's own declaration, which
+        (without a floor the plan may run on a second stream beside the scores): the step's own declaration, which
         ``tests/test_flash_step.py`` checks against the launches a step makes. The selection takes one launch per size
-        class of clusters without a shortlist (``size_classes``: from the largest cluster's slots)."""
+        class of clusters (``size_classes``: from the largest cluster's slots)."""
         classes = len(size_classes(state.members.shape[-1], self.select_block))
-        return self.launch_names(type(self.scoring), self.two_stage is not None, classes, self.shortlist_cuda)
+        floor = self.two_stage is not None and self.two_stage.floor > 0
+        return self.launch_names(type(self.scoring), self.two_stage is not None, floor, classes, self.shortlist_cuda)
 
     @staticmethod
     def launch_names(
-        scoring: type[QGSScoring | PQSScoring], rerank: bool, classes: int, cuda: bool = False
+        scoring: type[QGSScoring | PQSScoring], rerank: bool, floor: bool, classes: int, cuda: bool = False
     ) -> list[str]:
-        """``launches`` for a selector's part of the step (``SCORING``'s value), with or without a re-rank, and
-        ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state); ``cuda``: PQS's
-        shortlist in one CUDA launch (``pq_shortlist_cuda``). With a re-rank the shortlist's last launch runs the plan
-        (each row's last program) and the selection; without, the plan is a launch of its own, beside the scores in a
-        CUDA graph, and the selection one per size class."""
+        """``launches`` for a selector's part of the step (``SCORING``'s value), with or without a re-rank and a
+        floor, and ``classes`` size classes of clusters (``benchmarks/step_cost.py`` counts them without a state);
+        ``cuda``: PQS's shortlist in one CUDA launch (``pq_shortlist_cuda``)."""
         project, scores = scoring.LAUNCHES
+        names = [project, *([] if floor else ["plan"])]
         shortlist = pq_shortlist_cuda.launch_names() if cuda else scoring.SHORTLIST
-        if rerank:  # the plan and the selection in the listing's launch
-            return [project, *shortlist, "sparse_pass"]
-        return [project, "plan", scores, *["_select_kernel"] * classes, "sparse_pass"]
+        names += [*shortlist, *([] if floor else ["refine"])] if rerank else [scores]
+        names += ["plan"] if floor else []  # the plan takes the shift and the floor
+        return [*names, *["_select_kernel"] * classes, "sparse_pass"]
 
     def __call__(self, state, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return self.run(state, query, keys, values)[0]
@@ -290,44 +285,47 @@ class FusedStep:
         Gs, G = (1, g) if self.shared else (g, 1)
         rows = B * H * Gs
         device = query.device
-        # The shortlist's counters of its last launch's programs and its ticket (``TwoStage.finishing``): the prologue
-        # zeroes them.
-        finished = torch.empty(rows + 1, dtype=torch.int32, device=device)
-        prepared, mean_logit, logit_var = self.prologue(state, query, keys, values, finished)
+        prepared, mean_logit, logit_var = self.prologue(state, query, keys, values)
+        # Without a floor the plan and the selector's scores do not read what the other writes: in a CUDA graph the
+        # plan runs on a second stream of high priority beside the scores (the graph holds two branches). The scores
+        # fill the device with programs; the priority lets the plan's in first. Every tensor the second stream touches
+        # is allocated on the first, which waits for it.
         scores = torch.empty(rows, cap, dtype=torch.float32, device=device)
         quotas = torch.empty(rows, C, dtype=torch.long, device=device)
         offsets = torch.empty(rows, C, dtype=torch.long, device=device)
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        arrivals = torch.empty(rows, dtype=torch.int32, device=device)  # flash's counters: the plan zeroes them
+        arrivals = torch.empty(
+            rows, dtype=torch.int32, device=device
+        )  # the flash pass's counters: the plan zeroes them
         outputs = (quotas, offsets, runs, chosen, log_weight, arrivals)
-        plan = self.plan_arguments(state, mean_logit, logit_var, outputs, finished, G)
+        floor = self.two_stage is not None and self.two_stage.floor > 0
+        budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
+        # Only where a CUDA graph is captured: launched eagerly the host's launches set the pace, not the device.
+        # (``torch.cuda.stream(None)`` keeps the current stream.)
+        side = self.side if self.side is not None and torch.cuda.is_current_stream_capturing() and not floor else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            if not floor:
+                self.plan(state, mean_logit, logit_var, None, outputs, H, Gs, G)
         if self.two_stage is None:
-            # The plan and the selector's scores do not read what the other writes: in a CUDA graph the plan runs on a
-            # second stream of high priority beside the scores (the graph holds two branches). The scores fill the
-            # device with programs; the priority lets the plan's in first. Every tensor the second stream touches is
-            # allocated on the first, which waits for it. Launched eagerly the host's launches set the pace, not the
-            # device: one stream (``torch.cuda.stream(None)`` keeps the current one).
-            capturing = self.side is not None and torch.cuda.is_current_stream_capturing()
-            side = self.side if capturing else None
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self.plan(state, plan, H, Gs, G)
             self.scoring.score(state, prepared, scores, G)
-            if side is not None:
-                torch.cuda.current_stream(device).wait_stream(side)
-            launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block)
-        else:  # the scores, the shortlist, its exact logits, each row's plan and the selection (boxed scores: it
-            # re-ranks as it reads them) in the shortlist's launches
+        else:  # the scores, the shortlist and its exact logits
             if self.shortlist_cuda and (reason := pq_shortlist_cuda.group_reason(state, Gs * G, Gs)) is not None:
                 self.shortlist_cuda, self.shortlist_note = False, reason  # (the same group every step: once)
             shortlist = pq_shortlist_cuda.launch if self.shortlist_cuda else self.scoring.shortlist
-            budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
-            # The selection in the listing's launch too, after each row's plan (``TwoStage.finishing``).
-            plan.update(stages.selection_arguments(state.members, state.member_counts, self.select_block))
-            shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G, plan)
+            listing = shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+        if floor:  # the plan takes each row's shift and floor (after the join: the floor reads its rows' clusters)
+            self.plan(state, mean_logit, logit_var, listing, outputs, H, Gs, G)
+        elif self.two_stage is not None:  # each row's shift
+            self.two_stage.refine(listing)
+        # With a shortlist the scores are boxed: the selection re-ranks as it reads them.
+        boxes = (listing.exact, listing.shifts) if self.two_stage is not None else None
+        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block, boxes)
         selection = Selection(
             chosen.view(B, H, Gs, 1, self.width),
             log_weight.view(B, H, Gs, 1, self.width),
@@ -337,17 +335,12 @@ class FusedStep:
         out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, arrivals)
         return out, selection
 
-    def prologue(
-        self, state, query: Tensor, keys: Tensor, values: Tensor, finished: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def prologue(self, state, query: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The step's first launch: the selector's projection (``scoring.projection``: QGS's projected heads or PQS's
         tables, returned) and the growth — the row leaving the window joined to its QGC cluster, each chunk's logit
-        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``); the shortlist's counters and ticket
-        ``finished`` zeroed (``[B · Hkv · Gs + 1]``; None: the prologue alone, a test's)."""
+        statistics (returned: z̄_b and σ̂_b² ``[B, Hkv, g, 1, C]``)."""
         B, Hq, _, D = query.shape
         H, cap = keys.shape[1], keys.shape[2]
-        if finished is None:
-            finished = torch.empty(B * H * (1 if self.shared else Hq // H) + 1, dtype=torch.int32, device=query.device)
         C, g, rc = state.num_clusters, Hq // H, self.projection.shape[-1]
         mean_logit = torch.empty(B, H, g, 1, C, dtype=torch.float32, device=query.device)
         logit_var = torch.empty_like(mean_logit)
@@ -367,9 +360,6 @@ class FusedStep:
             MEMBER_COUNT=state.member_counts,
             MEAN_LOGIT=mean_logit,
             LOGIT_VAR=logit_var,
-            FINISHED=finished,
-            ROWS=(finished.shape[0] - 1) // (B * H),
-            BLOCK_ROWS=triton.next_power_of_2((finished.shape[0] - 1) // (B * H)),
             **dict(zip(("sk_b", "sk_h", "sk_n"), keys.stride()[:3], strict=True)),
             **dict(zip(("sv_b", "sv_h", "sv_n"), values.stride()[:3], strict=True)),
             sq_b=query.stride(0),
@@ -396,58 +386,55 @@ class FusedStep:
         prologue[(B * H, 1 + triton.cdiv(C, STATS_CLUSTERS))](**{**unused, **projection, **growth})
         return prepared, mean_logit, logit_var
 
-    def plan_arguments(self, state, mean_logit, logit_var, outputs, finished, G: int) -> dict:
-        """The plan's arguments but the shortlist's (``TwoStage.finishing`` adds them): its inputs, its ``outputs``
-        (quotas, offsets, runs, the index, its log weights, the flash pass's arrivals) and the shortlist's counters;
-        ``G`` query heads a selection row."""
+    def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G):
+        """The plan's launch into ``outputs`` (quotas, offsets, runs, the index, its log weights, the flash pass's
+        arrivals); with a ``listing`` (a shortlist with a floor), after it: the program takes the row's shift and floor
+        first."""
         quotas, offsets, runs, chosen, log_weight, arrivals = outputs
-        two_stage = self.two_stage
-        floor = two_stage is not None and two_stage.floor > 0
-        return dict(
-            FINISHED=finished,
-            MEAN_LOGIT=mean_logit,
-            LOGIT_VAR=logit_var,
-            COUNT=state.pooled.count,
-            START=state.start,
-            DENSITY=self.density,
-            FIXED_BASE=state.fixed_base,
-            FIXED_MOVES=state.fixed_moves,
-            ASSIGNMENT=state.assignment,
-            FLOOR_SHARE=two_stage.floor_t if two_stage is not None and floor else self.density,  # (read with a floor)
-            QUOTAS=quotas,
-            OFFSETS=offsets,
-            RUNS=runs,
-            INDEX=chosen,
-            LW=log_weight,
-            ARRIVALS=arrivals,
-            C=state.num_clusters,
-            F=self.fixed,
-            WIDTH=self.width,
-            TOKENS=self.tokens,
-            BLOCK_G=triton.next_power_of_2(G),
-            BLOCK_C=launch_config(state.num_clusters)[0],
-            BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
-            FLOOR=floor,
-            LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
-        )
-
-    def plan(self, state, plan: dict, H: int, Gs: int, G: int) -> None:
-        """The plan's own launch, a program per selection row, for a step without a shortlist (``plan_arguments``:
-        the shortlist's pointers are never read, the quotas stand in)."""
-        quotas = plan["QUOTAS"]
-        listing = dict.fromkeys(("LISTED", "LISTED_COUNTS", "EXACT", "CUT", "SHIFTS"), quotas)
-        args = {k: v for k, v in plan.items() if k != "FINISHED"}
+        C = state.num_clusters
+        block_c, warps = launch_config(C)
+        floor = listing is not None
+        # Without a floor the shortlist's pointers are never read: any tensor stands in.
+        parts = (listing.listed, listing.exact, listing.counts, listing.cut, listing.shifts) if floor else (quotas,) * 5
+        listed, exact, counts, cut, shifts = parts
+        floor_share = self.two_stage.floor_t if self.two_stage is not None else self.density  # (read with a floor)
         with quiet_interpreter():
-            plan_kernel[(quotas.shape[0],)](
-                **args,
-                **listing,
-                LENGTH=state.length,
-                Hkv=H,
-                Gs=Gs,
-                CAP=state.assignment.shape[-1],
-                L=1,
+            plan[(quotas.shape[0],)](
+                mean_logit,
+                logit_var,
+                state.pooled.count,
+                state.length,
+                state.start,
+                self.density,
+                state.fixed_base,
+                state.fixed_moves,
+                state.assignment,
+                floor_share,
+                listed,
+                counts,
+                exact,
+                cut,
+                shifts,
+                quotas,
+                offsets,
+                runs,
+                chosen,
+                log_weight,
+                arrivals,
+                H,
+                Gs,
+                C,
+                self.fixed,
+                self.width,
+                self.tokens,
+                state.assignment.shape[-1],
+                listed.shape[-1],
                 G=G,
-                LISTING=False,
+                BLOCK_G=triton.next_power_of_2(G),
+                BLOCK_C=block_c,
+                BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
+                FLOOR=floor,
                 RADIX_BLOCK=stages.RADIX_BLOCK,
-                num_warps=launch_config(state.num_clusters)[1],
+                LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
+                num_warps=warps,
             )

@@ -251,7 +251,6 @@ if triton is not None:
         MEMBER_COUNT,
         MEAN_LOGIT,
         LOGIT_VAR,
-        FINISHED,
         sk_b,
         sk_h,
         sk_n,
@@ -284,24 +283,15 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_CC: tl.constexpr,
         BLOCK_DIMS: tl.constexpr,
-        ROWS: tl.constexpr,
-        BLOCK_ROWS: tl.constexpr,
     ):
         """The step's first launch, a program per (batch row, KV head) and part: part 0 the selector's projection —
         PQ: PQS's codes and tables (``_pq_project_row``: SPACE its centroids, CC a sub-space, OUT the tables), else
         QGS's codes and projected heads (``_project_row``: SPACE its basis, OUT the heads, R its rank) — and part j > 0
         the growth of the j-th chunk of STATS_C clusters (``_grow_chunk``). Neither reads what the other writes (the
-        growth reads no codes). The other selector's arguments are placeholders. Part 0 also zeroes the head's ROWS
-        selection rows' counters at FINISHED, and the first head the ticket after them (the shortlist's last launch
-        counts its programs on them).
-        """
+        growth reads no codes). The other selector's arguments are placeholders."""
         head = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         if part == 0:
-            rows = tl.arange(0, BLOCK_ROWS)
-            tl.store(FINISHED + head * ROWS + rows, tl.zeros([BLOCK_ROWS], tl.int32), mask=rows < ROWS)
-            if head == 0:  # the ticket, after every row's counter
-                tl.store(FINISHED + tl.num_programs(0) * ROWS, 0)
             if PQ:
                 _pq_project_row(
                     head,

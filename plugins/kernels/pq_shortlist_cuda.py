@@ -131,13 +131,12 @@ def launch(
     budget_args: tuple,
     Gs: int,
     G: int,
-    plan: dict | None = None,
     stop: int = 0,
 ):
     """The scores into ``scores`` ``[rows, capacity]`` (listed ones boxed) and the shortlist (``two_stage.Listing``),
-    its exact logits by Triton's ``exact_logits`` in a second launch, whose last program of each row runs the row's
-    ``plan`` (``TwoStage.exact_logits``; None: the shift alone); ``unavailable_reason`` and ``group_reason`` said None.
-    ``stop`` (a study's knob): end after the scores (1), the cut (2), the listing without the exact logits (3)."""
+    its exact logits by Triton's ``exact_logits`` in a second launch; ``unavailable_reason`` and ``group_reason`` said
+    None. ``stop`` (a study's knob): end after the scores (1), the cut (2), the listing without the exact logits
+    (3)."""
     from oa_plugins.kernels.two_stage import PQ_SEGMENT
 
     if keys.dtype not in DTYPES or query.dtype != keys.dtype:
@@ -172,5 +171,5 @@ def launch(
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
     if stop == 0:
-        two_stage.exact_logits(listing, scores, keys, query, state, Gs, G, plan)
+        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
     return listing

@@ -9,13 +9,11 @@ from oa_core.ops.triton_path import tl, triton
 
 if triton is not None:
     from oa_core.ops.selection import listed_box
-    from oa_plugins.kernels.plan_programs import plan_row, select_planned
     from oa_plugins.kernels.two_stage_programs import (
         digit_histogram,
         pick_digit,
         radix_digit,
         row_budget,
-        row_shift,
         unsigned_key,
     )
     from oa_plugins.selectors.pq import load_codes, lut_sums
@@ -170,50 +168,22 @@ if triton is not None:
         K,
         Q,
         SCORES,
+        LENGTH,
+        LISTED,
+        EXACT,
+        CUT,
         TIES,
         PLACES,
         SCRATCH,
-        FINISHED,
-        MEAN_LOGIT,
-        LOGIT_VAR,
-        COUNT,
-        LENGTH,
-        START,
-        DENSITY,
-        FIXED_BASE,
-        FIXED_MOVES,
-        ASSIGNMENT,
-        FLOOR_SHARE,
-        LISTED,
-        LISTED_COUNTS,
-        EXACT,
-        CUT,
-        SHIFTS,
-        QUOTAS,
-        OFFSETS,
-        RUNS,
-        INDEX,
-        LW,
-        ARRIVALS,
-        MEMBERS,
-        MEMBER_COUNTS,
         sk_b,
         sk_h,
         sk_n,
         sq_b,
         sq_h,
         Hkv,
-        C,
-        F,
-        WIDTH,
-        TOKENS,
         CAP,
         L,
         S,
-        SLOTS,
-        HEAD_STRIDE,
-        ROWS,
-        SPLIT,
         scale,
         GS: tl.constexpr,
         G: tl.constexpr,
@@ -223,165 +193,71 @@ if triton is not None:
         SEGMENT: tl.constexpr,
         BLOCK_L: tl.constexpr,
         BLOCK_U: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        BLOCK_F: tl.constexpr,
-        PLAN: tl.constexpr,
-        FLOOR: tl.constexpr,
-        RADIX_BLOCK: tl.constexpr,
-        LIBDEVICE: tl.constexpr,
-        SELECT: tl.constexpr,
-        BLOCK: tl.constexpr,
-        LARGE: tl.constexpr,
-        FEW: tl.constexpr,
     ):
         """Program (batch row · KV head, segment): the segment's listed positions of each of the head's GS selection
         rows, at the segment's place in the row's shortlist (position order: every key above τ, the ties at τ until
         the row's are taken), and their exact logits (s·max over the row's G query heads of q·k) — a K row read once
-        for every row that lists it. SCRATCH: ``(1 + BLOCK_GS) · BLOCK_L`` int32 a program. Then each program counts
-        its arrival at ``FINISHED`` + the head's first row (zero before the launch), and the head's last runs its rows'
-        plans after their shortlists (PLAN, ``plan_row``: the shift, with FLOOR the floor, the quotas, the index) or
-        only their shifts."""
-        ticket = tl.atomic_add(FINISHED + ROWS, 1, sem="relaxed", scope="gpu")  # (as ``exact_logits``'s)
-        if ticket < (ROWS // GS) * S:
-            head = (ticket // S).to(tl.int64)
-            segment = ticket % S
-            scratch = SCRATCH + (head * S + segment) * ((1 + BLOCK_GS) * BLOCK_L)
-            b = head // Hkv
-            h = head % Hkv
-            n = tl.load(LENGTH).to(tl.int64)
-            if segment * SEGMENT < n:
-                rows = tl.arange(0, BLOCK_GS)
-                row_ok = rows < GS
-                p = head * GS + rows  # each selection row's number
-                taus = tl.load(CUT + p, mask=row_ok, other=4294967296)
-                ties = tl.load(TIES + p, mask=row_ok, other=0)
-                counts = tl.load(PLACES + (p * S + segment) * 2, mask=row_ok, other=0)
-                tied = tl.load(PLACES + (p * S + segment) * 2 + 1, mask=row_ok, other=0)
-                offs_d = tl.arange(0, BLOCK_D)
-                d_ok = offs_d < D
-                end = tl.minimum((segment + 1) * SEGMENT, n)
-                for start in range(segment * SEGMENT, end, BLOCK_L):
-                    offs = start + tl.arange(0, BLOCK_L)
-                    in_n = offs < end
-                    grid_ok = row_ok[:, None] & in_n[None, :]
-                    value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
-                    key = unsigned_key(value)
-                    ok = grid_ok & (value > float("-inf"))
-                    tie = ok & (key == taus[:, None])
-                    rank = tied[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
-                    keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))
-                    slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
-                    listed = keep & (slot >= 0) & (slot < L)
-                    tl.store(
-                        LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed
+        for every row that lists it. SCRATCH: ``(1 + BLOCK_GS) · BLOCK_L`` int32 a program."""
+        head = tl.program_id(0).to(tl.int64)
+        segment = tl.program_id(1)
+        scratch = SCRATCH + (head * S + segment) * ((1 + BLOCK_GS) * BLOCK_L)
+        b = head // Hkv
+        h = head % Hkv
+        n = tl.load(LENGTH).to(tl.int64)
+        if segment * SEGMENT < n:
+            rows = tl.arange(0, BLOCK_GS)
+            row_ok = rows < GS
+            p = head * GS + rows  # each selection row's number
+            taus = tl.load(CUT + p, mask=row_ok, other=4294967296)
+            ties = tl.load(TIES + p, mask=row_ok, other=0)
+            counts = tl.load(PLACES + (p * S + segment) * 2, mask=row_ok, other=0)
+            tied = tl.load(PLACES + (p * S + segment) * 2 + 1, mask=row_ok, other=0)
+            offs_d = tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            end = tl.minimum((segment + 1) * SEGMENT, n)
+            for start in range(segment * SEGMENT, end, BLOCK_L):
+                offs = start + tl.arange(0, BLOCK_L)
+                in_n = offs < end
+                grid_ok = row_ok[:, None] & in_n[None, :]
+                value = tl.load(SCORES + p[:, None] * CAP + offs[None, :], mask=grid_ok, other=float("-inf"))
+                key = unsigned_key(value)
+                ok = grid_ok & (value > float("-inf"))
+                tie = ok & (key == taus[:, None])
+                rank = tied[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
+                keep = ok & ((key > taus[:, None]) | (tie & (rank < ties[:, None])))
+                slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+                listed = keep & (slot >= 0) & (slot < L)
+                tl.store(LISTED + p[:, None] * L + slot, tl.zeros_like(slot) + offs[None, :].to(tl.int32), mask=listed)
+                tl.store(SCORES + p[:, None] * CAP + offs[None, :], listed_box(slot), mask=listed)  # its box
+                # The rows some selection row lists, gathered to the front (through the program's scratch), BLOCK_U
+                # at a time: their K rows read once, the group's logits taken for them alone.
+                union = tl.max(keep.to(tl.int32), axis=0) > 0
+                gathered = tl.sum(union.to(tl.int32), axis=0)
+                place = tl.cumsum(union.to(tl.int32), axis=0) - 1
+                tl.store(scratch + place, offs.to(tl.int32), mask=union)
+                slots = scratch + BLOCK_L + rows[:, None] * BLOCK_L + place[None, :]
+                tl.store(slots, tl.where(listed, slot, -1), mask=row_ok[:, None] & union[None, :])
+                tl.debug_barrier()  # the block's threads see each other's scratch
+                for first in range(0, gathered, BLOCK_U):
+                    entry = first + tl.arange(0, BLOCK_U)
+                    entry_ok = entry < gathered
+                    pos = tl.load(scratch + entry, mask=entry_ok, other=0).to(tl.int64)
+                    krows = tl.load(
+                        K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
+                        mask=entry_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    exact = tl.full([BLOCK_GS, BLOCK_U], float("-inf"), tl.float32)
+                    for j in tl.static_range(GS * G):
+                        q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0)
+                        logit = tl.sum(krows * q.to(tl.float32)[None, :], axis=1)
+                        exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
+                    at = tl.load(
+                        scratch + BLOCK_L + rows[:, None] * BLOCK_L + entry[None, :],
+                        mask=row_ok[:, None] & entry_ok[None, :],
+                        other=-1,
                     )
-                    tl.store(SCORES + p[:, None] * CAP + offs[None, :], listed_box(slot), mask=listed)  # its box
-                    # The rows some selection row lists, gathered to the front (through the program's scratch), BLOCK_U
-                    # at a time: their K rows read once, the group's logits taken for them alone.
-                    union = tl.max(keep.to(tl.int32), axis=0) > 0
-                    gathered = tl.sum(union.to(tl.int32), axis=0)
-                    place = tl.cumsum(union.to(tl.int32), axis=0) - 1
-                    tl.store(scratch + place, offs.to(tl.int32), mask=union)
-                    slots = scratch + BLOCK_L + rows[:, None] * BLOCK_L + place[None, :]
-                    tl.store(slots, tl.where(listed, slot, -1), mask=row_ok[:, None] & union[None, :])
-                    tl.debug_barrier()  # the block's threads see each other's scratch
-                    for first in range(0, gathered, BLOCK_U):
-                        entry = first + tl.arange(0, BLOCK_U)
-                        entry_ok = entry < gathered
-                        pos = tl.load(scratch + entry, mask=entry_ok, other=0).to(tl.int64)
-                        krows = tl.load(
-                            K + b * sk_b + h * sk_h + pos[:, None] * sk_n + offs_d[None, :],
-                            mask=entry_ok[:, None] & d_ok[None, :],
-                            other=0.0,
-                        ).to(tl.float32)
-                        exact = tl.full([BLOCK_GS, BLOCK_U], float("-inf"), tl.float32)
-                        for j in tl.static_range(GS * G):
-                            q = tl.load(Q + b * sq_b + (h * GS * G + j) * sq_h + offs_d, mask=d_ok, other=0.0)
-                            logit = tl.sum(krows * q.to(tl.float32)[None, :], axis=1)
-                            exact = tl.where(rows[:, None] == j // G, tl.maximum(exact, logit[None, :]), exact)
-                        at = tl.load(
-                            scratch + BLOCK_L + rows[:, None] * BLOCK_L + entry[None, :],
-                            mask=row_ok[:, None] & entry_ok[None, :],
-                            other=-1,
-                        )
-                        tl.store(EXACT + p[:, None] * L + at, exact * scale, mask=at >= 0)
-                    tl.debug_barrier()  # read before the next block writes
-                    counts += tl.sum(keep.to(tl.int32), axis=1)
-                    tied += tl.sum(tie.to(tl.int32), axis=1)
-            # The arrival (as ``exact_logits``'s): the head's last program acquires the others' entries, plans its rows
-            # and counts once more: they are planned.
-            tl.debug_barrier()
-            if tl.atomic_add(FINISHED + head * GS, 1, sem="acq_rel", scope="gpu") == S - 1:
-                for s in tl.static_range(GS):
-                    if PLAN:
-                        plan_row(
-                            head * GS + s,
-                            MEAN_LOGIT,
-                            LOGIT_VAR,
-                            COUNT,
-                            LENGTH,
-                            START,
-                            DENSITY,
-                            FIXED_BASE,
-                            FIXED_MOVES,
-                            ASSIGNMENT,
-                            FLOOR_SHARE,
-                            LISTED,
-                            LISTED_COUNTS,
-                            EXACT,
-                            CUT,
-                            SHIFTS,
-                            QUOTAS,
-                            OFFSETS,
-                            RUNS,
-                            INDEX,
-                            LW,
-                            ARRIVALS,
-                            Hkv,
-                            GS,
-                            C,
-                            F,
-                            WIDTH,
-                            TOKENS,
-                            CAP,
-                            L,
-                            G,
-                            BLOCK_G,
-                            BLOCK_C,
-                            BLOCK_F,
-                            True,
-                            FLOOR,
-                            RADIX_BLOCK,
-                            LIBDEVICE,
-                        )
-                    else:  # the shift alone (a shortlist without the plan: tests, studies)
-                        row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, head * GS + s, L, RADIX_BLOCK)
-                tl.debug_barrier()
-                tl.atomic_add(FINISHED + head * GS, 1, sem="release", scope="gpu")  # planned: S + 1
-        elif SELECT:  # (not compiled without a selection)
-            select_planned(
-                ticket - (ROWS // GS) * S,
-                FINISHED,
-                GS,
-                S + 1,
-                SCORES,
-                MEMBERS,
-                MEMBER_COUNTS,
-                QUOTAS,
-                OFFSETS,
-                INDEX,
-                EXACT,
-                SHIFTS,
-                CAP,
-                C,
-                SLOTS,
-                HEAD_STRIDE,
-                WIDTH,
-                GS,
-                L,
-                SPLIT,
-                BLOCK,
-                LARGE,
-                FEW,
-            )
+                    tl.store(EXACT + p[:, None] * L + at, exact * scale, mask=at >= 0)
+                tl.debug_barrier()  # read before the next block writes
+                counts += tl.sum(keep.to(tl.int32), axis=1)
+                tied += tl.sum(tie.to(tl.int32), axis=1)

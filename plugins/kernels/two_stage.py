@@ -18,8 +18,8 @@ each, from many programs: one program per row made each pass a chain of latencie
    over the selection head's query heads (what the oracle selector scores);
 8. the shift that puts each row's unlisted scores below its shortlist's lowest exact logit (``rerank_exact``) and,
    with a floor, the shortlist's best ⌊f·E_sel⌋ by exact logit (the same radix select, over the shortlist) counted
-   per cluster: at the start of the row's plan (``plan_programs.plan_row``), which the row's last program of 7 runs
-   (``finishing``: it counts its arrival on the row's counter; the last acquires the others' exact logits).
+   per cluster: in the plan's program after the join (``plan_programs.plan``), or without a floor in
+   ``refine``, a program per row.
 
 The re-ranked scores are never written out. The listing (7, or ``pq_list``) overwrites each listed position's score
 with a NaN whose payload is its entry in the shortlist (``listed_box``); the per-cluster selection reads a boxed
@@ -32,8 +32,7 @@ KV head, chunk of SCORE_CHUNK positions), scores every selection row of the head
 the chunk's histogram of the first digit to the row's; ``pq_cut``, a program per row, takes the second and third
 digits from a pass over the row each — the second pass keeps the positions that share the cut's first two digits —
 and the last digit and the segments' places from the kept positions; ``pq_list``, a program per (batch row, KV head,
-segment), lists the segment's rows of every selection row with their exact logits, and the head's last program runs
-its rows' plans.
+segment), lists the segment's rows of every selection row with their exact logits.
 
 The floor's rows are the shortlist's best whenever the floor is at most the shortlist (f ≤ m): ``fused_unsupported``
 declines other parameters. Why this shape, and what it costs, is in the README ("Two-stage selection").
@@ -47,16 +46,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from oa_core.ops.selection import FEW_PICKS, select_warps, size_classes
 from oa_core.ops.triton_path import triton
-from oa_core.ops.water_filling import launch_config
-from oa_plugins.allocators.errorgate import quiet_interpreter
 from oa_plugins.selectors.pq import code_block, lut_block, packed
 
 if triton is not None:
-    from oa_plugins.kernels.plan_programs import exact_logits
     from oa_plugins.kernels.pq_shortlist_programs import pq_cut, pq_list, pq_scores
-    from oa_plugins.kernels.two_stage_programs import compact, cut_row, radix_pass
+    from oa_plugins.kernels.two_stage_programs import (
+        compact,
+        cut_row,
+        exact_logits,
+        radix_pass,
+        refine,
+    )
 
 SEGMENT = 4096  # positions per program of the row passes (a row of 16 K positions: 4 programs)
 SEGMENT_WARPS = 8
@@ -76,7 +77,7 @@ SCORE_WARPS, CUT_WARPS, LIST_WARPS = 2, 8, 2
 
 class Listing(NamedTuple):
     """A shortlist (``TwoStage.listing``): per row its positions and exact logits ``[rows, L]``, its length, cut key,
-    ties at it and the shift of its unlisted scores (``row_shift``'s); per segment of positions its place (entries and
+    ties at it and the shift of its unlisted scores (``refine``'s); per segment of positions its place (entries and
     ties before it) ``[rows, S, 2]``."""
 
     listed: Tensor
@@ -98,16 +99,7 @@ class TwoStage:
         self.floor_t = torch.tensor(floor, dtype=torch.float64, device=device)
 
     def shortlist(
-        self,
-        scores: Tensor,
-        keys: Tensor,
-        query: Tensor,
-        state,
-        budget_args: tuple,
-        Gs: int,
-        G: int,
-        local: int,
-        plan: dict | None = None,
+        self, scores: Tensor, keys: Tensor, query: Tensor, state, budget_args: tuple, Gs: int, G: int, local: int
     ) -> Listing:
         """``scores`` ``[rows, capacity]`` (the selector's) → the shortlist (its positions, exact logits, length, last
         key and ties at it, and each segment's place in it): launches 1–7. The row leaving the window counts as joined
@@ -163,52 +155,38 @@ class TwoStage:
             num_warps=4,
         )
         compact[(rows, S)](scores, length, listed, cut, ties, places, cap, L, S, BLOCK=SEGMENT, num_warps=SEGMENT_WARPS)
-        self.exact_logits(listing, scores, keys, query, state, Gs, G, plan)
+        self.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
         return listing
 
     @staticmethod
-    def exact_logits(
-        listing: Listing,
-        scores: Tensor,
-        keys: Tensor,
-        query: Tensor,
-        state,
-        Gs: int,
-        G: int,
-        plan: dict | None = None,
-    ):
+    def exact_logits(listing: Listing, scores: Tensor, keys: Tensor, query: Tensor, scale: float, Gs: int, G: int):
         """Each listed row's exact logit into ``listing.exact`` (the largest over the selection row's query heads)
-        and its score boxed, a program per (selection row, LIST_BLOCK entries), the row's last program running its
-        plan, and then with a ``plan`` that carries them the selection's (row, cluster) programs (``finishing``,
-        ``plan_programs.exact_logits``): launch 7 (and the CUDA shortlist's second, ``pq_shortlist_cuda``)."""
+        and its score boxed, a program per (selection row, LIST_BLOCK entries): launch 7 (and the CUDA shortlist's
+        second, ``pq_shortlist_cuda``)."""
         rows, L = listing.listed.shape
         H, D = keys.shape[1], keys.shape[-1]
-        finish, warps = finishing(listing, state, plan)
-        chunks = triton.cdiv(L, LIST_BLOCK)
-        items = rows * state.num_clusters if finish["SELECT"] else 0  # the selection's (row, cluster) programs
-        with quiet_interpreter():  # the plan's logarithms of empty clusters
-            exact_logits[(rows * chunks + items,)](
-                keys,
-                query,
-                scores,
-                **finish,
-                **dict(zip(("sk_b", "sk_h", "sk_n"), keys.stride()[:3], strict=True)),
-                sq_b=query.stride(0),
-                sq_h=query.stride(1),
-                Hkv=H,
-                Gs=Gs,
-                CAP=scores.shape[1],
-                L=L,
-                ROWS=rows,
-                CHUNKS=chunks,
-                scale=state.scale,
-                G=G,
-                GQ=G * Gs,
-                D=D,
-                BLOCK_D=triton.next_power_of_2(D),
-                BLOCK_L=LIST_BLOCK,
-                num_warps=max(4, warps),
-            )
+        exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
+            keys,
+            query,
+            scores,
+            listing.listed,
+            listing.counts,
+            listing.exact,
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            Gs,
+            L,
+            scores.shape[1],
+            scale,
+            G=G,
+            GQ=G * Gs,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_L=LIST_BLOCK,
+            num_warps=4,
+        )
 
     def listing(self, rows: int, cap: int, device: torch.device, segment: int) -> Listing:
         """A shortlist's buffers, its places by ``segment`` positions (``Listing``)."""
@@ -224,16 +202,7 @@ class TwoStage:
         )
 
     def pq_shortlist(
-        self,
-        tables: Tensor,
-        state,
-        scores: Tensor,
-        keys: Tensor,
-        query: Tensor,
-        budget_args: tuple,
-        Gs: int,
-        G: int,
-        plan: dict | None = None,
+        self, tables: Tensor, state, scores: Tensor, keys: Tensor, query: Tensor, budget_args: tuple, Gs: int, G: int
     ) -> Listing:
         """PQS's scores into ``scores`` ``[rows, capacity]`` and ``shortlist``'s outputs, in three launches:
         ``pq_scores`` reads each key's codes once for the (batch row, KV head)'s selection rows and counts their
@@ -297,92 +266,46 @@ class TwoStage:
             num_warps=CUT_WARPS,
         )
         block_l = min(PQ_LIST_BLOCK, PQ_SEGMENT)
-        finish, warps = finishing(listing, state, plan)
-        items = rows * state.num_clusters if finish["SELECT"] else 0  # the selection's (row, cluster) programs
-        with quiet_interpreter():  # the plan's logarithms of empty clusters
-            pq_list[(B * H * S + items,)](
-                keys,
-                query,
-                scores,
-                ties,
-                places,
-                torch.empty(B * H * S, (1 + block_gs) * block_l, dtype=torch.int32, device=scores.device),
-                **finish,
-                **dict(zip(("sk_b", "sk_h", "sk_n"), keys.stride()[:3], strict=True)),
-                sq_b=query.stride(0),
-                sq_h=query.stride(1),
-                Hkv=H,
-                CAP=cap,
-                L=L,
-                S=S,
-                ROWS=rows,
-                scale=state.scale,
-                GS=Gs,
-                G=G,
-                BLOCK_GS=block_gs,
-                D=D,
-                BLOCK_D=triton.next_power_of_2(D),
-                SEGMENT=PQ_SEGMENT,
-                BLOCK_L=block_l,
-                BLOCK_U=LIST_GATHER,
-                num_warps=max(LIST_WARPS, warps),
-            )
+        pq_list[(B * H, S)](
+            keys,
+            query,
+            scores,
+            length,
+            listed,
+            exact,
+            cut,
+            ties,
+            places,
+            torch.empty(B * H * S, (1 + block_gs) * block_l, dtype=torch.int32, device=scores.device),
+            *keys.stride()[:3],
+            query.stride(0),
+            query.stride(1),
+            H,
+            cap,
+            L,
+            S,
+            state.scale,
+            GS=Gs,
+            G=G,
+            BLOCK_GS=block_gs,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            SEGMENT=PQ_SEGMENT,
+            BLOCK_L=block_l,
+            BLOCK_U=LIST_GATHER,
+            num_warps=LIST_WARPS,
+        )
         return listing
 
-
-# The plan's pointers a listing without its plan passes (``finishing``): its programs never read them.
-PLAN_POINTERS = (
-    "MEAN_LOGIT",
-    "LOGIT_VAR",
-    "COUNT",
-    "START",
-    "DENSITY",
-    "FIXED_BASE",
-    "FIXED_MOVES",
-    "ASSIGNMENT",
-    "FLOOR_SHARE",
-    "QUOTAS",
-    "OFFSETS",
-    "RUNS",
-    "INDEX",
-    "LW",
-    "ARRIVALS",
-)
-
-
-def finishing(listing: Listing, state, plan: dict | None) -> tuple[dict, int]:
-    """The arguments with which a listing's launch finishes its rows (``exact_logits``, ``pq_list``), and the warps
-    they need: with ``plan`` (``FusedStep.plan_arguments``: its counters ``FINISHED`` zeroed, the selection's
-    arguments) each row's plan, its shift first, and its selection; without, the shift alone (a shortlist on its own:
-    tests, studies), on fresh counters."""
-    listing_args = dict(
-        LENGTH=state.length,
-        LISTED=listing.listed,
-        LISTED_COUNTS=listing.counts,
-        EXACT=listing.exact,
-        CUT=listing.cut,
-        SHIFTS=listing.shifts,
-        RADIX_BLOCK=RADIX_BLOCK,
-    )
-    if plan is not None:
-        # With the selection at least 4 warps: at 2 the listing's and the selection's registers spill (ptxas, sm_90:
-        # ``benchmarks/studies/kernel_resources.py``).
-        warps = max(launch_config(state.num_clusters)[1], max(4, select_warps(plan["BLOCK"])) if plan["SELECT"] else 1)
-        return {**plan, **listing_args, "PLAN": True}, warps
-    # Stand-ins of the pointers' dtypes: the selection's programs are compiled though none runs.
-    unused: dict[str, object] = dict.fromkeys(PLAN_POINTERS, listing.exact)
-    unused.update(dict.fromkeys(("QUOTAS", "OFFSETS", "INDEX"), listing.cut))
-    unused.update(C=1, F=0, WIDTH=1, TOKENS=-1, BLOCK_G=1, BLOCK_C=16, BLOCK_F=16, FLOOR=False, LIBDEVICE=False)
-    unused.update(MEMBERS=listing.counts, MEMBER_COUNTS=listing.cut, SLOTS=1, HEAD_STRIDE=1, SPLIT=0)
-    unused.update(SELECT=False, BLOCK=16, LARGE=False, FEW=FEW_PICKS)
-    finished = torch.zeros(listing.counts.shape[0] + 1, dtype=torch.int32, device=listing.counts.device)
-    return {**unused, **listing_args, "FINISHED": finished, "PLAN": False}, 1
-
-
-def selection_arguments(members: Tensor, counts: Tensor, small: int) -> dict:
-    """The selection's arguments in a listing's launch (``launch_select``'s, boxed: ``plan_programs.select_planned``)
-    from the members' table ``[B, Hkv, C, S]``: the first size class (``size_classes``) in registers, the rest a
-    block of its size at a time."""
-    (_, split, block), *larger = size_classes(members.shape[-1], small)
-    args = dict(MEMBERS=members, MEMBER_COUNTS=counts, SLOTS=members.shape[-1], HEAD_STRIDE=members.stride(1))
-    return {**args, "SPLIT": split, "SELECT": True, "BLOCK": block, "LARGE": bool(larger), "FEW": FEW_PICKS}
+    def refine(self, listing: Listing) -> None:
+        """Launch 8 for a shortlist without a floor, a program per row: its shift into ``listing.shifts``. With a floor
+        the plan's program takes the shift and the floor (``FusedStep.plan``)."""
+        refine[(listing.listed.shape[0],)](
+            listing.counts,
+            listing.exact,
+            listing.cut,
+            listing.shifts,
+            listing.listed.shape[-1],
+            BLOCK=RADIX_BLOCK,
+            num_warps=SEGMENT_WARPS,
+        )

@@ -211,15 +211,13 @@ if triton is not None:
             tl.store(LISTED + p * L + slot, offs.to(tl.int32), mask=keep & (slot >= 0) & (slot < L))  # never past it
 
     @triton.jit
-    def exact_chunk(
+    def exact_logits(
         K,
         Q,
         SCORES,
         LISTED,
         COUNTS,
         EXACT,
-        p,
-        chunk,
         sk_b,
         sk_h,
         sk_n,
@@ -236,9 +234,10 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr,
     ):
-        """Selection row ``p``'s chunk ``chunk`` of BLOCK_L listed rows: s·max over the row's G query heads of q·k,
+        """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows;
         their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
-        first = chunk * BLOCK_L
+        p = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) * BLOCK_L
         n = tl.load(COUNTS + p)
         if first < n:
             b = p // (Gs * Hkv)
@@ -318,3 +317,9 @@ if triton is not None:
                 hist += tl.histogram(cluster, BLOCK_C, mask=keep)
                 tied += block_ties
         return hist
+
+    @triton.jit
+    def refine(COUNTS, EXACT, CUT, SHIFTS, L, BLOCK: tl.constexpr):
+        """Program per selection row of a shortlist without a floor: its shift (``row_shift``). With a floor, the
+        plan's program takes the shift and the floor (``plan_programs.plan``)."""
+        row_shift(COUNTS, EXACT, CUT, SHIFTS, tl.program_id(0).to(tl.int64), L, BLOCK)
