@@ -296,9 +296,7 @@ class FusedStep:
         runs = torch.empty(rows, C + 1, dtype=torch.int32, device=device)
         chosen = torch.empty(rows, self.width, dtype=torch.long, device=device)
         log_weight = torch.empty(rows, self.width, dtype=torch.float32, device=device)  # 0: every row is exact
-        arrivals = torch.empty(
-            rows, dtype=torch.int32, device=device
-        )  # the flash pass's counters: the plan zeroes them
+        arrivals = torch.empty(rows, dtype=torch.int32, device=device)  # flash's counters: the plan zeroes them
         outputs = (quotas, offsets, runs, chosen, log_weight, arrivals)
         floor = self.two_stage is not None and self.two_stage.floor > 0
         budget_args = (state.length, state.start, self.density, self.fixed, self.tokens)
@@ -381,8 +379,8 @@ class FusedStep:
         )
         prepared, projection = self.scoring.projection(state, query, keys)
         # The other selector's arguments: placeholders its branch never reads.
-        unused = dict(SCALES=prepared, R=1, BLOCK_R=1, M=1, CC=1, DIMS=1, W=1, PACKED=False, BLOCK_M=1, BLOCK_CC=1)
-        unused.update(BLOCK_DIMS=1)
+        sizes = ("R", "BLOCK_R", "M", "CC", "DIMS", "W", "BLOCK_M", "BLOCK_CC", "BLOCK_DIMS")
+        unused = dict(SCALES=prepared, PACKED=False, **dict.fromkeys(sizes, 1))
         prologue[(B * H, 1 + triton.cdiv(C, STATS_CLUSTERS))](**{**unused, **projection, **growth})
         return prepared, mean_logit, logit_var
 
