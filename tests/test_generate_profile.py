@@ -35,3 +35,12 @@ def test_the_summary_per_step_and_per_layer():
     assert out["attention_us_per_layer_total"] == 40.0
     assert out["host_phases_ms_per_step_profiled"] == {"TorchDynamo Cache Lookup": 0.4, "Torch-Compiled Region": 1.0}
     assert [k["kernel"] for k in out["kernels"]] == ["nvjet_gemm", "sparse_pass", "_select_kernel"]  # longest first
+
+
+def test_the_fused_step_s_prologue_and_cuda_shortlist_count_as_attention():
+    """The fused step's first launch (``prologue``) and the CUDA shortlist, which the profiler names with its template
+    (``void pq_shortlist<…>``), are attention kernels; a GEMM is not."""
+    bench = load_benchmark("generate_profile")
+    events = [kernel("prologue", 4.0), kernel("void pq_shortlist<4, 8>(Args)", 20.0), kernel("void nvjet_gemm", 9.0)]
+    out = bench.summarize(events, layers=1, steps=1)
+    assert out["attention_us_per_layer"] == {"void pq_shortlist<4, 8>(Args)": 20.0, "prologue": 4.0}
