@@ -32,11 +32,11 @@ Each batch × context × method (each OpenAttention variant apart) runs in a pro
 starts them and merges what they write), so that none inherits another's compiled code, CUDA graph pools or memory.
 ``dense-fastest`` is the faster of dense-static and dense-engine of the same run. Writes
 ``benchmarks/results/generate_speed.json``: ``{"machine", "runs": [{"batch", "context", "method", "density", "spec",
-"gqa", "per_token_ms", "median_step_ms", "longest_step_ms", "prefill_s", "prepare_s", "tokens"}], "targets": [...],
-"provenance"}`` (``oa_core.analysis.provenance``: the commit and the machine) — the runs as measured, one
-``dense-fastest`` record per batch × context (``derived_from`` names the method it is), and each OpenAttention run's
-speed over it against its target where the issue sets one (``target_for``) — prints a table and draws
-``generate_speed.png`` beside the JSON (``--replot JSON`` redraws a saved run).
+"gqa", "per_token_ms", "median_step_ms", "longest_step_ms", "prefill_s", "prepare_s", "tokens", "peak_gib"}],
+"targets": [...], "provenance"}`` (``oa_core.analysis.provenance``: the commit and the machine) — the runs as
+measured, one ``dense-fastest`` record per batch × context (``derived_from`` names the method it is), and each
+OpenAttention run's speed over it against its target where the issue sets one (``target_for``) — prints a table and
+draws ``generate_speed.png`` beside the JSON (``--replot JSON`` redraws a saved run).
 """
 
 from __future__ import annotations
@@ -186,9 +186,14 @@ def warm_prepare(model, ids: torch.Tensor, spec: dict, density: float) -> None:
 
 
 def run_method(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ids.device)
     try:
         with method_setup(model, method, density, spec, args.warmup + args.tokens) as (kwargs, handle):
             result = timed_generate(model, ids, args.warmup, args.tokens, **kwargs)
+            # The most the run held at once (weights, cache, the prefill's activations): what a card must have.
+            result["peak_gib"] = round(torch.cuda.max_memory_allocated(ids.device) / 2**30, 2) if cuda else None
             result["prepare_s"] = handle.stats.prepare_seconds if method == "openattention" else None
             if handle is not None:
                 (name,) = oa.cache_kwargs(model, None)  # the cache's keyword on the installed transformers
@@ -203,6 +208,7 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
             "prefill_s": None,
             "prepare_s": None,
             "tokens": 0,
+            "peak_gib": round(torch.cuda.max_memory_allocated(ids.device) / 2**30, 2) if cuda else None,
             "error": f"out of memory: {str(exc).splitlines()[0]}",
         }
     return result
@@ -601,8 +607,8 @@ def table(runs: list[dict]) -> str:
     """Per batch × context: each method's ms per token and its speed over dense-fastest."""
     lines = [
         "| batch × context | method | spec, GQA | density | ms / token | tokens/s vs dense-fastest | prefill s "
-        "| prepare s | prepare / dense prefill |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| prepare s | prepare / dense prefill | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config in dict.fromkeys((r["batch"], r["context"]) for r in runs):
         rows = [r for r in runs if (r["batch"], r["context"]) == config]
@@ -620,6 +626,7 @@ def table(runs: list[dict]) -> str:
                 "n/a" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
                 "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}",
                 "" if prepare_share(r) is None else f"{prepare_share(r):.1%}",
+                "" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
