@@ -300,6 +300,7 @@ def main(argv=None) -> int:
         metavar="JSON",
         help="merge saved runs (of other configurations, on the same kind of device) into --out, measuring nothing",
     )
+    parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child of run_apart: no figure
     args = parser.parse_args(argv)
     if args.replot is not None:
         saved = json.loads(args.replot.read_text())
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
                 runs[-1].update(result)
                 print(json.dumps(runs[-1]), flush=True)
                 write(args.out, {**summary(machine, runs), "provenance": made}, quiet=True)
-    return write(args.out, {**summary(machine, runs), "provenance": made})
+    return write(args.out, {**summary(machine, runs), "provenance": made}, figure=not args.part)
 
 
 def parse_config(text: str) -> tuple[int, int]:
@@ -399,6 +400,7 @@ def run_apart(args) -> int:
                     print(f"--- {config} {name}: kept from an earlier run ({part})", flush=True)
                 else:
                     command = [sys.executable, __file__, *options, *chosen, "--configs", config, "--out", str(partial)]
+                    command.append("--part")  # its own figure is not drawn: the merged one is
                     print(f"--- {config} {name}: {' '.join(command[1:])}", flush=True)
                     if subprocess.run(command).returncode == 0 and partial.is_file():
                         partial.replace(part)
@@ -441,13 +443,14 @@ def combine(saved: list[dict]) -> dict:
     return result
 
 
-def write(path: Path, result: dict, quiet: bool = False) -> int:
-    """``result`` to ``path`` (JSON) and its figure beside it; unless ``quiet``, the table printed."""
+def write(path: Path, result: dict, quiet: bool = False, figure: bool = True) -> int:
+    """``result`` to ``path`` (JSON) and, with ``figure``, its figure beside it; unless ``quiet``, the table
+    printed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     if not quiet:
         print(table(result["runs"]))
-        print(f"wrote {path} and {plot(result['runs'], path.with_suffix('.png'))}")
+        print(f"wrote {path}" + (f" and {plot(result['runs'], path.with_suffix('.png'))}" if figure else ""))
     return 0
 
 
