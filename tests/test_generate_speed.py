@@ -194,7 +194,7 @@ def test_variants_and_configs_are_checked_before_the_model_is_built(tmp_path, mo
     monkeypatch.setattr(bench, "build_model", real_build)
     monkeypatch.setattr(bench, "run_method", lambda model, ids, method, density, spec, args: {"per_token_ms": None})
     monkeypatch.setattr(bench, "summary", lambda machine, runs: {"machine": machine, "runs": runs})
-    monkeypatch.setattr(bench, "write", lambda out, result, quiet=False: patched.append(result) or 0)
+    monkeypatch.setattr(bench, "write", lambda out, result, quiet=False, figure=True: patched.append(result) or 0)
     argv = ["--variants", f"{path}:shared", "--device", "cpu", "--configs", "1x8", "--methods", "openattention"]
     bench.main([*argv, "--tiny", "--layers", "1"])
     assert len(built) == 0 and patched[0]["gqa"] == "shared" and patched[0]["selector"]["params"]["rerank"] == 4
