@@ -332,8 +332,11 @@ if triton is not None:
         """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring).
         BOXED: a two-stage selection's scores (``_cluster_keys``), the rows' shortlists ``EXACT`` ``[rows, L]`` and
         shifts ``SHIFTS`` ``[rows]``."""
-        p = tl.program_id(0).to(tl.int64)  # selection row (batch row, KV head, selection head, query)
-        c = tl.program_id(1)
+        # A row's clusters are neighbours in the grid: they read disjoint members of the same row's scores, whose
+        # 32-byte sectors each hold several clusters' scores, and run close enough in time to find them in L2.
+        program = tl.program_id(0).to(tl.int64)
+        p = program // C  # selection row (batch row, KV head, selection head, query)
+        c = program % C
         exact = EXACT + p * L
         shift = tl.load(SHIFTS + p) if BOXED else 0.0
         head = p // ROWS_PER_HEAD  # (batch row, KV head)
@@ -430,7 +433,7 @@ def launch_select(
     C, S = members.shape[-2:]
     exact, shifts = listing if listing is not None else (scores, scores)
     for low, high, block in size_classes(S, small):
-        _select_kernel[(rows, C)](
+        _select_kernel[(rows * C,)](
             scores,
             members,
             counts,
