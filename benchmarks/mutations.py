@@ -702,6 +702,14 @@ MUTATIONS = [
     ),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation(
+        "triton-selection-grid-one-short",
+        "oa_core/ops/selection.py",
+        [("_select_kernel[(rows * C,)](", "_select_kernel[(rows * C - 1,)](")],
+        ("tests/test_selection.py",),
+        "the selection's grid (a row's clusters side by side) one program short: the last row's last cluster selects "
+        "nothing",
+    ),
+    mutation(
         "triton-selection-ties-to-the-last-position",
         "oa_core/ops/selection.py",
         [

@@ -249,7 +249,14 @@ def made_by(path: Path, keep=None) -> MadeBy:
     else:
         machine, machine_how = _json_machine(result)
     machine = gpu_name(machine)
-    if provenance.get("commit"):
+    by_config = result.get("provenance_by_config")  # runs merged from several commits (generate_speed --combine)
+    if by_config:
+        commits = {}
+        for config, made in by_config.items():
+            commits.setdefault(recorded_commit(made), []).append(config)
+        commit = "; ".join(f"{label} ({', '.join(configs)})" for label, configs in commits.items())
+        commit_how = "`provenance_by_config`"
+    elif provenance.get("commit"):
         commit, commit_how = recorded_commit(provenance), "`provenance.commit`"
     elif isinstance(result.get("commit"), str):
         commit, commit_how = f"commit {result['commit'][:7]}", "`commit`"

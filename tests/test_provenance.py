@@ -99,6 +99,20 @@ def test_a_result_s_own_provenance_comes_first(tables, tmp_path):
     assert made.short() == "H100; commit 0123456 with uncommitted changes"  # a GPU by its model, as records files
 
 
+def test_runs_merged_from_several_commits_name_each_configuration_s(tables, tmp_path):
+    h100 = "NVIDIA H100 80GB HBM3"
+    made = {
+        config: {"commit": commit, "dirty": False, "machine": h100}
+        for config, commit in (("16x16384", "aaaaaaa1"), ("8x32768", "aaaaaaa1"), ("2x131072", "bbbbbbb2"))
+    }
+    (tmp_path / "merged.json").write_text(
+        json.dumps({"provenance": {"commit": "bbbbbbb2", "machine": h100}, "provenance_by_config": made})
+    )
+    made_by = tables.made_by(tmp_path / "merged.json")
+    assert made_by.commit == "commit aaaaaaa (16x16384, 8x32768); commit bbbbbbb (2x131072)"
+    assert made_by.how.endswith("commit: `provenance_by_config`")
+
+
 def test_a_result_from_before_is_read_from_its_device_fields_and_git(tables, tmp_path):
     for name, result in {
         "gpu.json": {"machine": {"gpu": "NVIDIA H200"}},

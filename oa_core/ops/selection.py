@@ -24,9 +24,12 @@ when its cluster fits it, and ends at once when its cluster is not in the launch
 from the largest cluster, which the host knows from ``members``' shape: nothing waits on the device (CUDA-graph
 capturable).
 
-Why this shape: a program's cost is latency, not bytes. Reading the scores contiguously instead of through
-``members``, or scoring a cluster's codes inside the selection, gained little; one launch with two paths instead of
-one launch per block size gained most (``benchmarks/kernel_h200.py``; the figures are in the README).
+Why this shape: a program's cost is latency, not bytes. One launch with two paths instead of one launch per block
+size gained most (``benchmarks/kernel_h200.py``). A cluster's members lie anywhere in the context, so each 4-byte
+score read costs its 32-byte sector; the grid puts a row's clusters next to each other, so that the rest of each
+sector, which the row's other clusters read, is still in L2 when they do (the selection 1.9× faster at 32 × 32K than
+with a cluster's programs for every row first). Reading the scores in member order instead then gains nothing
+(``benchmarks/studies/select_layout.py``); scoring a cluster's codes inside the selection gained little (earlier).
 """
 
 from __future__ import annotations
