@@ -33,7 +33,8 @@ and one per size class of clusters in the selection
 against 0.99 and 1.35 ms with the three launches: too few programs, each a long chain. On a GPU of sm_90 or later
 with nvcc, PQS's scores and shortlist take one CUDA launch instead — a thread-block cluster per (batch row, KV head)
 that keeps the scores on chip between the cut's passes — and Triton's ``exact_logits`` a second
-(``pq_shortlist_cuda``: the step 1.30–1.47× faster per head on an H100); ``shortlist_note`` says why not where not.
+(``pq_shortlist_cuda``: the step 1.41–1.59× faster per head on an H100 at fa826a3); ``shortlist_note`` says why not
+where not.
 
 Without a floor the scores read nothing that the plan writes, nor it anything the scores write, so in a CUDA graph's
 capture the plan runs on a second stream (of high priority) beside the scores, and the selection waits for both: the
