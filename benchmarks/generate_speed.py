@@ -606,6 +606,13 @@ def summary(machine: dict, runs: list[dict]) -> dict:
     }
 
 
+def peak_cell(run: dict) -> str:
+    """A run's most GPU memory held, GiB; for one that ran out of memory, what it held when an allocation failed."""
+    if run.get("peak_gib") is None:
+        return ""
+    return f"{run['peak_gib']:.1f}" + (", out of memory" if run.get("error") else "")
+
+
 def table(runs: list[dict]) -> str:
     """Per batch × context: each method's ms per token and its speed over dense-fastest."""
     lines = [
@@ -629,7 +636,7 @@ def table(runs: list[dict]) -> str:
                 "n/a" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}",
                 "" if r.get("prepare_s") is None else f"{r['prepare_s']:.2f}",
                 "" if prepare_share(r) is None else f"{prepare_share(r):.1%}",
-                "" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}",
+                peak_cell(r),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
