@@ -16,6 +16,7 @@ its tests, and add a mutation for every mechanism added.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -1408,6 +1409,25 @@ def _pytest(source: Path, site: Path, tests: tuple[str, ...]) -> tuple[int, list
     return proc.returncode, sorted(set(failed)), (proc.stdout + proc.stderr)[-2000:]
 
 
+def merged(previous: dict, result: dict, listed: set[str]) -> dict:
+    """A partial run's ``result`` over the ``previous`` record: its rows replace theirs, the rows of mutations no longer
+    ``listed`` go. "commit" and "seconds" stay this run's; "commits" counts the rows' own (a row from before rows named
+    theirs: "unrecorded", since records were merged before too)."""
+    ran = {r["name"] for r in result["mutations"]}
+    kept = [
+        {"commit": None, **r} for r in previous.get("mutations", []) if r["name"] not in ran and r["name"] in listed
+    ]
+    rows = kept + result["mutations"]
+    commits = collections.Counter(r["commit"] or "unrecorded" for r in rows)
+    return {
+        **result,
+        "caught": sum(r["caught"] for r in rows),
+        "total": len(rows),
+        "commits": dict(commits),
+        "mutations": rows,
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run the mutations whose name contains this")
@@ -1421,6 +1441,7 @@ def main(argv=None) -> int:
         return 0 if args.list else 2
 
     start = time.time()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="oa-mutations-") as tmp:
         source, site = Path(tmp) / "src", Path(tmp) / "site"
         _copy_checkout(source)
@@ -1457,24 +1478,19 @@ def main(argv=None) -> int:
                     "caught": bool(failed),
                     "by": failed,
                     "tests_run": list(m.tests),
+                    "commit": head[:7],
                 }
             )
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "commit": head,
         "seconds": round(time.time() - start, 1),
         "caught": sum(r["caught"] for r in rows),
         "total": len(rows),
         "mutations": rows,
     }
-    if args.only and args.output.exists():  # a partial run updates its rows in the full record (rows of mutations
-        previous = json.loads(args.output.read_text())  # no longer listed go)
-        ran, listed = {r["name"] for r in rows}, {m.name for m in MUTATIONS}
-        result["mutations"] = [
-            r for r in previous.get("mutations", []) if r["name"] not in ran and r["name"] in listed
-        ] + rows
-        result["caught"] = sum(r["caught"] for r in result["mutations"])
-        result["total"] = len(result["mutations"])
+    if args.only and args.output.exists():  # a partial run updates its rows in the full record
+        result = merged(json.loads(args.output.read_text()), result, {m.name for m in MUTATIONS})
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"\n{'mutation':45s} {'caught':7s} by")

@@ -256,6 +256,10 @@ def made_by(path: Path, keep=None) -> MadeBy:
             commits.setdefault(recorded_commit(made), []).append(config)
         commit = "; ".join(f"{label} ({', '.join(configs)})" for label, configs in commits.items())
         commit_how = "`provenance_by_config`"
+    elif len(result.get("commits") or {}) > 1:  # rows merged from runs at several commits (mutations.py --only)
+        named = {c: (c if c == "unrecorded" else f"commit {c[:7]}") for c in result["commits"]}
+        commit = "; ".join(f"{named[c]} ({n})" for c, n in result["commits"].items())
+        commit_how = "`commits`"
     elif provenance.get("commit"):
         commit, commit_how = recorded_commit(provenance), "`provenance.commit`"
     elif isinstance(result.get("commit"), str):

@@ -9,12 +9,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _mutations():
+def _module():
     spec = importlib.util.spec_from_file_location("oa_mutations", ROOT / "benchmarks" / "mutations.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module.MUTATIONS
+    return module
+
+
+def _mutations():
+    return _module().MUTATIONS
 
 
 def test_every_mutation_applies_to_the_current_code():
@@ -36,3 +40,18 @@ def test_mutation_names_are_unique_and_name_existing_tests():
     for m in mutations:
         for test in m.tests:
             assert (ROOT / test.split("::")[0]).is_file(), f"{m.name}: {test} does not exist"
+
+
+def test_a_partial_run_replaces_its_rows_and_counts_each_row_s_commit():
+    def row(name, caught, commit=None):
+        return {"name": name, "caught": caught, **({"commit": commit} if commit else {})}
+
+    previous = {"commit": "old", "mutations": [row("a", True), row("b", False), row("gone", True)]}
+    run = {"commit": "new1234567", "seconds": 3.0, "mutations": [row("b", True, "new1234")]}
+    merged = _module().merged(previous, run, listed={"a", "b"})
+    assert [(r["name"], r["caught"], r["commit"]) for r in merged["mutations"]] == [
+        ("a", True, None),
+        ("b", True, "new1234"),
+    ]
+    assert (merged["caught"], merged["total"], merged["commit"], merged["seconds"]) == (2, 2, "new1234567", 3.0)
+    assert merged["commits"] == {"unrecorded": 1, "new1234": 1}

@@ -113,6 +113,14 @@ def test_runs_merged_from_several_commits_name_each_configuration_s(tables, tmp_
     assert made_by.how.endswith("commit: `provenance_by_config`")
 
 
+def test_rows_merged_from_several_runs_count_each_commit(tables, tmp_path):
+    record = {"machine": {"cpus": 2}, "commit": "ccccccc3", "commits": {"unrecorded": 5, "ccccccc3": 1}}
+    (tmp_path / "mutations.json").write_text(json.dumps(record))
+    made_by = tables.made_by(tmp_path / "mutations.json")
+    assert made_by.commit == "unrecorded (5); commit ccccccc (1)"
+    assert made_by.how.endswith("commit: `commits`")
+
+
 def test_a_result_from_before_is_read_from_its_device_fields_and_git(tables, tmp_path):
     for name, result in {
         "gpu.json": {"machine": {"gpu": "NVIDIA H200"}},
