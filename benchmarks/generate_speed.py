@@ -185,15 +185,19 @@ def warm_prepare(model, ids: torch.Tensor, spec: dict, density: float) -> None:
         pass  # the timed run records the error
 
 
+def peak_gib(device: torch.device) -> float | None:
+    """The most GPU memory held since the last reset (weights, cache, the prefill's activations: what a card must
+    have), GiB; None off a GPU."""
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
 def run_method(model, ids, method: str, density: float | None, spec: dict, args) -> dict:
-    cuda = ids.device.type == "cuda"
-    if cuda:
+    if ids.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ids.device)
     try:
         with method_setup(model, method, density, spec, args.warmup + args.tokens) as (kwargs, handle):
             result = timed_generate(model, ids, args.warmup, args.tokens, **kwargs)
-            # The most the run held at once (weights, cache, the prefill's activations): what a card must have.
-            result["peak_gib"] = round(torch.cuda.max_memory_allocated(ids.device) / 2**30, 2) if cuda else None
+            result["peak_gib"] = peak_gib(ids.device)
             result["prepare_s"] = handle.stats.prepare_seconds if method == "openattention" else None
             if handle is not None:
                 (name,) = oa.cache_kwargs(model, None)  # the cache's keyword on the installed transformers
@@ -208,7 +212,7 @@ def run_method(model, ids, method: str, density: float | None, spec: dict, args)
             "prefill_s": None,
             "prepare_s": None,
             "tokens": 0,
-            "peak_gib": round(torch.cuda.max_memory_allocated(ids.device) / 2**30, 2) if cuda else None,
+            "peak_gib": peak_gib(ids.device),
             "error": f"out of memory: {str(exc).splitlines()[0]}",
         }
     return result

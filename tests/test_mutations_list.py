@@ -2,23 +2,15 @@
 its text exactly once in its file (after the mutation's earlier edits). A refactor that moves or rewrites a mutated
 line fails here, in CI, instead of leaving a mutation that cannot run and an old "caught" in mutations.json."""
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("oa_mutations", ROOT / "benchmarks" / "mutations.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def _mutations():
-    return _module().MUTATIONS
+    return load_benchmark("mutations").MUTATIONS
 
 
 def test_every_mutation_applies_to_the_current_code():
@@ -48,7 +40,7 @@ def test_a_partial_run_replaces_its_rows_and_counts_each_row_s_commit():
 
     previous = {"commit": "old", "mutations": [row("a", True), row("b", False), row("gone", True)]}
     run = {"commit": "new1234567", "seconds": 3.0, "mutations": [row("b", True, "new1234")]}
-    merged = _module().merged(previous, run, listed={"a", "b"})
+    merged = load_benchmark("mutations").merged(previous, run, listed={"a", "b"})
     assert [(r["name"], r["caught"], r["commit"]) for r in merged["mutations"]] == [
         ("a", True, None),
         ("b", True, "new1234"),

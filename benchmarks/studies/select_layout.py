@@ -25,6 +25,7 @@ import torch
 
 import headline_scripts  # noqa: F401 (benchmarks/ on the path: the headline scripts import)
 from kernel_h200 import bench, graphed
+from oa_core.ops.scatter import count_by_slot
 from oa_core.ops.selection import cluster_members, launch_select, smallest_block
 
 HKV, GS, C, FIXED = 8, 4, 64, 68
@@ -38,8 +39,7 @@ def inputs(batch: int, context: int, density: float, device: torch.device, seed:
     rows = batch * HKV * GS
     assignment = torch.randint(0, C, (batch, HKV, context), generator=gen)
     scores = torch.randn(rows, context, generator=gen)
-    counts = torch.zeros(batch, HKV, C, dtype=torch.long).scatter_add_(-1, assignment, torch.ones_like(assignment))
-    counts = counts.repeat_interleave(GS, dim=1).reshape(rows, C)
+    counts = count_by_slot(assignment, C).repeat_interleave(GS, dim=1).reshape(rows, C)
     budget = max(int(density * context) - FIXED, 1)
     weight = torch.rand(rows, C, generator=gen) ** 4  # a few clusters take most, as ErrorGate's priorities do
     quotas = torch.minimum((weight / weight.sum(-1, keepdim=True) * budget).floor().long(), counts)
