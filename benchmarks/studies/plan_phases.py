@@ -68,11 +68,16 @@ def floor_only(
 ):  # fmt: skip
     """Program per selection row: its floor's counts per cluster into ``OUT`` [rows, C], either way."""
     p = tl.program_id(0).to(tl.int64)
-    args = (ASSIGNMENT, LENGTH, START, DENSITY, FLOOR_SHARE, LISTED, COUNTS, EXACT, p, Hkv, Gs, CAP, F, TOKENS, L)
-    if SORTED:
-        hist = floor_sorted(*args, BLOCK, BLOCK_C)
+    if SORTED:  # (Triton: a constexpr branch, compiled only when taken)
+        hist = floor_sorted(
+            ASSIGNMENT, LENGTH, START, DENSITY, FLOOR_SHARE, LISTED, COUNTS, EXACT, p, Hkv, Gs, CAP, F, TOKENS, L,
+            BLOCK, BLOCK_C,
+        )  # fmt: skip
     else:
-        hist = floor_counts(*args, BLOCK, BLOCK_C)
+        hist = floor_counts(
+            ASSIGNMENT, LENGTH, START, DENSITY, FLOOR_SHARE, LISTED, COUNTS, EXACT, p, Hkv, Gs, CAP, F, TOKENS, L,
+            BLOCK, BLOCK_C,
+        )  # fmt: skip
     offs = tl.arange(0, BLOCK_C)
     tl.store(OUT + p * C + offs, hist, mask=offs < C)
 
