@@ -171,5 +171,5 @@ def launch(
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
     if stop == 0:
-        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G)
+        two_stage.exact_logits(listing, scores, keys, query, state.scale, Gs, G, box=False)  # (boxed already)
     return listing

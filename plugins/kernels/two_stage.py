@@ -159,10 +159,12 @@ class TwoStage:
         return listing
 
     @staticmethod
-    def exact_logits(listing: Listing, scores: Tensor, keys: Tensor, query: Tensor, scale: float, Gs: int, G: int):
+    def exact_logits(
+        listing: Listing, scores: Tensor, keys: Tensor, query: Tensor, scale: float, Gs: int, G: int, box: bool = True
+    ):
         """Each listed row's exact logit into ``listing.exact`` (the largest over the selection row's query heads)
-        and its score boxed, a program per (selection row, LIST_BLOCK entries): launch 7 (and the CUDA shortlist's
-        second, ``pq_shortlist_cuda``)."""
+        and, with ``box``, its score boxed, a program per (selection row, LIST_BLOCK entries): launch 7 (and the CUDA
+        shortlist's second, ``pq_shortlist_cuda``, whose first launch boxed the scores)."""
         rows, L = listing.listed.shape
         H, D = keys.shape[1], keys.shape[-1]
         exact_logits[(rows, triton.cdiv(L, LIST_BLOCK))](
@@ -185,6 +187,7 @@ class TwoStage:
             D=D,
             BLOCK_D=triton.next_power_of_2(D),
             BLOCK_L=LIST_BLOCK,
+            BOX=box,
             num_warps=4,
         )
 

@@ -233,9 +233,10 @@ if triton is not None:
         D: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr,
+        BOX: tl.constexpr,
     ):
         """Program (selection row, chunk): s·max over the row's G query heads of q·k, for the chunk's listed rows;
-        their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
+        with BOX their scores boxed (``listed_box``: the selection reads the exact logits through them)."""
         p = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * BLOCK_L
         n = tl.load(COUNTS + p)
@@ -259,7 +260,8 @@ if triton is not None:
                 q = tl.load(Q + b * sq_b + (h * GQ + s * G + j) * sq_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 best = tl.maximum(best, tl.sum(k * q[None, :], axis=1))
             tl.store(EXACT + p * L + offs, best * scale, mask=ok)
-            tl.store(SCORES + p * CAP + pos, listed_box(offs.to(tl.int32)), mask=pos_ok)
+            if BOX:
+                tl.store(SCORES + p * CAP + pos, listed_box(offs.to(tl.int32)), mask=pos_ok)
 
     @triton.jit
     def row_shift(COUNTS, EXACT, CUT, SHIFTS, p, L, BLOCK: tl.constexpr):
