@@ -1306,6 +1306,18 @@ MUTATIONS = [
         "the cluster design is projected with the one-program design's candidates and code re-reads",
     ),
     mutation(
+        "floor-takes-one-tie-too-many",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "keep, block_ties = _kept(unsigned_key(value), offs < k, tau2, ties2, tied)",
+                "keep, block_ties = _kept(unsigned_key(value), offs < k, tau2, ties2 + 1, tied)",
+            )
+        ],
+        ("tests/test_floor_counts.py",),
+        "ErrorGate's floor takes one more of the entries tied at its cut than its count leaves",
+    ),
+    mutation(
         "cuda-shortlist-ignores-oa-cuda",
         "plugins/kernels/pq_shortlist_cuda.py",
         [('if os.environ.get("OA_CUDA", "1") == "0":', 'if os.environ.get("OA_CUDA", "1") == "off":')],

@@ -132,11 +132,11 @@ def measure(batch: int, context: int, gqa: str, density: float, device: torch.de
     record["same_floor"] = bool(torch.equal(radix_out, sort_out))
     if not timed:
         return record
-    original = flash_step.launch_config
+    original = flash_step.launch_config, flash_step.PLAN_WARPS
     for warps in (1, 2, 4, 8):
-        flash_step.launch_config = lambda C, w=warps: (original(C)[0], w)
+        flash_step.launch_config, flash_step.PLAN_WARPS = (lambda C, w=warps: (original[0](C)[0], w)), warps
         record[f"plan_{warps}_warps_ms"] = round(bench(graphed(lambda: fused.plan(*recorded))), 4)
-    flash_step.launch_config = original
+    flash_step.launch_config, flash_step.PLAN_WARPS = original
     record["plan_without_floor_ms"] = round(bench(graphed(lambda: fused.plan(*unfloored))), 4)
     record["floor_radix_ms"] = round(bench(graphed(radix)), 4)
     record["floor_sorted_ms"] = round(bench(graphed(by_sort)), 4)

@@ -73,6 +73,12 @@ from oa_plugins.kernels import two_stage as stages
 from oa_plugins.selectors.pq import ProductQuantisedSelector, code_block, group_lut_scores, packed
 from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 
+# The plan's warps (more where launch_config gives more: above 64 clusters). On an H200 the plan alone took 0.022 ms at
+# 4 warps against 0.063 at 2, at 8 × 16K shared and 1%; 0.040 against 0.066 at 16 × 16K per head, 0.114 against 0.139
+# at 32 × 32K (0.033/0.083, 0.068/0.084, 0.214/0.233 at 3%; 8 warps no faster, or slower per head):
+# ``benchmarks/studies/plan_phases.py``, ``plan_phases_h200.json``.
+PLAN_WARPS = 4
+
 if triton is not None:
     from oa_plugins.kernels.flash_step_programs import prologue
     from oa_plugins.kernels.plan_programs import plan
@@ -392,6 +398,7 @@ class FusedStep:
         quotas, offsets, runs, chosen, log_weight, arrivals = outputs
         C = state.num_clusters
         block_c, warps = launch_config(C)
+        warps = max(warps, PLAN_WARPS)
         floor = listing is not None
         # Without a floor the shortlist's pointers are never read: any tensor stands in.
         parts = (listing.listed, listing.exact, listing.counts, listing.cut, listing.shifts) if floor else (quotas,) * 5
