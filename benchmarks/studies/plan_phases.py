@@ -21,12 +21,11 @@ from the step itself, timed in CUDA graphs (median ms):
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
-import headline_scripts  # noqa: F401 (benchmarks/ on the path: the headline scripts import)
+import headline_scripts  # (benchmarks/ on the path: the headline scripts import)
 import oa_core as oa
 from kernel_h200 import bench, decode_inputs, graphed, one_token_past
 from oa_core.ops.triton_path import tl, triton
@@ -144,19 +143,9 @@ def measure(batch: int, context: int, gqa: str, density: float, device: torch.de
 
 
 def main(argv: list[str]) -> int:
-    cpu = "--cpu" in argv
-    paths = [a for a in argv if not a.startswith("--")]
-    device = torch.device("cpu" if cpu else "cuda")
-    shapes = [(1, 1024, "per_head"), (1, 1024, "shared")] if cpu else SHAPES
-    records = []
-    for batch, context, gqa in shapes:
-        for density in (0.1, 0.2) if cpu else DENSITIES:  # (on the CPU: a budget above the sink and window)
-            records.append(measure(batch, context, gqa, density, device, timed=not cpu))
-            print(json.dumps(records[-1]), flush=True)
-    if paths:
-        with open(paths[0], "w") as out:
-            json.dump({"what": __doc__.split("\n\n")[0], "device": str(device), "runs": records}, out, indent=1)
-    return 0 if all(r["same_floor"] for r in records) else 1
+    gpu = [(*shape, density) for shape in SHAPES for density in DENSITIES]
+    cpu = [(1, 1024, gqa, density) for gqa in ("per_head", "shared") for density in (0.1, 0.2)]  # above sink + window
+    return headline_scripts.sweep(argv, __doc__, measure, gpu, cpu, "same_floor")
 
 
 if __name__ == "__main__":

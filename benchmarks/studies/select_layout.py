@@ -18,12 +18,11 @@ each density (the sink and window's 68 rows taken off); one class of cluster siz
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
-import headline_scripts  # noqa: F401 (benchmarks/ on the path: the headline scripts import)
+import headline_scripts  # (benchmarks/ on the path: the headline scripts import)
 from kernel_h200 import bench, graphed
 from oa_core.ops.scatter import count_by_slot
 from oa_core.ops.selection import cluster_members, launch_select, smallest_block
@@ -89,19 +88,9 @@ def measure(batch: int, context: int, density: float, device: torch.device, time
 
 
 def main(argv: list[str]) -> int:
-    cpu = "--cpu" in argv
-    paths = [a for a in argv if not a.startswith("--")]
-    device = torch.device("cpu" if cpu else "cuda")
-    shapes = [(1, 2048)] if cpu else SHAPES
-    records = []
-    for batch, context in shapes:
-        for density in (0.1, 0.3) if cpu else DENSITIES:  # (on the CPU: a budget above the sink and window)
-            records.append(measure(batch, context, density, device, timed=not cpu))
-            print(json.dumps(records[-1]), flush=True)
-    if paths:
-        with open(paths[0], "w") as out:
-            json.dump({"what": __doc__.split("\n\n")[0], "device": str(device), "runs": records}, out, indent=1)
-    return 0 if all(r["same_members"] for r in records) else 1
+    gpu = [(*shape, density) for shape in SHAPES for density in DENSITIES]
+    cpu = [(1, 2048, density) for density in (0.1, 0.3)]  # (a budget above the sink and window)
+    return headline_scripts.sweep(argv, __doc__, measure, gpu, cpu, "same_members")
 
 
 if __name__ == "__main__":
