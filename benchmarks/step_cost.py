@@ -74,7 +74,8 @@ KV_BYTES = 2  # bf16 keys and values
 SCORE_PASSES = 5
 # With the CUDA shortlist (``oa_plugins.kernels.pq_shortlist_cuda``, sm_90) a row of scores is written once, boxes in
 # it, and read once by the selection; ``exact_logits`` then reads each selection row's listed K rows for that row
-# alone (no union: the shortlist's K rows count G times per head) and writes the boxes again.
+# alone (no union: the shortlist's K rows count G times per head). Since d1028e3 it no longer writes the boxes again:
+# the boxes counted apart below are then an upper bound by one 4-byte write per shortlist entry.
 CUDA_SCORE_PASSES = 2
 PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
 
