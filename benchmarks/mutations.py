@@ -1306,6 +1306,14 @@ MUTATIONS = [
         "the cluster design is projected with the one-program design's candidates and code re-reads",
     ),
     mutation(
+        "exact-logits-never-box",
+        "plugins/kernels/two_stage.py",
+        [("BOX=box,", "BOX=False,")],
+        ("tests/test_flash_step.py",),
+        "exact_logits leaves the listed scores unboxed where the shortlist's own launch did not box them (QGS's): the "
+        "selection ranks them by their codes' scores, not their exact logits",
+    ),
+    mutation(
         "floor-takes-one-tie-too-many",
         "plugins/kernels/two_stage_programs.py",
         [
