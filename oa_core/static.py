@@ -49,7 +49,9 @@ class StaticState:
 
     ``length``: 0-d long, the rows written (the new token's included, during a step); ``start`` ``[B]``: each row's
     first valid slot (left padding); ``assignment`` ``[B, Hkv, capacity]``: every slot's cluster, C for the sink, the
-    local window, padding and unwritten slots; ``pooled``: the pooled sums; ``members`` ``[B, Hkv, C, S]`` and
+    local window, padding and unwritten slots — so the clustered slots are the range [start + sink, length − 1 −
+    local] (the prefill's clusterable region, grown by one row a step), which the fused kernels test instead of
+    reading ``assignment`` per slot; ``pooled``: the pooled sums; ``members`` ``[B, Hkv, C, S]`` and
     ``member_counts`` ``[B, Hkv, C]``: the clusters' slots (S: the largest cluster at prefill plus every token still to
     come); ``index``: the selector's index with its per-token tensors at capacity."""
 

@@ -109,6 +109,28 @@ def test_the_triton_path_matches_too():
         errorgate.INTERPRET_ON_CPU = previous
 
 
+def test_the_clustered_slots_are_one_range_from_the_sink_to_the_row_leaving_the_window():
+    """The fused kernels test [start + sink, length − 1 − local] instead of reading ``assignment`` per slot: the
+    prefill's clusters and every row that joins since (a left-padded row's range starts later) hold exactly that."""
+    tokens, steps, room = 180, 30, 10
+    keys, values, prefill, _ = make_inputs(tokens=tokens + steps)
+    B, H = keys.shape[:2]
+    mask = torch.ones(B, tokens, dtype=torch.bool)
+    mask[1, :30] = False
+    pipe = oa.build({**SPEC, "kernel": "torch"})
+    state = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
+    static = StaticState.from_state(state, tokens + steps + room)
+    positions = torch.arange(static.capacity)
+    for step in range(steps + 1):
+        n = int(static.length)
+        lowest = static.start[:, None, None] + SPEC["sink"]
+        expected = (positions >= lowest) & (positions <= n - 1 - SPEC["local"])
+        assert torch.equal(static.assignment != static.num_clusters, expected.expand(B, H, -1)), step
+        if step < steps:
+            static.length += 1
+            static.grow(keys, values)
+
+
 def test_a_cache_filled_to_capacity_and_one_with_room_agree():
     full = run_both({**SPEC, "kernel": "torch"}, steps=12)
     roomy = run_both({**SPEC, "kernel": "torch"}, steps=12, room=50)

@@ -11,7 +11,8 @@
 // One cluster per (batch row b, KV head h) = bh; each block owns `chunk` consecutive positions (block rank r:
 // [r·chunk, (r + 1)·chunk)). Per selection row s of the head (GS of them, each the max over G query heads):
 //   1. scores: s·max_j Σ_m table[s, j, m, code_m] (sub-spaces summed in order), -inf outside the clusters (the sink,
-//      the local window, padding — but the row leaving the window is inside: it joins a cluster in this step), kept
+//      the local window, padding — but the row leaving the window is inside: it joins a cluster in this step; the
+//      clustered positions are the range [start + sink, n - 1 - local], no per-key read: ``StaticState``), kept
 //      in shared memory; each row's histogram of the first 8-bit digit of the scores' order keys;
 //   2. the cut: k = min(⌈rerank · E_sel⌉, L, the inside positions), τ the k-th largest key by a radix select over
 //      four 8-bit digits (each pass the cluster's histograms summed), `ties` the keys equal to τ that the shortlist
@@ -51,7 +52,6 @@ __device__ __forceinline__ unsigned order_key(float f) {
 struct Args {
     const float* tables;        // [BH, GS, G, M, CC]
     const uint8_t* codes;       // [BH, CAP, W]
-    const int64_t* assignment;  // [BH, CAP]: C where unclustered
     const int64_t* length;      // [1]
     const int64_t* start;       // [B]: each row's first valid position
     const double* density;      // [1]
@@ -61,7 +61,7 @@ struct Args {
     int* counts;                // [BH·GS]
     int64_t* cut;               // [BH·GS]
     int* ties;                  // [BH·GS]
-    int Hkv, M, CC, W, packed, C, local, cap, fixed, tokens, L, chunk, stop;
+    int Hkv, M, CC, W, packed, local, cap, fixed, tokens, L, chunk, stop;
     float scale;
 };
 
@@ -156,9 +156,10 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
 
     // 1. The scores and each row's first digit.
     const int64_t leaving = n - 1 - a.local;  // the row leaving the window: it joins a cluster in this step
+    const int64_t lowest = a.start[b] + a.fixed - a.local;  // past the row's sink
     for (int i = threadIdx.x; i < len; i += THREADS) {
         const int64_t pos = first + i;
-        const bool inside = a.assignment[(size_t)bh * a.cap + pos] != a.C || pos == leaving;
+        const bool inside = pos >= lowest && pos <= leaving;
         float sums[HEADS];
 #pragma unroll
         for (int j = 0; j < HEADS; ++j) sums[j] = 0.f;
@@ -361,17 +362,16 @@ size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int cap, int CL) {
 
 // GS selection rows of G query heads each (GS = 1 or G = 1); stop: 0 (see the top). Returns a cudaError_t (0:
 // launched).
-int oa_pq_shortlist(const float* tables, const uint8_t* codes, const int64_t* assignment, const int64_t* length,
-                    const int64_t* start, const double* density, const double* multiple, float* scores, int* listed,
-                    int* counts, int64_t* cut, int* ties, int B, int Hkv, int GS, int G, int M, int CC, int W,
-                    int packed, int C, int local, int cap, int fixed, int tokens, int L, float scale, int CL, int stop,
-                    void* stream) {
+int oa_pq_shortlist(const float* tables, const uint8_t* codes, const int64_t* length, const int64_t* start,
+                    const double* density, const double* multiple, float* scores, int* listed, int* counts,
+                    int64_t* cut, int* ties, int B, int Hkv, int GS, int G, int M, int CC, int W, int packed,
+                    int local, int cap, int fixed, int tokens, int L, float scale, int CL, int stop, void* stream) {
     const int heads = GS * G;
     if ((GS != 1 && G != 1) || heads < 1 || heads > MAX_HEADS || W % 4 != 0 || CL < 1 || CL > 16)
         return (int)cudaErrorInvalidValue;
     const int chunk = chunk_of(cap, CL);
-    Args args = {tables, codes, assignment, length, start, density, multiple, scores, listed, counts, cut, ties,
-                 Hkv, M, CC, W, packed, C, local, cap, fixed, tokens, L, chunk, stop, scale};
+    Args args = {tables, codes, length, start, density, multiple, scores, listed, counts, cut, ties,
+                 Hkv, M, CC, W, packed, local, cap, fixed, tokens, L, chunk, stop, scale};
     const size_t smem = oa_pq_shortlist_smem(heads, GS, M, CC, cap, CL);
     const int blocks = B * Hkv * CL;
     const bool shared = GS == 1 && G > 1;

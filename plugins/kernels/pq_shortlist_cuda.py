@@ -104,7 +104,7 @@ def unavailable_reason(state) -> str | None:
     W = codes.shape[-1]
     if W % 4 or (M // 2 if packed(CC) else M) != W or codes.data_ptr() % 16:
         return f"{M} codes in {W} bytes a key (CUDA shortlist: whole bytes, a multiple of 4, aligned)"
-    if any(t.dtype != torch.int64 for t in (state.assignment, state.start, state.length)):
+    if any(t.dtype != torch.int64 for t in (state.start, state.length)):
         return "int32 bookkeeping (CUDA shortlist: int64)"
     lib = library(capability)
     return lib if isinstance(lib, str) else None
@@ -141,10 +141,8 @@ def launch(
 
     if keys.dtype not in DTYPES or query.dtype != keys.dtype:
         raise ValueError(f"CUDA shortlist: keys {keys.dtype}, query {query.dtype} (one of float32, float16, bfloat16)")
-    if not all(t.is_contiguous() for t in (tables, scores, state.assignment)) or keys.stride(-1) != 1:
-        raise ValueError(
-            "CUDA shortlist: the tables, scores and clusters contiguous, the keys' rows dense (its layout)"
-        )
+    if not all(t.is_contiguous() for t in (tables, scores)) or keys.stride(-1) != 1:
+        raise ValueError("CUDA shortlist: the tables and scores contiguous, the keys' rows dense (its layout)")
     lib = library(torch.cuda.get_device_capability(scores.device))
     assert not isinstance(lib, str)  # unavailable_reason said it built
     rows, cap = scores.shape
@@ -156,12 +154,12 @@ def launch(
     size = cluster_size(Gs * G, Gs, M, CC, cap, scores.device)
     assert size is not None  # group_reason said None
     i32 = ctypes.c_int
-    pointers = (tables, codes, state.assignment, length, start, density, two_stage.multiple_t, scores)
+    pointers = (tables, codes, length, start, density, two_stage.multiple_t, scores)
     outputs = (listing.listed, listing.counts, listing.cut, listing.ties)
     with torch.cuda.device(scores.device):  # the library's runtime launches on the thread's current device
         error = lib.oa_pq_shortlist(
             *(ctypes.c_void_p(t.data_ptr()) for t in (*pointers, *outputs)),
-            *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)), state.num_clusters)),
+            *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)))),
             *(i32(v) for v in (state.pipeline.spec.local, cap, fixed, tokens, listing.listed.shape[1])),
             ctypes.c_float(state.scale),
             i32(size),

@@ -22,12 +22,13 @@ if triton is not None:
     def pq_scores(
         TABLES,
         CODES,
-        ASSIGNMENT,
         LENGTH,
+        START,
         SCORES,
         HIST,
-        C,
+        Hkv,
         CAP,
+        SINK,
         LOCAL,
         scale,
         GS: tl.constexpr,
@@ -44,11 +45,12 @@ if triton is not None:
         """Program (batch row · KV head, chunk of CHUNK positions): PQS's scores of the head's GS selection rows from
         one read of each key's codes — s·max over a row's G query heads of the table sums (``lut_sums``), -inf
         outside the clusters (the sink, the window, padding; the row leaving the window joins a cluster in this step:
-        inside), as ``radix_pass`` masks them — to SCORES, and each row's histogram of the scores' first 8-bit digit
+        inside) — to SCORES, and each row's histogram of the scores' first 8-bit digit
         over the chunk added to its row of HIST ``[rows, 256]``."""
         head = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * CHUNK
         n = tl.load(LENGTH).to(tl.int64)
+        lowest = tl.load(START + head // Hkv) + SINK  # the first clustered position (``StaticState``)
         rows = tl.arange(0, BLOCK_GS)
         if first < n:
             offs_m = tl.arange(0, BLOCK_M)
@@ -59,8 +61,7 @@ if triton is not None:
                 in_n = offs < end
                 both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))
                 codes_t = tl.trans(load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M))
-                cluster = tl.load(ASSIGNMENT + head * CAP + offs, mask=in_n, other=C)
-                inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))
+                inside = in_n & (offs >= lowest) & (offs <= n - 1 - LOCAL)
                 for s in range(GS):  # a loop, not unrolled: the codes' tile is most of the registers
                     best = tl.full([BLOCK_N], float("-inf"), tl.float32)
                     for j in range(G):

@@ -115,7 +115,6 @@ class TwoStage:
         length, start, density, fixed, tokens = budget_args
         args = (
             scores,
-            state.assignment,
             length,
             start,
             density,
@@ -124,7 +123,6 @@ class TwoStage:
             last_digit,
             H,
             Gs,
-            state.num_clusters,
             cap,
             fixed,
             tokens,
@@ -224,12 +222,13 @@ class TwoStage:
         pq_scores[(B * H, triton.cdiv(cap, SCORE_CHUNK))](
             tables,
             codes,
-            state.assignment,
             length,
+            start,
             scores,
             hist,
-            state.num_clusters,
+            H,
             cap,
+            state.pipeline.spec.sink,
             state.pipeline.spec.local,
             state.scale,
             GS=Gs,

@@ -94,7 +94,6 @@ if triton is not None:
     @triton.jit
     def radix_pass(
         SCORES,
-        ASSIGNMENT,
         LENGTH,
         START,
         DENSITY,
@@ -103,7 +102,6 @@ if triton is not None:
         LAST,
         Hkv,
         Gs,
-        C,
         CAP,
         F,
         TOKENS,
@@ -125,7 +123,9 @@ if triton is not None:
         offs = segment * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         if LEVEL == 0:
-            outside = (tl.load(ASSIGNMENT + (p // Gs) * CAP + offs, mask=ok, other=C) == C) & (offs != n - 1 - LOCAL)
+            # outside the clustered range [start + sink, n - 1 - local] (``StaticState``): no per-key read
+            lowest = tl.load(START + p // (Gs * Hkv)) + F - LOCAL
+            outside = (offs < lowest) | (offs > n - 1 - LOCAL)
             value = tl.where(outside, float("-inf"), tl.load(row + offs, mask=ok, other=float("-inf")))
             tl.store(row + offs, value, mask=ok & outside)
             if segment * BLOCK < n:
