@@ -12,7 +12,11 @@ ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in b
   times the union factor of the group's selections;
 - ``proxies``: each cluster's pooled sums (Σk, Σv, Σk⊙k for second-order proxies, the count) in float32;
 - ``state``: the step's growth and bookkeeping: the new row's codes, the leaving row's K and V and its cluster's sums
-  (read and written), the cluster numbers of the shortlist's rows;
+  (read and written), the cluster numbers of the shortlist's rows (int64, read by each selection row's plan for its
+  own shortlist);
+- ``members``: the clusters' member lists (int32 positions) that the per-cluster selection reads, one selection row
+  at a time: an upper bound, as if every cluster's quota were between none and all of it (a cluster with no quota
+  is skipped, one whose quota covers it copied) and the L2 held no row's lists for the next;
 - ``scores``: the selection scores' trips through memory, float32, one row per selection head (G per KV head with
   ``gqa: per_head``, 1 shared) over the clusterable positions, ``SCORE_PASSES`` times, and each listed position's box
   (``oa_core.ops.selection.listed_box``): an upper bound, as if the
@@ -35,8 +39,9 @@ no row of scores goes through memory whole; each head keeps the candidates above
 read once; the codes of clusters where a head's quota runs past its shortlisted rows are read again. Its shares are
 measured on the same captures (``one_program_factors``). ``cluster_projection``: the bytes of the same step as one CUDA
 thread-block cluster per (batch row, KV head), also not built: the scores stay in the blocks' shared memory from the
-codes' one read to the flash pass, so none is written and no code is read twice (``DESIGNS``; its scores and cut on
-chip are timed by ``benchmarks/studies/cluster_shortlist.py``).
+codes' one read to the flash pass, so none is written and no code is read twice, and the selection takes each
+position's cluster from a one-byte id read once for the group instead of the member lists (``DESIGNS``; its scores
+and cut on chip are timed by ``benchmarks/studies/cluster_shortlist.py``).
 
     python benchmarks/step_cost.py                 # writes benchmarks/results/step_cost.json
     python benchmarks/step_cost.py --no-measure    # the bounds only, no model loaded
@@ -67,6 +72,9 @@ CONFIGS = [(16, 16384), (8, 32768), (32, 32768)]
 DENSITIES = [0.01, 0.03]
 MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
+ASSIGNMENT_BYTES = 8  # a slot's cluster number (``StaticState.assignment``, int64)
+MEMBER_BYTES = 4  # a member list's entry (``StaticState.members``, int32)
+CLUSTER_ID_BYTES = 1  # a position's cluster as the cluster design would read it (at most 256 clusters: uint8)
 # The default's fused step writes or reads a row of scores whole this many times: ``pq_scores`` writes it, ``pq_cut``
 # reads it for two digits (the rest from the few keys near the cut), ``pq_list`` once (boxing the listed positions:
 # counted apart, a write per shortlist entry), the selection reads its clusters' members (counted whole) and re-ranks
@@ -77,7 +85,7 @@ SCORE_PASSES = 5
 # alone (no union: the shortlist's K rows count G times per head). Since d1028e3 it no longer writes the boxes again:
 # the boxes counted apart below are then an upper bound by one 4-byte write per shortlist entry.
 CUDA_SCORE_PASSES = 2
-PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "scores")
+PARTS = ("codes", "shortlist_keys", "selected_rows", "proxies", "state", "members", "scores")
 
 
 def step_bytes(
@@ -92,6 +100,7 @@ def step_bytes(
     candidates: float | None = None,
     reread: float = 0.0,
     score_passes: int = SCORE_PASSES,
+    cluster_ids: bool = False,
 ) -> dict[str, float]:
     """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
@@ -99,7 +108,8 @@ def step_bytes(
     scores goes through memory whole, each head's candidates are written and read once (a float32 score and an int32
     position each), and a share ``reread`` of the codes is read a second time (``one_program_factors``); with
     ``candidates=0``, the cluster design's: no score leaves the chip. ``score_passes``: the scores' trips whole (the
-    CUDA shortlist's step: ``CUDA_SCORE_PASSES``)."""
+    CUDA shortlist's step: ``CUDA_SCORE_PASSES``). ``cluster_ids``: the selection reads each position's cluster as
+    one byte, once for the group (the cluster design, its scores on chip in position order), not the member lists."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -118,7 +128,8 @@ def step_bytes(
         "shortlist_keys": shortlist_union * shortlist * D * KV_BYTES,
         "selected_rows": (fixed + selected_union * selectable) * row,
         "proxies": clusters * sums * 4,
-        "state": codes + row + 2 * sums * 4 + shortlist_union * shortlist * 4,
+        "state": codes + row + 2 * sums * 4 + score_rows * shortlist * ASSIGNMENT_BYTES,
+        "members": clusterable * CLUSTER_ID_BYTES if cluster_ids else score_rows * clusterable * MEMBER_BYTES,
         "scores": score_rows * (clusterable * score_passes + shortlist) * 4,  # the passes and the boxes
     }
     if candidates is not None:
@@ -371,6 +382,7 @@ def projections(pipe_for, measured: list[dict], design: str) -> list[dict]:
                     sel,
                     candidates=candidates,
                     reread=reread,
+                    cluster_ids=design == "cluster",
                 )
                 rows.append(
                     {

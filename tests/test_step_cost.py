@@ -33,6 +33,10 @@ def test_the_parts_follow_the_spec_and_the_shape():
     shortlist = math.ceil(4.0 * selectable)  # each listed position's box written once
     assert shared["scores"] == heads * ((N - fixed) * step_cost.SCORE_PASSES + shortlist) * 4  # a row per KV head
     assert parts["scores"] == 4 * shared["scores"]  # per head (the default): a row per query head of the group
+    # each selection row reads its clusters' int32 member lists (an upper bound: every list) and its shortlist's
+    # int64 cluster numbers
+    assert shared["members"] == heads * (N - fixed) * 4 and parts["members"] == 4 * shared["members"]
+    assert parts["state"] - shared["state"] == heads * 3 * shortlist * 8
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k not in ("total", "dense")))
     mean = step_cost.step_bytes(_pipe(proxy="mean"), 2, N, 8, D)
     assert mean["proxies"] == heads * 64 * (2 * D + 1) * 4
@@ -133,10 +137,10 @@ def test_a_shortlist_of_every_position_leaves_nothing_outside_it():
     assert 0 < found["candidates"] <= found["candidates_bucketed"] < 1
 
 
-def test_the_designs_differ_in_the_scores_and_the_codes_only():
+def test_the_designs_differ_in_the_scores_the_codes_and_the_member_lists_only():
     """Both projected designs take the measured overlaps; the one-program design writes and reads each head's
-    candidates and re-reads a share of the codes, the cluster design keeps every score on chip and reads each code
-    once: nothing else differs."""
+    candidates and re-reads a share of the codes, the cluster design keeps every score on chip, reads each code
+    once and each position's cluster id once for the group: nothing else differs."""
     found = {"shortlist_union": 2.0, "selected_union": 2.5, "candidates_bucketed": 0.2, "reread_codes": 0.1}
     measured = [{"model": "m", "heads_per_group": 4, "densities": {str(d): found for d in step_cost.DENSITIES}}]
 
@@ -148,6 +152,7 @@ def test_the_designs_differ_in_the_scores_and_the_codes_only():
     for a, b in zip(one, cluster, strict=True):
         assert b["bytes"]["scores"] == 0 < a["bytes"]["scores"]
         assert a["bytes"]["codes"] == pytest.approx(1.1 * b["bytes"]["codes"], abs=1)
-        same = {k: v for k, v in a["bytes"].items() if k not in ("scores", "codes")}
-        assert same == {k: v for k, v in b["bytes"].items() if k not in ("scores", "codes")}
+        assert b["bytes"]["members"] * 4 * 4 == a["bytes"]["members"]  # one-byte ids once, not int32 lists per head
+        same = {k: v for k, v in a["bytes"].items() if k not in ("scores", "codes", "members")}
+        assert same == {k: v for k, v in b["bytes"].items() if k not in ("scores", "codes", "members")}
         assert (a["launches"], b["launches"]) == (3, 2) and a["share_of_dense"] > b["share_of_dense"]
