@@ -954,8 +954,8 @@ MUTATIONS = [
         "plugins/kernels/pq_shortlist_programs.py",
         [
             (
-                "inside = in_n & ((cluster != C) | (offs == n - 1 - LOCAL))",
-                "inside = in_n & (cluster != C)",
+                "inside = in_n & (offs >= lowest) & (offs <= n - 1 - LOCAL)",
+                "inside = in_n & (offs >= lowest) & (offs < n - 1 - LOCAL)",
             )
         ],
         ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
@@ -1202,7 +1202,7 @@ MUTATIONS = [
     mutation(
         "fused-two-stage-leaving-row-outside",
         "plugins/kernels/two_stage_programs.py",
-        [("mask=ok, other=C) == C) & (offs != n - 1 - LOCAL)", "mask=ok, other=C) == C)")],
+        [("outside = (offs < lowest) | (offs > n - 1 - LOCAL)", "outside = (offs < lowest) | (offs >= n - 1 - LOCAL)")],
         FUSED_TWO_STAGE_TESTS,
         "the row joining a cluster in this step is not shortlisted when the join has not run yet",
     ),
@@ -1304,6 +1304,32 @@ MUTATIONS = [
         ],
         ("tests/test_step_cost.py",),
         "the cluster design is projected with the one-program design's candidates and code re-reads",
+    ),
+    mutation(
+        "pq-scores-count-the-sink",
+        "plugins/kernels/pq_shortlist_programs.py",
+        [("lowest = tl.load(START + head // Hkv) + SINK", "lowest = tl.load(START + head // Hkv)")],
+        ("tests/test_flash_step.py",),
+        "PQS's fused scores take the sink's rows as clustered: they may be listed and selected beside the sink itself",
+    ),
+    mutation(
+        "radix-pass-skips-the-first-clustered-row",
+        "plugins/kernels/two_stage_programs.py",
+        [
+            (
+                "lowest = tl.load(START + p // (Gs * Hkv)) + F - LOCAL",
+                "lowest = tl.load(START + p // (Gs * Hkv)) + F - LOCAL + 1",
+            )
+        ],
+        ("tests/test_flash_step.py",),
+        "QGS's fused shortlist masks the first row past the sink, which is in a cluster: it is never listed",
+    ),
+    mutation(
+        "member-lists-read-once-a-group",
+        "benchmarks/step_cost.py",
+        [("else score_rows * clusterable * MEMBER_BYTES", "else clusterable * MEMBER_BYTES")],
+        ("tests/test_step_cost.py",),
+        "the cost model counts the member lists once per KV head where each selection row reads its own",
     ),
     mutation(
         "exact-logits-never-box",

@@ -202,9 +202,7 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
     scores.update(CHUNK=two_stage.SCORE_CHUNK, BLOCK_N=min(lut_block(M, two_stage.SCORE_WARPS), two_stage.SCORE_CHUNK))
     listing = dict(GS=4, G=1, BLOCK_GS=4, D=dim, BLOCK_D=triton.next_power_of_2(dim), SEGMENT=two_stage.PQ_SEGMENT)
     listing.update(BLOCK_L=min(two_stage.PQ_LIST_BLOCK, two_stage.PQ_SEGMENT), BLOCK_U=two_stage.LIST_GATHER)
-    pointers = dict(
-        TABLES="*fp32", CODES="*u8", ASSIGNMENT="*i64", LENGTH="*i64", SCORES="*fp32", HIST="*i32", scale="fp32"
-    )
+    pointers = dict(TABLES="*fp32", CODES="*u8", LENGTH="*i64", START="*i64", SCORES="*fp32", HIST="*i32", scale="fp32")
     list_pointers = dict(
         K="*bf16", Q="*bf16", SCORES="*fp32", LENGTH="*i64", LISTED="*i32", EXACT="*fp32", CUT="*i64", TIES="*i32"
     )
