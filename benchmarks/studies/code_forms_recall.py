@@ -92,9 +92,23 @@ FORMS = {
 }
 
 
-def layer_shares(query, keys, scale, outside, density: float, rebuilt: dict[str, torch.Tensor]) -> dict[str, list]:
+def form_scores(query: torch.Tensor, keys: torch.Tensor, outside: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each of ``FORMS``' scores of the keys ``[Hkv, n, D]`` for the query heads ``[Hq, D]`` → ``[Hq, n]`` each: the
+    query's dot with each key rebuilt from the form's code (learnt on the selectable positions ``outside``)."""
+    group = query.shape[0] // keys.shape[0]
+    return {
+        name: torch.einsum("hd,hnd->hn", query, make(keys, outside).repeat_interleave(group, 0))
+        for name, make in FORMS.items()
+    }
+
+
+def layer_shares(
+    query, keys, scale, outside, density: float, approx: dict[str, torch.Tensor], multiples: dict[str, float]
+) -> dict[str, list]:
     """One layer at one query: per form, per query head, (the share of exact top-k's rows in the form's shortlist, the
-    share of their attention it holds). query ``[Hq, D]``, keys ``[Hkv, n, D]``, outside ``[n]`` (selectable)."""
+    share of their attention it holds). query ``[Hq, D]``, keys ``[Hkv, n, D]``, outside ``[n]`` (selectable),
+    ``approx``: each form's scores ``[Hq, n]``; a form's shortlist is ``multiples[form]`` (``SHORTLIST`` where it is
+    not named) × the selectable budget."""
     Hq, Hkv = query.shape[0], keys.shape[0]
     group = Hq // Hkv
     n = keys.shape[1]
@@ -104,17 +118,19 @@ def layer_shares(query, keys, scale, outside, density: float, rebuilt: dict[str,
     masked = exact.masked_fill(~outside, float("-inf"))
     wanted = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, masked.topk(budget, -1).indices, True)
     shares: dict[str, list] = {}
-    for name, approx_keys in rebuilt.items():
-        approx = torch.einsum("hd,hnd->hn", query, approx_keys.repeat_interleave(group, 0))
-        approx = approx.masked_fill(~outside, float("-inf"))
-        short = torch.zeros_like(wanted).scatter_(-1, approx.topk(min(SHORTLIST * budget, n), -1).indices, True)
+    for name, scores in approx.items():
+        scores = scores.masked_fill(~outside, float("-inf"))
+        length = min(math.ceil(multiples.get(name, SHORTLIST) * budget), n)
+        short = torch.zeros_like(wanted).scatter_(-1, scores.topk(length, -1).indices, True)
         rows = ((wanted & short).sum(-1) / budget).tolist()
         mass = ((weights * (wanted & short)).sum(-1) / (weights * wanted).sum(-1)).tolist()
         shares[name] = list(zip(rows, mass))
     return shares
 
 
-def run_model(name: str, args) -> dict:
+def run_model(name: str, args, scores=form_scores, multiples: dict[str, float] | None = None) -> dict:
+    """One offline model's shares over ``args.samples`` needle prompts; ``scores(query, keys, outside)``: each form's
+    scores (``form_scores``); ``multiples``: shortlists of other lengths than ``SHORTLIST`` (``layer_shares``)."""
     model, tokenizer = load_offline_model(name)
     layers = full_attention_layers(model)
     samples = needle.make_samples(
@@ -125,7 +141,7 @@ def run_model(name: str, args) -> dict:
         kinds=needle.KINDS,
         texts=("essays", "python-docs", "python-source"),
     )
-    collected: dict[float, dict[str, list]] = {d: {form: [] for form in FORMS} for d in args.densities}
+    collected: dict[float, dict[str, list]] = {d: {} for d in args.densities}
     for sample in tqdm(samples, desc=name, unit="sample"):
         ids = torch.cat([sample.context_ids, sample.question_ids], 1)
         n = ids.shape[1] - 1  # the cache: every position before the last; the query: the prompt's last
@@ -133,10 +149,10 @@ def run_model(name: str, args) -> dict:
         outside[SPARSE["sink"] : n - SPARSE["local"]] = True
         for queries, keys, _, scale in capture_attention(model, ids, layers).values():
             keys, query = keys[0, :, :n].float(), queries[0, :, n].float()
-            rebuilt = {form: make(keys, outside) for form, make in FORMS.items()}
+            approx = scores(query, keys, outside)
             for density in args.densities:
-                for form, rows in layer_shares(query, keys, scale, outside, density, rebuilt).items():
-                    collected[density][form] += rows
+                for form, rows in layer_shares(query, keys, scale, outside, density, approx, multiples or {}).items():
+                    collected[density].setdefault(form, []).extend(rows)
     summary = {
         f"{density:g}": {
             form: {
@@ -153,27 +169,35 @@ def run_model(name: str, args) -> dict:
     return {"model": model_label(name), "head_dim": head_dim(model.config), "layers": layers, "summary": summary}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def study_main(
+    argv: list[str] | None,
+    doc: str,
+    forms: list[str],
+    out: Path,
+    scores=form_scores,
+    multiples: dict[str, float] | None = None,
+) -> int:
+    """The command line of a study of shortlists on needle prompts (this one's, ``shared_shortlist_recall``'s):
+    ``run_model`` on each model, the JSON written to ``--out`` (``out`` by default) and a line per form printed."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--model", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     parser.add_argument("--samples", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks" / "studies" / "results" / "code_forms_recall.json"
-    )
+    parser.add_argument("--out", type=Path, default=out)
     args = parser.parse_args(argv)
     if args.samples < 1 or args.tokens < 256:
         parser.error("--samples at least 1 and --tokens at least 256")
     torch.manual_seed(0)
     start = time.perf_counter()
-    models = [run_model(name, args) for name in args.model]
+    models = [run_model(name, args, scores, multiples) for name in args.model]
     result = {
-        "what": __doc__.split("\n\n")[0],
-        "forms": list(FORMS),
+        "what": doc.split("\n\n")[0],
+        "forms": forms,
         "samples": args.samples,
         "tokens": args.tokens,
         "shortlist": f"{SHORTLIST} × the selectable budget",
+        **({"shortlist_multiples": multiples} if multiples else {}),
         "sink": SPARSE["sink"],
         "local": SPARSE["local"],
         "models": models,
@@ -183,15 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for entry in models:
-        for density, forms in entry["summary"].items():
-            for form, s in forms.items():
+        for density, found in entry["summary"].items():
+            for form, s in found.items():
                 print(
-                    f"{entry['model'][:14]:14} {float(density):>4.0%} {form:15} rows {s['rows_in_shortlist']:.3f} "
+                    f"{entry['model'][:14]:14} {float(density):>4.0%} {form:22} rows {s['rows_in_shortlist']:.3f} "
                     f"attention {s['attention_in_shortlist']:.3f} lowest {s['lowest_rows_in_shortlist']:.2f} "
                     f"below 90% {s['heads_below_90pct']}/{s['heads']}"
                 )
     print(f"wrote {args.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    out = ROOT / "benchmarks" / "studies" / "results" / "code_forms_recall.json"
+    return study_main(argv, __doc__ or "", list(FORMS), out)
 
 
 if __name__ == "__main__":
