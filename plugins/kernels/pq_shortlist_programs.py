@@ -45,8 +45,8 @@ if triton is not None:
         """Program (batch row · KV head, chunk of CHUNK positions): PQS's scores of the head's GS selection rows from
         one read of each key's codes — s·max over a row's G query heads of the table sums (``lut_sums``), -inf
         outside the clusters (the sink, the window, padding; the row leaving the window joins a cluster in this step:
-        inside) — to SCORES, and each row's histogram of the scores' first 8-bit digit
-        over the chunk added to its row of HIST ``[rows, 256]``."""
+        inside) — to SCORES, and each row's histogram of the scores' first 8-bit digit over the chunk added to its
+        row of HIST ``[rows, 256]``."""
         head = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * CHUNK
         n = tl.load(LENGTH).to(tl.int64)
