@@ -1332,6 +1332,13 @@ MUTATIONS = [
         "the cost model counts the member lists once per KV head where each selection row reads its own",
     ),
     mutation(
+        "cuda-shortlist-signature-drifts",
+        "plugins/kernels/pq_shortlist_cuda.py",
+        [('POINTERS = ("tables", "codes", "length", "start",', 'POINTERS = ("tables", "codes", "start", "length",')],
+        ("tests/test_pq_shortlist_cuda.py",),
+        "the wrapper passes the CUDA shortlist's length and start pointers swapped (no GPU in CI runs the kernel)",
+    ),
+    mutation(
         "exact-logits-never-box",
         "plugins/kernels/two_stage.py",
         [("BOX=box,", "BOX=False,")],

@@ -102,6 +102,29 @@ def test_the_default_step_declares_the_cuda_launches_for_the_three():
     assert len(cuda) == 6 and cuda.count("pq_shortlist") == 1
 
 
+def test_the_wrapper_passes_the_arguments_the_source_declares_in_its_order():
+    """The .cu's ``oa_pq_shortlist`` against ``SIGNATURE`` (names, pointers, ints, the float): where no GPU runs the
+    kernel, a parameter added or dropped on one side only would pass every other test."""
+    import ctypes
+    import re
+
+    source = pq_shortlist_cuda.SOURCE.read_text()
+    declared = re.search(r"int oa_pq_shortlist\((.*?)\)\s*\{", source, re.DOTALL)
+    assert declared is not None
+    kinds = {"int": ctypes.c_int, "float": ctypes.c_float}
+    parameters = []
+    for parameter in declared.group(1).split(","):
+        words = parameter.replace("*", " * ").split()
+        parameters.append((words[-1], ctypes.c_void_p if "*" in words else kinds[words[-2]]))
+    assert parameters == list(pq_shortlist_cuda.SIGNATURE)
+    arguments = {name: index for index, (name, _) in enumerate(pq_shortlist_cuda.SIGNATURE)}
+    values = pq_shortlist_cuda.call_arguments(arguments)
+    assert [type(v) for v in values] == [kind for _, kind in pq_shortlist_cuda.SIGNATURE]
+    assert [v.value for v in values][1:] == pytest.approx(list(range(1, len(values))))  # in the source's order
+    with pytest.raises(ValueError, match=r"missing \['stream'\], unknown \['steam'\]"):
+        pq_shortlist_cuda.call_arguments({**{k: v for k, v in arguments.items() if k != "stream"}, "steam": 0})
+
+
 def test_without_nvcc_the_library_says_so(monkeypatch):
     monkeypatch.setattr(pq_shortlist_cuda, "nvcc", lambda: None)
     pq_shortlist_cuda.library.cache_clear()

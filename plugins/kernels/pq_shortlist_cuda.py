@@ -35,6 +35,19 @@ MAX_HEADS = 8  # the kernel's register arrays: query heads per KV head
 STATIC_SMEM = 1024  # the kernel's own shared arrays (at most 512 bytes: ptxas -v), with room
 CLUSTER_SIZES = (8, 16)  # blocks a cluster, the smallest that fits (8 the fastest at 16K–32K on an H100)
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# ``oa_pq_shortlist``'s parameters in the .cu's order: pointers (tensors' data and the stream), ints, the scale.
+# ``launch`` passes them by name, and tests/test_pq_shortlist_cuda.py holds this list to the source's signature, so
+# that the two cannot drift apart where no GPU runs the kernel (CI).
+POINTERS = ("tables", "codes", "length", "start", "density", "multiple", "scores", "listed", "counts", "cut", "ties")
+INTS = ("B", "Hkv", "GS", "G", "M", "CC", "W", "packed", "local", "cap", "fixed", "tokens", "L")
+SIGNATURE: tuple[tuple[str, type[ctypes.c_void_p] | type[ctypes.c_int] | type[ctypes.c_float]], ...] = (
+    *((name, ctypes.c_void_p) for name in POINTERS),
+    *((name, ctypes.c_int) for name in INTS),
+    ("scale", ctypes.c_float),
+    ("CL", ctypes.c_int),
+    ("stop", ctypes.c_int),
+    ("stream", ctypes.c_void_p),
+)
 
 
 def launch_names() -> list[str]:
@@ -66,6 +79,7 @@ def library(capability: tuple[int, int]) -> ctypes.CDLL | str:
     lib.oa_pq_shortlist_smem.restype = ctypes.c_size_t
     lib.oa_pq_shortlist_smem.argtypes = [ctypes.c_int] * 6
     lib.oa_pq_shortlist.restype = ctypes.c_int
+    lib.oa_pq_shortlist.argtypes = [kind for _, kind in SIGNATURE]
     lib.oa_shared_memory_limit.restype = ctypes.c_int
     lib.oa_shared_memory_limit.argtypes = [ctypes.c_int]
     return lib
@@ -121,6 +135,16 @@ def group_reason(state, heads: int, rows: int) -> str | None:
     return None
 
 
+def call_arguments(arguments: dict) -> list:
+    """``oa_pq_shortlist``'s arguments by name → in ``SIGNATURE``'s order, each as its ctypes type; ValueError where a
+    name is missing or unknown."""
+    names = [name for name, _ in SIGNATURE]
+    if set(arguments) != set(names):
+        missing, unknown = sorted(set(names) - set(arguments)), sorted(set(arguments) - set(names))
+        raise ValueError(f"CUDA shortlist's arguments: missing {missing}, unknown {unknown}")
+    return [kind(arguments[name]) for name, kind in SIGNATURE]
+
+
 def launch(
     two_stage,
     state,
@@ -153,19 +177,26 @@ def launch(
     length, start, density, fixed, tokens = budget_args
     size = cluster_size(Gs * G, Gs, M, CC, cap, scores.device)
     assert size is not None  # group_reason said None
-    i32 = ctypes.c_int
-    pointers = (tables, codes, length, start, density, two_stage.multiple_t, scores)
-    outputs = (listing.listed, listing.counts, listing.cut, listing.ties)
+    tensors = {
+        "tables": tables,
+        "codes": codes,
+        "length": length,
+        "start": start,
+        "density": density,
+        "multiple": two_stage.multiple_t,
+        "scores": scores,
+        "listed": listing.listed,
+        "counts": listing.counts,
+        "cut": listing.cut,
+        "ties": listing.ties,
+    }
+    arguments = {name: tensor.data_ptr() for name, tensor in tensors.items()}
+    arguments.update(B=B, Hkv=H, GS=Gs, G=G, M=M, CC=CC, W=codes.shape[-1], packed=int(packed(CC)))
+    arguments.update(local=state.pipeline.spec.local, cap=cap, fixed=fixed, tokens=tokens, L=listing.listed.shape[1])
+    arguments.update(scale=state.scale, CL=size, stop=stop if stop in (1, 2) else 0)
+    arguments["stream"] = torch.cuda.current_stream(scores.device).cuda_stream
     with torch.cuda.device(scores.device):  # the library's runtime launches on the thread's current device
-        error = lib.oa_pq_shortlist(
-            *(ctypes.c_void_p(t.data_ptr()) for t in (*pointers, *outputs)),
-            *(i32(v) for v in (B, H, Gs, G, M, CC, codes.shape[-1], int(packed(CC)))),
-            *(i32(v) for v in (state.pipeline.spec.local, cap, fixed, tokens, listing.listed.shape[1])),
-            ctypes.c_float(state.scale),
-            i32(size),
-            i32(stop if stop in (1, 2) else 0),
-            ctypes.c_void_p(torch.cuda.current_stream(scores.device).cuda_stream),
-        )
+        error = lib.oa_pq_shortlist(*call_arguments(arguments))
     if error:
         raise RuntimeError(f"CUDA shortlist: launch failed (cudaError {error})")
     if stop == 0:
