@@ -950,16 +950,20 @@ MUTATIONS = [
         "PQS's shortlist reads a K row only where every head lists it: the others' exact logits are 0",
     ),
     mutation(
-        "pq-shortlist-leaves-the-leaving-row-out",
-        "plugins/kernels/pq_shortlist_programs.py",
+        "clustered-range-leaves-the-leaving-row-out",
+        "plugins/kernels/two_stage_programs.py",
         [
             (
-                "inside = in_n & (offs >= lowest) & (offs <= n - 1 - LOCAL)",
-                "inside = in_n & (offs >= lowest) & (offs < n - 1 - LOCAL)",
+                "return (offs >= tl.load(START + b) + SINK) & (offs <= n - 1 - LOCAL)",
+                "return (offs >= tl.load(START + b) + SINK) & (offs < n - 1 - LOCAL)",
             )
         ],
-        ("tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",),
-        "PQS's shortlist masks the row leaving the window, which joins a cluster in this step",
+        (
+            "tests/test_flash_step.py::test_pqs_three_launch_shortlist_leaves_what_the_scores_and_seven_launches_leave",
+            *FUSED_TWO_STAGE_TESTS,
+        ),
+        "the fused shortlists (PQS's scores, QGS's radix pass) mask the row leaving the window, which joins a cluster "
+        "in this step, whether or not its join has run",
     ),
     mutation(
         "pq-shortlist-drops-single-count-bins",
@@ -1200,13 +1204,6 @@ MUTATIONS = [
         "a segment counts its own ties at the cut as earlier ones: ties taken out of order",
     ),
     mutation(
-        "fused-two-stage-leaving-row-outside",
-        "plugins/kernels/two_stage_programs.py",
-        [("outside = (offs < lowest) | (offs > n - 1 - LOCAL)", "outside = (offs < lowest) | (offs >= n - 1 - LOCAL)")],
-        FUSED_TWO_STAGE_TESTS,
-        "the row joining a cluster in this step is not shortlisted when the join has not run yet",
-    ),
-    mutation(
         "fused-floor-rows-dropped",
         "plugins/kernels/plan_programs.py",
         [("            quotas = first + rest\n", "            quotas = rest\n")],
@@ -1308,7 +1305,7 @@ MUTATIONS = [
     mutation(
         "pq-scores-count-the-sink",
         "plugins/kernels/pq_shortlist_programs.py",
-        [("lowest = tl.load(START + head // Hkv) + SINK", "lowest = tl.load(START + head // Hkv)")],
+        [("clustered(offs, START, head // Hkv, SINK, LOCAL, n)", "clustered(offs, START, head // Hkv, 0, LOCAL, n)")],
         ("tests/test_flash_step.py",),
         "PQS's fused scores take the sink's rows as clustered: they may be listed and selected beside the sink itself",
     ),
@@ -1317,8 +1314,8 @@ MUTATIONS = [
         "plugins/kernels/two_stage_programs.py",
         [
             (
-                "lowest = tl.load(START + p // (Gs * Hkv)) + F - LOCAL",
-                "lowest = tl.load(START + p // (Gs * Hkv)) + F - LOCAL + 1",
+                "~clustered(offs, START, p // (Gs * Hkv), F - LOCAL, LOCAL, n)",
+                "~clustered(offs, START, p // (Gs * Hkv), F - LOCAL + 1, LOCAL, n)",
             )
         ],
         ("tests/test_flash_step.py",),

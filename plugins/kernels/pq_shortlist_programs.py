@@ -10,6 +10,7 @@ from oa_core.ops.triton_path import tl, triton
 if triton is not None:
     from oa_core.ops.selection import listed_box
     from oa_plugins.kernels.two_stage_programs import (
+        clustered,
         digit_histogram,
         pick_digit,
         radix_digit,
@@ -50,7 +51,6 @@ if triton is not None:
         head = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * CHUNK
         n = tl.load(LENGTH).to(tl.int64)
-        lowest = tl.load(START + head // Hkv) + SINK  # the first clustered position (``StaticState``)
         rows = tl.arange(0, BLOCK_GS)
         if first < n:
             offs_m = tl.arange(0, BLOCK_M)
@@ -61,7 +61,7 @@ if triton is not None:
                 in_n = offs < end
                 both_t = tl.trans(in_n[:, None] & (offs_m[None, :] < M))
                 codes_t = tl.trans(load_codes(CODES + head * CAP * W, offs, in_n, W, M, PACKED, BLOCK_M))
-                inside = in_n & (offs >= lowest) & (offs <= n - 1 - LOCAL)
+                inside = in_n & clustered(offs, START, head // Hkv, SINK, LOCAL, n)
                 for s in range(GS):  # a loop, not unrolled: the codes' tile is most of the registers
                     best = tl.full([BLOCK_N], float("-inf"), tl.float32)
                     for j in range(G):

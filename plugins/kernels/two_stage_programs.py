@@ -21,6 +21,13 @@ if triton is not None:
         return tl.maximum(budget - F, 0)
 
     @triton.jit
+    def clustered(offs, START, b, SINK, LOCAL, n):
+        """Whether positions ``offs`` of batch row ``b`` are in the clusters at length ``n``: the range [start + sink,
+        n − 1 − local] (``StaticState``; the row leaving the window counts: it joins a cluster in this step), tested
+        instead of reading each position's cluster."""
+        return (offs >= tl.load(START + b) + SINK) & (offs <= n - 1 - LOCAL)
+
+    @triton.jit
     def unsigned_key(score):
         """float32 → int64 in [0, 2^32) with the scores' order (``order_key`` shifted)."""
         return order_key(score).to(tl.int64) + 2147483648
@@ -123,9 +130,7 @@ if triton is not None:
         offs = segment * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
         if LEVEL == 0:
-            # outside the clustered range [start + sink, n - 1 - local] (``StaticState``): no per-key read
-            lowest = tl.load(START + p // (Gs * Hkv)) + F - LOCAL
-            outside = (offs < lowest) | (offs > n - 1 - LOCAL)
+            outside = ~clustered(offs, START, p // (Gs * Hkv), F - LOCAL, LOCAL, n)
             value = tl.where(outside, float("-inf"), tl.load(row + offs, mask=ok, other=float("-inf")))
             tl.store(row + offs, value, mask=ok & outside)
             if segment * BLOCK < n:
