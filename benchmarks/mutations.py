@@ -1329,6 +1329,13 @@ MUTATIONS = [
         "the cost model counts the member lists once per KV head where each selection row reads its own",
     ),
     mutation(
+        "flash-pass-proxies-read-once-a-group",
+        "benchmarks/step_cost.py",
+        [('"proxies": (score_rows if per_row else 1) * clusters * sums * 4', '"proxies": clusters * sums * 4')],
+        ("tests/test_step_cost.py",),
+        "the cost model counts the built flash pass's pooled sums once per KV head where each selection row reads them",
+    ),
+    mutation(
         "cuda-shortlist-signature-drifts",
         "plugins/kernels/pq_shortlist_cuda.py",
         [('POINTERS = ("tables", "codes", "length", "start",', 'POINTERS = ("tables", "codes", "start", "length",')],

@@ -9,8 +9,10 @@ ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in b
 - ``shortlist_keys``: the K rows of the shortlist re-scored by exact logits (⌈rerank × E_sel⌉ rows, D·2 bytes each),
   times the union factor of the group's shortlists;
 - ``selected_rows``: K and V of the rows read exactly: sink and local window once for the group, the selected rows
-  times the union factor of the group's selections;
-- ``proxies``: each cluster's pooled sums (Σk, Σv, Σk⊙k for second-order proxies, the count) in float32;
+  times the union factor of the group's selections — as issue 56's designs read them; the built steps' flash pass
+  (``per_row``) reads each selection row's own rows, the sink and the window included (per head: G times a KV head);
+- ``proxies``: each cluster's pooled sums (Σk, Σv, Σk⊙k for second-order proxies, the count) in float32, once for
+  the group in the designs, once per selection row in the built steps' flash pass;
 - ``state``: the step's growth and bookkeeping: the new row's codes, the leaving row's K and V and its cluster's sums
   (read and written), the cluster numbers of the shortlist's rows (int64, read by each selection row's plan for its
   own shortlist);
@@ -101,6 +103,7 @@ def step_bytes(
     reread: float = 0.0,
     score_passes: int = SCORE_PASSES,
     cluster_ids: bool = False,
+    per_row: bool = False,
 ) -> dict[str, float]:
     """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
@@ -109,7 +112,10 @@ def step_bytes(
     position each), and a share ``reread`` of the codes is read a second time (``one_program_factors``); with
     ``candidates=0``, the cluster design's: no score leaves the chip. ``score_passes``: the scores' trips whole (the
     CUDA shortlist's step: ``CUDA_SCORE_PASSES``). ``cluster_ids``: the selection reads each position's cluster as
-    one byte, once for the group (the cluster design, its scores on chip in position order), not the member lists."""
+    one byte, once for the group (the cluster design, its scores on chip in position order), not the member lists.
+    ``per_row``: the flash pass as built (``sparse_pass``, a program per selection row and part): each selection row
+    reads its own selected rows, the sink and the window, and the pooled sums of its KV head's clusters, whatever the
+    group's heads share (the union factor of the selections unused)."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -126,8 +132,8 @@ def step_bytes(
     per_head = {
         "codes": clusterable * codes * (1 + reread),
         "shortlist_keys": shortlist_union * shortlist * D * KV_BYTES,
-        "selected_rows": (fixed + selected_union * selectable) * row,
-        "proxies": clusters * sums * 4,
+        "selected_rows": (score_rows * (fixed + selectable) if per_row else fixed + selected_union * selectable) * row,
+        "proxies": (score_rows if per_row else 1) * clusters * sums * 4,
         "state": codes + row + 2 * sums * 4 + score_rows * shortlist * ASSIGNMENT_BYTES,
         "members": clusterable * CLUSTER_ID_BYTES if cluster_ids else score_rows * clusterable * MEMBER_BYTES,
         "scores": score_rows * (clusterable * score_passes + shortlist) * 4,  # the passes and the boxes
@@ -298,8 +304,9 @@ def byte_fields(parts: dict[str, float]) -> dict:
 
 
 def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
-    """Every configuration's bytes: shared (union 1), and per head at both bounds and at each measured factor.
-    ``cuda``: the step with the CUDA shortlist (``CUDA_SCORE_PASSES``)."""
+    """Every built step's bytes: shared (union 1), and per head at both bounds and at each measured factor of the
+    shortlists' union (the flash pass reads each selection row's own rows, ``per_row``, whatever the heads share).
+    ``cuda``: the step with the CUDA shortlist (``CUDA_SCORE_PASSES``), which reads each row's shortlist for it."""
     G = SHAPE["query_heads"] // SHAPE["kv_heads"]
     rows = []
     for batch, context in CONFIGS:
@@ -318,12 +325,19 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                                 transfer(found[key], m["heads_per_group"], G)
                                 for key in ("shortlist_union", "selected_union")
                             )
-                for case, (short, sel) in cases.items():
-                    passes, short = (
-                        (CUDA_SCORE_PASSES, G if gqa == "per_head" else 1.0) if cuda else (SCORE_PASSES, short)
-                    )
+                for case, (short, _) in cases.items():
+                    heads = G if gqa == "per_head" else 1.0  # the flash pass reads each selection row's own rows
+                    passes, short = (CUDA_SCORE_PASSES, heads) if cuda else (SCORE_PASSES, short)
                     parts = step_bytes(
-                        pipe, batch, context, SHAPE["kv_heads"], SHAPE["head_dim"], short, sel, score_passes=passes
+                        pipe,
+                        batch,
+                        context,
+                        SHAPE["kv_heads"],
+                        SHAPE["head_dim"],
+                        short,
+                        heads,
+                        score_passes=passes,
+                        per_row=True,
                     )
                     rows.append(
                         {
@@ -333,7 +347,7 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                             "gqa": gqa,
                             "overlap": case,
                             "shortlist_union": short,
-                            "selected_union": sel,
+                            "selected_union": heads,
                             **byte_fields(parts),
                             "launches": launches,
                         }

@@ -53,6 +53,20 @@ def test_disjoint_heads_read_their_shortlists_and_selections_once_each():
     assert step_cost.step_bytes(_pipe(0.03), 1, 32768, 8, 128)["total"] > agree["total"]
 
 
+def test_the_built_flash_pass_reads_each_selection_rows_own_rows_and_proxies():
+    """``per_row``: a program per selection row reads its selected rows, the sink and the window, and its KV head's
+    pooled sums, so per head each part is G times the group's shared read whatever the heads share; shared, once."""
+    per_head, shared = _pipe(), _pipe(gqa="shared")
+    for union in (1.0, 2.5, 4.0):
+        built = step_cost.step_bytes(per_head, 1, 32768, 8, 128, 1.0, union, per_row=True)
+        once = step_cost.step_bytes(shared, 1, 32768, 8, 128, 1.0, 1.0, group=4)
+        assert built["selected_rows"] == 4 * once["selected_rows"] and built["proxies"] == 4 * once["proxies"]
+        assert step_cost.step_bytes(shared, 1, 32768, 8, 128, per_row=True, group=4) == once
+    configs = step_cost.configs(lambda density, gqa: _pipe(density, gqa=gqa), [])
+    for r in configs:
+        assert r["selected_union"] == (4 if r["gqa"] == "per_head" else 1)
+
+
 def _state(pipe, heads_alike: bool):
     gen = torch.Generator().manual_seed(0)
     B, Hkv, G, N, D = 1, 2, 4, 600, 32
