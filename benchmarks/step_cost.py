@@ -70,6 +70,7 @@ OUT = Path(__file__).resolve().parent / "results" / "step_cost.json"
 SPEC = Path(__file__).resolve().parents[1] / "specs" / "openattention.yaml"
 # Llama-3.1-8B's attention: query heads, KV heads, head dim
 SHAPE = {"model": "Llama-3.1-8B", "query_heads": 32, "kv_heads": 8, "head_dim": 128}
+KV_SHAPE = (SHAPE["kv_heads"], SHAPE["head_dim"])  # step_bytes' kv_heads and head_dim
 CONFIGS = [(16, 16384), (8, 32768), (32, 32768)]
 DENSITIES = [0.01, 0.03]
 MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
@@ -328,17 +329,7 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                 for case, (short, _) in cases.items():
                     heads = G if gqa == "per_head" else 1.0  # the flash pass reads each selection row's own rows
                     passes, short = (CUDA_SCORE_PASSES, heads) if cuda else (SCORE_PASSES, short)
-                    parts = step_bytes(
-                        pipe,
-                        batch,
-                        context,
-                        SHAPE["kv_heads"],
-                        SHAPE["head_dim"],
-                        short,
-                        heads,
-                        score_passes=passes,
-                        per_row=True,
-                    )
+                    parts = step_bytes(pipe, batch, context, *KV_SHAPE, short, heads, score_passes=passes, per_row=True)
                     rows.append(
                         {
                             "batch": batch,
@@ -386,18 +377,8 @@ def projections(pipe_for, measured: list[dict], design: str) -> list[dict]:
                 candidates, reread = (
                     (found["candidates_bucketed"], found["reread_codes"]) if design == "one_program" else (0.0, 0.0)
                 )
-                parts = step_bytes(
-                    pipe,
-                    batch,
-                    context,
-                    SHAPE["kv_heads"],
-                    SHAPE["head_dim"],
-                    short,
-                    sel,
-                    candidates=candidates,
-                    reread=reread,
-                    cluster_ids=design == "cluster",
-                )
+                chosen = {"candidates": candidates, "reread": reread, "cluster_ids": design == "cluster"}
+                parts = step_bytes(pipe, batch, context, *KV_SHAPE, short, sel, **chosen)
                 rows.append(
                     {
                         "batch": batch,

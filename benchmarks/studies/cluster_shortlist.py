@@ -74,6 +74,13 @@ def build(cache: Path) -> ctypes.CDLL:
     return lib
 
 
+def result_path(study: str, out: Path | None) -> Path:
+    """``out``, else ``results/<study>_<gpu>.json`` beside the studies (h100, h200, ...); its folder made."""
+    path = out or HERE / "results" / f"{study}_{torch.cuda.get_device_name().split()[1].lower()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def pointer(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -281,9 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     from oa_core.analysis.provenance import provenance
 
     lib = build(args.cache)
-    gpu = torch.cuda.get_device_name().split()[1].lower()
-    out = args.out or HERE / "results" / f"cluster_shortlist_{gpu}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = result_path("cluster_shortlist", args.out)
     rows: list[dict] = []
     result = {
         "what": __doc__.split("\n\n")[0],

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_shortlist import checked, pointer, stream, timed
+from cluster_shortlist import checked, pointer, result_path, stream, timed
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "half_table_scores.cu"
@@ -121,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from oa_core.analysis.provenance import provenance
 
-    lib = build(args.cache)
-    gpu = torch.cuda.get_device_name().split()[1].lower()
-    out = args.out or HERE / "results" / f"half_table_scores_{gpu}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
+    lib, out, rows = build(args.cache), result_path("half_table_scores", args.out), []
     result = {"what": __doc__.split("\n\n")[0], "forms": FORMS, "runs": rows, "provenance": provenance("cuda")}
     for config in args.configs:
         batch, context = (int(x) for x in config.split("x"))
