@@ -12,7 +12,9 @@ learns them):
   group of Gemma-3 or Llama-3.1; SmolLM2's groups have 3 heads); each head would still take its own rows from it by
   exact logits;
 - ``fp16 tables``: each head's scores from table entries q_m·c_{m,j} rounded to float16 and summed in float32;
-  ``fp16 sums``: summed in float16 too, one sub-space after another (two heads a 32-bit lookup, as half2 would).
+  ``fp16 sums``: summed in float16 too, one sub-space after another (two heads a 32-bit lookup, as half2 would);
+  ``bf16 tables``: rounded to bfloat16 and summed in float32 (two heads a word, each made a float by a shift: the
+  forms ``half_table_scores.py`` times on the GPU).
 
 Per needle prompt, at the query before the answer, per full-attention layer and query head: the share of exact
 top-k's rows (outside the sink and the local window) within each shortlist, the share of their attention, and the
@@ -33,7 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from code_forms_recall import ROOT, learnt, study_main
 
 DIMS, CENTROIDS = 2, 16  # PQS's default code
-FORMS = ["per head", "per head, fp16 tables", "per head, fp16 sums", "group max, 4×", "group max, 8×", "group max, 16×"]
+FORMS = [
+    "per head",
+    "per head, fp16 tables",
+    "per head, fp16 sums",
+    "per head, bf16 tables",
+    "group max, 4×",
+    "group max, 8×",
+    "group max, 16×",
+]
 # the shortlists' lengths other than SHORTLIST (4) × the selectable budget
 MULTIPLES = {"group max, 8×": 8.0, "group max, 16×": 16.0}
 
@@ -52,7 +62,8 @@ def shortlist_scores(query: torch.Tensor, keys: torch.Tensor, outside: torch.Ten
     for m in range(M):
         running = running + half[..., m]
     shared = per_head.view(Hkv, group, n).amax(1).repeat_interleave(group, 0)
-    scores = [per_head, half.float().sum(-1), running.float(), shared, shared, shared]
+    brain = entries.bfloat16().float().sum(-1)
+    scores = [per_head, half.float().sum(-1), running.float(), brain, shared, shared, shared]
     return dict(zip(FORMS, scores, strict=True))
 
 
