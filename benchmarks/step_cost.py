@@ -315,19 +315,18 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
             for gqa in ("per_head", "shared"):
                 pipe = pipe_for(density, gqa)
                 launches = fused_launches(pipe, cuda)
-                cases = (
-                    {"shared": (1.0, 1.0)} if gqa == "shared" else {"heads agree": (1.0, 1.0), "heads disjoint": (G, G)}
-                )
+                # each case's union of the group's shortlists (Triton's listing reads a K row once for the rows
+                # that list it); the flash pass reads each selection row's own rows whatever the heads share
+                heads = G if gqa == "per_head" else 1.0
+                cases = {"shared": 1.0} if gqa == "shared" else {"heads agree": 1.0, "heads disjoint": G}
                 if gqa == "per_head":
                     for m in measured:
                         found = m["densities"].get(str(density))
                         if found:  # the measured share of the way from agreeing to disjoint, on this shape's G
-                            cases[f"measured on {m['model']}"] = tuple(
-                                transfer(found[key], m["heads_per_group"], G)
-                                for key in ("shortlist_union", "selected_union")
+                            cases[f"measured on {m['model']}"] = transfer(
+                                found["shortlist_union"], m["heads_per_group"], G
                             )
-                for case, (short, _) in cases.items():
-                    heads = G if gqa == "per_head" else 1.0  # the flash pass reads each selection row's own rows
+                for case, short in cases.items():
                     passes, short = (CUDA_SCORE_PASSES, heads) if cuda else (SCORE_PASSES, short)
                     parts = step_bytes(pipe, batch, context, *KV_SHAPE, short, heads, score_passes=passes, per_row=True)
                     rows.append(
