@@ -50,6 +50,7 @@ def mutation(name: str, file: str, edits, tests, bug: str) -> Mutation:
 
 QGS_TESTS = ("tests/plugins/test_qgs.py", "tests/test_selection.py", "tests/test_conformance.py")
 PQ_TESTS = ("tests/plugins/test_pq.py", "tests/test_conformance.py")
+PQ_GPU_TESTS = ("tests/plugins/test_pq.py::test_the_gpu_prepare_learns_and_codes_every_key_as_the_torch_code",)
 RULER_TESTS = ("tests/test_ruler_fidelity.py",)
 ERRORGATE_TESTS = ("tests/plugins/test_errorgate.py", "tests/test_conformance.py")
 KERNEL_TESTS = (
@@ -140,10 +141,10 @@ MUTATIONS = [
     ),
     mutation(
         "fused-pq-packs-the-high-nibble-first",
-        "plugins/kernels/flash_step_programs.py",
-        [("(low | (high << 4)).to(tl.uint8)", "(high | (low << 4)).to(tl.uint8)")],
-        FUSED_TESTS,
-        "the fused step writes the new row's codes with the nibbles swapped",
+        "plugins/selectors/pq_programs.py",
+        [("byte = low | (high << 4)", "byte = high | (low << 4)")],
+        FUSED_TESTS + PQ_GPU_TESTS,
+        "the GPU's codes (every key's in prepare, the new row's in the fused step) with the nibbles swapped",
     ),
     mutation(
         "pq-triton-score-skips-a-sub-space",
@@ -180,6 +181,51 @@ MUTATIONS = [
         ],
         PQ_TESTS,
         "the centroids also learn from the keys outside the clustered region (sink, local window, padding)",
+    ),
+    mutation(
+        "pq-gpu-train-sums-unchosen-points",
+        "plugins/selectors/pq_programs.py",
+        [
+            (
+                "member = (first[:, None] == offs_c[None, :]) & (weight > 0)[:, None]",
+                "member = first[:, None] == offs_c[None, :]",
+            )
+        ],
+        PQ_GPU_TESTS,
+        "the GPU's k-means adds the row's filler positions (not training keys) to their clusters' sums",
+    ),
+    mutation(
+        "pq-gpu-train-starts-at-the-first-keys",
+        "plugins/selectors/pq_programs.py",
+        [("rank = tl.minimum((offs_c * available) // C,", "rank = tl.minimum(offs_c,")],
+        PQ_GPU_TESTS,
+        "the GPU's k-means starts from the first C training keys, not keys spread over the context",
+    ),
+    mutation(
+        "pq-gpu-train-one-round-short",
+        "plugins/selectors/pq_programs.py",
+        [("for _round in range(iterations):", "for _round in range(iterations - 1):")],
+        PQ_GPU_TESTS,
+        "the GPU's k-means runs one Lloyd round fewer than the spec's iterations",
+    ),
+    mutation(
+        "pq-gpu-train-empties-a-centre",
+        "plugins/selectors/pq_programs.py",
+        [
+            (
+                "cent = tl.where(counts[:, None] > 0, sums / tl.maximum(counts, 1.0)[:, None], cent)",
+                "cent = sums / tl.maximum(counts, 1.0)[:, None]",
+            )
+        ],
+        PQ_GPU_TESTS,
+        "the GPU's k-means moves a cluster with no point to the origin, where the torch code keeps its centre",
+    ),
+    mutation(
+        "pq-gpu-encode-swaps-sub-spaces",
+        "plugins/selectors/pq_programs.py",
+        [("sub[:, None] * DIMS + offs_e[None, :]", "(sub[:, None] ^ 1) * DIMS + offs_e[None, :]")],
+        PQ_GPU_TESTS,
+        "the GPU's encoding codes each sub-space from its neighbour's coordinates",
     ),
     # -- RULER's generator (NVIDIA/RULER at c3f5e3b) -----------------------------------------------------------------
     mutation(
@@ -901,22 +947,22 @@ MUTATIONS = [
     ),
     mutation(
         "fused-pq-code-last-of-equals-across-tiles",
-        "plugins/kernels/flash_step_programs.py",
-        [("better = low < best  # a later tile's", "better = low <= best  # a later tile's")],
+        "plugins/selectors/pq_programs.py",
+        [("better = low < best", "better = low <= best")],
         ("tests/test_flash_step.py::test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles",),
         "the new row's PQS code takes a later tile's equal centroid, where encode takes the first",
     ),
     mutation(
         "fused-pq-code-without-the-centroid-norm",
-        "plugins/kernels/flash_step_programs.py",
+        "plugins/selectors/pq_programs.py",
         [
             (
                 "distance = tl.sum(centre * centre, axis=2) - 2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
                 "distance = -2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
             )
         ],
-        FUSED_TESTS,
-        "the new row's PQS code is the centroid of largest dot product, not the nearest",
+        FUSED_TESTS + PQ_GPU_TESTS,
+        "the GPU's PQS codes (prepare's, the new row's) are the centroids of largest dot product, not the nearest",
     ),
     mutation(
         "fused-pq-tables-of-one-head",

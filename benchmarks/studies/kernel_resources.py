@@ -163,6 +163,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
             }
         )
         rows += pq_shortlist_rows(dim, first=dim == dims[0])
+        rows += pq_prepare_rows(dim, first=dim == dims[0])
         rows.append(prologue_row(dim))
     for row in rows:
         row["fits"] = row["shared"] <= SHARED_LIMIT and row["stack"] <= STACK_LIMIT
@@ -220,6 +221,30 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
     return [
         {"kernel": name, "dim": dim, **_compile(fn, types, constants, num_warps=warps)}
         for name, fn, types, constants, warps in launches
+    ]
+
+
+def pq_prepare_rows(dim: int, first: bool) -> list[dict]:
+    """PQS's prepare at its default (16 centroids a pair of dimensions, bf16 keys): the encoding at ``dim``, and the
+    k-means, which no head dim changes (a program reads its sub-space's two coordinates), with the first."""
+    from oa_plugins.selectors import pq_programs
+
+    M = dim // 2
+    block_m, block_c, block_dims = 1 << max(1, (M - 1).bit_length()), 16, 2
+    strides = dict(sk_b="i64", sk_h="i64", sk_n="i64")
+    encode = dict(M=M, C=16, DIMS=2, W=M // 2, PACKED=True, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_DIMS=block_dims)
+    encode["BLOCK_K"] = max(1, pq_programs.ENCODE_ROWS // block_m)
+    launches = [
+        ("pq_programs._pq_encode", pq_programs._pq_encode, dict(KEYS="*bf16", CENT="*fp32", CODES="*u8"), encode)
+    ]
+    if first:
+        train = dict(DIMS=2, BLOCK_C=block_c, BLOCK_DIMS=block_dims)
+        train["BLOCK_N"] = max(16, pq_programs.TRAIN_ELEMENTS // (block_c * block_dims))
+        pointers = dict(KEYS="*bf16", POS="*i64", CHOSEN="*i8", CENT="*fp32")
+        launches.append(("pq_programs._pq_train", pq_programs._pq_train, pointers, train))
+    return [
+        {"kernel": name, "dim": dim, **_compile(fn, {**strides, **types}, constants, num_warps=4)}
+        for name, fn, types, constants in launches
     ]
 
 

@@ -8,6 +8,7 @@ from oa_core.ops.triton_path import tl, triton
 if triton is not None:
     from oa_core.ops.cluster_stats import moments_tile, store_logit_stats
     from oa_core.static import join_rest
+    from oa_plugins.selectors.pq_programs import nearest_code, store_codes
 
 
 if triton is not None:
@@ -93,10 +94,9 @@ if triton is not None:
         BLOCK_DIMS: tl.constexpr,
     ):
         """(batch row, KV head) ``head``: the new row's PQS codes — in each of the M sub-spaces the nearest of the C
-        centroids, argmin of ‖μ‖² − 2·k·μ, the first of equals (``oa_core.ops.kmeans.nearest``) — and the G query
-        heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a tile of BLOCK_C centroids at a time. The codes
-        are stored as the index keeps them: W bytes, two codes a byte where PACKED (``pack_codes``; a sub-space past
-        M, of no key coordinate, codes 0)."""
+        centroids, as prepare codes every key (``oa_plugins.selectors.pq_programs.nearest_code``), stored as the index
+        keeps them (``store_codes``) — and the G query heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a
+        tile of BLOCK_C centroids at a time."""
         b = head // Hkv
         h = head % Hkv
         newest = tl.load(LENGTH).to(tl.int64) - 1
@@ -106,24 +106,17 @@ if triton is not None:
         sub = offs_m[:, None] * DIMS + offs_e[None, :]  # [sub-space, dimension in it] → the head's dimension
         sub_ok = m_ok[:, None] & (offs_e[None, :] < DIMS)
         k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + sub, mask=sub_ok, other=0.0).to(tl.float32)
-        best = tl.full([BLOCK_M], float("inf"), tl.float32)
-        code = tl.zeros([BLOCK_M], tl.int32)
+        code = nearest_code(k, CENT + head * M * C * DIMS, offs_m, m_ok, C, DIMS, BLOCK_M, BLOCK_C, BLOCK_DIMS)
+        row = tl.zeros([1], tl.int64) + newest
+        store_codes(CODES + head * CAP * W, code, row, row >= 0, W, M, PACKED, 1, BLOCK_M)
         for c0 in range(0, C, BLOCK_C):
             offs_c = c0 + tl.arange(0, BLOCK_C)
             c_ok = offs_c < C
-            tile_ok = sub_ok[:, None, :] & c_ok[None, :, None]
             centre = tl.load(
                 CENT + ((head * M + offs_m[:, None, None]) * C + offs_c[None, :, None]) * DIMS + offs_e[None, None, :],
-                mask=tile_ok,
+                mask=sub_ok[:, None, :] & c_ok[None, :, None],
                 other=0.0,
             )  # [BLOCK_M, BLOCK_C, BLOCK_DIMS]
-            distance = tl.sum(centre * centre, axis=2) - 2.0 * tl.sum(k[:, None, :] * centre, axis=2)
-            distance = tl.where(c_ok[None, :], distance, float("inf"))
-            low = tl.min(distance, axis=1)
-            first = tl.min(tl.where(distance == low[:, None], offs_c[None, :], C), axis=1)
-            better = low < best  # a later tile's equal does not displace an earlier centroid
-            code = tl.where(better, first, code)
-            best = tl.where(better, low, best)
             for j in tl.static_range(G):
                 q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + sub, mask=sub_ok, other=0.0).to(tl.float32)
                 tl.store(
@@ -131,12 +124,6 @@ if triton is not None:
                     tl.sum(q[:, None, :] * centre, axis=2),
                     mask=m_ok[:, None] & c_ok[None, :],
                 )
-        if PACKED:
-            low, high = tl.split(tl.reshape(code, [BLOCK_M // 2, 2]))
-            offs_w = tl.arange(0, BLOCK_M // 2)
-            tl.store(CODES + (head * CAP + newest) * W + offs_w, (low | (high << 4)).to(tl.uint8), mask=offs_w < W)
-        else:
-            tl.store(CODES + (head * CAP + newest) * W + offs_m, code.to(tl.uint8), mask=m_ok)
 
     @triton.jit
     def _grow_chunk(

@@ -31,9 +31,11 @@ from torch import Tensor
 from oa_core import hookimpl
 from oa_core.components import Clusters, Selector
 from oa_core.ops import triton_path
+from oa_core.ops.geometry import on_gpu
 from oa_core.ops.kmeans import lloyd_iterations, nearest
 from oa_core.ops.rerank import ExactRerank
 from oa_core.ops.triton_path import tl, triton
+from oa_plugins.selectors.pq_programs import encode_triton, fits, train_triton
 
 
 class PQSConfig(BaseModel):
@@ -112,8 +114,10 @@ def sub_spaces(keys: Tensor, dims: int) -> Tensor:
 
 def encode(keys: Tensor, centroids: Tensor) -> Tensor:
     """keys ``[B, Hkv, N, D]``, centroids ``[B, Hkv, M, C, dims]`` → codes ``[B, Hkv, N, W]`` uint8: each sub-space's
-    nearest centroid, packed two a byte where C ≤ 16 (``PQSIndex``)."""
+    nearest centroid, packed two a byte where C ≤ 16 (``PQSIndex``). On CUDA tensors one Triton launch."""
     dims, count = centroids.shape[-1], centroids.shape[-2]
+    if on_gpu(keys):
+        return encode_triton(keys, centroids, packed(count))
     codes = nearest(sub_spaces(keys, dims), centroids).to(torch.uint8).transpose(-1, -2).contiguous()
     return pack_codes(codes) if packed(count) else codes
 
@@ -154,6 +158,9 @@ class ProductQuantisedSelector(ExactRerank, Selector):
             raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
         M, count = D // dims, 2**self.config.bits
         positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
+        if on_gpu(keys) and fits(count, dims):  # one launch for every sub-space's k-means
+            centroids = train_triton(keys, positions, chosen, dims, count, self.config.iterations)
+            return PQSIndex(centroids, encode(keys, centroids))
         n = positions.shape[-1]
         points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
         weight = chosen[:, None, None, :].expand(B, Hkv, M, n).reshape(-1, n).float()

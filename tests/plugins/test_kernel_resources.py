@@ -42,6 +42,8 @@ def test_every_kernel_fits_an_sm90_gpu_at_head_dims_64_to_256():
         "pq_shortlist_programs.pq_cut",
         "pq_shortlist_programs.pq_list",
         "flash_step_programs.prologue",
+        "pq_programs._pq_encode",
+        "pq_programs._pq_train",
     }
     too_big = [
         row for row in report["rows"] if row["shared"] > report["shared_limit"] or row["stack"] > report["stack_limit"]

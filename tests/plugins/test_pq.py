@@ -138,6 +138,35 @@ def test_new_keys_are_coded_by_the_centroids_prepare_learnt():
     assert torch.equal(selector.extend(grown, keys[:, :, :0]).codes, grown.codes)  # no new keys: no growth
 
 
+@pytest.mark.parametrize(
+    "dims, bits, dim, iterations",
+    [(2, 4, 8, 8), (3, 4, 15, 3), (2, 8, 4, 2)],
+    ids=["the default's code", "an odd count of sub-spaces", "8 bits: blocks of points"],
+)
+def test_the_gpu_prepare_learns_and_codes_every_key_as_the_torch_code(dims, bits, dim, iterations, monkeypatch):
+    """Under the interpreter, ``build`` as a GPU runs it (``pq_programs``: every sub-space's k-means in one launch,
+    every key's codes in one more) gives the torch code's centroids and codes, bit for bit: a row whose region
+    leaves keys out, a row with fewer training keys than centroids (emptied clusters keep their centre), a row with
+    none; 8-bit codes take their training points in blocks of 16."""
+    pytest.importorskip("triton")
+    from oa_plugins.selectors import pq
+
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.randn(3, 2, 300, dim, generator=gen).to(torch.bfloat16)
+    assignment = torch.zeros(3, 2, 300, dtype=torch.long)
+    assignment[0, :, :40] = 4  # outside the clusters: not trained on
+    assignment[1, :, 10:] = 4  # 10 training keys: fewer than 16 centroids
+    assignment[2] = 4  # none
+    clusters = Clusters(assignment, 4)
+    selector = ProductQuantisedSelector(PQSConfig(dims=dims, bits=bits, iterations=iterations, train=256))
+    expected = selector.build(keys, None, clusters)
+    monkeypatch.setattr(pq, "on_gpu", lambda tensor: True)
+    index = selector.build(keys, None, clusters)
+    assert torch.equal(index.centroids, expected.centroids)
+    assert torch.equal(index.codes, expected.codes)
+    assert torch.equal(pq.encode(keys[:, :, 5:6], index.centroids), expected.codes[:, :, 5:6])  # one new key
+
+
 def test_the_centroids_learn_from_at_most_train_keys_spread_over_the_region():
     region = torch.zeros(2, 1000, dtype=torch.bool)
     region[0, 4:980] = True
