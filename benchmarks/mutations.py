@@ -213,8 +213,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "cent = tl.where(counts[:, None] > 0, sums / tl.maximum(counts, 1.0)[:, None], cent)",
-                "cent = sums / tl.maximum(counts, 1.0)[:, None]",
+                "cent = tl.where(count[:, None] > 0, tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None], cent)",
+                "cent = tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None]",
             )
         ],
         PQ_GPU_TESTS,

@@ -19,11 +19,14 @@ from torch import Tensor
 
 from oa_core.ops.triton_path import tl, triton
 
-# Registers a training program's centroids may take: its block of centroids × their block of dimensions (16 × 2 for
-# the default, 256 × 4 for 8-bit codes of 4 dimensions). Past it, ``fits`` says no and the shared Lloyd kernels run.
-MAX_TILE = 1024
-# Elements of a training program's distance block (points × centroids × dimensions): the points per block.
-TRAIN_ELEMENTS = 4096
+# A training program's block of centroids × their block of dimensions at most (16 × 2 for the default, 256 × 2 for
+# 8-bit codes of pairs): past it, ``fits`` says no and the shared Lloyd kernels run. At 4 warps and sm_90, 256 × 2
+# took 216 registers a thread and 256 × 4 spilled 56 bytes (``benchmarks/studies/kernel_resources.py``' compiler).
+MAX_TILE = 512
+# Elements of a training program's block (points × centroids × dimensions), which sets its points per block: each
+# lane keeps its share of the sums over the blocks, added up once a round. The default's 64 points a block took 123
+# registers a thread, 128 points 182.
+TRAIN_ELEMENTS = 2048
 # Rows (key, sub-space) an encoding program codes at a time: keys per block × sub-spaces, at least one key.
 ENCODE_ROWS = 256
 
@@ -243,8 +246,9 @@ if triton is not None:
         cent = tl.load(base + start[:, None] * sk_n + offs_e[None, :], mask=c_ok[:, None] & e_ok[None, :], other=0.0)
         cent = cent.to(tl.float32)
         for _round in range(iterations):
-            sums = tl.zeros([BLOCK_C, BLOCK_DIMS], tl.float32)
-            counts = tl.zeros([BLOCK_C], tl.float32)
+            # Each lane's share of the sums, added up once a round (not once a block of points).
+            sums = tl.zeros([BLOCK_N, BLOCK_C, BLOCK_DIMS], tl.float32)
+            counts = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
             for n0 in range(0, n, BLOCK_N):
                 offs = n0 + tl.arange(0, BLOCK_N)
                 in_n = offs < n
@@ -254,7 +258,8 @@ if triton is not None:
                 x = x.to(tl.float32)
                 _, first = tile_nearest(x, cent[None, :, :], offs_c, c_ok, C)
                 member = (first[:, None] == offs_c[None, :]) & (weight > 0)[:, None]  # [BLOCK_N, BLOCK_C]
-                counts += tl.sum(tl.where(member, weight[:, None], 0.0), axis=0)
-                sums += tl.sum(tl.where(member[:, :, None], x[:, None, :], 0.0), axis=0)
-            cent = tl.where(counts[:, None] > 0, sums / tl.maximum(counts, 1.0)[:, None], cent)
+                counts += tl.where(member, weight[:, None], 0.0)
+                sums += tl.where(member[:, :, None], x[:, None, :], 0.0)
+            count = tl.sum(counts, axis=0)
+            cent = tl.where(count[:, None] > 0, tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None], cent)
         tl.store(CENT + (pid * C + offs_c[:, None]) * DIMS + offs_e[None, :], cent, mask=c_ok[:, None] & e_ok[None, :])
