@@ -187,8 +187,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "member = (code == j) & (weight > 0)",
-                "member = code == j",
+                "member = (first[:, None] == offs_c[None, :]) & (weight > 0)[:, None]",
+                "member = first[:, None] == offs_c[None, :]",
             )
         ],
         PQ_GPU_TESTS,
@@ -197,7 +197,7 @@ MUTATIONS = [
     mutation(
         "pq-gpu-train-starts-at-the-first-keys",
         "plugins/selectors/pq_programs.py",
-        [("rank = tl.minimum((j * available) // C,", "rank = tl.minimum(j,")],
+        [("rank = tl.minimum((offs_c * available) // C,", "rank = tl.minimum(offs_c,")],
         PQ_GPU_TESTS,
         "the GPU's k-means starts from the first C training keys, not keys spread over the context",
     ),
@@ -213,8 +213,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "tl.where(count > 0, sums / tl.maximum(count, 1.0), kept)",
-                "sums / tl.maximum(count, 1.0)",
+                "cent = tl.where(count[:, None] > 0, tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None], cent)",
+                "cent = tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None]",
             )
         ],
         PQ_GPU_TESTS,
@@ -223,7 +223,7 @@ MUTATIONS = [
     mutation(
         "pq-gpu-encode-swaps-sub-spaces",
         "plugins/selectors/pq_programs.py",
-        [("sub = offs_m[:, None] * DIMS + offs_e[None, :]", "sub = (offs_m[:, None] ^ 1) * DIMS + offs_e[None, :]")],
+        [("sub[:, None] * DIMS + offs_e[None, :]", "(sub[:, None] ^ 1) * DIMS + offs_e[None, :]")],
         PQ_GPU_TESTS,
         "the GPU's encoding codes each sub-space from its neighbour's coordinates",
     ),
@@ -378,7 +378,7 @@ MUTATIONS = [
     mutation(
         "nearest-kernel-last-of-equals",
         "oa_core/ops/kmeans.py",
-        [("better = distance < best", "better = distance <= best")],
+        [("better = low < best", "better = low <= best")],
         KMEANS_TESTS,
         "the Triton nearest centroid takes the last of equal centroids across tiles",
     ),
@@ -948,7 +948,7 @@ MUTATIONS = [
     mutation(
         "fused-pq-code-last-of-equals-across-tiles",
         "plugins/selectors/pq_programs.py",
-        [("better = distance < best", "better = distance <= best")],
+        [("better = low < best", "better = low <= best")],
         ("tests/test_flash_step.py::test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles",),
         "the new row's PQS code takes a later tile's equal centroid, where encode takes the first",
     ),
@@ -957,8 +957,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "distance = tl.sum(centre * centre, axis=1)[None, :] - 2.0 * tl.sum(x * centre[None, :, :], axis=2)",
-                "distance = -2.0 * tl.sum(x * centre[None, :, :], axis=2)",
+                "distance = tl.sum(centre * centre, axis=2) - 2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
+                "distance = -2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
             )
         ],
         FUSED_TESTS + PQ_GPU_TESTS,

@@ -158,7 +158,7 @@ class ProductQuantisedSelector(ExactRerank, Selector):
             raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
         M, count = D // dims, 2**self.config.bits
         positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
-        if on_gpu(keys) and fits(positions.shape[-1], dims):  # one launch for every sub-space's k-means
+        if on_gpu(keys) and fits(count, dims):  # one launch for every sub-space's k-means
             centroids = train_triton(keys, positions, chosen, dims, count, self.config.iterations)
             return PQSIndex(centroids, encode(keys, centroids))
         n = positions.shape[-1]
