@@ -230,16 +230,16 @@ def pq_prepare_rows(dim: int, first: bool) -> list[dict]:
     from oa_plugins.selectors import pq_programs
 
     M = dim // 2
-    block_m, block_c, block_dims = 1 << max(1, (M - 1).bit_length()), 16, 2
+    block_m, block_c, block_dims = pq_programs.blocks(M, 16, 2)
     strides = dict(sk_b="i64", sk_h="i64", sk_n="i64")
     encode = dict(M=M, C=16, DIMS=2, W=M // 2, PACKED=True, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_DIMS=block_dims)
-    encode["BLOCK_K"] = max(1, pq_programs.ENCODE_ROWS // block_m)
+    encode["BLOCK_K"] = pq_programs.encode_keys(M)
     launches = [
         ("pq_programs._pq_encode", pq_programs._pq_encode, dict(KEYS="*bf16", CENT="*fp32", CODES="*u8"), encode)
     ]
     if first:
         train = dict(DIMS=2, BLOCK_C=block_c, BLOCK_DIMS=block_dims)
-        train["BLOCK_N"] = max(16, pq_programs.TRAIN_ELEMENTS // (block_c * block_dims))
+        train["BLOCK_N"] = pq_programs.train_points(16, 2)
         pointers = dict(KEYS="*bf16", POS="*i64", CHOSEN="*i8", CENT="*fp32")
         launches.append(("pq_programs._pq_train", pq_programs._pq_train, pointers, train))
     return [

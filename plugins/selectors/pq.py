@@ -142,6 +142,18 @@ def initial_centroids(points: Tensor, weight: Tensor, count: int) -> Tensor:
     return points.gather(1, picked[..., None].expand(*picked.shape, points.shape[-1]))
 
 
+def learn_centroids(keys: Tensor, positions: Tensor, chosen: Tensor, dims: int, count: int, iterations: int) -> Tensor:
+    """Each sub-space's ``count`` centroids ``[B, Hkv, D / dims, count, dims]`` by k-means over the training keys at
+    ``positions`` (``chosen``: the points; ``training_positions``), from ``initial_centroids``, on the shared k-means
+    (``lloyd_iterations``); ``pq_programs.train_triton`` is the same in one GPU launch."""
+    B, Hkv, _, D = keys.shape
+    M, n = D // dims, positions.shape[-1]
+    points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
+    weight = chosen[:, None, None, :].expand(B, Hkv, M, n).reshape(-1, n).float()
+    _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), iterations)
+    return centroids.view(B, Hkv, M, count, dims)
+
+
 class ProductQuantisedSelector(ExactRerank, Selector):
     """PQS: a code per sub-space of every key, scored by table lookup (then the shortlist by exact logits)."""
 
@@ -152,21 +164,13 @@ class ProductQuantisedSelector(ExactRerank, Selector):
     def build(
         self, keys: Tensor, queries: Tensor | None, clusters: Clusters, generator: torch.Generator | None = None
     ) -> PQSIndex:
-        B, Hkv, N, D = keys.shape
-        dims = self.config.dims
+        D, dims = keys.shape[-1], self.config.dims
         if D % dims:
             raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
-        M, count = D // dims, 2**self.config.bits
+        count = 2**self.config.bits
         positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
-        if on_gpu(keys) and fits(count, dims):  # one launch for every sub-space's k-means
-            centroids = train_triton(keys, positions, chosen, dims, count, self.config.iterations)
-            return PQSIndex(centroids, encode(keys, centroids))
-        n = positions.shape[-1]
-        points = sub_spaces(keys.gather(2, positions[:, None, :, None].expand(B, Hkv, n, D)), dims).reshape(-1, n, dims)
-        weight = chosen[:, None, None, :].expand(B, Hkv, M, n).reshape(-1, n).float()
-        start = initial_centroids(points, weight, count)
-        _, centroids = lloyd_iterations(points, weight, start, self.config.iterations)
-        centroids = centroids.view(B, Hkv, M, count, dims)
+        learn = train_triton if on_gpu(keys) and fits(count, dims) else learn_centroids
+        centroids = learn(keys, positions, chosen, dims, count, self.config.iterations)
         return PQSIndex(centroids, encode(keys, centroids))
 
     def scoring_bytes(self, head_dim: int) -> float:

@@ -37,6 +37,17 @@ def blocks(sub_spaces: int, centroids: int, dims: int) -> tuple[int, int, int]:
     return max(2, triton.next_power_of_2(sub_spaces)), triton.next_power_of_2(centroids), triton.next_power_of_2(dims)
 
 
+def train_points(centroids: int, dims: int) -> int:
+    """Training points a k-means program takes a block at a time (``TRAIN_ELEMENTS``), at least 16."""
+    _, block_c, block_dims = blocks(1, centroids, dims)
+    return max(16, TRAIN_ELEMENTS // (block_c * block_dims))
+
+
+def encode_keys(sub_spaces: int) -> int:
+    """Keys an encoding program codes at a time, each with every sub-space (``ENCODE_ROWS``), at least one."""
+    return max(1, ENCODE_ROWS // blocks(sub_spaces, 1, 1)[0])
+
+
 def fits(centroids: int, dims: int) -> bool:
     """Whether ``train_triton`` holds a problem's centroids in registers (``MAX_TILE``)."""
     return triton is not None and triton.next_power_of_2(centroids) * triton.next_power_of_2(dims) <= MAX_TILE
@@ -67,7 +78,7 @@ def train_triton(keys: Tensor, positions: Tensor, chosen: Tensor, dims: int, cou
             DIMS=dims,
             BLOCK_C=block_c,
             BLOCK_DIMS=block_dims,
-            BLOCK_N=max(16, TRAIN_ELEMENTS // (block_c * block_dims)),
+            BLOCK_N=train_points(count, dims),
         )
     return centroids
 
@@ -82,7 +93,7 @@ def encode_triton(keys: Tensor, centroids: Tensor, packed: bool) -> Tensor:
     block_m, block_c, block_dims = blocks(M, C, dims)
     W = (M + 1) // 2 if packed else M
     codes = torch.empty(B, Hkv, N, W, dtype=torch.uint8, device=keys.device)
-    block_k = max(1, ENCODE_ROWS // block_m)
+    block_k = encode_keys(M)
     if codes.numel():
         _pq_encode[(B * Hkv, triton.cdiv(N, block_k))](
             keys,
