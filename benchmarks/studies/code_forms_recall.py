@@ -55,19 +55,27 @@ def rope_order(D: int) -> torch.Tensor:
     return torch.stack((torch.arange(D // 2), torch.arange(D // 2) + D // 2), -1).flatten()
 
 
-def learnt(keys: torch.Tensor, region: torch.Tensor, dims: int, count: int, rope: bool = False) -> torch.Tensor:
+def learnt(
+    keys: torch.Tensor,
+    region: torch.Tensor,
+    dims: int,
+    count: int,
+    rope: bool = False,
+    iterations: int = ITERATIONS,
+    train: int = TRAIN,
+) -> torch.Tensor:
     """keys ``[H, n, D]`` → each key rebuilt from its code: the nearest of ``count`` centroids per ``dims`` dimensions,
-    learnt from up to TRAIN keys of ``region`` as PQS learns them (evenly spaced keys, ranks for a start, Lloyd);
-    ``rope``: the sub-spaces take the dimensions in ``rope_order`` (PQS takes neighbours)."""
+    learnt from up to ``train`` keys of ``region`` as PQS learns them (evenly spaced keys, ranks for a start,
+    ``iterations`` of Lloyd); ``rope``: the sub-spaces take the dimensions in ``rope_order`` (PQS takes neighbours)."""
     if rope:
         order = rope_order(keys.shape[-1])
-        rebuilt = learnt(keys[..., order], region, dims, count)
+        rebuilt = learnt(keys[..., order], region, dims, count, iterations=iterations, train=train)
         return rebuilt[..., torch.argsort(order)]
     H, n, D = keys.shape
-    positions, chosen = training_positions(region[None], TRAIN)
+    positions, chosen = training_positions(region[None], train)
     points = keys[:, positions[0]].reshape(H, -1, D // dims, dims).transpose(1, 2).reshape(H * D // dims, -1, dims)
     weight = chosen.float().expand(points.shape[0], -1)
-    _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), ITERATIONS)
+    _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), iterations)
     parts = keys.reshape(H, n, D // dims, dims).transpose(1, 2).reshape(H * D // dims, n, dims)
     codes = torch.cdist(parts, centroids).argmin(-1)  # [P, n]
     rebuilt = centroids.gather(1, codes[..., None].expand(-1, -1, dims))
