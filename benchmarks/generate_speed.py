@@ -245,7 +245,7 @@ def parse_variant(text: str) -> Variant:
     spec = oa.load_spec(path).model_dump(mode="json")
     spec["gqa"] = gqa or spec["gqa"]
     try:
-        oa.build(spec)
+        spec = oa.build(spec).resolved_spec()  # recorded with every component's params, defaults included
     except oa.SpecError as error:
         raise ValueError(f"{file}: {error}") from None
     return Variant(file, spec["gqa"], spec)

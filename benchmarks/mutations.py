@@ -800,6 +800,13 @@ MUTATIONS = [
         SPEC_TESTS,
         "a negative local window is accepted and runs",
     ),
+    mutation(
+        "resolved-spec-keeps-given-params-only",
+        "oa_core/pipeline.py",
+        [('data[kind]["params"] = getattr(self, kind).config.model_dump(mode="json")', "pass")],
+        ("tests/test_spec.py", "tests/test_eval_runner.py"),
+        "a record's spec names only the params it was given: after a default changes it reads as the new default",
+    ),
     # -- the pipeline --------------------------------------------------------------------------------------------------
     mutation(
         "pipeline-budget-ignores-fixed-rows",

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "sink": SPARSE["sink"],
         "local": SPARSE["local"],
         "recall_layers": layers,
-        "specs": {name: oa.load_spec(spec).model_dump(mode="json") for name, spec in specs.items()},
+        "specs": {name: oa.build(spec).resolved_spec() for name, spec in specs.items()},
         "scoring_bytes_per_key": {name: oa.build(spec).scoring_bytes(size) for name, spec in sparse.items()},
         "lengths": {},
     }

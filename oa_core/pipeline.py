@@ -173,6 +173,15 @@ class Pipeline:
             f"gqa={s.gqa})"
         )
 
+    def resolved_spec(self) -> dict:
+        """The spec as it runs, as a mapping for a record: every component's params in full, its defaults included
+        (the spec itself keeps only the params it was given), so that a record still says what ran after a default
+        changes. ``auto``'s kernel stays ``auto`` (which one runs depends on the device)."""
+        data = self.spec.model_dump(mode="json")
+        for kind in ("clusterer", "selector", "allocator"):
+            data[kind]["params"] = getattr(self, kind).config.model_dump(mode="json")
+        return data
+
     def scoring_bytes(self, head_dim: int) -> dict:
         """What choosing the rows reads per key of the context, in bytes, where keys and values are bf16 (a dense
         row: 2·D·2 bytes): ``codes``, the selector's codes or bounds (``Selector.scoring_bytes``; None: not stated),

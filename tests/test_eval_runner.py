@@ -85,6 +85,9 @@ def test_every_cell_runs_once_with_the_dense_reference(uninterrupted):
     for r in sparse:
         assert r["measured_density"] < 1.0  # really sparse
         assert r["resolved_spec"]["budget"]["density"] == r["density"] and r["resolved_spec"]["local"] == 16
+        ran = oa.build(r["resolved_spec"])
+        for kind in ("clusterer", "selector", "allocator"):  # every param, defaults too: a later default cannot relabel
+            assert set(r["resolved_spec"][kind]["params"]) == set(type(getattr(ran, kind).config).model_fields)
         assert r["model"] and r["versions"]["openattention"] and r["setup"] == "B" and r["seed"] == 0
         assert r["device"] == "cpu" and r["prefill_peak_gib"] is r["peak_gib"] is None  # (a GPU's peaks)
         assert set(r["provenance"]) == {"commit", "dirty", "machine"} and r["provenance"]["machine"]  # what ran it

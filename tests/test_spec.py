@@ -26,6 +26,20 @@ def test_dict_yaml_and_model_are_equivalent(tmp_path):
     assert from_dict.selector.name == "oracle"
 
 
+def test_the_resolved_spec_names_every_param_and_builds_the_same_pipeline():
+    given = {"clusterer": {"name": "qgc", "num_clusters": 8}, "selector": {"name": "pq", "train": 512}}
+    pipe = oa.build(given)
+    resolved = pipe.resolved_spec()
+    assert pipe.spec.selector.params == {"train": 512}  # the spec keeps what it was given ...
+    for kind in ("clusterer", "selector", "allocator"):  # ... the record every param, defaults included
+        config = getattr(pipe, kind).config
+        assert resolved[kind] == {"name": getattr(pipe, kind).name, "params": config.model_dump(mode="json")}
+        assert set(resolved[kind]["params"]) == set(type(config).model_fields)
+    assert resolved["selector"]["params"]["train"] == 512 and resolved["clusterer"]["params"]["num_clusters"] == 8
+    again = oa.build(resolved)
+    assert again.resolved_spec() == resolved and repr(again) == repr(pipe)
+
+
 def test_defaults_are_the_default_spec():
     pipe = oa.build({})
     assert (pipe.clusterer.name, pipe.selector.name, pipe.allocator.name) == ("qgc", "pq", "errorgate")

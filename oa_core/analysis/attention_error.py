@@ -123,9 +123,10 @@ def measure(
                 error, stats, pipe, extra_values = attend_case(
                     {"budget": {"density": density}, **spec}, case, seed, diagnostics
                 )
-                specs.setdefault(
-                    method, pipe.spec.model_dump(mode="json", exclude=set() if "budget" in spec else {"budget"})
-                )
+                resolved = pipe.resolved_spec()
+                if "budget" not in spec:
+                    resolved.pop("budget")
+                specs.setdefault(method, resolved)
                 errors[density][method][layer] = error
                 for name, value in extra_values.items():
                     extra[density][method].setdefault(name, []).append(value)

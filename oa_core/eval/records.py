@@ -39,7 +39,8 @@ Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
 @dataclass
 class Record:
     """The fields every record has. ``density``: the spec's target (None for the dense reference); ``sample``: the
-    sample's index (attention-error: the layer); ``resolved_spec``: the spec as it ran (budget, sink, local, ...);
+    sample's index (attention-error: the layer); ``resolved_spec``: the spec as it ran (budget, sink, local, ...,
+    every component's params, defaults included: ``Pipeline.resolved_spec``; older records name only those given);
     ``model``, ``head_dim`` (its attention head's size D), ``setup``, ``seed``, ``metric``, ``versions``: the run's;
     ``provenance``: the run's commit and machine (``oa_core.analysis.provenance``; None in older records)."""
 

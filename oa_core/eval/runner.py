@@ -328,7 +328,7 @@ def _run_cells(
                 new, seconds, density, logprobs = answered
                 name, target, *_ = key
                 peak = peak_gib(device)
-                resolved = oa.load_spec(spec).model_dump(mode="json")
+                resolved = oa.build(spec).resolved_spec()
                 for row, (index, sample) in enumerate(zip(indices, batch)):
                     if index not in missing:
                         continue
@@ -438,7 +438,7 @@ def _run_error_cells(
                         score=error.mean().item(),
                         answer_logprob=None,
                         measured_density=stats.density,
-                        resolved_spec=pipe.spec.model_dump(mode="json"),
+                        resolved_spec=pipe.resolved_spec(),
                         **meta,
                         p90_error=error.quantile(0.9).item(),
                         decode_queries=case.queries.shape[2],
