@@ -187,8 +187,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "member = (first[:, None] == offs_c[None, :]) & (weight > 0)[:, None]",
-                "member = first[:, None] == offs_c[None, :]",
+                "member = (code == j) & (weight > 0)",
+                "member = code == j",
             )
         ],
         PQ_GPU_TESTS,
@@ -197,7 +197,7 @@ MUTATIONS = [
     mutation(
         "pq-gpu-train-starts-at-the-first-keys",
         "plugins/selectors/pq_programs.py",
-        [("rank = tl.minimum((offs_c * available) // C,", "rank = tl.minimum(offs_c,")],
+        [("rank = tl.minimum((j * available) // C,", "rank = tl.minimum(j,")],
         PQ_GPU_TESTS,
         "the GPU's k-means starts from the first C training keys, not keys spread over the context",
     ),
@@ -213,8 +213,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "cent = tl.where(count[:, None] > 0, tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None], cent)",
-                "cent = tl.sum(sums, axis=0) / tl.maximum(count, 1.0)[:, None]",
+                "tl.where(count > 0, sums / tl.maximum(count, 1.0), kept)",
+                "sums / tl.maximum(count, 1.0)",
             )
         ],
         PQ_GPU_TESTS,
@@ -223,7 +223,7 @@ MUTATIONS = [
     mutation(
         "pq-gpu-encode-swaps-sub-spaces",
         "plugins/selectors/pq_programs.py",
-        [("sub[:, None] * DIMS + offs_e[None, :]", "(sub[:, None] ^ 1) * DIMS + offs_e[None, :]")],
+        [("sub = offs_m[:, None] * DIMS + offs_e[None, :]", "sub = (offs_m[:, None] ^ 1) * DIMS + offs_e[None, :]")],
         PQ_GPU_TESTS,
         "the GPU's encoding codes each sub-space from its neighbour's coordinates",
     ),
@@ -378,7 +378,7 @@ MUTATIONS = [
     mutation(
         "nearest-kernel-last-of-equals",
         "oa_core/ops/kmeans.py",
-        [("better = low < best", "better = low <= best")],
+        [("better = distance < best", "better = distance <= best")],
         KMEANS_TESTS,
         "the Triton nearest centroid takes the last of equal centroids across tiles",
     ),
@@ -955,7 +955,7 @@ MUTATIONS = [
     mutation(
         "fused-pq-code-last-of-equals-across-tiles",
         "plugins/selectors/pq_programs.py",
-        [("better = low < best", "better = low <= best")],
+        [("better = distance < best", "better = distance <= best")],
         ("tests/test_flash_step.py::test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles",),
         "the new row's PQS code takes a later tile's equal centroid, where encode takes the first",
     ),
@@ -964,8 +964,8 @@ MUTATIONS = [
         "plugins/selectors/pq_programs.py",
         [
             (
-                "distance = tl.sum(centre * centre, axis=2) - 2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
-                "distance = -2.0 * tl.sum(k[:, None, :] * centre, axis=2)",
+                "distance = tl.sum(centre * centre, axis=1)[None, :] - 2.0 * tl.sum(x * centre[None, :, :], axis=2)",
+                "distance = -2.0 * tl.sum(x * centre[None, :, :], axis=2)",
             )
         ],
         FUSED_TESTS + PQ_GPU_TESTS,

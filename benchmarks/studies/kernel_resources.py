@@ -225,26 +225,26 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
 
 
 def pq_prepare_rows(dim: int, first: bool) -> list[dict]:
-    """PQS's prepare at its default (16 centroids a pair of dimensions, bf16 keys): the encoding at ``dim``, and the
-    k-means, which no head dim changes (a program reads its sub-space's two coordinates), with the first."""
+    """PQS's prepare at its default (16 centroids a pair of dimensions, 4096 training keys, bf16 keys): the encoding
+    at ``dim``, and the k-means, which no head dim changes (a program reads its sub-space's two coordinates), with the
+    first."""
     from oa_plugins.selectors import pq_programs
 
     M = dim // 2
-    block_m, block_c, block_dims = pq_programs.blocks(M, 16, 2)
+    block_m, block_dims = pq_programs.blocks(M, 2)
     strides = dict(sk_b="i64", sk_h="i64", sk_n="i64")
-    encode = dict(M=M, C=16, DIMS=2, W=M // 2, PACKED=True, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_DIMS=block_dims)
-    encode["BLOCK_K"] = pq_programs.encode_keys(M)
+    encode = dict(M=M, DIMS=2, W=M // 2, PACKED=True, BLOCK_K=pq_programs.encode_keys(M), BLOCK_M=block_m)
+    encode["BLOCK_DIMS"] = block_dims
     launches = [
-        ("pq_programs._pq_encode", pq_programs._pq_encode, dict(KEYS="*bf16", CENT="*fp32", CODES="*u8"), encode)
+        ("pq_programs._pq_encode", pq_programs._pq_encode, dict(KEYS="*bf16", CENT="*fp32", CODES="*u8"), encode, 4)
     ]
     if first:
-        train = dict(DIMS=2, BLOCK_C=block_c, BLOCK_DIMS=block_dims)
-        train["BLOCK_N"] = pq_programs.train_points(16, 2)
+        train = dict(DIMS=2, BLOCK_DIMS=block_dims, BLOCK_N=4096)
         pointers = dict(KEYS="*bf16", POS="*i64", CHOSEN="*i8", CENT="*fp32")
-        launches.append(("pq_programs._pq_train", pq_programs._pq_train, pointers, train))
+        launches.append(("pq_programs._pq_train", pq_programs._pq_train, pointers, train, pq_programs.TRAIN_WARPS))
     return [
-        {"kernel": name, "dim": dim, **_compile(fn, {**strides, **types}, constants, num_warps=4)}
-        for name, fn, types, constants in launches
+        {"kernel": name, "dim": dim, **_compile(fn, {**strides, **types}, constants, num_warps=warps)}
+        for name, fn, types, constants, warps in launches
     ]
 
 

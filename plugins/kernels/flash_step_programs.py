@@ -106,7 +106,7 @@ if triton is not None:
         sub = offs_m[:, None] * DIMS + offs_e[None, :]  # [sub-space, dimension in it] → the head's dimension
         sub_ok = m_ok[:, None] & (offs_e[None, :] < DIMS)
         k = tl.load(K + b * sk_b + h * sk_h + newest * sk_n + sub, mask=sub_ok, other=0.0).to(tl.float32)
-        code = nearest_code(k, CENT + head * M * C * DIMS, offs_m, m_ok, C, DIMS, BLOCK_M, BLOCK_C, BLOCK_DIMS)
+        code = nearest_code(k[None, :, :], CENT + head * M * C * DIMS, offs_m, m_ok, C, DIMS, BLOCK_DIMS)
         row = tl.zeros([1], tl.int64) + newest
         store_codes(CODES + head * CAP * W, code, row, row >= 0, W, M, PACKED, 1, BLOCK_M)
         for c0 in range(0, C, BLOCK_C):

@@ -169,7 +169,7 @@ class ProductQuantisedSelector(ExactRerank, Selector):
             raise ValueError(f"selector 'pq': dims {dims} does not divide the head dim {D}; pick a divisor of {D}")
         count = 2**self.config.bits
         positions, chosen = training_positions(clusters.assignment[:, 0] < clusters.num_clusters, self.config.train)
-        learn = train_triton if on_gpu(keys) and fits(count, dims) else learn_centroids
+        learn = train_triton if on_gpu(keys) and fits(positions.shape[-1], dims) else learn_centroids
         centroids = learn(keys, positions, chosen, dims, count, self.config.iterations)
         return PQSIndex(centroids, encode(keys, centroids))
 
