@@ -378,7 +378,7 @@ MUTATIONS = [
     mutation(
         "nearest-kernel-last-of-equals",
         "oa_core/ops/kmeans.py",
-        [("better = distance < best", "better = distance <= best")],
+        [("better = low < best", "better = low <= best")],
         KMEANS_TESTS,
         "the Triton nearest centroid takes the last of equal centroids across tiles",
     ),
