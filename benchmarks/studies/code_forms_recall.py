@@ -40,8 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from oa_core.analysis import needle  # noqa: E402
 from oa_core.analysis.offline_model import capture_attention, head_dim, load_offline_model, model_label  # noqa: E402
 from oa_core.analysis.provenance import provenance  # noqa: E402
-from oa_core.ops.kmeans import lloyd_iterations  # noqa: E402
-from oa_plugins.selectors.pq import initial_centroids, training_positions  # noqa: E402
+from oa_plugins.selectors.pq import learn_centroids, training_positions  # noqa: E402
 from retrieval import SPARSE, full_attention_layers  # noqa: E402
 
 SHORTLIST = 4  # the shortlist: PQS's default re-rank, in multiples of the selectable budget
@@ -73,9 +72,8 @@ def learnt(
         return rebuilt[..., torch.argsort(order)]
     H, n, D = keys.shape
     positions, chosen = training_positions(region[None], train)
-    points = keys[:, positions[0]].reshape(H, -1, D // dims, dims).transpose(1, 2).reshape(H * D // dims, -1, dims)
-    weight = chosen.float().expand(points.shape[0], -1)
-    _, centroids = lloyd_iterations(points, weight, initial_centroids(points, weight, count), iterations)
+    centroids = learn_centroids(keys[None], positions, chosen, dims, count, iterations)  # PQS's own k-means
+    centroids = centroids.reshape(H * D // dims, count, dims)
     parts = keys.reshape(H, n, D // dims, dims).transpose(1, 2).reshape(H * D // dims, n, dims)
     codes = torch.cdist(parts, centroids).argmin(-1)  # [P, n]
     rebuilt = centroids.gather(1, codes[..., None].expand(-1, -1, dims))
