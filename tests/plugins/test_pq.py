@@ -167,6 +167,25 @@ def test_the_gpu_prepare_learns_and_codes_every_key_as_the_torch_code(dims, bits
     assert torch.equal(pq.encode(keys[:, :, 5:6], index.centroids), expected.codes[:, :, 5:6])  # one new key
 
 
+def test_more_training_keys_than_a_gpu_program_holds_take_the_shared_kernels(monkeypatch):
+    """``pq_programs.train_triton`` keeps a problem's training points in registers, at most MAX_POINTS coordinates:
+    it refuses more by name, and ``build`` sends such a ``train`` to the torch path's k-means instead."""
+    pytest.importorskip("triton")
+    from oa_plugins.selectors import pq, pq_programs
+
+    n = pq_programs.MAX_POINTS  # × 2 dimensions: twice what a program holds
+    keys = torch.randn(1, 1, n + 80, 4, generator=torch.Generator().manual_seed(3))
+    clusters = Clusters(torch.zeros(1, 1, n + 80, dtype=torch.long), 4)
+    positions, chosen = training_positions(clusters.assignment[:, 0] < 4, n)
+    with pytest.raises(ValueError, match=rf"train_triton: {n} training points of 2 dimensions past MAX_POINTS"):
+        pq_programs.train_triton(keys, positions, chosen, 2, 16, 1)
+    selector = ProductQuantisedSelector(PQSConfig(iterations=1, train=n))
+    expected = selector.build(keys, None, clusters)
+    monkeypatch.setattr(pq, "on_gpu", lambda tensor: True)  # the GPU's choice; the codes by encode_triton
+    index = selector.build(keys, None, clusters)
+    assert torch.equal(index.centroids, expected.centroids) and torch.equal(index.codes, expected.codes)
+
+
 def test_the_centroids_learn_from_at_most_train_keys_spread_over_the_region():
     region = torch.zeros(2, 1000, dtype=torch.bool)
     region[0, 4:980] = True
