@@ -431,17 +431,22 @@ def run_key(run: dict) -> tuple:
 def combine(saved: list[dict]) -> dict:
     """Saved runs of separate processes → one result: their runs in order (a run saved twice keeps the later one),
     the summary derived again; where they were made at different commits, each configuration's provenance (its last
-    saved) is kept. ValueError where they come from different kinds of device."""
+    saved; a saved combination's own for each of its configurations) is kept. ValueError where they come from different kinds of device."""
     devices = {s["machine"]["device"] for s in saved}
     if len(devices) > 1:
         raise ValueError(f"runs from different devices cannot be compared in one table: {sorted(devices)}")
     measured = [r for s in saved for r in s["runs"] if r["method"] != "dense-fastest"]  # derived again below
     last = {run_key(r): r for r in measured}
     runs = [r for r in measured if last[run_key(r)] is r]
-    config_of = {(r["batch"], r["context"]): s for s in saved for r in s["runs"]}
+    by_config = {  # a saved combination keeps each configuration's own provenance
+        f"{r['batch']}x{r['context']}": s.get("provenance_by_config", {}).get(
+            f"{r['batch']}x{r['context']}", s["provenance"]
+        )
+        for s in saved
+        for r in s["runs"]
+    }
     variants = {name: spec for s in saved for name, spec in s["machine"].get("variants", {}).items()}
     result = {**summary({**saved[-1]["machine"], "variants": variants}, runs), "provenance": saved[-1]["provenance"]}
-    by_config = {f"{b}x{n}": s["provenance"] for (b, n), s in config_of.items()}
     if len({json.dumps(p, sort_keys=True) for p in by_config.values()}) > 1:
         result["provenance_by_config"] = by_config
     return result

@@ -101,6 +101,13 @@ def test_runs_of_separate_processes_combine():
     assert fastest == {2: 8.0, 16: 4.0}
     assert out["provenance_by_config"] == {"16x16384": {"commit": "b"}, "2x16384": {"commit": "a"}}
     assert "provenance_by_config" not in bench.combine([first, second])
+    # A saved combination combined again keeps each of its configurations' own provenance, not its last one's.
+    later = saved("gpu", "c", run("dense-engine", 3.0, batch=4))
+    assert bench.combine([out, later])["provenance_by_config"] == {
+        "16x16384": {"commit": "b"},
+        "2x16384": {"commit": "a"},
+        "4x16384": {"commit": "c"},
+    }
     with pytest.raises(ValueError, match="different devices"):
         bench.combine([first, saved("cpu", "a", run("dense-engine", 5.0))])
 
