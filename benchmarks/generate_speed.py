@@ -431,7 +431,8 @@ def run_key(run: dict) -> tuple:
 def combine(saved: list[dict]) -> dict:
     """Saved runs of separate processes → one result: their runs in order (a run saved twice keeps the later one),
     the summary derived again; where they were made at different commits, each configuration's provenance (its last
-    saved; a saved combination's own for each of its configurations) is kept. ValueError where they come from different kinds of device."""
+    saved; a saved combination's own for each of its configurations) is kept. ValueError where they come from
+    different kinds of device."""
     devices = {s["machine"]["device"] for s in saved}
     if len(devices) > 1:
         raise ValueError(f"runs from different devices cannot be compared in one table: {sorted(devices)}")
