@@ -1,12 +1,13 @@
 r"""Prepare on the GPU: where one layer's prepare goes, against the layer's dense prefill attention.
 
-Shapes of Llama-3.1-8B (32 query / 8 KV heads, head dim 128, bf16), the default pipeline (QGC 64 clusters at rank
-16, QGS rank 16, 1%), batch × context. Per configuration, each stage timed on its own (device synchronised around
-it, median of ``--repeats``), in the order prepare runs them:
+Shapes of Llama-3.1-8B (32 query / 8 KV heads, head dim 128, bf16), the library's default components at 1%, GQA
+shared (``SPEC``; the record's ``spec`` names every param as it ran), batch × context. Per configuration, each stage
+timed on its own (device synchronised around it, median of ``--repeats``), in the order prepare runs them:
 
 - ``geometry``: the query second moment and its top-16 eigenpairs (``oa_core.ops.geometry.query_geometry``);
 - ``cluster``: QGC without the geometry: the projection, k-means++ and Lloyd (``lloyd``);
-- ``index``: QGS's int8 codes; ``pool``: the clusters' pooled sums (``PipelineState.start_clusters``);
+- ``index``: the selector's index (PQS's centroids and codes; QGS's int8 codes when it was the default);
+- ``pool``: the clusters' pooled sums (``PipelineState.start_clusters``);
 - ``static``: the state moved into the fast path's buffers (``StaticState.from_state``), as the static cache does;
 - ``prepare``: ``Pipeline.prepare`` end to end, and ``prepare + static`` as the static cache pays it per layer;
 - ``dense_prefill_attention``: the layer's causal SDPA over the prompt (the model's prefill also runs the
@@ -44,9 +45,12 @@ import torch
 
 import headline_scripts  # noqa: F401 (benchmarks/ on the path: the headline scripts import)
 import oa_core as oa
+from oa_core.analysis.provenance import provenance
 from oa_core.ops import geometry
 from oa_core.state import PipelineState
 from oa_core.static import StaticState
+
+SPEC = {"kernel": "flash", "gqa": "shared", "budget": {"density": 0.01}}  # the default components otherwise
 
 HQ, HKV, D = 32, 8, 128
 
@@ -180,7 +184,7 @@ def layer_stages(pipe, inputs: tuple, repeats: int) -> dict:
 
 def run_config(batch: int, context: int, repeats: int, data: str) -> dict:
     device = torch.device("cuda")
-    pipe = oa.build({"kernel": "flash", "gqa": "shared", "budget": {"density": 0.01}})
+    pipe = oa.build(SPEC)
     row = {"batch": batch, "context": context}
     if data == "model":
         layers, row["model_prefill_per_layer_ms"] = model_inputs(batch, context, device, repeats)
@@ -217,7 +221,7 @@ def main(argv=None) -> int:
     record = {
         "benchmark": "prepare_speed",
         "shapes": {"query_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16"},
-        "spec": "default (qgc 64 clusters rank 16, qgs rank 16), density 0.01, gqa shared",
+        "spec": oa.build(SPEC).resolved_spec(),
         "data": "random bf16 keys/values/prefill queries (seed 0)"
         if args.data == "random"
         else "each layer's prepare inputs from the prefill of a 4-layer Llama-3.1-8B-shaped model with random bf16 "
@@ -230,6 +234,7 @@ def main(argv=None) -> int:
             "openattention": oa.__version__,
         },
         "runs": [],
+        "provenance": provenance(torch.device("cuda")),
     }
     for config in args.configs:
         batch, context = (int(x) for x in config.lower().split("x"))
