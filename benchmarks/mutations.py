@@ -886,6 +886,13 @@ MUTATIONS = [
         "the local window the step reads lags one token behind",
     ),
     mutation(
+        "static-cache-check-ignores-capacity",
+        "oa_core/static.py",
+        [("if tuple(tensor.shape[:3]) != want or", "if tuple(tensor.shape[:2]) != want[:2] or")],
+        STATIC_TESTS,
+        "a cache with fewer slots than the state's capacity is taken, and the kernels read its rows at the wrong place",
+    ),
+    mutation(
         "static-new-row-not-indexed",
         "oa_core/static.py",
         [("getattr(self.index, name).index_copy_(2, newest, codes)", "getattr(self.index, name)")],

@@ -181,12 +181,25 @@ class StaticState:
         the state, then ``query`` ``[B, Hq, 1, D]`` attends → ``[B, Hq, 1, D]``: in the kernel's fused step where it
         has one (``Kernel.static_step``), else ``grow`` then ``attend``, each component in turn."""
         if self.fused is not None:
+            self.check_cache(keys, values)
             return self.fused(self, query, keys, values)
-        self.grow(keys, values)
+        self.grow(keys, values)  # checks the cache
         return self.attend(query, keys, values)
+
+    def check_cache(self, keys: Tensor, values: Tensor) -> None:
+        """A ValueError unless ``keys`` and ``values`` are the cache this state was made for: contiguous ``[B, Hkv,
+        capacity, ·]`` (the kernels address a slot as (batch row · head) · capacity + slot)."""
+        want = tuple(self.assignment.shape)
+        for name, tensor in (("keys", keys), ("values", values)):
+            if tuple(tensor.shape[:3]) != want or not tensor.is_contiguous():
+                raise ValueError(
+                    f"{name}: a contiguous cache of [B, Hkv, capacity, D] = [{', '.join(map(str, want))}, D] rows, "
+                    f"not {tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}"
+                )
 
     def grow(self, keys: Tensor, values: Tensor) -> None:
         """Index the new row; the row leaving the local window joins its nearest cluster (docs/design.md §1)."""
+        self.check_cache(keys, values)
         pipe, C = self.pipeline, self.num_clusters
         B, H, _, D = keys.shape
         newest = (self.length - 1).view(1)

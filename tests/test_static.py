@@ -120,6 +120,7 @@ def test_the_clustered_slots_are_one_range_from_the_sink_to_the_row_leaving_the_
     pipe = oa.build({**SPEC, "kernel": "torch"})
     state = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
     static = StaticState.from_state(state, tokens + steps + room)
+    keys, values = (torch.cat([t, t.new_zeros(*t.shape[:2], room, t.shape[-1])], dim=2) for t in (keys, values))
     positions = torch.arange(static.capacity)
     for step in range(steps + 1):
         n = int(static.length)
@@ -151,6 +152,22 @@ def test_what_the_fast_path_cannot_hold_is_refused_with_the_reason():
         StaticState.from_state(quest.prepare(keys, values, prefill), 120)
     with pytest.raises(ValueError, match="capacity: 90 slots cannot hold the 100 tokens"):
         StaticState.from_state(oa.build(SPEC).prepare(keys, values, prefill), 90)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "flash"])
+def test_a_step_on_a_cache_of_another_shape_is_refused_before_it_reads(kernel):
+    """The kernels address a slot as (batch row · head) · capacity + slot: a cache with fewer slots than the state's
+    capacity, or a strided view of one, would be read at the wrong rows (past its end for the last heads)."""
+    keys, values, prefill, _ = make_inputs(tokens=100)
+    B, H, _, D = keys.shape
+    static = StaticState.from_state(oa.build({**SPEC, "kernel": kernel}).prepare(keys, values, prefill), 120)
+    short = keys.new_zeros(B, H, 110, D)
+    roomy = keys.new_zeros(B, H, 120, D)
+    query = torch.zeros(B, prefill.shape[1], 1, D)
+    with pytest.raises(ValueError, match=rf"keys: a contiguous cache of .* = \[{B}, {H}, 120, D\] rows, not"):
+        static.step(query, short, roomy)
+    with pytest.raises(ValueError, match=r"values: .*\(not contiguous\)"):
+        static.grow(roomy, roomy.transpose(0, 1).contiguous().transpose(0, 1))
 
 
 def test_the_state_lives_in_one_buffer_and_a_copy_of_it_is_a_state_of_its_own():
