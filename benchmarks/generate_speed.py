@@ -440,11 +440,9 @@ def combine(saved: list[dict]) -> dict:
     last = {run_key(r): r for r in measured}
     runs = [r for r in measured if last[run_key(r)] is r]
     by_config = {  # a saved combination keeps each configuration's own provenance
-        f"{r['batch']}x{r['context']}": s.get("provenance_by_config", {}).get(
-            f"{r['batch']}x{r['context']}", s["provenance"]
-        )
+        config: s.get("provenance_by_config", {}).get(config, s["provenance"])
         for s in saved
-        for r in s["runs"]
+        for config in (f"{r['batch']}x{r['context']}" for r in s["runs"])
     }
     variants = {name: spec for s in saved for name, spec in s["machine"].get("variants", {}).items()}
     result = {**summary({**saved[-1]["machine"], "variants": variants}, runs), "provenance": saved[-1]["provenance"]}

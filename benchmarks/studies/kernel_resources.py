@@ -225,10 +225,13 @@ def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:
 
 
 def pq_prepare_rows(dim: int, first: bool) -> list[dict]:
-    """PQS's prepare at its default (16 centroids a pair of dimensions, 4096 training keys, bf16 keys): the encoding
-    at ``dim``, and the k-means, which no head dim changes (a program reads its sub-space's two coordinates), with the
-    first."""
+    """PQS's prepare at its default (16 centroids a pair of dimensions, its default training keys, bf16 keys): the
+    encoding at ``dim``, and the k-means, which no head dim changes (a program reads its sub-space's two coordinates),
+    with the first."""
+    import triton
+
     from oa_plugins.selectors import pq_programs
+    from oa_plugins.selectors.pq import PQSConfig
 
     M = dim // 2
     block_m, block_dims = pq_programs.blocks(M, 2)
@@ -239,7 +242,7 @@ def pq_prepare_rows(dim: int, first: bool) -> list[dict]:
         ("pq_programs._pq_encode", pq_programs._pq_encode, dict(KEYS="*bf16", CENT="*fp32", CODES="*u8"), encode, 4)
     ]
     if first:
-        train = dict(DIMS=2, BLOCK_DIMS=block_dims, BLOCK_N=4096)
+        train = dict(DIMS=2, BLOCK_DIMS=block_dims, BLOCK_N=triton.next_power_of_2(PQSConfig().train))
         pointers = dict(KEYS="*bf16", POS="*i64", CHOSEN="*i8", CENT="*fp32")
         launches.append(("pq_programs._pq_train", pq_programs._pq_train, pointers, train, pq_programs.TRAIN_WARPS))
     return [

@@ -87,10 +87,11 @@ def encode_triton(keys: Tensor, centroids: Tensor, packed: bool) -> Tensor:
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
     block_m, block_dims = blocks(M, dims)
+    block_k = encode_keys(M)
     W = (M + 1) // 2 if packed else M
     codes = torch.empty(B, Hkv, N, W, dtype=torch.uint8, device=keys.device)
     if codes.numel():
-        _pq_encode[(B * Hkv, triton.cdiv(N, encode_keys(M)))](
+        _pq_encode[(B * Hkv, triton.cdiv(N, block_k))](
             keys,
             *keys.stride()[:3],
             centroids.float().contiguous(),
@@ -102,7 +103,7 @@ def encode_triton(keys: Tensor, centroids: Tensor, packed: bool) -> Tensor:
             DIMS=dims,
             W=W,
             PACKED=packed,
-            BLOCK_K=encode_keys(M),
+            BLOCK_K=block_k,
             BLOCK_M=block_m,
             BLOCK_DIMS=block_dims,
         )
