@@ -1276,12 +1276,38 @@ MUTATIONS = [
         "oa_core/integration/runtime.py",
         [
             (
-                'LayerRuntime(module.layer_idx, None if why else build(spec), question="sparse")',
-                'LayerRuntime(module.layer_idx, None if why else build(spec), question="dense")',
+                'LayerRuntime(module.layer_idx, build(spec), question="sparse")',
+                'LayerRuntime(module.layer_idx, build(spec), question="dense")',
             )
         ],
         ("tests/test_integration.py",),
         "attn_implementation='openattention' attends the question densely (setup A) though B is the default",
+    ),
+    mutation(
+        "static-decode-ignores-the-window",
+        "oa_core/integration/runtime.py",
+        [("if static.prefilled and self.keeps_own:", "if static.prefilled and self.eager:")],
+        ("tests/test_sliding_layers.py",),
+        "a static cache decodes a sliding-window layer over every slot (the window forgotten after the prompt)",
+    ),
+    mutation(
+        "own-math-ignored",
+        "oa_core/integration/prefill.py",
+        [
+            (
+                '        return f"dense: {what} ({name}={shown})',
+                '        return None and f"dense: {what} ({name}={shown})',
+            )
+        ],
+        ("tests/test_sliding_layers.py",),
+        "a layer whose attention caps its logits or adds sink logits goes sparse (or through sdpa) without them",
+    ),
+    mutation(
+        "own-math-mask-left-boolean",
+        "oa_core/integration/prefill.py",
+        [("    if attention_mask is not None and attention_mask.dtype == torch.bool:", "    if False:")],
+        ("tests/test_sliding_layers.py",),
+        "the model's eager attention gets sdpa's boolean mask, which it adds to the logits as 0/1",
     ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
     mutation(

@@ -1,8 +1,9 @@
-"""A prompt's dense pass: the model's own attention (sdpa), the valid keys of a padded batch, and the prefill
-queries QGC takes its geometry from."""
+"""A layer's dense attention — sdpa, or the model's own eager attention where its math is more than a softmax over the
+mask —, the valid keys of a padded batch, and the prefill queries QGC takes its geometry from."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,45 @@ def model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kw
     return AttentionInterface()["sdpa"](
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+# The keywords with which a model's attention is more than a softmax over the mask: logit soft-capping (Gemma 2),
+# learned sink logits (gpt-oss: ``s_aux``; ``sinks``), an additive position bias. OpenAttention's pipelines model none
+# of them and torch's sdpa none either: a layer whose attention receives one keeps the model's own eager attention.
+OWN_MATH = {
+    "softcap": "logit soft-capping",
+    "s_aux": "learned sink logits",
+    "sinks": "learned sink logits",
+    "position_bias": "a position bias",
+}
+
+
+def own_math(kwargs: Mapping[str, Any]) -> str | None:
+    """Why a layer whose attention is called with ``kwargs`` keeps the model's own attention (None: its attention is a
+    softmax over the mask, which the pipelines and sdpa compute)."""
+    for name, what in OWN_MATH.items():
+        value = kwargs.get(name)
+        if value is None or (isinstance(value, int | float) and value == 0):  # softcap 0: none (flash's convention)
+            continue
+        shown = f"{value:g}" if isinstance(value, int | float) else "a tensor"
+        return f"dense: {what} ({name}={shown}), which OpenAttention does not model (the model's own eager attention)"
+    return None
+
+
+def model_eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """The model's own eager attention, ``eager_attention_forward`` of the module's modeling file (every transformers
+    decoder has one; it applies the keywords ``OWN_MATH`` names). Its mask is additive: a boolean mask (sdpa's, which
+    the patched model makes) becomes 0 where a key is seen and the dtype's minimum elsewhere."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise TypeError(
+            f"{type(module).__name__}: its attention takes {', '.join(k for k in OWN_MATH if k in kwargs)}, which "
+            "needs the model's own eager attention, and its modeling module has no eager_attention_forward"
+        )
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        low = torch.finfo(query.dtype).min
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill(~attention_mask, low)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _grouped_float32_cuda_prefill(module, query: Tensor, key: Tensor, kwargs: Mapping[str, Any]) -> bool:

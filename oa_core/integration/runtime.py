@@ -5,7 +5,7 @@ An attention function registered under ``"openattention"`` replaces the model's 
 pipeline state beside the cache. transformers hands the attention function the whole cache of a layer, not the cache
 object, so the runtime recognises its request from the keys themselves:
 
-- a call with no past (prefill of a context) runs the model's own ``sdpa`` and records the context: keys, values,
+- a call with no past (prefill of a context) runs sdpa (``LayerRuntime.dense``) and records the context: keys, values,
   the padding mask and the last prefill queries (QGC's query geometry); the pipeline state is prepared from it at
   the first sparse call, once per spec;
 - a call on top of a cache it knows (the live state, or a recorded context, checked by length and by a few key
@@ -14,7 +14,10 @@ object, so the runtime recognises its request from the keys themselves:
   tokens after the first decoded one are sparse);
 - a call on a cache it has not seen prepares from that cache (no prefill queries: QGC falls back to the keys).
 
-Layers in ``dense_layers`` always run the model's own attention; ``layer_specs`` gives a layer its own spec.
+Layers in ``dense_layers`` always run dense; ``layer_specs`` gives a layer its own spec. A layer keeps the model's own
+attention whatever the spec where it attends a sliding window or another local type (``window_reason``), or where its
+attention is called with math the pipelines do not model (``prefill.own_math``: soft-capping, sink logits; then
+through the model's own eager attention), on either cache.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from oa_core.integration.prefill import key_mask, model_sdpa, recorded_queries
+from oa_core.integration.prefill import key_mask, model_eager, model_sdpa, own_math, recorded_queries
 from oa_core.integration.stats import GenerationStats, Span, StepRecord
 from oa_core.pipeline import Pipeline, build
 from oa_core.spec import PipelineSpec, SpecError
@@ -63,18 +66,38 @@ class LayerRuntime:
         self.layer = layer
         self.pipeline = pipeline  # None: this layer stays dense
         self.dense_reason = "dense layer"  # why, where it does (the stats say it)
+        # Why the layer keeps the model's own attention whatever the spec (a window, another local type, math the
+        # pipelines do not model: ``own_math``), None where a spec may make it sparse; eager: that math needs the
+        # model's eager attention (sdpa elsewhere).
+        self.keeps_own: str | None = None
+        self.eager = False
         self.question = question
         self.context: ContextRecord | None = None
         self.live: PipelineState | None = None
         self.static = None  # the static cache layer of this call, set by its update (the fast decode path)
         self.records: list[StepRecord] = []
 
+    def keep_own(self, why: str, eager: bool = False) -> None:
+        """From now on the layer attends with the model's own attention (``why`` says so in the stats)."""
+        self.keeps_own = self.dense_reason = why
+        self.eager = eager
+        self.pipeline = self.live = None
+
+    def dense(self, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+        """The layer's dense attention: the model's own eager attention where its math is its own, else sdpa."""
+        attend = model_eager if self.eager else model_sdpa
+        return attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if not self.eager and (why := own_math(kwargs)) is not None:  # seen at the first call, before any state
+            self.keep_own(why, eager=True)
         static, self.static = self.static, None
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if static is not None:  # a static cache (the fast decode path): the prompt, then one token per step
             from oa_core.integration import static_cache  # here: it loads transformers' cache machinery
 
+            if static.prefilled and self.keeps_own:  # over the cache's slots, in the model's mask (window, padding)
+                return self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if static.prefilled:
                 return static_cache.decode(static, query, key, value, scale)
             return static_cache.prefill(
@@ -83,7 +106,7 @@ class LayerRuntime:
         T, N = query.shape[2], key.shape[2]
         past = N - T
         if self.pipeline is None or past == 0:
-            out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            out, weights = self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if self.pipeline is not None:
                 self._record_context(query, key, value, attention_mask, scale)
             self.log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else self.dense_reason)
@@ -111,7 +134,7 @@ class LayerRuntime:
         dense_question = phase == "question" and self.question == "dense"
         if state.plan().all_dense or dense_question:
             state.grow_to(key, value)
-            out, weights = model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            out, weights = self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             self.live = state
             reason = "dense: question attended densely (setup A)" if dense_question else f"dense: {state.dense_reason}"
             self.log(phase, past, T, dense=True, reason=reason, prepare=prepare, attend=attend.stop())
@@ -224,8 +247,9 @@ def openattention_attention(module, query, key, value, attention_mask, scaling=N
     if runtime is None:  # the attn_implementation= route: the spec from config.openattention, or the defaults
         spec = getattr(module.config, "openattention", None)
         why = window_reason(module)
-        runtime = _RUNTIMES[module] = LayerRuntime(module.layer_idx, None if why else build(spec), question="sparse")
-        runtime.dense_reason = why or runtime.dense_reason
+        runtime = _RUNTIMES[module] = LayerRuntime(module.layer_idx, build(spec), question="sparse")
+        if why:
+            runtime.keep_own(why)
     return runtime(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
@@ -277,9 +301,9 @@ class OpenAttentionHandle:
             self._check_layer(layer)
         self.runtimes = {module.layer_idx: LayerRuntime(module.layer_idx, None, question) for module in attention}
         # Layers that attend a sliding window keep the model's own attention: only full-attention layers go sparse.
-        self.windowed = {module.layer_idx: why for module in attention if (why := window_reason(module))}
-        for layer, why in self.windowed.items():
-            self.runtimes[layer].dense_reason = why
+        for module in attention:
+            if why := window_reason(module):
+                self.runtimes[module.layer_idx].keep_own(why)
         self.use(spec, layer_specs)  # validates the specs before anything is registered
         for module in attention:
             _RUNTIMES[module] = self.runtimes[module.layer_idx]
@@ -300,7 +324,7 @@ class OpenAttentionHandle:
         default = build(spec)
         pipelines = {layer: build(s) for layer, s in layer_specs.items()}
         for layer, runtime in self.runtimes.items():
-            dense = layer in self.dense_layers or layer in self.windowed
+            dense = layer in self.dense_layers or runtime.keeps_own is not None
             runtime.pipeline = None if dense else pipelines.get(layer, default)
             runtime.live = None
             if runtime.context is not None:  # states prepared for the old pipelines are never read again

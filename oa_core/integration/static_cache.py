@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, StaticLayer
 
-from oa_core.integration.prefill import key_mask, model_sdpa, recorded_queries
+from oa_core.integration.prefill import key_mask, recorded_queries
 from oa_core.integration.stats import Span
 from oa_core.ops.dense_decode import dense_decode
 from oa_core.static import StaticState, StaticUnsupported, unsupported
@@ -150,8 +150,9 @@ def prefill(
     layer.prefilled = True
     if attention_mask is not None:  # a reused cache's mask spans its capacity
         attention_mask = attention_mask[..., :n]
-    out, weights = model_sdpa(module, query, key[:, :, :n], value[:, :, :n], attention_mask, scaling, dropout, **kwargs)
-    mask = key_mask(attention_mask, key[:, :, :n])
+    key, value = key[:, :, :n], value[:, :, :n]
+    out, weights = runtime.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    mask = key_mask(attention_mask, key)
     layer.start = (~mask).sum(-1)
     torch._dynamo.mark_static_address(layer.start)
     if runtime.pipeline is None:
@@ -160,9 +161,7 @@ def prefill(
         return out, weights
     prepare = Span(key)
     try:
-        state = runtime.pipeline.prepare(
-            key[:, :, :n], value[:, :, :n], recorded_queries(query, mask), scale, mask=mask
-        )
+        state = runtime.pipeline.prepare(key, value, recorded_queries(query, mask), scale, mask=mask)
         layer.state = StaticState.from_state(state, layer.max_cache_len, layer.cumulative_length)
         layer.state.key = next(_KEYS)  # a new key per state: a compiled step never reaches a state it was not made for
         _STATES[layer.state.key] = layer.state
@@ -188,8 +187,9 @@ def prefill(
 
 
 def decode(layer: OALayer, query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, None]:
-    """One decode token per row: ``oa::static_step``, or — where the layer reads every row (a dense layer, or a
-    budget that covers the context) — ``oa::dense_step`` over the valid slots."""
+    """One decode token per row: ``oa::static_step``, or — where the layer reads every row (a layer of
+    ``dense_layers``, or a budget that covers the context) — ``oa::dense_step`` over the valid slots. (A layer that
+    keeps the model's own attention — a window, math of its own — attends through it: ``LayerRuntime.__call__``.)"""
     if layer.state is None:
         out = torch.ops.oa.dense_step(query, key, value, layer.cumulative_length, layer.start, scale)
     else:
