@@ -1309,6 +1309,34 @@ MUTATIONS = [
         ("tests/test_sliding_layers.py",),
         "the model's eager attention gets sdpa's boolean mask, which it adds to the logits as 0/1",
     ),
+    mutation(
+        "patch-needs-kv-groups",
+        "oa_core/integration/runtime.py",
+        [('        hasattr(module, "layer_idx")\n', '        hasattr(module, "num_key_value_groups")\n')],
+        ("tests/test_other_decoders.py",),
+        "only attention with num_key_value_groups is patched: GPT-2, GPT-NeoX and OPT are refused",
+    ),
+    mutation(
+        "latent-attention-made-sparse",
+        "oa_core/integration/runtime.py",
+        [("elif self.keeps_own is None and key.shape[-1] != value.shape[-1]:", "elif False:")],
+        ("tests/test_other_decoders.py",),
+        "a layer whose values are narrower than its keys (DeepSeek's latent attention) is given to a pipeline",
+    ),
+    mutation(
+        "route-takes-encoder-attention",
+        "oa_core/integration/runtime.py",
+        [("if runtime is None and not is_causal_self_attention(module):", "if False:")],
+        ("tests/test_integration.py",),
+        "the attn_implementation= route makes a runtime for a vision tower's bidirectional attention",
+    ),
+    mutation(
+        "mask-bias-ignored",
+        "oa_core/integration/prefill.py",
+        [("if attention_mask is not None and attention_mask.is_floating_point():", "if False:")],
+        ("tests/test_other_decoders.py",),
+        "a float mask carrying ALiBi's bias is read as validity only, and the layer goes sparse without the bias",
+    ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
     mutation(
         "flash-blocks-ignore-the-head-dim",

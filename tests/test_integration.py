@@ -381,8 +381,19 @@ def test_a_cache_of_the_live_states_length_but_other_rows_is_not_continued():
 
 
 def test_patching_a_model_without_attention_layers_is_refused():
-    with pytest.raises(TypeError, match="Linear: no attention layers with layer_idx found"):
+    with pytest.raises(TypeError, match="Linear: no causal self-attention layers found"):
         oa.patch(torch.nn.Linear(2, 2))
+
+
+def test_an_encoders_attention_on_the_route_is_sdpa_and_gets_no_runtime():
+    from transformers import SiglipVisionConfig
+    from transformers.models.siglip.modeling_siglip import SiglipAttention
+
+    module = SiglipAttention(SiglipVisionConfig(hidden_size=32, num_attention_heads=2))  # a vision tower's
+    query, key, value = torch.randn(3, 1, 2, 10, 16).unbind(0)
+    out, _ = oa.integration.runtime.openattention_attention(module, query, key, value, None, scaling=module.scale)
+    expected, _ = oa.integration.prefill.model_sdpa(module, query, key, value, None, module.scale, 0.0)
+    assert torch.equal(out, expected) and module not in oa.integration.runtime._RUNTIMES
 
 
 def test_an_invalid_spec_leaves_the_model_unpatched():

@@ -55,15 +55,23 @@ OWN_MATH = {
 }
 
 
-def own_math(kwargs: Mapping[str, Any]) -> str | None:
-    """Why a layer whose attention is called with ``kwargs`` keeps the model's own attention (None: its attention is a
-    softmax over the mask, which the pipelines and sdpa compute)."""
+def own_math(kwargs: Mapping[str, Any], attention_mask: Tensor | None = None) -> str | None:
+    """Why a layer whose attention is called with ``kwargs`` and ``attention_mask`` keeps the model's own attention
+    (None: its attention is a softmax over the mask, which the pipelines and sdpa compute). A float mask with other
+    values than 0 on the keys it lets through carries a bias (Falcon's ALiBi adds its own to the mask)."""
     for name, what in OWN_MATH.items():
         value = kwargs.get(name)
         if value is None or (isinstance(value, int | float) and value == 0):  # softcap 0: none (flash's convention)
             continue
         shown = f"{value:g}" if isinstance(value, int | float) else "a tensor"
         return f"dense: {what} ({name}={shown}), which OpenAttention does not model (the model's own eager attention)"
+    if attention_mask is not None and attention_mask.is_floating_point():
+        seen = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        if bool(attention_mask.masked_fill(~seen, 0).any()):
+            return (
+                "dense: a bias in the attention mask (as ALiBi adds), which OpenAttention does not model (the model's "
+                "own eager attention)"
+            )
     return None
 
 

@@ -17,7 +17,7 @@ object, so the runtime recognises its request from the keys themselves:
 Layers in ``dense_layers`` always run dense; ``layer_specs`` gives a layer its own spec. A layer keeps the model's own
 attention whatever the spec where it attends a sliding window or another local type (``window_reason``), or where its
 attention is called with math the pipelines do not model (``prefill.own_math``: soft-capping, sink logits; then
-through the model's own eager attention), on either cache.
+through the model's own eager attention) or with values narrower than its keys (latent attention), on either cache.
 """
 
 from __future__ import annotations
@@ -89,8 +89,14 @@ class LayerRuntime:
         return attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if not self.eager and (why := own_math(kwargs)) is not None:  # seen at the first call, before any state
-            self.keep_own(why, eager=True)
+        if not self.eager:  # the first call (a prefill) tells, before any state
+            if (why := own_math(kwargs, attention_mask)) is not None:
+                self.keep_own(why, eager=True)
+            elif self.keeps_own is None and key.shape[-1] != value.shape[-1]:  # DeepSeek's latent attention
+                self.keep_own(
+                    f"dense: values of {value.shape[-1]} dims beside keys of {key.shape[-1]}, which the pipelines "
+                    "do not take (the model's own attention)"
+                )
         static, self.static = self.static, None
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if static is not None:  # a static cache (the fast decode path): the prompt, then one token per step
@@ -240,10 +246,23 @@ def window_reason(module) -> str | None:
     return f"dense: sliding window of {window} (the model's own attention)" if window else None
 
 
+def is_causal_self_attention(module) -> bool:
+    """Whether ``module`` is a decoder's attention layer as transformers writes them (Llama's, GPT-2's, GPT-NeoX's, …):
+    a ``layer_idx``, a ``scaling`` and ``is_causal`` set, not attending another sequence."""
+    return (
+        hasattr(module, "layer_idx")
+        and hasattr(module, "scaling")
+        and getattr(module, "is_causal", False) is True
+        and not getattr(module, "is_cross_attention", False)
+    )
+
+
 def openattention_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The function registered with ``AttentionInterface``: query ``[B, Hq, T, D]``, key/value ``[B, Hkv, N, D]``
     (the layer's whole cache) → (output ``[B, T, Hq, D]``, None)."""
     runtime = _RUNTIMES.get(module)
+    if runtime is None and not is_causal_self_attention(module):  # an encoder's (a vision tower's): sdpa
+        return model_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if runtime is None:  # the attn_implementation= route: the spec from config.openattention, or the defaults
         spec = getattr(module.config, "openattention", None)
         why = window_reason(module)
@@ -287,11 +306,12 @@ class OpenAttentionHandle:
     def __init__(
         self, model, spec, dense_layers: Iterable[int], layer_specs: Mapping[int, Any] | None, question: Question
     ) -> None:
-        attention = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+        attention = [m for m in model.modules() if is_causal_self_attention(m)]
         if not attention or not hasattr(model, "config"):
             raise TypeError(
-                f"{type(model).__name__}: no attention layers with layer_idx found; OpenAttention patches "
-                "decoder models whose attention goes through transformers' AttentionInterface"
+                f"{type(model).__name__}: no causal self-attention layers found (modules with layer_idx, is_causal "
+                "and scaling); OpenAttention patches decoder models whose attention goes through transformers' "
+                "AttentionInterface"
             )
         self.model = model
         self.previous_implementation = model.config._attn_implementation
