@@ -1337,6 +1337,18 @@ MUTATIONS = [
         ("tests/test_other_decoders.py",),
         "a float mask carrying ALiBi's bias is read as validity only, and the layer goes sparse without the bias",
     ),
+    mutation(
+        "eval-positions-not-warned",
+        "oa_core/eval/runner.py",
+        [
+            (
+                "past = [n for n in lengths if trained and n >= trained]",
+                "past = [n for n in lengths if trained and n > trained]",
+            )
+        ],
+        ("tests/test_eval_runner.py",),
+        "oa eval is silent where RULER's prompts fill every position the model was trained on (SmolLM2 at 8K)",
+    ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
     mutation(
         "flash-blocks-ignore-the-head-dim",

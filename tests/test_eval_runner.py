@@ -6,6 +6,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -720,3 +721,15 @@ def test_the_driver_or_runtime_running_out_of_memory_is_retried_and_other_errors
     with pytest.raises(RuntimeError, match="is invalid for input"):
         memory.retry_after_oom(wrong_shape, stats, cpu)
     assert stats.resets == 1
+
+
+@pytest.mark.parametrize(("lengths", "past"), [((4096,), None), ((4096, 8192, 16384), "8,192, 16,384")])
+def test_lengths_that_fill_the_models_positions_are_warned_of(lengths, past):
+    from transformers import LlamaConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runner.warn_past_positions(LlamaConfig(max_position_embeddings=8192), lengths)  # SmolLM2-135M's
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    expected = f"lengths {past}: prompts that long leave the answer past the 8,192 positions the model was trained on"
+    assert [m[: len(expected)] for m in messages] == ([expected] if past else [])
