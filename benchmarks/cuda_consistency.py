@@ -64,6 +64,28 @@ def small_llama(dtype: torch.dtype):
     return LlamaForCausalLM(config).eval().to("cuda", dtype)
 
 
+def small_gemma3():
+    """A 4-layer Gemma 3 of random weights (seed 0) on CUDA in float32: two sliding-window layers (a window of 128)
+    beside two full-attention ones, for the static cache's check."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    return Gemma3ForCausalLM(config).eval().to("cuda")
+
+
 def integration_checks() -> list[dict]:
     """generate() through oa.patch on CUDA: a covering budget is token-identical to sdpa; a sparse one stays finite
     and within its budget; a left-padded batch answers like each prompt alone."""
@@ -111,8 +133,16 @@ def integration_checks() -> list[dict]:
 def static_cache_checks() -> list[dict]:
     """generate() on the fast decode path on CUDA (float32): the static cache eagerly and compiled by generate (CUDA
     graphs, where the fused step's scores and growth run on two streams) give the default cache's tokens and logits,
-    for a left-padded batch, with every layer on the fused step."""
-    model = small_llama(torch.float32)
+    for a left-padded batch, with every sparse layer on the fused step: on a Llama, and on a Gemma 3 whose sliding
+    layers decode through the model's own attention in its window."""
+    return [
+        static_cache_check(name, model)
+        for name, model in (("llama", small_llama(torch.float32)), ("gemma3", small_gemma3()))
+    ]
+
+
+def static_cache_check(name: str, model) -> dict:
+    """``static_cache_checks`` for one model."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 256, (2, 1000), generator=gen).cuda()
     mask = torch.ones_like(ids)
@@ -137,11 +167,14 @@ def static_cache_checks() -> list[dict]:
         tokens, logits = greedy()
         cache = handle.static_cache(max_new_tokens=16)
         eager_tokens, eager = greedy(**oa.cache_kwargs(model, cache), disable_compile=True)
-        fused = all(layer.state is not None and layer.state.fused is not None for layer in cache.layers)
-        cuda = [layer.state.fused.shortlist_note or "cuda" for layer in cache.layers if fused]
+        sparse = [layer for layer in cache.layers if layer.runtime.keeps_own is None]
+        fused = all(layer.state is not None and layer.state.fused is not None for layer in sparse)
+        cuda = [layer.state.fused.shortlist_note or "cuda" for layer in sparse if fused]
         graph_tokens, graph = greedy(**oa.cache_kwargs(model, handle.static_cache(max_new_tokens=16)))
     record = {
         "check": "static cache",
+        "model": name,
+        "sparse_layers": len(sparse),
         "dtype": "torch.float32",
         "every_layer_fused": fused,
         "shortlist": sorted(set(cuda)),  # "cuda": the CUDA shortlist served every layer (sm_90+); else why not
@@ -156,7 +189,7 @@ def static_cache_checks() -> list[dict]:
         and record["graphed_static_vs_eager_max_logit_difference"] < 1e-4
     )
     print(json.dumps(record))
-    return [record]
+    return record
 
 
 def pipeline_checks() -> list[dict]:
