@@ -46,43 +46,35 @@ def inputs(dtype: torch.dtype, seed: int = 0):
 SPARSE = {"clusterer": {"name": "qgc", "num_clusters": 16}, "sink": 4, "local": 16, "budget": {"density": 0.1}}
 
 
+# The integration checks' small models: 4 layers of random weights (seed 0), 8 query heads on 2 KV heads.
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    attn_implementation="sdpa",
+)
+
+
 def small_llama(dtype: torch.dtype):
-    """A 4-layer Llama of random weights (seed 0) on CUDA, for the integration checks."""
+    """A small Llama on CUDA, for the integration checks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).eval().to("cuda", dtype)
+    return LlamaForCausalLM(LlamaConfig(**SMALL)).eval().to("cuda", dtype)
 
 
 def small_gemma3():
-    """A 4-layer Gemma 3 of random weights (seed 0) on CUDA in float32: two sliding-window layers (a window of 128)
-    beside two full-attention ones, for the static cache's check."""
+    """A small Gemma 3 on CUDA in float32: two sliding-window layers (a window of 128) beside two full-attention ones,
+    for the static cache's check."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        sliding_window=128,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
+    layers = ["sliding_attention", "full_attention"] * 2
+    config = Gemma3TextConfig(**SMALL, head_dim=64, sliding_window=128, layer_types=layers)
     return Gemma3ForCausalLM(config).eval().to("cuda")
 
 
