@@ -44,13 +44,15 @@ def _rows(index):
 PQS = {"name": "pq", "rerank": 0}  # the default's selector, without its re-rank (as SPEC's QGS)
 
 
-def run_fused(spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, repeat=None, group=3, static=True):
+def run_fused(
+    spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, repeat=None, group=3, static=True, dim=32
+):
     """Decode ``steps`` tokens through the reference pipeline, a composed static state and a fused one → per step
     (reference rows, fused rows, reference output, fused output), and the two static states at the end. At every
     step the fused index — sink, window, each cluster's run, padding — and its runs are the composed step's, column
     for column. ``repeat`` (a slice): those keys repeated right after them (tied scores and logits); ``group``: query
     heads per KV head. ``static=False``: the reference pipeline alone, on the same inputs → its rows per step."""
-    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype, group=group)
+    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype, group=group, dim=dim)
     if repeat is not None:
         keys[:, :, repeat.stop : 2 * repeat.stop - repeat.start] = keys[:, :, repeat]
     B, H, _, D = keys.shape
@@ -536,6 +538,16 @@ def test_a_key_rank_basis_runs_through_the_fused_step():
     """QGS's ``key_rank``: the fused step projects and scores on the basis the selector built, whatever its columns
     came from: the reference's rows and output, step for step."""
     steps, composed, fused = run_fused({**SPEC, "selector": {**SPEC["selector"], "key_rank": 4}}, steps=4)
+    for ref_rows, rows, ref_out, out in steps:
+        assert rows == ref_rows
+        assert relative_error(out, ref_out) < 1e-4
+    assert_same_state(composed, fused)
+
+
+@pytest.mark.parametrize("dim", [80])
+def test_a_head_dim_that_is_no_power_of_two_reads_the_same_rows(dim):
+    """Phi-2's head dim: the kernels' tiles pad D to a power of two and mask the rest."""
+    steps, composed, fused = run_fused({**SPEC, **PQS_TWO_STAGE}, tokens=140, steps=4, dim=dim)
     for ref_rows, rows, ref_out, out in steps:
         assert rows == ref_rows
         assert relative_error(out, ref_out) < 1e-4
