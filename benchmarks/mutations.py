@@ -1349,6 +1349,13 @@ MUTATIONS = [
         ("tests/test_eval_runner.py",),
         "oa eval is silent where RULER's prompts fill every position the model was trained on (SmolLM2 at 8K)",
     ),
+    mutation(
+        "static-beams-reordered-silently",
+        "oa_core/integration/static_cache.py",
+        [("if self.state is not None and not torch.equal(beam_idx.cpu(), torch.arange(len(beam_idx))):", "if False:")],
+        ("tests/test_static_cache.py",),
+        "beam search reorders the static cache's rows and the per-row state stays where it was",
+    ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
     mutation(
         "flash-blocks-ignore-the-head-dim",

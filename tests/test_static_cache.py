@@ -137,3 +137,15 @@ def test_the_fast_path_warns_of_no_deprecated_name():
         warnings.simplefilter("error", FutureWarning)
         tokens, _ = generate(model, ids, mask, 2, cache=handle.static_cache(max_new_tokens=2))
     assert tokens.shape == (2, 2)
+
+
+def test_beam_search_is_refused_once_it_reorders_the_rows_and_runs_on_the_default_cache():
+    model, ids = tiny_llama(), prompt(200)
+    mask = torch.ones_like(ids)
+    with oa.patch(model, SPARSE) as handle:
+        beams, _ = generate(model, ids, mask, 6, num_beams=3)  # the default cache: the state follows the cache
+        assert beams.shape == (1, 6)
+        with pytest.raises(ValueError, match="beam search reorders the batch's rows"):
+            generate(model, ids, mask, 6, cache=handle.static_cache(max_new_tokens=6), num_beams=3)
+        layer = handle.static_cache(max_new_tokens=6).layers[0]
+        layer.reorder_cache(torch.tensor([1, 0]))  # no state yet (before a prompt): nothing to follow

@@ -107,6 +107,16 @@ class OALayer(StaticLayer):
         self.runtime.static = self
         return super().update(key_states, value_states, *args, **kwargs)
 
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Beam search's reordering of the batch rows: refused once a row moves, where the layer holds a state (its
+        clusters, pooled sums and codes are per row, and in place for the compiled step) — never a wrong answer."""
+        if self.state is not None and not torch.equal(beam_idx.cpu(), torch.arange(len(beam_idx))):
+            raise ValueError(
+                "static cache: beam search reorders the batch's rows, which OpenAttention's per-row state on the "
+                "static cache does not follow; decode beams on the default cache (generate without cache=)"
+            )
+        super().reorder_cache(beam_idx)
+
     def reset(self) -> None:
         super().reset()
         self.state = None
