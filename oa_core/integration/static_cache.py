@@ -107,7 +107,7 @@ class OALayer(StaticLayer):
         self.runtime.static = self
         return super().update(key_states, value_states, *args, **kwargs)
 
-    def reorder_cache(self, beam_idx: Tensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search's reordering of the batch rows: refused once a row moves, where the layer holds a state (its
         clusters, pooled sums and codes are per row, and in place for the compiled step) — never a wrong answer."""
         if self.state is not None and not torch.equal(beam_idx.cpu(), torch.arange(len(beam_idx))):
