@@ -1356,6 +1356,20 @@ MUTATIONS = [
         ("tests/test_static_cache.py",),
         "beam search reorders the static cache's rows and the per-row state stays where it was",
     ),
+    mutation(
+        "foreign-static-cache-read-as-keys",
+        "oa_core/integration/runtime.py",
+        [("    return not bool(key[:, :, -1].any())", "    return False")],
+        ("tests/test_static_cache.py",),
+        "an unpadded prompt on transformers' static cache: its empty slots go to the pipeline as keys",
+    ),
+    mutation(
+        "foreign-static-mask-ignored",
+        "oa_core/integration/runtime.py",
+        [("        return not bool(key_mask(attention_mask, key)[:, -1].any())", "        return False")],
+        ("tests/test_static_cache.py",),
+        "transformers' static cache under a mask (its decode steps, a padded prompt): the empty slots read as keys",
+    ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
     mutation(
         "flash-blocks-ignore-the-head-dim",

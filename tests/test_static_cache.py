@@ -149,3 +149,18 @@ def test_beam_search_is_refused_once_it_reorders_the_rows_and_runs_on_the_defaul
             generate(model, ids, mask, 6, cache=handle.static_cache(max_new_tokens=6), num_beams=3)
         layer = handle.static_cache(max_new_tokens=6).layers[0]
         layer.reorder_cache(torch.tensor([1, 0]))  # no state yet (before a prompt): nothing to follow
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_transformers_own_static_cache_decodes_densely_and_says_why(padded):
+    """Its empty slots reach the attention function as keys (with a mask that hides them, or none at an unpadded
+    prompt): a patched model decodes densely on it, as the model does, and the stats name our static cache."""
+    model = tiny_llama()
+    ids, mask = padded_batch() if padded else (prompt(200), None)
+    expected_tokens, expected = generate(model, ids, mask, 6, cache_implementation="static")
+    with oa.patch(model, SPARSE) as handle:
+        tokens, scores = generate(model, ids, mask, 6, cache_implementation="static")
+        records = [r for r in handle.stats.records if r.phase != "prefill"]
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tokens, expected_tokens)
+    assert records and all(r.dense and r.reason == oa.integration.runtime.FOREIGN_STATIC for r in records)

@@ -59,6 +59,12 @@ class ContextRecord:
     prepared: dict[int, PipelineState] = field(default_factory=dict)  # id(pipeline) → state
 
 
+FOREIGN_STATIC = (
+    "dense: a cache of fixed capacity whose empty slots reach the attention (transformers' static cache, "
+    "cache_implementation='static'); OpenAttention's own is handle.static_cache(max_new_tokens=...)"
+)
+
+
 class LayerRuntime:
     """One attention layer's OpenAttention: the pipeline, the recorded context and the live (growing) state."""
 
@@ -76,6 +82,7 @@ class LayerRuntime:
         self.live: PipelineState | None = None
         self.static = None  # the static cache layer of this call, set by its update (the fast decode path)
         self.records: list[StepRecord] = []
+        self.foreign_static = False  # this request's cache is a fixed-capacity one not ours (``ends_empty``)
 
     def keep_own(self, why: str, eager: bool = False) -> None:
         """From now on the layer attends with the model's own attention (``why`` says so in the stats)."""
@@ -111,11 +118,19 @@ class LayerRuntime:
             )
         T, N = query.shape[2], key.shape[2]
         past = N - T
+        # Transformers' static cache: checked at every prompt or question, kept through its decode steps (the last
+        # of which fills the cache). Its empty slots are no keys.
+        sticky = self.foreign_static and T == 1
+        self.foreign_static = self.pipeline is not None and past > 0 and (sticky or ends_empty(key, attention_mask))
         if self.pipeline is None or past == 0:
             out, weights = self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if self.pipeline is not None:
                 self._record_context(query, key, value, attention_mask, scale)
             self.log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else self.dense_reason)
+            return out, weights
+        if self.foreign_static:
+            out, weights = self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+            self.log("question" if T > 1 else "decode", past, T, dense=True, reason=FOREIGN_STATIC)
             return out, weights
 
         while True:
@@ -226,6 +241,15 @@ def _same_prefix(known: Tensor, key: Tensor, past: int) -> bool:
         return False
     probe = probe_rows(past)
     return torch.equal(known[:, :, probe], key[:, :, probe])
+
+
+def ends_empty(key: Tensor, attention_mask: Tensor | None) -> bool:
+    """Whether the cache ``key`` ``[B, Hkv, N, D]`` ends in a slot no row has written: a cache of fixed capacity (not
+    ours, whose layers say so) — its last slot hidden from every row by the mask, or, without a mask (an unpadded
+    prompt), all zeros in every row and head, as a preallocated slot is and no real key is."""
+    if attention_mask is not None:
+        return not bool(key_mask(attention_mask, key)[:, -1].any())
+    return not bool(key[:, :, -1].any())
 
 
 def window_reason(module) -> str | None:
