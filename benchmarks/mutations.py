@@ -1370,6 +1370,13 @@ MUTATIONS = [
         ("tests/test_static_cache.py",),
         "transformers' static cache under a mask (its decode steps, a padded prompt): the empty slots read as keys",
     ),
+    mutation(
+        "dense-layer-steps-called-prefill",
+        "oa_core/integration/runtime.py",
+        [('phase = "prefill" if past == 0 else "question" if T > 1 else "decode"', 'phase = "prefill"')],
+        ("tests/test_sliding_layers.py",),
+        "the stats call every step of a layer that keeps its own attention a prefill",
+    ),
     # -- any decoder: head dim 256, base models, the transformers floor ------------------------------------------------
     mutation(
         "flash-blocks-ignore-the-head-dim",

@@ -66,6 +66,7 @@ LAYER_TARGET = {(32, 32768, 0.01): 8.0}
 # was QGS (PQS became the default with issue 54, and its one-program decode step is issue 56's).
 SPEED_SELECTOR = "QGS's selection, the default before PQS"
 DEMO = "demo.json"
+ARCHITECTURES = "architectures.json"  # benchmarks/architectures.py: which decoders are patched, and how
 # The other headline results (figures the tables do not render), listed with their provenance on docs/results.md.
 OTHERS = [
     "ruler_c3f5e3b_smollm2_4k_cuda_check.json",
@@ -75,6 +76,7 @@ OTHERS = [
     "cuda_consistency_static.json",
     "mutations.json",
     "step_cost.json",
+    "architectures.json",
     "generate_speed_h100.json",
     "kernel_h100_16x16384.json",
     "kernel_h100_32x32768.json",
@@ -86,6 +88,7 @@ TARGETS = {
     "README.md": ["demo", "accuracy", "speed"],
     "docs/results.md": ["accuracy", "speed", "layer", "provenance"],
     "docs/evaluation.md": ["accuracy", "needles", "bytes", "ruler-dense", "ruler-grid"],
+    "docs/integration.md": ["architectures"],
 }
 # What --check does not compare: the commits git gives (see the module's docstring).
 GIT_LABEL = re.compile(r"committed in [0-9a-f]{4,40}|uncommitted \(HEAD [0-9a-f]{4,40}\)|commit unknown")
@@ -774,6 +777,42 @@ def demo_output() -> str:
     )
 
 
+def architectures_table() -> str:
+    """``architectures.json``: per architecture, whether the patched model generates the unpatched one's tokens at a
+    full budget (default cache / static cache), its layers that decode sparsely at 20%, and those that keep the model's
+    own attention, with the stats' reason up to its first comma or parenthesis."""
+    result = json.loads((RESULTS / ARCHITECTURES).read_text())
+    rows = []
+    for r in result["records"]:
+        if r["error"]:
+            rows.append([f"`{r['model_type']}`", "", "", "", f"not patched: {r['error']}"])
+            continue
+        same = r["full_budget_same_tokens"]
+        kept = "; ".join(
+            f"{', '.join(map(str, layers))}: {re.split(r'[,(]', reason.removeprefix('dense: '))[0].strip()}"
+            for reason, layers in r["kept_own"].items()
+        )
+        rows.append(
+            [
+                f"`{r['model_type']}`",
+                f"`{r['attention']}` ({r['implementation']})",
+                " / ".join("yes" if same[cache] else "**no**" for cache in ("default cache", "static cache")),
+                ", ".join(map(str, r["sparse_layers"])) or "none",
+                kept,
+            ]
+        )
+    setup = result["setup"]
+    caption = (
+        f"Tiny random models of transformers' architectures ({setup['config']['num_hidden_layers']} layers, "
+        f"transformers {result['transformers']}), patched (`benchmarks/architectures.py`, `{ARCHITECTURES}`): at a "
+        "budget that covers the context, the patched model's tokens against the unpatched model's; at 20%, the layers "
+        "that decode sparsely and those that keep the model's own attention, and why. "
+        f"Made by: {made_by(RESULTS / ARCHITECTURES).short()}."
+    )
+    header = ["architecture", "attention", "full budget = unpatched (default / static cache)", "sparse", "kept own"]
+    return caption + "\n\n" + _table(header, rows)
+
+
 def provenance_table() -> str:
     """Per result the blocks render, then the other headline results: the machine and the commit that made it, and
     where each was read."""
@@ -795,6 +834,7 @@ BLOCKS = {
     "bytes": bytes_table,
     "ruler-dense": ruler_dense_table,
     "ruler-grid": ruler_grid_table,
+    "architectures": architectures_table,
 }
 
 

@@ -125,6 +125,7 @@ def test_gemma3_sliding_layers_keep_their_attention_and_full_layers_go_sparse():
         assert records and all(
             r.dense and r.reason == "dense: sliding window of 16 (the model's own attention)" for r in records
         )
+        assert [r.phase for r in records] == ["prefill", "prefill", *["decode"] * 5]  # two prompts, five steps
     for layer in (1, 3):
         decode = decode_records(stats, layer)
         assert decode and not any(r.dense for r in decode)

@@ -126,7 +126,8 @@ class LayerRuntime:
             out, weights = self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
             if self.pipeline is not None:
                 self._record_context(query, key, value, attention_mask, scale)
-            self.log("prefill", past, T, dense=True, reason="dense prefill" if self.pipeline else self.dense_reason)
+            phase = "prefill" if past == 0 else "question" if T > 1 else "decode"
+            self.log(phase, past, T, dense=True, reason="dense prefill" if self.pipeline else self.dense_reason)
             return out, weights
         if self.foreign_static:
             out, weights = self.dense(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
