@@ -4,6 +4,8 @@ sparsely at a smaller one, on either cache. DeepSeek's latent attention has valu
 Falcon's ALiBi adds a bias to the mask, which no pipeline takes: their layers keep the model's own attention and say
 why."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -79,3 +81,16 @@ def test_a_bias_in_the_mask_keeps_the_models_own_attention():
         torch.testing.assert_close(generate(model, logits=True), expected)
         records = handle.stats.records
     assert records and all(r.dense and r.reason.startswith("dense: a bias in the attention mask") for r in records)
+
+
+def test_the_architectures_benchmark_records_a_sparse_and_a_kept_model(tmp_path):
+    from conftest import load_benchmark
+
+    architectures = load_benchmark("architectures")
+    out = tmp_path / "architectures.json"
+    assert architectures.main(["--only", "llama", "gemma2", "--out", str(out)]) == 0
+    llama, gemma2 = json.loads(out.read_text())["records"]
+    assert llama["full_budget_same_tokens"] == {"default cache": True, "static cache": True}
+    assert llama["sparse_layers"] == [0, 1] and llama["kept_own"] == {}
+    assert gemma2["sparse_layers"] == [] and list(gemma2["kept_own"].values()) == [[0, 1]]
+    assert next(iter(gemma2["kept_own"])).startswith("dense: logit soft-capping (softcap=50)")
