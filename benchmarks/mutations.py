@@ -1319,7 +1319,7 @@ MUTATIONS = [
     mutation(
         "latent-attention-made-sparse",
         "oa_core/integration/runtime.py",
-        [("elif self.keeps_own is None and key.shape[-1] != value.shape[-1]:", "elif False:")],
+        [("if why is None and self.keeps_own is None and key.shape[-1] != value.shape[-1]:", "if False:")],
         ("tests/test_other_decoders.py",),
         "a layer whose values are narrower than its keys (DeepSeek's latent attention) is given to a pipeline",
     ),

@@ -22,6 +22,7 @@ through the model's own eager attention) or with values narrower than its keys (
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -97,13 +98,13 @@ class LayerRuntime:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if not self.eager:  # the first call (a prefill) tells, before any state
-            if (why := own_math(kwargs, attention_mask)) is not None:
-                self.keep_own(why, eager=True)
-            elif self.keeps_own is None and key.shape[-1] != value.shape[-1]:  # DeepSeek's latent attention
-                self.keep_own(
-                    f"dense: values of {value.shape[-1]} dims beside keys of {key.shape[-1]}, which the pipelines "
-                    "do not take (the model's own attention)"
-                )
+            why, eager = own_math(kwargs, attention_mask), True
+            if why is None and self.keeps_own is None and key.shape[-1] != value.shape[-1]:  # latent attention
+                why = f"dense: values of {value.shape[-1]} dims beside keys of {key.shape[-1]}, which the pipelines "
+                why, eager = why + "do not take (the model's own attention)", False
+            if why is not None:
+                self.keep_own(why, eager)
+                warnings.warn(f"openattention: a layer keeps the model's own attention — {why}", RuntimeWarning, 2)
         static, self.static = self.static, None
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         if static is not None:  # a static cache (the fast decode path): the prompt, then one token per step
@@ -349,6 +350,13 @@ class OpenAttentionHandle:
         for module in attention:
             if why := window_reason(module):
                 self.runtimes[module.layer_idx].keep_own(why)
+        if all(runtime.keeps_own for runtime in self.runtimes.values()):
+            warnings.warn(
+                f"openattention: no layer of {type(model).__name__} can go sparse: every one keeps the model's own "
+                f"attention ({self.runtimes[0].keeps_own})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self.use(spec, layer_specs)  # validates the specs before anything is registered
         for module in attention:
             _RUNTIMES[module] = self.runtimes[module.layer_idx]
