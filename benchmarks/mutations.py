@@ -653,8 +653,8 @@ MUTATIONS = [
         "plugins/kernels/flash_programs.py",
         [
             (
-                "ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
-                "ell = (qk * scale - read_z) / n_tail[None, :]",
+                "ell = (qk_scaled - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]",
+                "ell = (qk_scaled - read_z) / n_tail[None, :]",
             )
         ],
         KERNEL_TESTS,
@@ -690,6 +690,20 @@ MUTATIONS = [
         [("return torch.minimum(spread, gap * gap)", "return spread")],
         KERNEL_TESTS,
         "the tail's logit variance is not bounded by its gap to the least logit read",
+    ),
+    mutation(
+        "flash-stats-of-another-head",
+        "plugins/kernels/flash_programs.py",
+        [("stat = ((b * Hkv + h) * (Gs * G) + s * G + offs_g)", "stat = ((b * Hkv + h) * (Gs * G) + offs_g)")],
+        FUSED_TESTS,
+        "the fused step's flash pass reads every selection row's proxies with the group's first head's statistics",
+    ),
+    mutation(
+        "flash-stats-mean-not-summed",
+        "plugins/kernels/flash_programs.py",
+        [("qk_scaled = mean_logit * tl.maximum(count, 1.0)[None, :]", "qk_scaled = mean_logit")],
+        FUSED_TESTS,
+        "the fused step's proxy logit takes z̄_b for s·q·Σk_b (the mean for the sum)",
     ),
     mutation(
         "flash-second-order-unbounded",
@@ -1485,9 +1499,9 @@ MUTATIONS = [
     mutation(
         "flash-pass-proxies-read-once-a-group",
         "benchmarks/step_cost.py",
-        [('"proxies": (score_rows if per_row else 1) * clusters * sums * 4', '"proxies": clusters * sums * 4')],
+        [("    return statistics + score_rows * (head_dim + 1)", "    return statistics + (head_dim + 1)")],
         ("tests/test_step_cost.py",),
-        "the cost model counts the built flash pass's pooled sums once per KV head where each selection row reads them",
+        "the cost model counts the built flash pass's Σv and counts once per KV head, not once per selection row",
     ),
     mutation(
         "cuda-shortlist-signature-drifts",

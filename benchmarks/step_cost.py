@@ -12,7 +12,9 @@ ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in b
   times the union factor of the group's selections — as issue 56's designs read them; the built steps' flash pass
   (``per_row``) reads each selection row's own rows, the sink and the window included (per head: G times a KV head);
 - ``proxies``: each cluster's pooled sums (Σk, Σv, Σk⊙k for second-order proxies, the count) in float32, once for
-  the group in the designs, once per selection row in the built steps' flash pass;
+  the group in the designs; in the built steps (``built_proxies``) Σk and Σk⊙k once for the group, by the prologue
+  that turns them into each head's z̄_b and σ̂_b², and Σv, the count and those statistics once per selection row by
+  the flash pass;
 - ``state``: the step's growth and bookkeeping: the new row's codes, the leaving row's K and V and its cluster's sums
   (read and written), the cluster numbers of the shortlist's rows (int64, read by each selection row's plan for its
   own shortlist);
@@ -134,7 +136,7 @@ def step_bytes(
         "codes": clusterable * codes * (1 + reread),
         "shortlist_keys": shortlist_union * shortlist * D * KV_BYTES,
         "selected_rows": (score_rows * (fixed + selectable) if per_row else fixed + selected_union * selectable) * row,
-        "proxies": (score_rows if per_row else 1) * clusters * sums * 4,
+        "proxies": clusters * 4 * (built_proxies(D, group, score_rows, spec.proxy) if per_row else sums),
         "state": codes + row + 2 * sums * 4 + score_rows * shortlist * ASSIGNMENT_BYTES,
         "members": clusterable * CLUSTER_ID_BYTES if cluster_ids else score_rows * clusterable * MEMBER_BYTES,
         "scores": score_rows * (clusterable * score_passes + shortlist) * 4,  # the passes and the boxes
@@ -145,6 +147,16 @@ def step_bytes(
     out["total"] = sum(out.values())
     out["dense"] = batch * kv_heads * context * row
     return out
+
+
+def built_proxies(head_dim: int, group: int, score_rows: int, proxy: str) -> int:
+    """Float32 values per cluster and KV head that the built step reads and writes for its proxies: the prologue reads
+    the cluster's count and Σk (and Σk⊙k for second-order proxies) once for the group and writes each query head's
+    z̄_b and σ̂_b² (ErrorGate's statistics); each of the ``score_rows`` selection rows' flash pass reads the count, Σv
+    and its heads' z̄_b (and σ̂_b²), not Σk nor Σk⊙k (``FlashKernel.sparse``'s ``logit_stats``)."""
+    second = proxy == "second-order"
+    statistics = (2 if second else 1) * head_dim + 1 + 2 * group
+    return statistics + score_rows * (head_dim + 1) + (2 if second else 1) * group
 
 
 class Decisions(NamedTuple):

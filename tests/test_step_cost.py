@@ -54,14 +54,22 @@ def test_disjoint_heads_read_their_shortlists_and_selections_once_each():
 
 
 def test_the_built_flash_pass_reads_each_selection_rows_own_rows_and_proxies():
-    """``per_row``: a program per selection row reads its selected rows, the sink and the window, and its KV head's
-    pooled sums, so per head each part is G times the group's shared read whatever the heads share; shared, once."""
+    """``per_row``: a program per selection row reads its selected rows, the sink and the window, so per head those
+    are G times the group's shared read whatever the heads share; shared, once. Of the proxies the prologue reads Σk
+    and Σk⊙k once for the group and writes each head's z̄_b, σ̂_b²; each selection row reads Σv, the count and its
+    heads' statistics."""
     per_head, shared = _pipe(), _pipe(gqa="shared")
+    D, C, heads = 128, 64, 8
     for union in (1.0, 2.5, 4.0):
-        built = step_cost.step_bytes(per_head, 1, 32768, 8, 128, 1.0, union, per_row=True)
-        once = step_cost.step_bytes(shared, 1, 32768, 8, 128, 1.0, 1.0, group=4)
-        assert built["selected_rows"] == 4 * once["selected_rows"] and built["proxies"] == 4 * once["proxies"]
-        assert step_cost.step_bytes(shared, 1, 32768, 8, 128, per_row=True, group=4) == once
+        built = step_cost.step_bytes(per_head, 1, 32768, heads, D, 1.0, union, per_row=True)
+        once = step_cost.step_bytes(shared, 1, 32768, heads, D, 1.0, 1.0, group=4)
+        assert built["selected_rows"] == 4 * once["selected_rows"]
+        assert built["proxies"] == heads * C * 4 * ((2 * D + 1 + 2 * 4) + 4 * (D + 1) + 2 * 4)
+        shared_built = step_cost.step_bytes(shared, 1, 32768, heads, D, per_row=True, group=4)
+        assert shared_built["proxies"] == heads * C * 4 * ((2 * D + 1 + 2 * 4) + (D + 1) + 2 * 4)
+        assert {k: v for k, v in shared_built.items() if k not in ("proxies", "total")} == {
+            k: v for k, v in once.items() if k not in ("proxies", "total")
+        }
     configs = step_cost.configs(lambda density, gqa: _pipe(density, gqa=gqa), [])
     for r in configs:
         assert r["selected_union"] == (4 if r["gqa"] == "per_head" else 1)

@@ -126,9 +126,22 @@ class FlashKernel(Kernel):
 
         return FusedStep(state) if fused_unsupported(state) is None else None
 
-    def sparse(self, query, keys, values, selection, proxies, scale, arrivals: Tensor | None = None):
+    def sparse(
+        self,
+        query,
+        keys,
+        values,
+        selection,
+        proxies,
+        scale,
+        arrivals: Tensor | None = None,
+        logit_stats: tuple[Tensor, Tensor] | None = None,
+    ):
         """``attend`` with a selection, on Triton. ``arrivals``: int32 zeros, one per selection row, that the pass
-        counts its parts on (the fused step's plan zeroes them: no launch of their own); None: zeros made here."""
+        counts its parts on (the fused step's plan zeroes them: no launch of their own); None: zeros made here.
+        ``logit_stats``: the clusters' z̄_b and σ̂_b² per query head, float32 ``[B, Hkv, Hq / Hkv, 1, C]`` (the fused
+        step's prologue computes them for its allocation), for one query per row: the proxies then read no Σk and
+        no Σk⊙k, a third of their bytes where they would read all three."""
         B, Hq, T, D = query.shape
         Hkv = keys.shape[1]
         Gs = selection.index.shape[2]
@@ -153,6 +166,16 @@ class FlashKernel(Kernel):
         else:
             runs = key_sum = value_sum = count = key_square_sum = log_weight  # unused placeholders
             second = False
+        stats = proxy and logit_stats is not None
+        if proxy and logit_stats is not None:
+            mean_logit, logit_var = (t.contiguous() for t in logit_stats)
+            if T != 1 or mean_logit.shape != (B, Hkv, Hq // Hkv, 1, C) or mean_logit.dtype != torch.float32:
+                raise ValueError(
+                    f"flash: logit_stats must be float32 [{B}, {Hkv}, {Hq // Hkv}, 1, {C}] for one query a row, got "
+                    f"{mean_logit.dtype} {list(mean_logit.shape)} for {T} queries"
+                )
+        else:
+            mean_logit = logit_var = log_weight  # unused placeholders
 
         block_g, block_d = _pow2(G), _pow2(D)
         block_k = self.block_k or block_columns(block_d)
@@ -195,6 +218,8 @@ class FlashKernel(Kernel):
             value_sum,
             count,
             key_square_sum,
+            mean_logit,
+            logit_var,
             row_max,
             den,
             acc,
@@ -227,6 +252,7 @@ class FlashKernel(Kernel):
             BLOCK_D=block_d,
             PROXY=proxy,
             SECOND=second,
+            STATS=stats,
             HALF=half,
             BLOCK_PARTS=_pow2(parts, 2),
             **{

@@ -84,6 +84,8 @@ if triton is not None:
         VSUM,
         COUNT,
         KSQ,
+        MEAN_LOGIT,
+        LOGIT_VAR,
         M_OUT,
         L_OUT,
         ACC_OUT,
@@ -116,14 +118,17 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         PROXY: tl.constexpr,
         SECOND: tl.constexpr,
+        STATS: tl.constexpr,
         HALF: tl.constexpr,
         BLOCK_PARTS: tl.constexpr,
     ):
         """Program (p, part): its part of row p's softmax, in its own running max. Without proxies the PARTS parts
         share every column; with proxies part j holds the runs of clusters jC', ..., jC' + C' − 1 (C' = CHUNK_C),
         their proxies, and its share of the columns outside the runs (the sink, the window, padding). SECOND: the
-        proxies are second-order (``PooledClusters.second_order``). The row's last part to finish merges the row's
-        parts (``merge_row``): each part counts its arrival at ``ARRIVALS + p`` (zero before the launch)."""
+        proxies are second-order (``PooledClusters.second_order``). STATS: each query head's z̄_b = s·q·k̄_b and σ̂_b²
+        are given (``MEAN_LOGIT``, ``LOGIT_VAR`` ``[B, Hkv, Gs·G, C]``, one query per row: the fused step's prologue
+        computed them), so Σk and Σk⊙k are not read. The row's last part to finish merges the row's parts
+        (``merge_row``): each part counts its arrival at ``ARRIVALS + p`` (zero before the launch)."""
         p = tl.program_id(0) % ROWS
         part = tl.program_id(0) // ROWS
         b, h, s, t = _row(p, Hkv, Gs, T)
@@ -253,16 +258,25 @@ if triton is not None:
             has_tail = c_ok & (tail > 0.5)
             n_tail = tl.where(has_tail, tail, 1.0)
             tile = pooled[:, None] * D + offs_d[None, :]
-            key_sum = tl.load(KSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-            qk = tl.dot(q.to(tl.float32), tl.trans(key_sum), input_precision="ieee")  # [BLOCK_G, CHUNK_C]
-            ell = (qk * scale - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]
+            if STATS:  # s·q·Σk_b = z̄_b·max(n_b, 1), from the given statistics: [BLOCK_G, CHUNK_C]
+                stat = ((b * Hkv + h) * (Gs * G) + s * G + offs_g)[:, None] * C + offs_c[None, :]
+                stat_ok = g_ok[:, None] & c_ok[None, :]
+                mean_logit = tl.load(MEAN_LOGIT + stat, mask=stat_ok, other=0.0)
+                qk_scaled = mean_logit * tl.maximum(count, 1.0)[None, :]
+            else:
+                key_sum = tl.load(KSUM + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+                qk_scaled = tl.dot(q.to(tl.float32), tl.trans(key_sum), input_precision="ieee") * scale
+                mean_logit = qk_scaled / tl.maximum(count, 1.0)[None, :]
+            ell = (qk_scaled - read_z) / n_tail[None, :] + tl.log(n_tail)[None, :]
             if SECOND:  # + ln(1 + σ̂_T²/2), the reference kernel's arithmetic
-                _, variance = moments_tile(
-                    key_sum, tl.load(KSQ + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0), count
-                )
-                q32 = q.to(tl.float32)
-                logit_var = tl.dot(q32 * q32, tl.trans(variance), input_precision="ieee") * (scale * scale)
-                mean_logit = qk * scale / tl.maximum(count, 1.0)[None, :]
+                if STATS:
+                    logit_var = tl.load(LOGIT_VAR + stat, mask=stat_ok, other=0.0)
+                else:
+                    _, variance = moments_tile(
+                        key_sum, tl.load(KSQ + tile, mask=c_ok[:, None] & d_ok[None, :], other=0.0), count
+                    )
+                    q32 = q.to(tl.float32)
+                    logit_var = tl.dot(q32 * q32, tl.trans(variance), input_precision="ieee") * (scale * scale)
                 n_read = read_n.to(tl.float32)[None, :]
                 d1 = read_z - n_read * mean_logit  # Σ_{X∩b} (z_i − z̄_b), and Σ_{X∩b} (z_i − z̄_b)²:
                 d2 = read_zz - 2.0 * mean_logit * read_z + n_read * mean_logit * mean_logit

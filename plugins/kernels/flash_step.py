@@ -337,7 +337,8 @@ class FusedStep:
             runs.view(B, H, Gs, 1, C + 1),
         )
         proxies = pipe.tail_proxies(state.pooled, state.assignment)
-        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, arrivals)
+        stats = (mean_logit, logit_var)  # the prologue's, for the allocation: the proxies need not read Σk, Σk⊙k
+        out, _ = pipe.kernel.sparse(query, keys, values, selection, proxies, state.scale, arrivals, stats)
         return out, selection
 
     def prologue(self, state, query: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -203,3 +203,32 @@ def test_a_head_dim_of_256_takes_smaller_blocks_and_the_same_rows():
     with rows equal to the reference's."""
     assert block_columns(256) == 16 and block_columns(64) == 64
     _compare(_case(tokens=150, batch=1, kv_heads=1, group=4, dim=256, density=0.3, seed=7), 1e-4)
+
+
+def test_logit_stats_of_another_shape_are_refused():
+    query, keys, values, selection, proxies, scale = _case(queries=1)
+    B, Hq, _, _ = query.shape
+    Hkv, C = keys.shape[1], proxies.count.shape[-1]
+    wrong = torch.zeros(B, Hkv, Hq // Hkv, 1, C + 1)
+    with pytest.raises(ValueError, match=r"logit_stats must be float32 \[2, 2, 3, 1, 8\]"):
+        FlashKernel().sparse(query, keys, values, selection, proxies, scale, logit_stats=(wrong, wrong))
+
+
+def test_the_given_logit_stats_replace_the_sums_they_come_from():
+    """The fused step's statistics (z̄_b, σ̂_b² per head, as its prologue computes them): the same output as the
+    pass that reads Σk and Σk⊙k, to float rounding, per head and shared."""
+    from oa_core.ops.cluster_stats import moments_from_sums
+
+    for gqa in ("per_head", "shared"):
+        query, keys, values, selection, proxies, scale = _case(queries=1, gqa=gqa)
+        B, Hq, _, D = query.shape
+        Hkv = keys.shape[1]
+        mean, variance = moments_from_sums(proxies.count, proxies.key_sum, proxies.key_square_sum)
+        q = query.float().view(B, Hkv, Hq // Hkv, 1, D)
+        stats = (
+            scale * q @ mean[:, :, None].transpose(-1, -2),
+            scale**2 * (q * q) @ variance[:, :, None].transpose(-1, -2),
+        )
+        plain, _ = FlashKernel().sparse(query, keys, values, selection, proxies, scale)
+        given, _ = FlashKernel().sparse(query, keys, values, selection, proxies, scale, logit_stats=stats)
+        torch.testing.assert_close(given, plain, rtol=1e-5, atol=1e-6)
