@@ -18,7 +18,8 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
    each cluster's run, -1 padding — with the runs flash reads, and the row's counter of flash's parts zeroed;
 4. the per-cluster selection into the runs (``launch_select``, one launch per size class of clusters: one or two at
    the benchmarks' shapes, three once a cluster may pass 4096 rows); 5. flash's pass, whose last part of each row
-   merges the row (``FlashKernel.sparse``).
+   merges the row (``FlashKernel.sparse``); its proxies take the prologue's statistics (``logit_stats``), not Σk
+   and Σk⊙k again.
 
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor, and each row's shift; the listed scores
