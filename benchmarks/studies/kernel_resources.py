@@ -17,6 +17,7 @@ unset (the interpreter's kernels cannot be compiled).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -67,7 +68,9 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
     rows = []
     for dim in dims:
         block_d = max(16, triton.next_power_of_2(dim))
-        for dtype in dtypes:  # the pass with second-order proxies, 4 query heads per KV head (Gemma-3's, Llama's)
+        # The pass with second-order proxies, 4 query heads per KV head (Gemma-3's, Llama's), reading the pooled sums
+        # (the composed path) or the fused step's logit statistics.
+        for dtype, stats in itertools.product(dtypes, (False, True)):
             constants = dict(
                 G=4,
                 BLOCK_G=16,
@@ -77,6 +80,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
                 BLOCK_D=block_d,
                 PROXY=True,
                 SECOND=True,
+                STATS=stats,
                 HALF=dtype != "fp32",
                 BLOCK_PARTS=4,  # 64 clusters, 16 a part
             )
@@ -91,6 +95,8 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
                 VSUM="*fp32",
                 COUNT="*fp32",
                 KSQ="*fp32",
+                MEAN_LOGIT="*fp32",
+                LOGIT_VAR="*fp32",
                 M_OUT="*fp32",
                 L_OUT="*fp32",
                 ACC_OUT="*fp32",
@@ -105,6 +111,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
                     "kernel": "flash_programs.sparse_pass",
                     "dim": dim,
                     "dtype": dtype,
+                    "logit_stats": stats,
                     "block_k": constants["BLOCK_K"],
                     **_compile(
                         flash_programs.sparse_pass,
