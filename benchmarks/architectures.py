@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 import oa_core as oa
 from oa_core.analysis.provenance import provenance
+from oa_core.integration.runtime import is_causal_self_attention
 
 OUT = Path(__file__).resolve().parent / "results" / "architectures.json"
 FULL = {"budget": {"density": 1.0}}
@@ -107,7 +108,7 @@ def check(model_type: str) -> dict:
         model = tiny(model_type)
         expected = generate(model)
         with oa.patch(model, FULL) as handle:
-            record["attention"] = type(handle._modules[0]).__name__
+            record["attention"] = next(type(m).__name__ for m in model.modules() if is_causal_self_attention(m))
             record["implementation"] = handle.previous_implementation
             record["layers"] = handle.num_layers
             record["full_budget_same_tokens"] = {

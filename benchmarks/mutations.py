@@ -1332,8 +1332,8 @@ MUTATIONS = [
     ),
     mutation(
         "latent-attention-made-sparse",
-        "oa_core/integration/runtime.py",
-        [("if why is None and self.keeps_own is None and key.shape[-1] != value.shape[-1]:", "if False:")],
+        "oa_core/integration/prefill.py",
+        [("    if key.shape[-1] == value.shape[-1]:\n        return None", "    if True:\n        return None")],
         ("tests/test_other_decoders.py",),
         "a layer whose values are narrower than its keys (DeepSeek's latent attention) is given to a pipeline",
     ),

@@ -75,6 +75,17 @@ def own_math(kwargs: Mapping[str, Any], attention_mask: Tensor | None = None) ->
     return None
 
 
+def narrow_values(key: Tensor, value: Tensor) -> str | None:
+    """Why a layer whose values are narrower than its keys (DeepSeek's latent attention) keeps the model's own
+    attention (None: one head dim), which no pipeline takes."""
+    if key.shape[-1] == value.shape[-1]:
+        return None
+    return (
+        f"dense: values of {value.shape[-1]} dims beside keys of {key.shape[-1]}, which the pipelines do not take "
+        "(the model's own attention)"
+    )
+
+
 def model_eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
     """The model's own eager attention, ``eager_attention_forward`` of the module's modeling file (every transformers
     decoder has one; it applies the keywords ``OWN_MATH`` names). Its mask is additive: a boolean mask (sdpa's, which

@@ -31,7 +31,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from oa_core.integration.prefill import key_mask, model_eager, model_sdpa, own_math, recorded_queries
+from oa_core.integration.prefill import (
+    key_mask,
+    model_eager,
+    model_sdpa,
+    narrow_values,
+    own_math,
+    recorded_queries,
+)
 from oa_core.integration.stats import GenerationStats, Span, StepRecord
 from oa_core.pipeline import Pipeline, build
 from oa_core.spec import PipelineSpec, SpecError
@@ -99,9 +106,8 @@ class LayerRuntime:
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if not self.eager:  # the first call (a prefill) tells, before any state
             why, eager = own_math(kwargs, attention_mask), True
-            if why is None and self.keeps_own is None and key.shape[-1] != value.shape[-1]:  # latent attention
-                why = f"dense: values of {value.shape[-1]} dims beside keys of {key.shape[-1]}, which the pipelines "
-                why, eager = why + "do not take (the model's own attention)", False
+            if why is None and self.keeps_own is None:
+                why, eager = narrow_values(key, value), False
             if why is not None:
                 self.keep_own(why, eager)
                 warnings.warn(f"openattention: a layer keeps the model's own attention — {why}", RuntimeWarning, 2)
