@@ -262,3 +262,90 @@ def _ragged_case(seed: int):
     scores = scores.masked_fill(assignment[:, :, None, None] == C, float("-inf"))
     members, counts = cluster_members(assignment, C)
     return gen, scores, assignment, members, counts
+
+
+def _listed_case(seed: int, length: int = 48):
+    """A two-stage selection's inputs over the size classes' clusters (``test_every_size_class_...``'s sizes): each
+    row's shortlist — its best ``length`` positions by score, in position order, fewer in one row — with exact
+    logits (ties), the shift below them, the scores boxed as the listing leaves them, and the shortlist grouped by
+    cluster (by a stable sort here) → the re-ranked scores the reference selects from, the boxed ones, the listing,
+    the grouping, the assignment, members and counts."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor([1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 40, 0])
+    C, (B, H, Gs, T) = len(sizes), (2, 2, 2, 1)
+    inside = torch.repeat_interleave(torch.arange(C), sizes)
+    N = 4 + len(inside) + 6
+    assignment = torch.full((B, H, N), C)
+    for b, h in itertools.product(range(B), range(H)):
+        assignment[b, h, 4:-6] = inside[torch.randperm(len(inside), generator=gen)]
+    members, counts = cluster_members(assignment, C)
+    rows = B * H * Gs * T
+    head = assignment.repeat_interleave(Gs * T, 1).view(rows, N)
+    scores = torch.randn(rows, N, generator=gen).masked_fill(head == C, -math.inf)
+    lengths = torch.full((rows,), length)
+    lengths[3] = 11
+    listed = torch.full((rows, length), -1, dtype=torch.int32)
+    exact = torch.zeros(rows, length)
+    shifts = torch.zeros(rows)
+    ranked, boxed = scores.clone(), scores.clone()
+    grouped = (
+        torch.zeros(rows, length, dtype=torch.int32),
+        torch.zeros(rows, length),
+        torch.zeros(rows, C, dtype=torch.int32),
+    )
+    listed_in = torch.zeros(rows, C, dtype=torch.int32)
+    for p in range(rows):
+        k = int(lengths[p])
+        top = torch.sort(-scores[p], stable=True).indices[:k].sort().values
+        listed[p, :k] = top.int()
+        exact[p, :k] = torch.randint(-3, 4, (k,), generator=gen).float() * 0.5  # ties
+        shifts[p] = (exact[p, :k].min() - scores[p, top].min()) - 1.0
+        ranked[p] += shifts[p]
+        ranked[p, top] = exact[p, :k]
+        boxed[p, top] = (torch.arange(k, dtype=torch.int32) + 1 | 0x7F800000).view(torch.float32)
+        order = torch.sort(head[p, top], stable=True).indices
+        grouped[0][p, :k], grouped[1][p, :k] = top[order].int(), exact[p, :k][order]
+        listed_in[p] = torch.bincount(head[p, top], minlength=C + 1)[:C].int()
+        grouped[2][p] = (listed_in[p].cumsum(0) - listed_in[p]).int()
+    return ranked, boxed, (exact, shifts), (*grouped, listed_in), assignment, members, counts, (B, H, Gs, T, C)
+
+
+@pytest.mark.parametrize("few", [16, 2], ids=["picks", "bisection"])
+def test_a_cluster_within_its_listed_rows_is_selected_from_them_alone(few, monkeypatch):
+    """With the shortlist grouped by cluster (``launch_select``'s ``grouped``), a cluster whose quota is at most its
+    listed rows takes its best listed ones without reading a score: with every other score of such a cluster
+    poisoned (+1e30, which would win), the selection is still the reference's, over every size class (the largest
+    cluster's listed rows a block at a time) and quotas below, at and above the listed rows; with the grouping's
+    counts zeroed (a row whose unlisted scores may tie its listed ones) the same poison shows."""
+    monkeypatch.setattr(selection, "FEW_PICKS", few)
+    monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
+    monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
+    ranked, boxed, listing, grouped, assignment, members, counts, (B, H, Gs, T, C) = _listed_case(seed=3)
+    rows, N = ranked.shape
+    listed_in = grouped[3].long()
+    n = counts.view(B * H, 1, C).expand(-1, Gs * T, -1).reshape(rows, C)
+    gen = torch.Generator().manual_seed(4)
+    quotas = torch.stack([listed_in, (listed_in - 1).clamp_min(0), (listed_in + 1).clamp(max=n), n, 0 * n], -1)
+    quotas = quotas.gather(-1, torch.randint(5, (rows, C, 1), generator=gen)).squeeze(-1).clamp(max=n)
+    width = int(quotas.sum(-1).max()) + 3
+    reference = select_by_sorting(ranked.view(B, H, Gs, T, N), assignment, quotas.view(B, H, Gs, T, C), width)
+    from_listed = (quotas > 0) & (quotas <= listed_in) & (quotas < n)
+    assert from_listed.sum() >= 10 and (from_listed & (quotas == listed_in)).any()
+    assert (from_listed & (n > 16) & (listed_in > 0)).any()  # the block-at-a-time class
+    head = assignment.repeat_interleave(Gs * T, 1).view(rows, N)
+    poisoned = boxed.clone()
+    unlisted = poisoned == poisoned  # a box is a NaN
+    for p, c in from_listed.nonzero().tolist():
+        poisoned[p] = torch.where((head[p] == c) & unlisted[p], 1e30, poisoned[p])
+
+    def run(scores, grouping):
+        out = torch.full((rows, width), -1, dtype=torch.long)
+        offsets = (quotas.cumsum(-1) - quotas).contiguous()
+        selection.launch_select(scores, members, counts, quotas, offsets, out, Gs * T, 4, listing, grouping)
+        return out.view(B, H, Gs, T, width)
+
+    assert torch.equal(run(boxed, None), reference)  # the boxes alone: every cluster from its members' scores
+    assert torch.equal(run(poisoned, grouped), reference)
+    assert not torch.equal(run(poisoned, (*grouped[:3], torch.zeros_like(grouped[3]))), reference)
+    with pytest.raises(ValueError, match="grouped shortlists without their listing"):
+        selection.launch_select(boxed, members, counts, quotas, quotas, quotas, Gs * T, 4, None, grouped)

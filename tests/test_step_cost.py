@@ -178,3 +178,42 @@ def test_the_designs_differ_in_the_scores_the_codes_and_the_member_lists_only():
         same = {k: v for k, v in a["bytes"].items() if k not in ("scores", "codes", "members")}
         assert same == {k: v for k, v in b["bytes"].items() if k not in ("scores", "codes", "members")}
         assert (a["launches"], b["launches"]) == (3, 2) and a["share_of_dense"] > b["share_of_dense"]
+
+
+def test_the_selection_from_grouped_shortlists_reads_scores_and_members_of_its_other_clusters_only():
+    """``listed_selection`` (the built step with a floor): the selection reads the scores of the ``scored`` share of
+    the positions and the member lists of the ``members`` share, per selection row; the plan's grouping adds each
+    shortlist entry's cluster read again and its grouped entry written and read, and each cluster's start and count.
+    At the bound (every cluster read) the scores and members are the ungrouped step's."""
+    pipe, D, N, heads = _pipe(), 128, 16384, 2 * 8
+    plain = step_cost.step_bytes(pipe, 2, N, 8, D, per_row=True)
+    bound = step_cost.step_bytes(pipe, 2, N, 8, D, per_row=True, listed_selection=(1.0, 1.0))
+    some = step_cost.step_bytes(pipe, 2, N, 8, D, per_row=True, listed_selection=(0.02, 0.05))
+    assert (bound["scores"], bound["members"]) == (plain["scores"], plain["members"])
+    shortlist, clusterable = math.ceil(4.0 * (math.floor(0.01 * N) - 68)), N - 68
+    assert bound["state"] - plain["state"] == heads * 4 * (shortlist * (8 + 2 * 8) + 64 * 16)
+    assert some["state"] == bound["state"]
+    passes = step_cost.SCORE_PASSES
+    assert some["scores"] == pytest.approx(heads * 4 * (clusterable * (passes - 1 + 0.02) + shortlist) * 4)
+    assert some["members"] == pytest.approx(heads * 4 * clusterable * 0.05 * 4)
+
+
+def test_selection_factors_count_the_clusters_read_beyond_the_shortlist():
+    """``selection_factors``: shares of the clusterable positions, the scored ones among the member lists read; a
+    shortlist of every position leaves no cluster to score (each quota within its listed rows)."""
+    spec = {"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"}
+    narrow = oa.build({**spec, "selector": {"name": "pq", "rerank": 1}})
+    found = step_cost.selection_factors(step_cost.decisions(narrow, *_state(narrow, heads_alike=False)))
+    assert 0 < found["select_scored"] <= found["select_members"] <= 1
+    whole = oa.build({**spec, "selector": {"name": "pq", "rerank": 100}})
+    found = step_cost.selection_factors(step_cost.decisions(whole, *_state(whole, heads_alike=False)))
+    assert found["select_scored"] == 0.0 and 0 <= found["select_members"] < 1
+    measured = {"shortlist_union": 2.0, "selected_union": 2.5, "select_scored": 0.02, "select_members": 0.03}
+    rows = step_cost.configs(
+        lambda density, gqa: _pipe(density, gqa=gqa),
+        [{"model": "m", "heads_per_group": 4, "densities": {str(d): measured for d in step_cost.DENSITIES}}],
+    )
+    for r in rows:
+        assert r["select_scored"] == (0.02 if r["overlap"] == "measured on m" else 1.0)
+    at = {(r["batch"], r["context"], r["density"], r["overlap"]): r["total_bytes"] for r in rows}
+    assert all(at[(*k[:3], "measured on m")] < v for k, v in at.items() if k[3] == "heads agree")
