@@ -37,7 +37,7 @@ if triton is not None:
         p = tl.program_id(0).to(tl.int64)
         below = row_shift(COUNTS, EXACT, CUT, SHIFTS, p, L, BLOCK)
         group_listed(ASSIGNMENT, LISTED, COUNTS, EXACT, GROUPED, GROUPED_EXACT, START, IN, p, Gs, CAP, C, L, below,
-                     BLOCK, BLOCK_C)  # fmt: skip
+                     BLOCK, BLOCK // 4, BLOCK_C)  # fmt: skip
 
 
 C, CAP, F, HKV, GS = 8, 256, 4, 2, 2

@@ -172,6 +172,7 @@ def measure(dims: list[int], dtypes: tuple[str, ...] = ("fp32", "bf16")) -> list
         rows += pq_shortlist_rows(dim, first=dim == dims[0])
         rows += pq_prepare_rows(dim, first=dim == dims[0])
         rows.append(prologue_row(dim))
+    rows += plan_select_rows()  # (no head dim)
     for row in rows:
         row["fits"] = row["shared"] <= SHARED_LIMIT and row["stack"] <= STACK_LIMIT
     return rows
@@ -194,6 +195,31 @@ def prologue_row(dim: int) -> dict:
         types[name] = "*fp32"
     usage = _compile(flash_step_programs.prologue, types, constants, num_warps=4)
     return {"kernel": "flash_step_programs.prologue", "dim": dim, "dtype": "bf16", **usage}
+
+
+def plan_select_rows() -> list[dict]:
+    """The fused step's plan with the floor (64 clusters, its grouping's tile) and the per-cluster selection from
+    grouped shortlists, at each size class's block (the largest a block at a time), as ``FusedStep`` launches them."""
+    from oa_core.ops import selection
+    from oa_plugins.kernels import flash_step, plan_programs, two_stage
+
+    types = dict(MEAN_LOGIT="*fp32", LOGIT_VAR="*fp32", COUNT="*fp32", LENGTH="*i64", START="*i64", DENSITY="*fp64")
+    types.update(FIXED_BASE="*i64", FIXED_MOVES="*i64", ASSIGNMENT="*i64", FLOOR_SHARE="*fp64", LISTED="*i32")
+    types.update(LISTED_COUNTS="*i32", EXACT="*fp32", CUT="*i64", SHIFTS="*fp32", GROUPED="*i32", GROUPED_EXACT="*fp32")
+    types.update(LISTED_START="*i32", LISTED_IN="*i32", QUOTAS="*i64", OFFSETS="*i64", RUNS="*i32", INDEX="*i64")
+    types.update(LW="*fp32", ARRIVALS="*i32", SCORES="*fp32", MEMBERS="*i32", COUNTS="*i64", OUT="*i64", N="i64")
+    types.update(HEAD_STRIDE="i64")
+    plan = dict(G=1, BLOCK_G=1, BLOCK_C=64, BLOCK_F=128, FLOOR=True, RADIX_BLOCK=two_stage.RADIX_BLOCK)
+    plan.update(GROUP_BLOCK=flash_step.GROUP_BLOCK, LIBDEVICE=True)
+    rows = [
+        {"kernel": "plan_programs.plan", **_compile(plan_programs.plan, types, plan, num_warps=flash_step.PLAN_WARPS)}
+    ]
+    for block in (selection.SMALL_CLUSTER, 4 * selection.SMALL_CLUSTER, selection.REGISTER_LIMIT):
+        constants = dict(BLOCK=block, BLOCKWISE=block == selection.REGISTER_LIMIT, FEW=selection.FEW_PICKS)
+        constants.update(BOXED=True, LISTED=True)
+        usage = _compile(selection._select_kernel, types, constants, num_warps=selection._warps(block))
+        rows.append({"kernel": "selection._select_kernel", "block": block, **usage})
+    return rows
 
 
 def pq_shortlist_rows(dim: int, first: bool) -> list[dict]:

@@ -82,7 +82,10 @@ from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 # at 32 × 32K (0.033/0.083, 0.068/0.084, 0.214/0.233 at 3%; 8 warps no faster, or slower per head):
 # ``benchmarks/studies/plan_phases.py``, ``plan_phases_h200.json``.
 PLAN_WARPS = 4
-GROUP_BLOCK = 128  # shortlist entries per block of the plan's grouping by cluster (a block × clusters tile)
+# Shortlist entries per tile of the plan's grouping by cluster (``group_listed``'s TILE, a tile × clusters cumulative
+# sum; its count takes RADIX_BLOCK entries a pass). Compiled for sm_90 with 64 clusters the plan takes 128 registers a
+# thread at tiles of 32 or 64 entries, 168 at 128 (108 without the grouping): 64, the fewest passes at 128. Untimed.
+GROUP_BLOCK = 64
 
 if triton is not None:
     from oa_plugins.kernels.flash_step_programs import prologue

@@ -82,7 +82,7 @@ if triton is not None:
             below = row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
             group_listed(
                 ASSIGNMENT, LISTED, LISTED_COUNTS, EXACT, GROUPED, GROUPED_EXACT, LISTED_START, LISTED_IN, p, Gs, CAP,
-                C, L, below, GROUP_BLOCK, BLOCK_C,
+                C, L, below, RADIX_BLOCK, GROUP_BLOCK, BLOCK_C,
             )  # fmt: skip
             first = floor_counts(
                 ASSIGNMENT,

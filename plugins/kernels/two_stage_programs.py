@@ -339,14 +339,15 @@ if triton is not None:
     @triton.jit
     def group_listed(
         ASSIGNMENT, LISTED, COUNTS, EXACT, GROUPED, GROUPED_EXACT, LISTED_START, LISTED_IN, p, Gs, CAP, C, L, below,
-        BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+        BLOCK: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
     ):  # fmt: skip
         """Selection row ``p``'s shortlist grouped by cluster, for the selection (``launch_select``'s ``grouped``): its
         positions (int32) and exact logits at ``GROUPED``/``GROUPED_EXACT`` ``[rows, L]``, cluster by cluster, each
         cluster's in position order (a stable counting sort of the shortlist, itself in position order); each
         cluster's first entry at ``LISTED_START`` and its number of entries at ``LISTED_IN`` ``[rows, C]`` — 0 unless
         ``below`` (``row_shift``: every unlisted score ranks below every listed one), so that a cluster whose quota is
-        at most its listed rows takes them from here, and any other reads its members' scores."""
+        at most its listed rows takes them from here, and any other reads its members' scores. Two passes: the
+        clusters counted BLOCK entries at a time, then each entry placed TILE at a time (a TILE × BLOCK_C tile)."""
         k = tl.load(COUNTS + p)
         offs_c = tl.arange(0, BLOCK_C)
         listing = ASSIGNMENT + (p // Gs) * CAP
@@ -359,12 +360,12 @@ if triton is not None:
         first = tl.cumsum(hist, axis=0) - hist
         tl.store(LISTED_START + p * C + offs_c, first, mask=offs_c < C)
         tl.store(LISTED_IN + p * C + offs_c, tl.where(below, hist, 0), mask=offs_c < C)
-        for start in range(0, k, BLOCK):  # each entry to its cluster's next slot: a block's ranks by a cumulative sum
-            offs = start + tl.arange(0, BLOCK)
+        for start in range(0, k, TILE):  # each entry to its cluster's next slot: a tile's ranks by a cumulative sum
+            offs = start + tl.arange(0, TILE)
             pos = tl.load(LISTED + p * L + offs, mask=offs < k, other=0).to(tl.int64)
             ok = (offs < k) & (pos >= 0) & (pos < CAP)
             cluster = tl.load(listing + pos, mask=ok, other=0).to(tl.int32)
-            hit = ((cluster[:, None] == offs_c[None, :]) & ok[:, None]).to(tl.int32)  # [BLOCK, BLOCK_C]
+            hit = ((cluster[:, None] == offs_c[None, :]) & ok[:, None]).to(tl.int32)  # [TILE, BLOCK_C]
             slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + first[None, :]), axis=1)
             tl.store(GROUPED + p * L + slot, pos.to(tl.int32), mask=ok)
             tl.store(GROUPED_EXACT + p * L + slot, tl.load(EXACT + p * L + offs, mask=ok, other=0.0), mask=ok)

@@ -32,7 +32,7 @@ def test_every_kernel_fits_an_sm90_gpu_at_head_dims_64_to_256():
     )
     assert done.stdout, done.stderr
     report = json.loads(done.stdout)
-    kernels = {(row["kernel"], row["dim"]) for row in report["rows"]}
+    kernels = {(row["kernel"], row.get("dim")) for row in report["rows"]}
     assert {kernel for kernel, _ in kernels} == {
         "flash_programs.sparse_pass",
         "kmeans._lloyd_step",
@@ -44,6 +44,8 @@ def test_every_kernel_fits_an_sm90_gpu_at_head_dims_64_to_256():
         "flash_step_programs.prologue",
         "pq_programs._pq_encode",
         "pq_programs._pq_train",
+        "plan_programs.plan",
+        "selection._select_kernel",
     }
     too_big = [
         row for row in report["rows"] if row["shared"] > report["shared_limit"] or row["stack"] > report["stack_limit"]
