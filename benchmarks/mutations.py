@@ -771,6 +771,14 @@ MUTATIONS = [
         "next cluster's first listed row",
     ),
     mutation(
+        "listed-small-block-one-row-too-many",
+        "oa_core/ops/selection.py",
+        [("if listed <= LISTED_BLOCK:", "if listed <= LISTED_BLOCK + 1:")],
+        ("tests/test_selection.py",),
+        "a cluster with one listed row more than the small block holds is selected in it: its last listed row is "
+        "never a candidate",
+    ),
+    mutation(
         "listed-selection-reads-the-scores-by-position",
         "oa_core/ops/selection.py",
         [

@@ -310,16 +310,18 @@ def _listed_case(seed: int, length: int = 48):
     return ranked, boxed, (exact, shifts), (*grouped, listed_in), assignment, members, counts, (B, H, Gs, T, C)
 
 
+@pytest.mark.parametrize("listed_block", [32, 2], ids=["small block", "the class's blocks"])
 @pytest.mark.parametrize("few", [16, 2], ids=["picks", "bisection"])
-def test_a_cluster_within_its_listed_rows_is_selected_from_them_alone(few, monkeypatch):
+def test_a_cluster_within_its_listed_rows_is_selected_from_them_alone(few, listed_block, monkeypatch):
     """With the shortlist grouped by cluster (``launch_select``'s ``grouped``), a cluster whose quota is at most its
     listed rows takes its best listed ones without reading a score: with every other score of such a cluster
-    poisoned (+1e30, which would win), the selection is still the reference's, over every size class (the largest
-    cluster's listed rows a block at a time) and quotas below, at and above the listed rows; with the grouping's
-    counts zeroed (a row whose unlisted scores may tie its listed ones) the same poison shows."""
+    poisoned (+1e30, which would win), the selection is still the reference's, with the listed rows in a small block
+    or in every size class's (the largest cluster's a block at a time), and quotas below, at and above the listed
+    rows; with the grouping's counts zeroed (a row whose unlisted scores may tie its listed ones) the poison shows."""
     monkeypatch.setattr(selection, "FEW_PICKS", few)
     monkeypatch.setattr(selection, "SMALL_CLUSTER", 4)
     monkeypatch.setattr(selection, "REGISTER_LIMIT", 16)
+    monkeypatch.setattr(selection, "LISTED_BLOCK", listed_block)  # listed rows in a small block, or in the class's
     ranked, boxed, listing, grouped, assignment, members, counts, (B, H, Gs, T, C) = _listed_case(seed=3)
     rows, N = ranked.shape
     listed_in = grouped[3].long()

@@ -216,7 +216,7 @@ def plan_select_rows() -> list[dict]:
     ]
     for block in (selection.SMALL_CLUSTER, 4 * selection.SMALL_CLUSTER, selection.REGISTER_LIMIT):
         constants = dict(BLOCK=block, BLOCKWISE=block == selection.REGISTER_LIMIT, FEW=selection.FEW_PICKS)
-        constants.update(BOXED=True, LISTED=True)
+        constants.update(BOXED=True, LISTED=True, LISTED_BLOCK=selection.LISTED_BLOCK)
         usage = _compile(selection._select_kernel, types, constants, num_warps=selection._warps(block))
         rows.append({"kernel": "selection._select_kernel", "block": block, **usage})
     return rows

@@ -47,6 +47,7 @@ from oa_core.ops.triton_path import tl, triton
 # instead of 512 took the selection from 35 to 30 µs at 3% on the H200; at 32K tokens 256 lanes were 20-50% slower.
 SMALL_CLUSTER = 512
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
+LISTED_BLOCK = 32  # listed rows up to this are selected in a block of this size, not the class's (untimed)
 FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
 MAX_BOXED = 2**23 - 2  # the most shortlist entries a boxed score can name (``listed_box``: a NaN's payload, 23 bits)
 
@@ -341,12 +342,10 @@ if triton is not None:
         FEW: tl.constexpr,
         BOXED: tl.constexpr,
         LISTED: tl.constexpr,
+        LISTED_BLOCK: tl.constexpr,
     ):
         """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring).
-        BOXED: a two-stage selection's scores (``_cluster_keys``), the rows' shortlists ``EXACT`` ``[rows, L]`` and
-        shifts ``SHIFTS`` ``[rows]``. LISTED: the shortlists grouped by cluster too (``launch_select``'s ``grouped``):
-        a cluster whose quota is at most its listed rows takes its best listed rows, reading neither members nor
-        scores."""
+        BOXED, LISTED: ``launch_select``'s ``listing`` (``EXACT`` ``[rows, L]``, ``SHIFTS`` ``[rows]``), ``grouped``."""
         # A row's clusters are neighbours in the grid: they read disjoint members of the same row's scores, whose
         # 32-byte sectors each hold several clusters' scores, and run close enough in time to find them in L2.
         program = tl.program_id(0).to(tl.int64)
@@ -369,7 +368,11 @@ if triton is not None:
             elif (quota > 0) & (quota <= listed):  # (LISTED) the best of its listed rows: they rank above the rest
                 entries = p * L + tl.load(LISTED_START + p * C + c)
                 grouped, keys = GROUPED + entries, GROUPED_EXACT + entries
-                if BLOCKWISE:
+                if listed <= LISTED_BLOCK:  # (most: a few rows each) a small block, whatever the cluster's size
+                    _take_top_in_registers(
+                        grouped, keys, quota, listed, out, exact, shift, BOXED, LISTED_BLOCK, FEW, True
+                    )
+                elif BLOCKWISE:
                     _take_top_blockwise(grouped, keys, quota, listed, out, exact, shift, BOXED, BLOCK, True)
                 elif listed <= BLOCK // 2:
                     _take_top_in_registers(
@@ -458,9 +461,8 @@ def launch_select(
     selection rows of one (batch row, KV head); ``small``: the smallest block (``smallest_block``). ``listing``: the
     scores are a two-stage selection's, boxed — each row's shortlist's exact logits ``[rows, L]`` and the shift of
     its unlisted scores ``[rows]`` (``_cluster_keys``). ``grouped`` (with a listing): the shortlists grouped by
-    cluster (``two_stage_programs.group_listed``) — positions and exact logits ``[rows, L]``, each cluster's first
-    entry and its entries (0 where the row's unlisted scores may tie its listed ones) ``[rows, C]`` int32 —: a
-    cluster whose quota is at most its entries is selected from them alone."""
+    cluster (``two_stage_programs.group_listed``: positions, exact logits ``[rows, L]``, each cluster's first entry
+    and entries ``[rows, C]``): a cluster whose quota is at most its entries is selected from them alone."""
     rows, N = scores.shape
     C, S = members.shape[-2:]
     exact, shifts = listing if listing is not None else (scores, scores)
@@ -492,5 +494,6 @@ def launch_select(
             FEW=FEW_PICKS,
             BOXED=listing is not None,
             LISTED=grouped is not None,
+            LISTED_BLOCK=LISTED_BLOCK,
             num_warps=_warps(block),
         )
