@@ -214,11 +214,17 @@ def plan_select_rows() -> list[dict]:
     rows = [
         {"kernel": "plan_programs.plan", **_compile(plan_programs.plan, types, plan, num_warps=flash_step.PLAN_WARPS)}
     ]
-    for block in (selection.SMALL_CLUSTER, 4 * selection.SMALL_CLUSTER, selection.REGISTER_LIMIT):
+    # Each launch as ``launch_select`` makes it: without a listing (the composed step: EXACT and SHIFTS are the scores),
+    # with one (a re-rank without a floor), with the grouping too (the default); where absent, the grouping's pointers
+    # are the quotas' (int64): a path compiled for them fails (as it did on an H100 at b57b0c3).
+    absent = dict.fromkeys(("GROUPED", "GROUPED_EXACT", "LISTED_START", "LISTED_IN"), "*i64")
+    blocks = (selection.SMALL_CLUSTER, 4 * selection.SMALL_CLUSTER, selection.REGISTER_LIMIT)
+    for block, (boxed, listed) in itertools.product(blocks, [(False, False), (True, False), (True, True)]):
         constants = dict(BLOCK=block, BLOCKWISE=block == selection.REGISTER_LIMIT, FEW=selection.FEW_PICKS)
-        constants.update(BOXED=True, LISTED=True, LISTED_BLOCK=selection.LISTED_BLOCK)
-        usage = _compile(selection._select_kernel, types, constants, num_warps=selection._warps(block))
-        rows.append({"kernel": "selection._select_kernel", "block": block, **usage})
+        constants.update(BOXED=boxed, LISTED=listed, LISTED_BLOCK=selection.LISTED_BLOCK)
+        launch = {**types, **({} if listed else absent)}
+        usage = _compile(selection._select_kernel, launch, constants, num_warps=selection._warps(block))
+        rows.append({"kernel": "selection._select_kernel", "block": block, "boxed": boxed, "listed": listed, **usage})
     return rows
 
 

@@ -365,21 +365,18 @@ if triton is not None:
                 for start in range(0, n, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     tl.store(out + offs, tl.load(members + offs, mask=offs < n).to(tl.int64), mask=offs < n)
-            elif (quota > 0) & (quota <= listed):  # (LISTED) the best of its listed rows: they rank above the rest
-                entries = p * L + tl.load(LISTED_START + p * C + c)
-                grouped, keys = GROUPED + entries, GROUPED_EXACT + entries
-                if listed <= LISTED_BLOCK:  # (most: a few rows each) a small block, whatever the cluster's size
-                    _take_top_in_registers(
-                        grouped, keys, quota, listed, out, exact, shift, BOXED, LISTED_BLOCK, FEW, True
-                    )
-                elif BLOCKWISE:
-                    _take_top_blockwise(grouped, keys, quota, listed, out, exact, shift, BOXED, BLOCK, True)
-                elif listed <= BLOCK // 2:
-                    _take_top_in_registers(
-                        grouped, keys, quota, listed, out, exact, shift, BOXED, BLOCK // 2, FEW, True
-                    )
-                else:
-                    _take_top_in_registers(grouped, keys, quota, listed, out, exact, shift, BOXED, BLOCK, FEW, True)
+            elif (quota > 0) & (quota <= listed):  # the best of its listed rows (they rank above the rest)
+                if LISTED:  # (compiled only with the grouping: without, its stand-ins are of other types)
+                    at = p * L + tl.load(LISTED_START + p * C + c)
+                    g, e = GROUPED + at, GROUPED_EXACT + at  # the cluster's listed rows and their exact logits
+                    if listed <= LISTED_BLOCK:  # (most: a few rows each)
+                        _take_top_in_registers(g, e, quota, listed, out, exact, shift, BOXED, LISTED_BLOCK, FEW, True)
+                    elif BLOCKWISE:
+                        _take_top_blockwise(g, e, quota, listed, out, exact, shift, BOXED, BLOCK, True)
+                    elif listed <= BLOCK // 2:
+                        _take_top_in_registers(g, e, quota, listed, out, exact, shift, BOXED, BLOCK // 2, FEW, True)
+                    else:
+                        _take_top_in_registers(g, e, quota, listed, out, exact, shift, BOXED, BLOCK, FEW, True)
             elif quota > 0:
                 scores = SCORES + p * N
                 if BLOCKWISE:
