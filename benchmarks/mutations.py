@@ -763,34 +763,6 @@ MUTATIONS = [
     ),
     # -- selection ---------------------------------------------------------------------------------------------------
     mutation(
-        "listed-selection-one-past-its-rows",
-        "oa_core/ops/selection.py",
-        [("elif (quota > 0) & (quota <= listed):", "elif (quota > 0) & (quota <= listed + 1):")],
-        ("tests/test_selection.py",),
-        "a cluster whose quota passes its listed rows by one is selected from the grouped shortlist: it takes the "
-        "next cluster's first listed row",
-    ),
-    mutation(
-        "listed-small-block-one-row-too-many",
-        "oa_core/ops/selection.py",
-        [("if listed <= LISTED_BLOCK:", "if listed <= LISTED_BLOCK + 1:")],
-        ("tests/test_selection.py",),
-        "a cluster with one listed row more than the small block holds is selected in it: its last listed row is "
-        "never a candidate",
-    ),
-    mutation(
-        "listed-selection-reads-the-scores-by-position",
-        "oa_core/ops/selection.py",
-        [
-            (
-                "score = tl.load(scores + (offs if DIRECT else pos), mask=ok, other=0.0)",
-                "score = tl.load(scores + pos, mask=ok, other=0.0)",
-            )
-        ],
-        ("tests/test_selection.py",),
-        "the selection from the grouped shortlist reads its exact logits at the rows' positions, not at their entries",
-    ),
-    mutation(
         "triton-selection-grid-one-short",
         "oa_core/ops/selection.py",
         [("_select_kernel[(rows * C,)](", "_select_kernel[(rows * C - 1,)](")],
@@ -1545,40 +1517,6 @@ MUTATIONS = [
         ("tests/test_flash_step.py",),
         "exact_logits leaves the listed scores unboxed where the shortlist's own launch did not box them (QGS's): the "
         "selection ranks them by their codes' scores, not their exact logits",
-    ),
-    mutation(
-        "grouped-shortlist-reversed-in-a-block",
-        "plugins/kernels/two_stage_programs.py",
-        [
-            (
-                "slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + first[None, :]), axis=1)",
-                "slot = tl.sum(hit * (first[None, :] + tl.sum(hit, axis=0)[None, :] - tl.cumsum(hit, axis=0)), axis=1)",
-            )
-        ],
-        ("tests/test_floor_counts.py",),
-        "the plan's grouping lays each block's entries of a cluster out last first: a cluster's listed rows out of "
-        "position order (ties among them go to the later position)",
-    ),
-    mutation(
-        "grouped-shortlist-ignores-the-shift-guard",
-        "plugins/kernels/two_stage_programs.py",
-        [
-            (
-                "tl.store(LISTED_IN + p * C + offs_c, tl.where(below, hist, 0), mask=offs_c < C)",
-                "tl.store(LISTED_IN + p * C + offs_c, hist, mask=offs_c < C)",
-            )
-        ],
-        ("tests/test_floor_counts.py",),
-        "a row whose shift cannot put its unlisted scores below its listed ones still selects from its listed rows "
-        "alone (an unlisted row tied with the lowest exact logit at an earlier position is never taken)",
-    ),
-    mutation(
-        "shift-guard-not-strict",
-        "plugins/kernels/two_stage_programs.py",
-        [("return (k > 0) & (last + shift < lowest)", "return (k > 0) & (last + shift <= lowest)")],
-        ("tests/test_floor_counts.py",),
-        "the shift's guard lets an unlisted score equal to the lowest exact logit through: ties between listed and "
-        "unlisted rows go to the listed one whatever their positions",
     ),
     mutation(
         "floor-takes-one-tie-too-many",

@@ -79,7 +79,6 @@ MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
 ASSIGNMENT_BYTES = 8  # a slot's cluster number (``StaticState.assignment``, int64)
 MEMBER_BYTES = 4  # a member list's entry (``StaticState.members``, int32)
-GROUPED_BYTES = 8  # a grouped shortlist entry (``group_listed``: an int32 position and a float32 exact logit)
 CLUSTER_ID_BYTES = 1  # a position's cluster as the cluster design would read it (at most 256 clusters: uint8)
 # The default's fused step writes or reads a row of scores whole this many times: ``pq_scores`` writes it, ``pq_cut``
 # reads it for two digits (the rest from the few keys near the cut), ``pq_list`` once (boxing the listed positions:
@@ -108,7 +107,6 @@ def step_bytes(
     score_passes: int = SCORE_PASSES,
     cluster_ids: bool = False,
     per_row: bool = False,
-    listed_selection: tuple[float, float] | None = None,
 ) -> dict[str, float]:
     """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
@@ -120,12 +118,7 @@ def step_bytes(
     one byte, once for the group (the cluster design, its scores on chip in position order), not the member lists.
     ``per_row``: the flash pass as built (``sparse_pass``, a program per selection row and part): each selection row
     reads its own selected rows, the sink and the window, and the pooled sums of its KV head's clusters, whatever the
-    group's heads share (the union factor of the selections unused). ``listed_selection``: the built step's selection
-    from its shortlists grouped by cluster (``group_listed``, with ErrorGate's floor), as (scored, members) shares of
-    the clusterable positions per selection row (``selection_factors``): it reads the scores only in clusters whose
-    quota passes their listed rows (``scored``), the member lists there and in clusters it copies whole
-    (``members``), and each row's grouped shortlist (positions and exact logits), which the plan writes after
-    reading its rows' clusters a second time."""
+    group's heads share (the union factor of the selections unused)."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -150,12 +143,6 @@ def step_bytes(
     }
     if candidates is not None:
         per_head["scores"] = score_rows * clusterable * candidates * (4 + 4) * 2
-    if listed_selection is not None:
-        scored, listed = listed_selection  # (members read: copied clusters too)
-        per_head["scores"] = score_rows * (clusterable * (score_passes - 1 + scored) + shortlist) * 4
-        per_head["members"] = score_rows * clusterable * listed * MEMBER_BYTES
-        grouping = shortlist * (ASSIGNMENT_BYTES + 2 * GROUPED_BYTES) + clusters * 2 * 2 * 4  # + starts and counts
-        per_head["state"] += score_rows * grouping
     out = {part: batch * kv_heads * value for part, value in per_head.items()}
     out["total"] = sum(out.values())
     out["dense"] = batch * kv_heads * context * row
@@ -272,27 +259,6 @@ def one_program_factors(decided: Decisions) -> dict[str, float]:
     }
 
 
-def selection_factors(decided: Decisions) -> dict[str, float]:
-    """What the built step's selection reads beside its grouped shortlists (``group_listed``), from one attend
-    (``decisions``): per selection row, the share of the clusterable positions in clusters whose quota passes their
-    listed rows but not their size (``scored``: their members' scores read) and that share with the clusters copied
-    whole added (``members``: their member lists read), the mean over rows."""
-    explanation, _, _, listed, _ = decided
-    assert explanation.quotas is not None and explanation.allocation is not None
-    C = explanation.quotas.shape[-1]
-    members = torch.nn.functional.one_hot(explanation.allocation.assignment, C + 1)[..., :C].float()  # [B, Hkv, N, C]
-    listed_per_cluster = torch.einsum("bhgtn,bhnc->bhgtc", listed.float(), members)
-    size = members.sum(2)[:, :, None, None, :]  # [B, Hkv, 1, 1, C]
-    quotas = explanation.quotas.float()
-    scored = (quotas > listed_per_cluster) & (quotas < size)
-    copied = (quotas >= size) & (quotas > 0)
-    clusterable = size.sum(-1).clamp_min(1)
-    return {
-        "select_scored": float(((size * scored).sum(-1) / clusterable).mean()),
-        "select_members": float(((size * (scored | copied)).sum(-1) / clusterable).mean()),
-    }
-
-
 def measure(model: str | None, densities: list[float]) -> dict:
     """Union factors of the default spec per head on an offline model: per density, the mean over three layers."""
     from oa_core.analysis.attention_error import PREFILL_QUERIES, default_layers, haystack_ids, layer_case
@@ -314,7 +280,7 @@ def measure(model: str | None, densities: list[float]) -> dict:
             state = pipe.prepare(case.keys, case.values, case.prefill[:, :, -PREFILL_QUERIES:], scale=case.scale)
             decided = decisions(pipe, state, case.queries)
             found.append(union_factors(decided))
-            designs.append({**one_program_factors(decided), **selection_factors(decided)})
+            designs.append(one_program_factors(decided))
         out["densities"][str(density)] = {
             "shortlist_union": round(sum(s for s, _ in found) / len(found), 3),
             "selected_union": round(sum(s for _, s in found) / len(found), 3),
@@ -364,25 +330,17 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                 # each case's union of the group's shortlists (Triton's listing reads a K row once for the rows
                 # that list it); the flash pass reads each selection row's own rows whatever the heads share
                 heads = G if gqa == "per_head" else 1.0
-                # per case: the shortlists' union and what the selection reads beside the grouped shortlists (with a
-                # floor; unmeasured: every cluster's scores and members, the bound)
-                grouping = pipe.allocator.config.floor > 0 and pipe.selector.refines
-                bound = (1.0, 1.0) if grouping else None
-                cases = {"shared": (1.0, bound)} if gqa == "shared" else {}
+                cases = {"shared": 1.0} if gqa == "shared" else {"heads agree": 1.0, "heads disjoint": G}
                 if gqa == "per_head":
-                    cases = {"heads agree": (1.0, bound), "heads disjoint": (G, bound)}
                     for m in measured:
                         found = m["densities"].get(str(density))
                         if found:  # the measured share of the way from agreeing to disjoint, on this shape's G
-                            union = transfer(found["shortlist_union"], m["heads_per_group"], G)
-                            chosen = (found["select_scored"], found["select_members"]) if grouping else None
-                            cases[f"measured on {m['model']}"] = (union, chosen)
-                for case, (short, chosen) in cases.items():
+                            cases[f"measured on {m['model']}"] = transfer(
+                                found["shortlist_union"], m["heads_per_group"], G
+                            )
+                for case, short in cases.items():
                     passes, short = (CUDA_SCORE_PASSES, heads) if cuda else (SCORE_PASSES, short)
-                    parts = step_bytes(
-                        pipe, batch, context, *KV_SHAPE, short, heads, score_passes=passes, per_row=True,
-                        listed_selection=chosen,
-                    )  # fmt: skip
+                    parts = step_bytes(pipe, batch, context, *KV_SHAPE, short, heads, score_passes=passes, per_row=True)
                     rows.append(
                         {
                             "batch": batch,
@@ -392,7 +350,6 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                             "overlap": case,
                             "shortlist_union": short,
                             "selected_union": heads,
-                            **({"select_scored": chosen[0], "select_members": chosen[1]} if chosen else {}),
                             **byte_fields(parts),
                             "launches": launches,
                         }

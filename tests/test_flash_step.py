@@ -191,14 +191,13 @@ def test_the_two_stage_selection_and_the_floor_read_the_reference_rows(gqa, stag
     index column for column, the reference's rows and output, over repeated keys (ties in the codes and in the exact
     logits, taken by position) — and with blocks of 16 positions and 4 shortlist entries, every pass crosses
     blocks. The rows are not the paper pipeline's: the re-ranking is not a no-op."""
-    from oa_plugins.kernels import flash_step, two_stage
+    from oa_plugins.kernels import two_stage
 
     monkeypatch.setattr(two_stage, "SEGMENT", block)
     monkeypatch.setattr(two_stage, "PQ_SEGMENT", block // 2)
     monkeypatch.setattr(two_stage, "RADIX_BLOCK", block)
     monkeypatch.setattr(two_stage, "LIST_BLOCK", 4 if block == 16 else two_stage.LIST_BLOCK)
     monkeypatch.setattr(two_stage, "PQ_LIST_BLOCK", 4 if block == 16 else two_stage.PQ_LIST_BLOCK)
-    monkeypatch.setattr(flash_step, "GROUP_BLOCK", min(block, flash_step.GROUP_BLOCK))  # the plan's grouping
     spec = {**SPEC, "gqa": gqa, **stages}
     steps, composed, fused = run_fused(spec, steps=5, room=3, repeat=slice(40, 70))
     assert fused.fused.two_stage is not None

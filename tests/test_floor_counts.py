@@ -1,8 +1,7 @@
 """ErrorGate's floor in the fused step (``two_stage_programs.floor_counts``, the plan's): each selection row's best
 ⌊f·E_sel⌋ shortlist entries by exact logit, ties to the earlier entry (the shortlist is in position order), counted per
 cluster — its radix select in one block and across blocks, against a stable sort in torch, on shortlists whose tied
-entries lie in different clusters (where the order among ties changes the counts). And the plan's grouping of the
-shortlist by cluster for the selection (``group_listed``), after the row's shift (``row_shift``)."""
+entries lie in different clusters (where the order among ties changes the counts)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from oa_core.ops.triton_path import tl, triton
-from oa_plugins.kernels.two_stage_programs import floor_counts, group_listed, row_shift
+from oa_plugins.kernels.two_stage_programs import floor_counts
 
 pytestmark = pytest.mark.skipif(triton is None, reason="needs Triton (its interpreter on the CPU)")
 
@@ -28,16 +27,6 @@ if triton is not None:
         )  # fmt: skip
         offs = tl.arange(0, BLOCK_C)
         tl.store(OUT + p * C + offs, hist, mask=offs < C)
-
-    @triton.jit
-    def _group(
-        ASSIGNMENT, LISTED, COUNTS, EXACT, CUT, SHIFTS, GROUPED, GROUPED_EXACT, START, IN, Gs, CAP, C, L,
-        BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
-        p = tl.program_id(0).to(tl.int64)
-        below = row_shift(COUNTS, EXACT, CUT, SHIFTS, p, L, BLOCK)
-        group_listed(ASSIGNMENT, LISTED, COUNTS, EXACT, GROUPED, GROUPED_EXACT, START, IN, p, Gs, CAP, C, L, below,
-                     BLOCK, BLOCK // 4, BLOCK_C)  # fmt: skip
 
 
 C, CAP, F, HKV, GS = 8, 256, 4, 2, 2
@@ -81,41 +70,3 @@ def test_the_floor_takes_the_best_entries_ties_to_the_earlier_one(block, seed):
     want = expected(listed, exact, counts, assignment, k2=20)
     assert torch.equal(out, want)
     assert int(want.sum()) == 20 + 20 + 0 + 11  # rows cut at 20, one empty, one shorter than the floor
-
-
-def unsigned_key(score: torch.Tensor) -> torch.Tensor:
-    bits = score.view(torch.int32).long()
-    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits) + 2**31
-
-
-@pytest.mark.parametrize("block", [64, 16])  # the shortlist in one block, and across three
-def test_the_plan_groups_each_shortlist_by_cluster_in_position_order(block):
-    """``group_listed``: each row's entries cluster by cluster, each cluster's in the shortlist's (position) order, as a
-    stable sort by cluster lays them out, with each cluster's first entry and count; the count 0 where the row's
-    shift cannot put its unlisted scores strictly below its listed ones (logits near 1e9, where the shift's -1 is
-    lost to rounding), and ``row_shift``'s shift as ``rerank_exact`` takes it."""
-    listed, exact, counts, assignment = shortlists(seed=0)
-    rows, L = listed.shape
-    last = torch.tensor([0.1, -2.0, 0.0, 0.3])  # the cut: each row's last listed cheap score
-    exact[1] += 1e9  # the shift's -1 lost: unlisted scores may tie the lowest exact logit
-    out = [torch.full((rows, L), -7, dtype=torch.int32), torch.full((rows, L), -7.0)]
-    out += [torch.full((rows, C), -7, dtype=torch.int32) for _ in range(2)]
-    shifts = torch.full((rows,), -7.0)
-    _group[(rows,)](
-        assignment, listed, counts, exact, unsigned_key(last), shifts, *out, GS, CAP, C, L, BLOCK=block, BLOCK_C=C
-    )
-    grouped, grouped_exact, start, count = out
-    below = []
-    for p in range(rows):
-        k = int(counts[p])
-        lowest = exact[p, :k].min() if k else torch.tensor(0.0)
-        assert shifts[p] == ((lowest - last[p]) - 1.0 if k else 0.0)
-        below.append(bool(k) and bool(last[p] + shifts[p] < lowest))
-        clusters = assignment[0, p // GS, listed[p, :k].long()]
-        order = torch.sort(clusters, stable=True).indices
-        assert torch.equal(grouped[p, :k], listed[p, :k][order])
-        assert torch.equal(grouped_exact[p, :k], exact[p, :k][order])
-        per_cluster = torch.bincount(clusters, minlength=C).int()
-        assert torch.equal(start[p], per_cluster.cumsum(0).int() - per_cluster)
-        assert torch.equal(count[p], per_cluster if below[p] else torch.zeros_like(per_cluster))
-    assert below == [True, False, False, True]  # row 2 is empty

@@ -198,33 +198,28 @@ def prologue_row(dim: int) -> dict:
 
 
 def plan_select_rows() -> list[dict]:
-    """The fused step's plan with the floor (64 clusters, its grouping's tile) and the per-cluster selection from
-    grouped shortlists, at each size class's block (the largest a block at a time), as ``FusedStep`` launches them."""
+    """The fused step's plan with the floor (64 clusters) and the per-cluster selection at each size class's block
+    (the largest a block at a time), as ``FusedStep`` and ``select_per_cluster`` launch them."""
     from oa_core.ops import selection
     from oa_plugins.kernels import flash_step, plan_programs, two_stage
 
     types = dict(MEAN_LOGIT="*fp32", LOGIT_VAR="*fp32", COUNT="*fp32", LENGTH="*i64", START="*i64", DENSITY="*fp64")
     types.update(FIXED_BASE="*i64", FIXED_MOVES="*i64", ASSIGNMENT="*i64", FLOOR_SHARE="*fp64", LISTED="*i32")
-    types.update(LISTED_COUNTS="*i32", EXACT="*fp32", CUT="*i64", SHIFTS="*fp32", GROUPED="*i32", GROUPED_EXACT="*fp32")
-    types.update(LISTED_START="*i32", LISTED_IN="*i32", QUOTAS="*i64", OFFSETS="*i64", RUNS="*i32", INDEX="*i64")
-    types.update(LW="*fp32", ARRIVALS="*i32", SCORES="*fp32", MEMBERS="*i32", COUNTS="*i64", OUT="*i64", N="i64")
-    types.update(HEAD_STRIDE="i64")
-    plan = dict(G=1, BLOCK_G=1, BLOCK_C=64, BLOCK_F=128, FLOOR=True, RADIX_BLOCK=two_stage.RADIX_BLOCK)
-    plan.update(GROUP_BLOCK=flash_step.GROUP_BLOCK, LIBDEVICE=True)
+    types.update(LISTED_COUNTS="*i32", EXACT="*fp32", CUT="*i64", SHIFTS="*fp32", QUOTAS="*i64", OFFSETS="*i64")
+    types.update(RUNS="*i32", INDEX="*i64", LW="*fp32", ARRIVALS="*i32", SCORES="*fp32", MEMBERS="*i32")
+    types.update(COUNTS="*i64", OUT="*i64", N="i64", HEAD_STRIDE="i64")
+    plan = dict(G=1, BLOCK_G=1, BLOCK_C=64, BLOCK_F=128, FLOOR=True, RADIX_BLOCK=two_stage.RADIX_BLOCK, LIBDEVICE=True)
     rows = [
         {"kernel": "plan_programs.plan", **_compile(plan_programs.plan, types, plan, num_warps=flash_step.PLAN_WARPS)}
     ]
-    # Each launch as ``launch_select`` makes it: without a listing (the composed step: EXACT and SHIFTS are the scores),
-    # with one (a re-rank without a floor), with the grouping too (the default); where absent, the grouping's pointers
-    # are the quotas' (int64): a path compiled for them fails (as it did on an H100 at b57b0c3).
-    absent = dict.fromkeys(("GROUPED", "GROUPED_EXACT", "LISTED_START", "LISTED_IN"), "*i64")
+    # Both ways ``launch_select`` launches the selection: a composed step's scores, a two-stage selection's boxed ones.
+    # (A path compiled only for a launch that never takes it still has to compile: one that did not failed on an H100
+    # in session 24, which the interpreter's tests could not see.)
     blocks = (selection.SMALL_CLUSTER, 4 * selection.SMALL_CLUSTER, selection.REGISTER_LIMIT)
-    for block, (boxed, listed) in itertools.product(blocks, [(False, False), (True, False), (True, True)]):
-        constants = dict(BLOCK=block, BLOCKWISE=block == selection.REGISTER_LIMIT, FEW=selection.FEW_PICKS)
-        constants.update(BOXED=boxed, LISTED=listed, LISTED_BLOCK=selection.LISTED_BLOCK)
-        launch = {**types, **({} if listed else absent)}
-        usage = _compile(selection._select_kernel, launch, constants, num_warps=selection._warps(block))
-        rows.append({"kernel": "selection._select_kernel", "block": block, "boxed": boxed, "listed": listed, **usage})
+    for block, boxed in itertools.product(blocks, (False, True)):
+        constants = dict(BLOCK=block, BLOCKWISE=block == selection.REGISTER_LIMIT, FEW=selection.FEW_PICKS, BOXED=boxed)
+        usage = _compile(selection._select_kernel, types, constants, num_warps=selection._warps(block))
+        rows.append({"kernel": "selection._select_kernel", "block": block, "boxed": boxed, **usage})
     return rows
 
 

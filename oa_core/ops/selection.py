@@ -5,15 +5,16 @@ counterpart (``oa_core.ops.native``: each cluster's threshold by ``std::nth_elem
 ``select_by_sorting`` is the torch reference they are tested against, and what runs where neither can. All of them
 list the same positions in the same order.
 
-The torch reference sorts every row's N scores twice. Here each (selection row, cluster) program reads only its
-cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at prepare and extended by
-growth — and takes its q_b best on the scores' order-preserving 32-bit keys: up to ``FEW_PICKS`` one at a time, each
-pick one max-reduction over (key, lane) packed in 64 bits (the largest key and the first position among its ties);
-a larger quota by bisection for the q_b-th largest key between the cluster's smallest and largest (at most 32 counts
-over the cluster in registers), then the positions above it and those tied with it in position order until q_b.
-Either way: the reference's stable sort's set (score descending, position ascending), listed per cluster in position
-order. A cluster whose quota covers it is copied without reading scores; in a two-stage selection with its
-shortlists grouped by cluster, one whose quota is at most its listed rows takes the best of those alone.
+The torch reference sorts every row's N scores twice. Here each (selection row, cluster)
+program reads only its cluster's scores, through ``members`` — the clusters' positions, cluster-major, built at
+prepare and extended by growth — and takes its q_b best on the scores' order-preserving 32-bit keys. Up to
+``FEW_PICKS`` are picked one at a time: each pick is one max-reduction over (key, lane) packed in 64 bits, so the
+largest key and the first position among its ties come together; the picks' positions are then written in position
+order. A larger quota is found by bisection for the q_b-th largest key, between the cluster's smallest and largest
+(at most 32 counts over the cluster held in registers, fewer when a count hits q_b exactly), then the positions above
+it and those tied with it in position order until q_b are taken. Either way: the same set as the reference's stable
+sort (score descending, position ascending), listed per cluster in position order. A cluster whose quota covers it is
+copied without reading scores.
 
 Clusters are ragged (the largest a few times the mean), so one block sized for the largest would run every count over
 its size. Instead a launch covers a size class and holds two paths: (0, 2s] with blocks of s and 2s lanes, where s is
@@ -47,7 +48,6 @@ from oa_core.ops.triton_path import tl, triton
 # instead of 512 took the selection from 35 to 30 µs at 3% on the H200; at 32K tokens 256 lanes were 20-50% slower.
 SMALL_CLUSTER = 512
 REGISTER_LIMIT = 4096  # the largest cluster held in registers at once; larger ones go a block of this size at a time
-LISTED_BLOCK = 32  # listed rows up to this are selected in a block of this size, not the class's (untimed)
 FEW_PICKS = 16  # quotas up to this are picked one at a time (a power of two: the picks' lanes are held in a block)
 MAX_BOXED = 2**23 - 2  # the most shortlist entries a boxed score can name (``listed_box``: a NaN's payload, 23 bits)
 
@@ -200,18 +200,15 @@ if triton is not None:
         return ((entry + 1) | 0x7F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _cluster_keys(
-        members, scores, start, n, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr
-    ):
+    def _cluster_keys(members, scores, start, n, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr):
         """Positions, order keys and lanes of a cluster's block. BOXED: the scores of a two-stage selection, where a
         listed position holds its entry's box (``listed_box``: its key is its exact logit's, ``exact`` the row's
-        shortlist) and every other is shifted below the shortlist by ``shift`` (``rerank_exact``'s arithmetic).
-        DIRECT: ``scores`` lie beside ``members``, entry for entry (a cluster's listed rows' exact logits)."""
+        shortlist) and every other is shifted below the shortlist by ``shift`` (``rerank_exact``'s arithmetic)."""
         offs = start + tl.arange(0, BLOCK)
         ok = offs < n
         pos = tl.load(members + offs, mask=ok, other=0)
-        score = tl.load(scores + (offs if DIRECT else pos), mask=ok, other=0.0)
-        if BOXED and not DIRECT:
+        score = tl.load(scores + pos, mask=ok, other=0.0)
+        if BOXED:
             boxed = score != score
             entry = (score.to(tl.int32, bitcast=True) & 0x7FFFFF) - 1
             unlisted = tl.where(boxed, 0.0, score) + shift  # (a box's NaN left out of the sum)
@@ -231,10 +228,9 @@ if triton is not None:
 
     @triton.jit
     def _take_top_in_registers(
-        members, scores, quota, n, out, exact, shift,
-        BOXED: tl.constexpr, BLOCK: tl.constexpr, FEW: tl.constexpr, DIRECT: tl.constexpr,
-    ):  # fmt: skip
-        pos, key, ok = _cluster_keys(members, scores, 0, n, exact, shift, BOXED, BLOCK, DIRECT)
+        members, scores, quota, n, out, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr, FEW: tl.constexpr
+    ):
+        pos, key, ok = _cluster_keys(members, scores, 0, n, exact, shift, BOXED, BLOCK)
         take_top(members, pos, key, ok, quota, n, out, BLOCK, FEW)
 
     @triton.jit
@@ -276,14 +272,12 @@ if triton is not None:
         return ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
 
     @triton.jit
-    def _take_top_blockwise(
-        members, scores, quota, n, out, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr, DIRECT: tl.constexpr
-    ):
+    def _take_top_blockwise(members, scores, quota, n, out, exact, shift, BOXED: tl.constexpr, BLOCK: tl.constexpr):
         """``take_top`` for a cluster larger than a block: each pass re-reads it a block at a time (from cache)."""
         lo = tl.full([], 2147483647, tl.int32)
         hi = tl.full([], -2147483647, tl.int32)
         for start in range(0, n, BLOCK):
-            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK, DIRECT)
+            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
             lo = tl.minimum(lo, tl.min(tl.where(ok, key, 2147483647), axis=0))
             hi = tl.maximum(hi, tl.max(tl.where(ok, key, -2147483647), axis=0))
         lo = lo.to(tl.int64)
@@ -293,7 +287,7 @@ if triton is not None:
             mid = lo + (hi - lo) // 2
             count = tl.zeros([], tl.int32)
             for start in range(0, n, BLOCK):
-                pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK, DIRECT)
+                pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
                 count += tl.sum(((key >= mid.to(tl.int32)) & ok).to(tl.int32), axis=0)
             lo = tl.where(count >= quota, mid, lo)
             above_lo = tl.where(count >= quota, count, above_lo)
@@ -301,13 +295,13 @@ if triton is not None:
         tau = lo.to(tl.int32)
         above = tl.zeros([], tl.int32)
         for start in range(0, n, BLOCK):
-            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK, DIRECT)
+            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
             above += tl.sum(((key > tau) & ok).to(tl.int32), axis=0)
         # Above τ: all; at τ: the first ones in position order until quota.
         ties_left = quota - above
         written = tl.zeros([], tl.int32)
         for start in range(0, n, BLOCK):
-            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK, DIRECT)
+            pos, key, ok = _cluster_keys(members, scores, start, n, exact, shift, BOXED, BLOCK)
             tie = ok & (key == tau)
             keep = ok & ((key > tau) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) - 1 < ties_left)))
             tl.store(out + written + tl.cumsum(keep.to(tl.int32), axis=0) - 1, pos.to(tl.int64), mask=keep)
@@ -324,10 +318,6 @@ if triton is not None:
         OUT,
         EXACT,
         SHIFTS,
-        GROUPED,
-        GROUPED_EXACT,
-        LISTED_START,
-        LISTED_IN,
         N,
         C,
         S,
@@ -341,11 +331,10 @@ if triton is not None:
         BLOCKWISE: tl.constexpr,
         FEW: tl.constexpr,
         BOXED: tl.constexpr,
-        LISTED: tl.constexpr,
-        LISTED_BLOCK: tl.constexpr,
     ):
         """One (selection row, cluster) program of the size class LOW < n ≤ HIGH (see the module's docstring).
-        BOXED, LISTED: ``launch_select``'s ``listing`` (``EXACT`` ``[rows, L]``, ``SHIFTS`` ``[rows]``), ``grouped``."""
+        BOXED: a two-stage selection's scores (``_cluster_keys``), the rows' shortlists ``EXACT`` ``[rows, L]`` and
+        shifts ``SHIFTS`` ``[rows]``."""
         # A row's clusters are neighbours in the grid: they read disjoint members of the same row's scores, whose
         # 32-byte sectors each hold several clusters' scores, and run close enough in time to find them in L2.
         program = tl.program_id(0).to(tl.int64)
@@ -357,7 +346,6 @@ if triton is not None:
         n = tl.load(COUNTS + head * C + c)
         quota = tl.load(QUOTAS + p * C + c)  # loaded with n, not after the test: one wait instead of two
         first = tl.load(OFFSETS + p * C + c)
-        listed = tl.load(LISTED_IN + p * C + c) if LISTED else 0
         if (n > LOW) & (n <= HIGH):
             out = OUT + p * WIDTH + first
             members = MEMBERS + head * HEAD_STRIDE + c * S
@@ -365,26 +353,13 @@ if triton is not None:
                 for start in range(0, n, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
                     tl.store(out + offs, tl.load(members + offs, mask=offs < n).to(tl.int64), mask=offs < n)
-            elif (quota > 0) & (quota <= listed):  # the best of its listed rows (they rank above the rest)
-                if LISTED:  # (compiled only with the grouping: without, its stand-ins are of other types)
-                    at = p * L + tl.load(LISTED_START + p * C + c)
-                    g, e = GROUPED + at, GROUPED_EXACT + at  # the cluster's listed rows and their exact logits
-                    if listed <= LISTED_BLOCK:  # (most: a few rows each)
-                        _take_top_in_registers(g, e, quota, listed, out, exact, shift, BOXED, LISTED_BLOCK, FEW, True)
-                    elif BLOCKWISE:
-                        _take_top_blockwise(g, e, quota, listed, out, exact, shift, BOXED, BLOCK, True)
-                    elif listed <= BLOCK // 2:
-                        _take_top_in_registers(g, e, quota, listed, out, exact, shift, BOXED, BLOCK // 2, FEW, True)
-                    else:
-                        _take_top_in_registers(g, e, quota, listed, out, exact, shift, BOXED, BLOCK, FEW, True)
             elif quota > 0:
-                scores = SCORES + p * N
                 if BLOCKWISE:
-                    _take_top_blockwise(members, scores, quota, n, out, exact, shift, BOXED, BLOCK, False)
+                    _take_top_blockwise(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK)
                 elif n <= BLOCK // 2:  # (each path in its own call: their tensors differ in shape)
-                    _take_top_in_registers(members, scores, quota, n, out, exact, shift, BOXED, BLOCK // 2, FEW, False)
+                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK // 2, FEW)
                 else:
-                    _take_top_in_registers(members, scores, quota, n, out, exact, shift, BOXED, BLOCK, FEW, False)
+                    _take_top_in_registers(members, SCORES + p * N, quota, n, out, exact, shift, BOXED, BLOCK, FEW)
 
 
 def smallest_block(typical: float) -> int:
@@ -450,22 +425,16 @@ def launch_select(
     rows_per_head: int,
     small: int | None = None,
     listing: tuple[Tensor, Tensor] | None = None,
-    grouped: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> None:
     """``select_per_cluster``'s launches, one per size class: scores ``[rows, N]`` float32, members ``[B, Hkv, C, S]``
     (each head's C × S contiguous) and counts ``[B, Hkv, C]``, quotas ``[rows, C]``; cluster c of row p writes its
     q_b positions at ``out[p, offsets[p, c]:]`` (``out`` ``[rows, width]``, contiguous). ``rows_per_head``: the
     selection rows of one (batch row, KV head); ``small``: the smallest block (``smallest_block``). ``listing``: the
     scores are a two-stage selection's, boxed — each row's shortlist's exact logits ``[rows, L]`` and the shift of
-    its unlisted scores ``[rows]`` (``_cluster_keys``). ``grouped`` (with a listing): the shortlists grouped by
-    cluster (``two_stage_programs.group_listed``: positions, exact logits ``[rows, L]``, each cluster's first entry
-    and entries ``[rows, C]``): a cluster whose quota is at most its entries is selected from them alone."""
+    its unlisted scores ``[rows]`` (``_cluster_keys``)."""
     rows, N = scores.shape
     C, S = members.shape[-2:]
     exact, shifts = listing if listing is not None else (scores, scores)
-    if grouped is not None and listing is None:
-        raise ValueError("launch_select: grouped shortlists without their listing")
-    grouping = grouped if grouped is not None else (quotas,) * 4  # (never read without)
     for low, high, block in size_classes(S, small):
         _select_kernel[(rows * C,)](
             scores,
@@ -476,7 +445,6 @@ def launch_select(
             out,
             exact,
             shifts,
-            *grouping,
             N,
             C,
             S,
@@ -490,7 +458,5 @@ def launch_select(
             BLOCKWISE=low >= block,
             FEW=FEW_PICKS,
             BOXED=listing is not None,
-            LISTED=grouped is not None,
-            LISTED_BLOCK=LISTED_BLOCK,
             num_warps=_warps(block),
         )

@@ -24,10 +24,7 @@ most of the step. Where the pipeline is made of the components below, ``FlashKer
 With the selector's ``rerank`` (and ErrorGate's ``floor``, at most the rerank) the shortlist follows the scores
 (``two_stage``: the shortlist by a radix select, its exact logits, the floor, and each row's shift; the listed scores
 are boxed and the selection re-ranks as it reads them), and the plan waits for the floor: its program takes the
-row's shift and floor first (without a floor, ``refine`` takes the shift, a program per row), then groups the
-shortlist by cluster (``group_listed``), so that a cluster whose quota is at most its listed rows is selected from
-those alone — the listed rows rank above the rest — and only the others read their member lists and scores (1–6% of
-the positions per selection row on both offline models, ``benchmarks/step_cost.py``). QGS's shortlist takes
+row's shift and floor first (without a floor, ``refine`` takes the shift, a program per row). QGS's shortlist takes
 seven launches after its scores. PQS's — the default's — takes three in all (``TwoStage.pq_shortlist``): its scores
 with each row's first radix digit counted, the cut, the listing with the exact logits (the codes read once for the
 group's selection rows, each K row once for the rows that list it); the default's step is six launches a layer
@@ -82,10 +79,6 @@ from oa_plugins.selectors.qgs import QuerySubspaceSelector, group_int8_scores
 # at 32 × 32K (0.033/0.083, 0.068/0.084, 0.214/0.233 at 3%; 8 warps no faster, or slower per head):
 # ``benchmarks/studies/plan_phases.py``, ``plan_phases_h200.json``.
 PLAN_WARPS = 4
-# Shortlist entries per tile of the plan's grouping by cluster (``group_listed``'s TILE, a tile × clusters cumulative
-# sum; its count takes RADIX_BLOCK entries a pass). Compiled for sm_90 with 64 clusters the plan takes 128 registers a
-# thread at tiles of 32 or 64 entries, 168 at 128 (108 without the grouping): 64, the fewest passes at 128. Untimed.
-GROUP_BLOCK = 64
 
 if triton is not None:
     from oa_plugins.kernels.flash_step_programs import prologue
@@ -332,23 +325,13 @@ class FusedStep:
             listing = shortlist(self.two_stage, state, prepared, scores, keys, query, budget_args, Gs, G)
         if side is not None:
             torch.cuda.current_stream(device).wait_stream(side)
-        grouped = None
         if floor:  # the plan takes each row's shift and floor (after the join: the floor reads its rows' clusters)
-            L = listing.listed.shape[-1]
-            grouped = (
-                torch.empty(rows, L, dtype=torch.int32, device=device),
-                torch.empty(rows, L, dtype=torch.float32, device=device),
-                torch.empty(rows, C, dtype=torch.int32, device=device),
-                torch.empty(rows, C, dtype=torch.int32, device=device),
-            )
-            self.plan(state, mean_logit, logit_var, listing, outputs, H, Gs, G, grouped)
+            self.plan(state, mean_logit, logit_var, listing, outputs, H, Gs, G)
         elif self.two_stage is not None:  # each row's shift
             self.two_stage.refine(listing)
-        # With a shortlist the scores are boxed: the selection re-ranks as it reads them; with a floor, a cluster
-        # whose quota is at most its listed rows takes them from the grouped shortlist, reading no score.
+        # With a shortlist the scores are boxed: the selection re-ranks as it reads them.
         boxes = (listing.exact, listing.shifts) if self.two_stage is not None else None
-        members, counts = state.members, state.member_counts
-        launch_select(scores, members, counts, quotas, offsets, chosen, Gs, self.select_block, boxes, grouped)
+        launch_select(scores, state.members, state.member_counts, quotas, offsets, chosen, Gs, self.select_block, boxes)
         selection = Selection(
             chosen.view(B, H, Gs, 1, self.width),
             log_weight.view(B, H, Gs, 1, self.width),
@@ -410,10 +393,10 @@ class FusedStep:
         prologue[(B * H, 1 + triton.cdiv(C, STATS_CLUSTERS))](**{**unused, **projection, **growth})
         return prepared, mean_logit, logit_var
 
-    def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G, grouped=None):
+    def plan(self, state, mean_logit, logit_var, listing, outputs, H, Gs, G):
         """The plan's launch into ``outputs`` (quotas, offsets, runs, the index, its log weights, the flash pass's
         arrivals); with a ``listing`` (a shortlist with a floor), after it: the program takes the row's shift and floor
-        first, and writes the shortlist grouped by cluster into ``grouped`` (``launch_select``'s)."""
+        first."""
         quotas, offsets, runs, chosen, log_weight, arrivals = outputs
         C = state.num_clusters
         block_c, warps = launch_config(C)
@@ -422,7 +405,6 @@ class FusedStep:
         # Without a floor the shortlist's pointers are never read: any tensor stands in.
         parts = (listing.listed, listing.exact, listing.counts, listing.cut, listing.shifts) if floor else (quotas,) * 5
         listed, exact, counts, cut, shifts = parts
-        grouped = grouped if grouped is not None else (quotas,) * 4
         floor_share = self.two_stage.floor_t if self.two_stage is not None else self.density  # (read with a floor)
         with quiet_interpreter():
             plan[(quotas.shape[0],)](
@@ -441,7 +423,6 @@ class FusedStep:
                 exact,
                 cut,
                 shifts,
-                *grouped,
                 quotas,
                 offsets,
                 runs,
@@ -462,7 +443,6 @@ class FusedStep:
                 BLOCK_F=max(16, triton.next_power_of_2(self.fixed)),
                 FLOOR=floor,
                 RADIX_BLOCK=stages.RADIX_BLOCK,
-                GROUP_BLOCK=GROUP_BLOCK,
                 LIBDEVICE=libdevice is not None and not triton_path.interpreting(),
                 num_warps=warps,
             )

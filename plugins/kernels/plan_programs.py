@@ -8,7 +8,7 @@ from oa_core.ops.triton_path import tl, triton
 if triton is not None:
     from oa_core.ops.water_filling import water_fill_row
     from oa_plugins.allocators.errorgate import row_log_priority
-    from oa_plugins.kernels.two_stage_programs import floor_counts, group_listed, row_budget, row_shift
+    from oa_plugins.kernels.two_stage_programs import floor_counts, row_budget, row_shift
 
 
 if triton is not None:
@@ -30,10 +30,6 @@ if triton is not None:
         EXACT,
         CUT,
         SHIFTS,
-        GROUPED,
-        GROUPED_EXACT,
-        LISTED_START,
-        LISTED_IN,
         QUOTAS,
         OFFSETS,
         RUNS,
@@ -54,13 +50,11 @@ if triton is not None:
         BLOCK_F: tl.constexpr,
         FLOOR: tl.constexpr,
         RADIX_BLOCK: tl.constexpr,
-        GROUP_BLOCK: tl.constexpr,
         LIBDEVICE: tl.constexpr,
     ):
         """Program (batch row, KV head, selection head): the quotas, and the row's index laid out; the row's counter
         of the flash pass's parts zeroed (``sparse_pass``'s ``ARRIVALS``). FLOOR: after the shortlist, whose shift
-        (``row_shift``) and floor (``floor_counts``) the program takes first, and which it groups by cluster for the
-        selection (``group_listed``)."""
+        (``row_shift``) and floor (``floor_counts``) the program takes first."""
         p = tl.program_id(0).to(tl.int64)
         b = p // (Gs * Hkv)
         h = (p // Gs) % Hkv
@@ -79,11 +73,7 @@ if triton is not None:
         length = tl.load(LENGTH).to(tl.int64)
         budget = row_budget(LENGTH, START, DENSITY, b, F, TOKENS)
         if FLOOR:  # ErrorGate's floor: its rows first, the rest water-filled up to what each cluster has left
-            below = row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
-            group_listed(
-                ASSIGNMENT, LISTED, LISTED_COUNTS, EXACT, GROUPED, GROUPED_EXACT, LISTED_START, LISTED_IN, p, Gs, CAP,
-                C, L, below, RADIX_BLOCK, GROUP_BLOCK, BLOCK_C,
-            )  # fmt: skip
+            row_shift(LISTED_COUNTS, EXACT, CUT, SHIFTS, p, L, RADIX_BLOCK)
             first = floor_counts(
                 ASSIGNMENT,
                 LENGTH,

@@ -272,8 +272,7 @@ if triton is not None:
     def row_shift(COUNTS, EXACT, CUT, SHIFTS, p, L, BLOCK: tl.constexpr):
         """Selection row ``p``'s shift of its unlisted scores, (lowest exact − the last listed score) − 1
         (``rerank_exact``; 0 with an empty shortlist), stored at ``SHIFTS + p``: the selection adds it as it reads
-        them (the listed ones are boxed: ``listed_box``). Returns whether every unlisted score ranks strictly below
-        every listed one after the shift (then a cluster's best q ≤ its listed rows are listed: ``group_listed``)."""
+        them (the listed ones are boxed: ``listed_box``)."""
         k = tl.load(COUNTS + p)
         lowest = tl.full([], float("inf"), tl.float32)
         for start in range(0, k, BLOCK):
@@ -281,11 +280,7 @@ if triton is not None:
             lowest = tl.minimum(lowest, tl.min(tl.load(EXACT + p * L + offs, mask=offs < k, other=float("inf")), 0))
         bits = (tl.load(CUT + p) - 2147483648).to(tl.int32)  # ``order_key`` undone: the last listed score
         last = tl.where(bits < 0, (-bits) | -2147483648, bits).to(tl.float32, bitcast=True)
-        shift = tl.where(k > 0, (lowest - last) - 1.0, 0.0)
-        tl.store(SHIFTS + p, shift)
-        # Every unlisted score is at most the last listed one, so after the shift (rounded: monotone) at most
-        # last + shift: below the lowest exact logit unless the -1 is lost to rounding (logits of |x| ≳ 2^24).
-        return (k > 0) & (last + shift < lowest)
+        tl.store(SHIFTS + p, tl.where(k > 0, (lowest - last) - 1.0, 0.0))
 
     @triton.jit
     def floor_counts(
@@ -335,38 +330,3 @@ if triton is not None:
         """Program per selection row of a shortlist without a floor: its shift (``row_shift``). With a floor, the
         plan's program takes the shift and the floor (``plan_programs.plan``)."""
         row_shift(COUNTS, EXACT, CUT, SHIFTS, tl.program_id(0).to(tl.int64), L, BLOCK)
-
-    @triton.jit
-    def group_listed(
-        ASSIGNMENT, LISTED, COUNTS, EXACT, GROUPED, GROUPED_EXACT, LISTED_START, LISTED_IN, p, Gs, CAP, C, L, below,
-        BLOCK: tl.constexpr, TILE: tl.constexpr, BLOCK_C: tl.constexpr,
-    ):  # fmt: skip
-        """Selection row ``p``'s shortlist grouped by cluster, for the selection (``launch_select``'s ``grouped``): its
-        positions (int32) and exact logits at ``GROUPED``/``GROUPED_EXACT`` ``[rows, L]``, cluster by cluster, each
-        cluster's in position order (a stable counting sort of the shortlist, itself in position order); each
-        cluster's first entry at ``LISTED_START`` and its number of entries at ``LISTED_IN`` ``[rows, C]`` — 0 unless
-        ``below`` (``row_shift``: every unlisted score ranks below every listed one), so that a cluster whose quota is
-        at most its listed rows takes them from here, and any other reads its members' scores. Two passes: the
-        clusters counted BLOCK entries at a time, then each entry placed TILE at a time (a TILE × BLOCK_C tile)."""
-        k = tl.load(COUNTS + p)
-        offs_c = tl.arange(0, BLOCK_C)
-        listing = ASSIGNMENT + (p // Gs) * CAP
-        hist = tl.zeros([BLOCK_C], tl.int32)
-        for start in range(0, k, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            pos = tl.load(LISTED + p * L + offs, mask=offs < k, other=0).to(tl.int64)
-            ok = (offs < k) & (pos >= 0) & (pos < CAP)
-            hist += tl.histogram(tl.load(listing + pos, mask=ok, other=0).to(tl.int32), BLOCK_C, mask=ok)
-        first = tl.cumsum(hist, axis=0) - hist
-        tl.store(LISTED_START + p * C + offs_c, first, mask=offs_c < C)
-        tl.store(LISTED_IN + p * C + offs_c, tl.where(below, hist, 0), mask=offs_c < C)
-        for start in range(0, k, TILE):  # each entry to its cluster's next slot: a tile's ranks by a cumulative sum
-            offs = start + tl.arange(0, TILE)
-            pos = tl.load(LISTED + p * L + offs, mask=offs < k, other=0).to(tl.int64)
-            ok = (offs < k) & (pos >= 0) & (pos < CAP)
-            cluster = tl.load(listing + pos, mask=ok, other=0).to(tl.int32)
-            hit = ((cluster[:, None] == offs_c[None, :]) & ok[:, None]).to(tl.int32)  # [TILE, BLOCK_C]
-            slot = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + first[None, :]), axis=1)
-            tl.store(GROUPED + p * L + slot, pos.to(tl.int32), mask=ok)
-            tl.store(GROUPED_EXACT + p * L + slot, tl.load(EXACT + p * L + offs, mask=ok, other=0.0), mask=ok)
-            first += tl.sum(hit, axis=0)
