@@ -198,8 +198,8 @@ def prologue_row(dim: int) -> dict:
 
 
 def plan_select_rows() -> list[dict]:
-    """The fused step's plan with the floor (64 clusters) and the per-cluster selection at each size class's block
-    (the largest a block at a time), as ``FusedStep`` and ``select_per_cluster`` launch them."""
+    """The fused step's plan (64 clusters), with and without ErrorGate's floor, and the per-cluster selection at each
+    size class's block (the largest a block at a time), as ``FusedStep`` and ``select_per_cluster`` launch them."""
     from oa_core.ops import selection
     from oa_plugins.kernels import flash_step, plan_programs, two_stage
 
@@ -208,10 +208,13 @@ def plan_select_rows() -> list[dict]:
     types.update(LISTED_COUNTS="*i32", EXACT="*fp32", CUT="*i64", SHIFTS="*fp32", QUOTAS="*i64", OFFSETS="*i64")
     types.update(RUNS="*i32", INDEX="*i64", LW="*fp32", ARRIVALS="*i32", SCORES="*fp32", MEMBERS="*i32")
     types.update(COUNTS="*i64", OUT="*i64", N="i64", HEAD_STRIDE="i64")
-    plan = dict(G=1, BLOCK_G=1, BLOCK_C=64, BLOCK_F=128, FLOOR=True, RADIX_BLOCK=two_stage.RADIX_BLOCK, LIBDEVICE=True)
-    rows = [
-        {"kernel": "plan_programs.plan", **_compile(plan_programs.plan, types, plan, num_warps=flash_step.PLAN_WARPS)}
-    ]
+    rows = []
+    for floor in (False, True):  # without a floor (its shortlist's pointers stand-ins) and with one (the default)
+        plan = dict(G=1, BLOCK_G=1, BLOCK_C=64, BLOCK_F=128, FLOOR=floor, RADIX_BLOCK=two_stage.RADIX_BLOCK)
+        plan.update(LIBDEVICE=True)
+        stand_in = {} if floor else dict.fromkeys(("LISTED", "LISTED_COUNTS", "EXACT", "CUT", "SHIFTS"), "*i64")
+        usage = _compile(plan_programs.plan, {**types, **stand_in}, plan, num_warps=flash_step.PLAN_WARPS)
+        rows.append({"kernel": "plan_programs.plan", "floor": floor, **usage})
     # Both ways ``launch_select`` launches the selection: a composed step's scores, a two-stage selection's boxed ones.
     # (A path compiled only for a launch that never takes it still has to compile: one that did not failed on an H100
     # in session 24, which the interpreter's tests could not see.)
