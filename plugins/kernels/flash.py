@@ -166,9 +166,9 @@ class FlashKernel(Kernel):
         else:
             runs = key_sum = value_sum = count = key_square_sum = log_weight  # unused placeholders
             second = False
-        stats = proxy and logit_stats is not None
-        if proxy and logit_stats is not None:
-            mean_logit, logit_var = (t.contiguous() for t in logit_stats)
+        stats = logit_stats if proxy else None  # (without proxies nothing reads them)
+        if stats is not None:
+            mean_logit, logit_var = (t.contiguous() for t in stats)
             if T != 1 or mean_logit.shape != (B, Hkv, Hq // Hkv, 1, C) or mean_logit.dtype != torch.float32:
                 raise ValueError(
                     f"flash: logit_stats must be float32 [{B}, {Hkv}, {Hq // Hkv}, 1, {C}] for one query a row, got "
@@ -252,7 +252,7 @@ class FlashKernel(Kernel):
             BLOCK_D=block_d,
             PROXY=proxy,
             SECOND=second,
-            STATS=stats,
+            STATS=stats is not None,
             HALF=half,
             BLOCK_PARTS=_pow2(parts, 2),
             **{
