@@ -13,6 +13,8 @@ import torch
 
 from oa_core.testing import make_inputs  # the tests' inputs are the conformance kit's
 
+TRITONS_PATCH_BUILTIN = None  # Triton's own, where the suite swapped it (``_list_the_interpreters_builtins_once``)
+
 
 def _list_the_interpreters_builtins_once() -> None:
     """Triton's interpreter swaps ``triton.language``'s built-ins for its own at every kernel launch and at every call
@@ -45,7 +47,8 @@ def _list_the_interpreters_builtins_once() -> None:
     for pkg in (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)):
         if pkg is not None:
             names[id(pkg)] = [name for name, member in inspect.getmembers(pkg) if is_builtin(member)]
-    interpreter._patch_builtin = patch_builtin
+    global TRITONS_PATCH_BUILTIN
+    TRITONS_PATCH_BUILTIN, interpreter._patch_builtin = original, patch_builtin
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
