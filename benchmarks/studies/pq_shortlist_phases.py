@@ -54,7 +54,7 @@ def inputs(batch: int, context: int, device: torch.device):
         start=torch.zeros(batch, dtype=torch.long, device=device),
         capacity=n,
         scale=D**-0.5,
-        pipeline=SimpleNamespace(spec=SimpleNamespace(local=LOCAL)),
+        pipeline=SimpleNamespace(spec=SimpleNamespace(sink=SINK, local=LOCAL)),
     )
     keys = torch.randn(batch, HKV, n, D, device=device, generator=gen).to(torch.bfloat16)
     query = torch.randn(batch, HQ, 1, D, device=device, generator=gen).to(torch.bfloat16)
