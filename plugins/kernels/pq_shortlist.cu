@@ -18,9 +18,9 @@
 //      four 8-bit digits (each pass the cluster's histograms summed), `ties` the keys equal to τ that the shortlist
 //      takes (the first ones in position order: the reference's stable sort);
 //   3. the listing, in position order: a block's place in the row's shortlist from the counts of the blocks before
-//      it; within the block, tiles of THREADS positions whose ranks come from warp ballots. Each listed position is
-//      written to `listed`, and its score becomes its box (a NaN whose payload is its entry + 1: ``listed_box``);
-//      every other position below the length gets its score.
+//      it; within the block, each warp's span of consecutive positions placed after the warps before it, ranks from
+//      warp ballots. Each listed position is written to `listed`, and its score becomes its box (a NaN whose
+//      payload is its entry + 1: ``listed_box``); every other position below the length gets its score.
 // The listed rows' exact logits are Triton's (``exact_logits``, the launch after this one: a launch of its own keeps
 // every SM's warps on the K rows' loads). On an H100, per head at 32 × 32K and 1%, inside this launch (within the
 // clusters' blocks, a warp eight K rows at a time, each read once for the rows that list it) they took 0.9 ms against
@@ -40,7 +40,13 @@
 
 namespace cg = cooperative_groups;
 
-constexpr int THREADS = 256;
+// 512 threads a block, the listing a warp's span at a time (not tiles of the block's threads, four barriers a tile):
+// on an H100 per head, the fused step in a CUDA graph at 32 × 32K took 1.620 / 2.395 ms at 1% / 3% against
+// 1.895 / 2.649 with 256 threads and tiles, at 16 × 16K 0.506 / 0.694 against 0.511 / 0.708 (dense 1.348 and
+// 0.352 ms). Counting the histograms' bins a warp at a time (``__match_any_sync``, one atomic a bin) was slower than
+// the same-address atomics: 0.503 against 0.448 ms for the scores at 32 × 32K
+// (``benchmarks/studies/results/pq_shortlist_listing_h100.json``).
+constexpr int THREADS = 512;
 constexpr int WARPS = THREADS / 32;
 constexpr int MAX_HEADS = 8;  // query heads a KV head
 
@@ -97,34 +103,6 @@ __device__ void pick_digits(const unsigned* total, unsigned* digit, unsigned* re
     }
 }
 
-// For each of NF flags, an exclusive prefix over the block's threads and the block's total: warp ballots, then the
-// warps' totals in `warp_totals` [NF][WARPS] (shared memory, free on entry and on return).
-template <int NF>
-__device__ __forceinline__ void block_ranks(const bool (&flag)[NF], unsigned (*warp_totals)[WARPS],
-                                            unsigned (&before)[NF], unsigned (&total)[NF]) {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    unsigned ballot[NF];
-#pragma unroll
-    for (int f = 0; f < NF; ++f) {
-        ballot[f] = __ballot_sync(0xFFFFFFFFu, flag[f]);
-        if (lane == 0) warp_totals[f][warp] = __popc(ballot[f]);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int f = 0; f < NF; ++f) {
-        unsigned b = __popc(ballot[f] & ((1u << lane) - 1u)), all = 0;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const unsigned t = warp_totals[f][w];
-            b += w < warp ? t : 0;
-            all += t;
-        }
-        before[f] = b;
-        total[f] = all;
-    }
-    __syncthreads();
-}
-
 template <int HEADS, bool SHARED>
 __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     constexpr int GS = SHARED ? 1 : HEADS;  // selection rows of the KV head
@@ -145,8 +123,8 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     unsigned* hist = reinterpret_cast<unsigned*>(value + GS * a.chunk);   // GS · 256: this block's
     unsigned* total = hist + GS * 256;                                    // GS · 256: the cluster's
     __shared__ unsigned prefix[GS], rest[GS], digit[GS], wanted[GS];
-    __shared__ unsigned above[GS], tied[GS], kept_before[GS], tied_before[GS];
-    __shared__ unsigned warp_totals[GS][WARPS];
+    __shared__ unsigned above[GS], tied[GS], above_before[GS], tied_before[GS];
+    __shared__ unsigned warp_above[GS][WARPS], warp_tied[GS][WARPS];
 
     const float* tables = a.tables + (size_t)bh * HEADS * table_size;
     for (int i = threadIdx.x; i < HEADS * table_size; i += THREADS) table[i] = tables[i];
@@ -247,18 +225,45 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     // prefix[s] is τ, rest[s] the ties at τ the shortlist takes (where wanted[s] > 0).
     if (a.stop == 2) return;
 
-    // 3. The listing. This block's keys above τ and at τ, then its place after the blocks before it.
-    for (int i = threadIdx.x; i < len; i += THREADS) {
+    // 3. The listing, in position order. Each warp owns `span` consecutive positions of the block's (a whole number of
+    // warps' widths): it counts its keys above τ and at τ by ballots; the warps' counts give the block's (which the
+    // blocks after it read) and each warp's place after the warps and blocks before it; then each warp lists its span
+    // 32 positions at a time, ranks from ballots, with no barrier of the block's between.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned lanes_below = (1u << lane) - 1u;
+    const int span = a.chunk / WARPS, lo = warp * span, hi = min(lo + span, len);
+    auto classify = [&](int i, int s, float& score, bool& over, bool& tie) {
+        score = i < hi ? value[s * a.chunk + i] : -INFINITY;
+        const bool ok = wanted[s] > 0 && score > -INFINITY;
+        const unsigned key = order_key(score);
+        over = ok && key > prefix[s];
+        tie = ok && key == prefix[s];
+    };
+    {
+        unsigned overs[GS] = {}, ties[GS] = {};
+        for (int i = lo + lane; i - lane < hi; i += 32) {
 #pragma unroll
-        for (int s = 0; s < GS; ++s) {
-            const float score = value[s * a.chunk + i];
-            if (wanted[s] == 0 || !(score > -INFINITY)) continue;
-            const unsigned key = order_key(score);
-            if (key > prefix[s]) atomicAdd(&above[s], 1u);
-            else if (key == prefix[s]) atomicAdd(&tied[s], 1u);
+            for (int s = 0; s < GS; ++s) {
+                float score;
+                bool over, tie;
+                classify(i, s, score, over, tie);
+                overs[s] += __popc(__ballot_sync(0xFFFFFFFFu, over));
+                ties[s] += __popc(__ballot_sync(0xFFFFFFFFu, tie));
+            }
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int s = 0; s < GS; ++s) warp_above[s][warp] = overs[s], warp_tied[s][warp] = ties[s];
         }
     }
-    cluster.sync();
+    __syncthreads();
+    if (threadIdx.x < GS) {
+        const int s = threadIdx.x;
+        unsigned sum_above = 0, sum_tied = 0;
+        for (int w = 0; w < WARPS; ++w) sum_above += warp_above[s][w], sum_tied += warp_tied[s][w];
+        above[s] = sum_above, tied[s] = sum_tied;
+    }
+    cluster.sync();  // every block's counts written
     if (threadIdx.x < GS) {
         const int s = threadIdx.x;
         unsigned a_before = 0, t_before = 0;
@@ -266,8 +271,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
             a_before += cluster.map_shared_rank(above, r)[s];
             t_before += cluster.map_shared_rank(tied, r)[s];
         }
-        tied_before[s] = t_before;
-        kept_before[s] = a_before + min(t_before, rest[s]);
+        above_before[s] = a_before, tied_before[s] = t_before;
         if (rank == 0) {
             a.counts[row0 + s] = (int)wanted[s];
             a.cut[row0 + s] = wanted[s] > 0 ? (int64_t)prefix[s] : (int64_t)4294967296LL;
@@ -275,41 +279,30 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
         }
     }
     __syncthreads();
-    // Each row's ties and entries before the tile: the blocks' before this one's, then its tiles' (every thread
-    // keeps the same counts: the block's totals come from block_ranks).
+    // Each row's ties and entries before this warp's span: the blocks' before this one, then the warps' before it.
     unsigned ties_run[GS], end[GS];
 #pragma unroll
-    for (int s = 0; s < GS; ++s) ties_run[s] = tied_before[s], end[s] = kept_before[s];
-    for (int tile = 0; tile < len; tile += THREADS) {
-        const int i = tile + threadIdx.x;
-        const bool here = i < len;
+    for (int s = 0; s < GS; ++s) {
+        unsigned a_before = above_before[s], t_before = tied_before[s];
+        for (int w = 0; w < warp; ++w) a_before += warp_above[s][w], t_before += warp_tied[s][w];
+        ties_run[s] = t_before, end[s] = a_before + min(t_before, rest[s]);
+    }
+    for (int i = lo + lane; i - lane < hi; i += 32) {
         const int64_t pos = first + i;
-        float score[GS];
-        bool over[GS], flag[GS];
-        unsigned before[GS], count[GS];
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
-            score[s] = here ? value[s * a.chunk + i] : -INFINITY;
-            const bool ok = wanted[s] > 0 && score[s] > -INFINITY;
-            const unsigned key = order_key(score[s]);
-            over[s] = ok && key > prefix[s];
-            flag[s] = ok && key == prefix[s];  // tied
-        }
-        block_ranks<GS>(flag, warp_totals, before, count);  // the ties' ranks
-#pragma unroll
-        for (int s = 0; s < GS; ++s) {
-            flag[s] = over[s] || (flag[s] && ties_run[s] + before[s] < rest[s]);  // kept
-            ties_run[s] += count[s];
-        }
-        block_ranks<GS>(flag, warp_totals, before, count);  // the kept entries' slots
-#pragma unroll
-        for (int s = 0; s < GS; ++s) {
-            const unsigned slot = end[s] + before[s];
-            if (flag[s]) a.listed[(size_t)(row0 + s) * a.L + slot] = (int)pos;
-            if (here)  // the score, or the listed position's box
-                a.scores[(size_t)(row0 + s) * a.cap + pos] = flag[s] ? __uint_as_float((slot + 1) | 0x7F800000u)
-                                                                    : score[s];
-            end[s] += count[s];
+            float score;
+            bool over, tie;
+            classify(i, s, score, over, tie);
+            const unsigned tied_ballot = __ballot_sync(0xFFFFFFFFu, tie);
+            const bool kept = over || (tie && ties_run[s] + __popc(tied_ballot & lanes_below) < rest[s]);
+            ties_run[s] += __popc(tied_ballot);
+            const unsigned kept_ballot = __ballot_sync(0xFFFFFFFFu, kept);
+            const unsigned slot = end[s] + __popc(kept_ballot & lanes_below);
+            if (kept) a.listed[(size_t)(row0 + s) * a.L + slot] = (int)pos;
+            if (i < hi)  // the score, or the listed position's box
+                a.scores[(size_t)(row0 + s) * a.cap + pos] = kept ? __uint_as_float((slot + 1) | 0x7F800000u) : score;
+            end[s] += __popc(kept_ballot);
         }
     }
     cluster.sync();  // no block leaves while another may still read its shared memory
@@ -319,7 +312,8 @@ template <int HEADS, bool SHARED>
 static cudaError_t launch(const Args& args, int blocks, int CL, size_t smem, cudaStream_t stream) {
     auto kernel = pq_shortlist<HEADS, SHARED>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err == cudaSuccess && CL > 8) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err == cudaSuccess && CL > 8)
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return err;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(blocks);
