@@ -17,7 +17,7 @@ ready:
 demo: ready
 	$(PYTHON) -m oa_core.cli demo
 
-# One test process per core, at most 4 (pytest-xdist): on CI's 2 cores the suite took 7.7 minutes at 732 tests.
+# One test process per core, at most 4 (pytest-xdist): on CI's 2 cores the suite took 7-7.7 minutes at 733 tests.
 test: ready
 	$(PYTHON) -m pytest -q -n auto --maxprocesses 4
 

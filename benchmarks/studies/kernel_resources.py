@@ -216,8 +216,8 @@ def plan_select_rows() -> list[dict]:
         usage = _compile(plan_programs.plan, {**types, **stand_in}, plan, num_warps=flash_step.PLAN_WARPS)
         rows.append({"kernel": "plan_programs.plan", "floor": floor, **usage})
     # Both ways ``launch_select`` launches the selection: a composed step's scores, a two-stage selection's boxed ones.
-    # (A path compiled only for a launch that never takes it still has to compile: one that did not failed on an H100
-    # in session 24, which the interpreter's tests could not see.)
+    # (A path compiled only for a launch that never takes it still has to compile: the interpreter runs only the paths
+    # taken, so a compile failure there shows on a GPU alone — as one did on an H100, 137482d.)
     blocks = (selection.SMALL_CLUSTER, 4 * selection.SMALL_CLUSTER, selection.REGISTER_LIMIT)
     for block, boxed in itertools.product(blocks, (False, True)):
         constants = dict(BLOCK=block, BLOCKWISE=block == selection.REGISTER_LIMIT, FEW=selection.FEW_PICKS, BOXED=boxed)

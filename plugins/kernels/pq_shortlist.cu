@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     const float* tables = a.tables + (size_t)bh * HEADS * table_size;
     for (int i = threadIdx.x; i < HEADS * table_size; i += THREADS) table[i] = tables[i];
     for (int i = threadIdx.x; i < GS * 256; i += THREADS) hist[i] = 0;
-    if (threadIdx.x < GS) above[threadIdx.x] = tied[threadIdx.x] = prefix[threadIdx.x] = digit[threadIdx.x] = 0;
+    if (threadIdx.x < GS) prefix[threadIdx.x] = digit[threadIdx.x] = 0;  // (the listing writes above and tied)
     __syncthreads();
 
     // 1. The scores and each row's first digit.
