@@ -37,20 +37,20 @@ CHUNK = 1024  # keys a block
 SHORTLIST = 0.04  # the share of positions compared between forms
 
 
-def build(cache: Path) -> ctypes.CDLL:
-    """The .cu compiled by nvcc for the device into ``cache`` (once per source) and loaded."""
+def build(cache: Path, source: Path = SOURCE) -> ctypes.CDLL:
+    """``source`` compiled by nvcc for the device into ``cache`` (once per source) and loaded."""
     from oa_plugins.kernels.pq_shortlist_cuda import nvcc
 
     compiler = nvcc()
     if compiler is None:
-        raise SystemExit("half_table_scores: no nvcc")
+        raise SystemExit(f"{source.stem}: no nvcc")
     major, minor = torch.cuda.get_device_capability()
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    library = cache / f"half_table_scores_{digest}_sm{major}{minor}.so"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    library = cache / f"{source.stem}_{digest}_sm{major}{minor}.so"
     if not library.exists():
         cache.mkdir(parents=True, exist_ok=True)
         arch = f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"
-        command = [compiler, "-O3", "-shared", "-Xcompiler", "-fPIC", arch, str(SOURCE), "-o", str(library)]
+        command = [compiler, "-O3", "-shared", "-Xcompiler", "-fPIC", arch, str(source), "-o", str(library)]
         subprocess.run(command, check=True)
     return ctypes.CDLL(str(library))
 
