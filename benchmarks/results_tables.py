@@ -80,6 +80,7 @@ OTHERS = [
     "generate_speed_h100.json",
     "kernel_h100_16x16384.json",
     "kernel_h100_32x32768.json",
+    "kernel_h100_2x131072.json",
 ]
 # The RULER grid docs/evaluation.md shows in full: every method at every density.
 GRID = "ruler_c3f5e3b_smollm2_4k"
