@@ -110,35 +110,40 @@ def run_config(lib, batch: int, context: int) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_study(study: str, doc: str, source: Path, forms: list[str], run_config, argv: list[str] | None) -> int:
+    """A scores study's command line (this one's and ``wide_code_scores.py``'s): ``run_config(lib, batch, context)``
+    at each ``--configs``, printed form by form and written to ``results/<study>_<gpu>.json`` after each."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["16x16384", "32x32768", "2x131072"])
     parser.add_argument("--cache", type=Path, default=Path("/tmp/oa_cuda_studies"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("half_table_scores: needs a CUDA device")
+        print(f"{study}: needs a CUDA device")
         return 1
     from oa_core.analysis.provenance import provenance
 
-    lib, out, rows = build(args.cache), result_path("half_table_scores", args.out), []
-    result = {"what": __doc__.split("\n\n")[0], "forms": FORMS, "runs": rows, "provenance": provenance("cuda")}
+    lib, out, rows = build(args.cache, source), result_path(study, args.out), []
+    result = {"what": doc.split("\n\n")[0], "forms": forms, "runs": rows, "provenance": provenance("cuda")}
     for config in args.configs:
         batch, context = (int(x) for x in config.split("x"))
         row = run_config(lib, batch, context)
         rows.append(row)
-        print(
-            f"{batch:>3} × {context:>6}: "
-            + "; ".join(
-                f"{name} {f['graph_ms']:.3f} ms graphed ({f['eager_ms']:.3f} eager), ≠ torch by "
-                f"{f['max_abs_diff_from_torch']:.1e}"
-                + (f", top 4% kept {f['top4pct_kept_mean']:.4f} (lowest {f['top4pct_kept_lowest']:.3f})" if i else "")
-                for i, (name, f) in enumerate(row["forms"].items())
+        for name, f in row["forms"].items():
+            kept_note = ""
+            if "top4pct_kept_mean" in f:
+                kept_note = f", top 4% kept {f['top4pct_kept_mean']:.4f} (lowest {f['top4pct_kept_lowest']:.3f})"
+            print(
+                f"{batch:>3} × {context:>6} {name}: {f['graph_ms']:.3f} ms graphed ({f['eager_ms']:.3f} eager), "
+                f"≠ torch by {f['max_abs_diff_from_torch']:.1e}{kept_note}"
             )
-        )
         out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_study("half_table_scores", __doc__, SOURCE, FORMS, run_config, argv)
 
 
 if __name__ == "__main__":

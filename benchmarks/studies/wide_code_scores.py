@@ -15,16 +15,14 @@ Writes ``benchmarks/studies/results/wide_code_scores_<gpu>.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_shortlist import checked, pointer, result_path, stream, timed
-from half_table_scores import build, kept
+from cluster_shortlist import checked, pointer, stream, timed
+from half_table_scores import kept, run_study
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "wide_code_scores.cu"
@@ -96,32 +94,7 @@ def run_config(lib, batch: int, context: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="+", default=["16x16384", "32x32768", "2x131072"])
-    parser.add_argument("--cache", type=Path, default=Path("/tmp/oa_cuda_studies"))
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("wide_code_scores: needs a CUDA device")
-        return 1
-    from oa_core.analysis.provenance import provenance
-
-    lib, out, rows = build(args.cache, SOURCE), result_path("wide_code_scores", args.out), []
-    names = [name for name, *_ in FORMS]
-    result = {"what": __doc__.split("\n\n")[0], "forms": names, "runs": rows, "provenance": provenance("cuda")}
-    for config in args.configs:
-        batch, context = (int(x) for x in config.split("x"))
-        row = run_config(lib, batch, context)
-        rows.append(row)
-        for name, f in row["forms"].items():
-            kept_note = f", top 4% kept {f['top4pct_kept_mean']:.4f}" if "top4pct_kept_mean" in f else ""
-            print(
-                f"{batch:>3} × {context:>6} {name}: {f['graph_ms']:.3f} ms graphed ({f['eager_ms']:.3f} eager), "
-                f"≠ torch by {f['max_abs_diff_from_torch']:.1e}{kept_note}"
-            )
-        out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
-    return 0
+    return run_study("wide_code_scores", __doc__, SOURCE, [name for name, *_ in FORMS], run_config, argv)
 
 
 if __name__ == "__main__":
