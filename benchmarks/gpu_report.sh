@@ -13,6 +13,10 @@
 #   ruler  ruler_gemma_32k.sh: RULER 32K on Gemma-3-270M (needs `pip install 'openattention[gemma]'`)
 #
 # Afterwards `python benchmarks/results_tables.py --write` re-renders the docs' tables from the JSON.
+#
+# The package and its needs must be importable there: on a machine without them, install this checkout's wheel with
+# pydantic's and a transformers >= 5.20 (`oa.patch` refuses an older one before any model loads; 5.20.0 works with
+# huggingface_hub 1.x, later ones want 2.x) with `pip install --no-deps`.
 set -uo pipefail
 PART=${1:-all}
 OUT=${2:-benchmarks/results}
