@@ -19,20 +19,25 @@ ErrorGate, second-order proxies), per (batch row, KV head) and then summed, in b
   (read and written), the cluster numbers of the shortlist's rows (int64, read by each selection row's plan for its
   own shortlist);
 - ``members``: the clusters' member lists (int32 positions) that the per-cluster selection reads, one selection row
-  at a time: an upper bound, as if every cluster's quota were between none and all of it (a cluster with no quota
-  is skipped, one whose quota covers it copied) and the L2 held no row's lists for the next;
+  at a time: at the bounds, every list, as if every cluster had a quota (one without is skipped, one whose quota
+  covers it copied from its list) and the L2 held no row's lists for the next; with the measured factors, the share
+  of the positions in clusters with a quota (``selection_reads``' ``member_lists``, ``selection_factors``);
 - ``scores``: the selection scores' trips through memory, float32, one row per selection head (G per KV head with
   ``gqa: per_head``, 1 shared) over the clusterable positions, ``SCORE_PASSES`` times, and each listed position's box
-  (``oa_core.ops.selection.listed_box``): an upper bound, as if the
-  GPU's L2 held none of them (at 16 × 16K a layer's rows are 33 MB per head, within an H100's 50 MB of L2; at
-  32 × 32K, 134 MB, they are not).
+  (``oa_core.ops.selection.listed_box``): an upper bound, as if the GPU's L2 held none of them (at 16 × 16K a layer's
+  rows are 33 MB per head, within an H100's 50 MB of L2; at 32 × 32K, 134 MB, they are not). The last pass is the
+  selection's, which gathers the scores of the clusters whose quota is partial through their member lists: with the
+  measured factors, the share of a row's 32-byte sectors that hold such a position (``score_sectors``: a 4-byte read
+  costs its sector), not the whole row.
 
 A union factor is |∪_g rows of query head g| / (rows of one head): 1 when the group's heads read the same rows (always
 so with ``gqa: shared``, one selection per group), G when they share none. With ``gqa: per_head`` the model states
-both bounds, and — unless ``--no-measure`` — the factors measured on both offline models (essays, 4096 tokens of
-context, the model's own queries at the next 16 positions, three layers; sink 4 and local 16 as the accuracy
-benchmarks run), carried to the shape's group of 4 as the same share of the way from agreeing heads to disjoint ones
-(SmolLM2's groups have 3 heads, Gemma-3-270M's 4).
+both bounds, and — unless ``--no-measure`` — the factors measured on both offline models (essays, 8,176 tokens of
+context on SmolLM2, 16,384 on Gemma-3-270M, the model's own queries at the next 16 positions, three layers; sink 4 and
+local 16 as the accuracy benchmarks run), carried to the shape's group of 4 as the same share of the way from
+agreeing heads to disjoint ones (SmolLM2's groups have 3 heads, Gemma-3-270M's 4). The selection's reads grow with
+the budget (at 1% on Gemma-3-270M its member lists were 10% of the positions at 4K tokens and 28% at 16K), so at the
+32K configurations, which take the factors measured at 8K and 16K, they are likely more than counted.
 
 ``launches``: the fused step's own count for the default (``FusedStep.launch_names``: six launches and one per
 size class of clusters), at one size class — the selection takes one more launch per further class, which depends on
@@ -54,28 +59,30 @@ and cut on chip are timed by ``benchmarks/studies/cluster_shortlist.py``).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
 
 import oa_core as oa
 from oa_core.analysis.provenance import provenance
-from oa_core.components import group_queries
-from oa_core.ops.selection import order_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_cost_measure import (
+    BUCKET_BITS,
+    CHUNKS,
+    MEASURE,
+    SPEC,
+    measure,
+    transfer,
+)
 
 OUT = Path(__file__).resolve().parent / "results" / "step_cost.json"
-SPEC = Path(__file__).resolve().parents[1] / "specs" / "openattention.yaml"
 # Llama-3.1-8B's attention: query heads, KV heads, head dim
 SHAPE = {"model": "Llama-3.1-8B", "query_heads": 32, "kv_heads": 8, "head_dim": 128}
 KV_SHAPE = (SHAPE["kv_heads"], SHAPE["head_dim"])  # step_bytes' kv_heads and head_dim
 CONFIGS = [(16, 16384), (8, 32768), (32, 32768)]
 DENSITIES = [0.01, 0.03]
-MEASURE = {"tokens": 4096, "decode": 16, "layers": 3, "sink": 4, "local": 16}
 KV_BYTES = 2  # bf16 keys and values
 ASSIGNMENT_BYTES = 8  # a slot's cluster number (``StaticState.assignment``, int64)
 MEMBER_BYTES = 4  # a member list's entry (``StaticState.members``, int32)
@@ -107,6 +114,7 @@ def step_bytes(
     score_passes: int = SCORE_PASSES,
     cluster_ids: bool = False,
     per_row: bool = False,
+    selection_reads: tuple[float, float] = (1.0, 1.0),
 ) -> dict[str, float]:
     """Bytes one layer's decode step reads, by part, for ``batch`` rows of ``context`` tokens and ``group`` query
     heads per KV head (see the module's docstring); ``dense`` is what dense decoding reads (every K and V row
@@ -118,7 +126,9 @@ def step_bytes(
     one byte, once for the group (the cluster design, its scores on chip in position order), not the member lists.
     ``per_row``: the flash pass as built (``sparse_pass``, a program per selection row and part): each selection row
     reads its own selected rows, the sink and the window, and the pooled sums of its KV head's clusters, whatever the
-    group's heads share (the union factor of the selections unused)."""
+    group's heads share (the union factor of the selections unused). ``selection_reads``: the shares of a row's
+    member lists and of its scores' bytes the per-cluster selection reads (``selection_factors``; 1, 1: every list and
+    the whole row, the bound)."""
     spec, D = pipe.spec, head_dim
     fixed = min(spec.sink + spec.local, context)
     clusterable = context - fixed
@@ -132,14 +142,16 @@ def step_bytes(
     score_rows = 1 if spec.gqa == "shared" else group
     sums = (3 if spec.proxy == "second-order" else 2) * D + 1  # float32 each
     row = 2 * D * KV_BYTES  # a K and a V row
+    lists, scores_read = selection_reads
     per_head = {
         "codes": clusterable * codes * (1 + reread),
         "shortlist_keys": shortlist_union * shortlist * D * KV_BYTES,
         "selected_rows": (score_rows * (fixed + selectable) if per_row else fixed + selected_union * selectable) * row,
         "proxies": clusters * 4 * (built_proxies(D, group, score_rows, spec.proxy) if per_row else sums),
         "state": codes + row + 2 * sums * 4 + score_rows * shortlist * ASSIGNMENT_BYTES,
-        "members": clusterable * CLUSTER_ID_BYTES if cluster_ids else score_rows * clusterable * MEMBER_BYTES,
-        "scores": score_rows * (clusterable * score_passes + shortlist) * 4,  # the passes and the boxes
+        "members": clusterable * CLUSTER_ID_BYTES if cluster_ids else score_rows * clusterable * MEMBER_BYTES * lists,
+        # the passes (the selection's last, in part) and the boxes
+        "scores": score_rows * (clusterable * (score_passes - 1 + scores_read) + shortlist) * 4,
     }
     if candidates is not None:
         per_head["scores"] = score_rows * clusterable * candidates * (4 + 4) * 2
@@ -157,144 +169,6 @@ def built_proxies(head_dim: int, group: int, score_rows: int, proxy: str) -> int
     second = proxy == "second-order"
     statistics = (2 if second else 1) * head_dim + 1 + 2 * group
     return statistics + score_rows * (head_dim + 1) + (2 if second else 1) * group
-
-
-class Decisions(NamedTuple):
-    """What one attend of some queries over a state decides, as the factors below read it: the explanation, the
-    selector's own scores (-inf outside the clusters) ``[B, Hkv, G, T, N]``, the shortlist's length and its positions
-    (``listed``, same shape), and the selected positions outside the sink and window (``chosen``, over
-    ``explanation.selection.index``)."""
-
-    explanation: Any
-    scores: torch.Tensor
-    length: int
-    listed: torch.Tensor
-    chosen: torch.Tensor
-
-
-def decisions(pipe: oa.Pipeline, state, queries: torch.Tensor) -> Decisions:
-    """One attend of ``queries`` ``[B, Hq, T, D]`` over ``state`` per head, explained once for every factor: the
-    shortlist is the best ⌈rerank × E_sel⌉ rows by the selector's own scores."""
-    explanation = pipe.explain(queries, state)
-    plan = state.plan()
-    Hkv, n = state.keys.shape[1], state.num_tokens
-    grouped = group_queries(queries, Hkv, False)
-    scores = pipe.selector.score(grouped, state.index, state.keys, state.scale)
-    assert plan.unclustered is not None
-    scores = scores.masked_fill(plan.unclustered, -math.inf)  # [B, Hkv, G, T, N]
-    multiple = getattr(pipe.selector.config, "rerank", 0.0)
-    length = max(1, math.ceil(multiple * int(plan.max_selectable)))
-    top = scores.topk(min(length, n), dim=-1).indices
-    listed = torch.zeros(*scores.shape, dtype=torch.bool).scatter_(-1, top, True)
-    index = explanation.selection.index  # [B, Hkv, G, T, K], -1 padding
-    fixed = plan.fixed[:, :, None, None, :]  # [B, Hkv, 1, 1, F]
-    chosen = (index >= 0) & ~(index[..., :, None] == fixed[..., None, :]).any(-1)
-    return Decisions(explanation, scores, length, listed, chosen)
-
-
-def union_factors(decided: Decisions) -> tuple[float, float]:
-    """(shortlist, selection) union factors of one attend (``decisions``): the mean over (batch row, KV head, query)
-    of |∪_g rows of head g| / the mean rows of one head, for the shortlist and for the selected rows (sink and window
-    left out)."""
-    listed, chosen, n = decided.listed, decided.chosen, decided.scores.shape[-1]
-    shortlist = listed.any(2).sum(-1).double().mean() / listed.sum(-1).double().mean()
-    index = decided.explanation.selection.index
-    rows = torch.zeros(*index.shape[:-1], n + 1, dtype=torch.bool)
-    rows.scatter_(-1, torch.where(chosen, index, n), True)
-    rows = rows[..., :n]
-    selected = rows.any(2).sum(-1).double().mean() / rows.sum(-1).double().mean().clamp_min(1)
-    return float(shortlist), float(selected)
-
-
-CHUNKS = 16  # a one-program step's passes over a row of codes: 1,024 positions each at 16K
-BUCKET_BITS = 20  # an on-chip histogram's resolution: order keys floored to 2^20 (4,096 buckets over float32)
-
-
-def running_candidates(scores: torch.Tensor, length: int, bucket_bits: int | None = None) -> torch.Tensor:
-    """scores ``[R, N]`` (-inf: not selectable) read in ``CHUNKS`` chunks in position order → ``[R, N]`` bool: the
-    positions a one-program step would write as candidates: after each chunk, those of the chunk at or above the
-    ``length``-th best score seen so far (with ``bucket_bits``, that score's histogram bucket's floor, as a histogram
-    of order keys floored to 2^bucket_bits finds it; every finite one while fewer than ``length`` are seen). The
-    row's best ``length`` are always among them: the running threshold never exceeds the final cut."""
-    R, N = scores.shape
-    lowest = torch.iinfo(torch.long).min
-    finite = scores > -math.inf
-    keys = order_keys(scores).masked_fill(~finite, lowest)
-    written = torch.zeros(R, N, dtype=torch.bool)
-    ends = torch.linspace(0, N, CHUNKS + 1).round().long().tolist()
-    for start, end in itertools.pairwise(ends):
-        cut = keys[:, :end].topk(min(length, end), dim=-1).values[:, -1:]  # the length-th best so far
-        cut = torch.where(finite[:, :end].sum(-1, keepdim=True) >= length, cut, lowest)
-        if bucket_bits is not None:
-            cut = torch.where(cut > lowest, (cut >> bucket_bits) << bucket_bits, cut)
-        written[:, start:end] = (keys[:, start:end] >= cut) & finite[:, start:end]
-    return written
-
-
-def one_program_factors(decided: Decisions) -> dict[str, float]:
-    """What a one-program step (issue 56's design: scores never written whole) would read instead of the scores'
-    trips, from one attend (``decisions``), per head: ``candidates`` (exact running threshold) and
-    ``candidates_bucketed`` (a histogram's), the mean share of selectable positions written as candidates
-    (``running_candidates``); ``outside_shortlist``, the share of selected rows (sink and window left out) not in the
-    selector's shortlist; ``reread_codes``, the mean share of a (batch row, KV head)'s selectable positions in clusters
-    whose quota for some head exceeds its shortlisted rows there (their codes read again to rank the rest)."""
-    explanation, scores, length, listed, chosen = decided
-    assert explanation.quotas is not None and explanation.allocation is not None
-    flat = scores.reshape(-1, scores.shape[-1])
-    selectable = (flat > -math.inf).sum(-1).clamp_min(1)
-    exact = (running_candidates(flat, length).sum(-1) / selectable).mean()
-    bucketed = (running_candidates(flat, length, BUCKET_BITS).sum(-1) / selectable).mean()
-    outside = chosen & ~listed.gather(-1, explanation.selection.index.clamp_min(0))
-    assignment = explanation.allocation.assignment  # [B, Hkv, N], C outside the clusters
-    C = explanation.quotas.shape[-1]
-    members = torch.nn.functional.one_hot(assignment, C + 1)[..., :C].float()  # [B, Hkv, N, C]
-    listed_per_cluster = torch.einsum("bhgtn,bhnc->bhgtc", listed.float(), members)
-    short = (explanation.quotas > listed_per_cluster).any(2).any(2)  # [B, Hkv, C]: some head's quota runs past
-    reread = (members.sum(2) * short).sum(-1) / members.sum((2, 3)).clamp_min(1)
-    return {
-        "candidates": float(exact),
-        "candidates_bucketed": float(bucketed),
-        "outside_shortlist": float(outside.sum() / chosen.sum().clamp_min(1)),
-        "reread_codes": float(reread.mean()),
-    }
-
-
-def measure(model: str | None, densities: list[float]) -> dict:
-    """Union factors of the default spec per head on an offline model: per density, the mean over three layers."""
-    from oa_core.analysis.attention_error import PREFILL_QUERIES, default_layers, haystack_ids, layer_case
-    from oa_core.analysis.offline_model import capture_attention, load_offline_model, model_label
-
-    lm, tokenizer = load_offline_model(model)
-    tokens, decode = MEASURE["tokens"], MEASURE["decode"]
-    layers = default_layers(lm.config.num_hidden_layers, MEASURE["layers"])
-    captured = capture_attention(lm, haystack_ids(tokenizer, tokens + decode), layers)
-    heads_q, heads_kv = lm.config.num_attention_heads, lm.config.num_key_value_heads
-    del lm
-    out: dict = {"model": model_label(model), "heads_per_group": heads_q // heads_kv, "layers": layers, "densities": {}}
-    for density in densities:
-        spec = {"budget": {"density": density}, "sink": MEASURE["sink"], "local": MEASURE["local"], "gqa": "per_head"}
-        pipe = oa.build({**oa.load_spec(SPEC).model_dump(mode="json"), **spec})
-        found, designs = [], []
-        for layer in layers:
-            case = layer_case(captured[layer], tokens, decode)
-            state = pipe.prepare(case.keys, case.values, case.prefill[:, :, -PREFILL_QUERIES:], scale=case.scale)
-            decided = decisions(pipe, state, case.queries)
-            found.append(union_factors(decided))
-            designs.append(one_program_factors(decided))
-        out["densities"][str(density)] = {
-            "shortlist_union": round(sum(s for s, _ in found) / len(found), 3),
-            "selected_union": round(sum(s for _, s in found) / len(found), 3),
-            **{key: round(sum(d[key] for d in designs) / len(designs), 4) for key in designs[0]},
-        }
-    return out
-
-
-def transfer(union: float, measured_group: int, group: int) -> float:
-    """A union factor measured on groups of ``measured_group`` heads, carried to groups of ``group``: the same share
-    (u − 1) / (G − 1) of the way from heads that agree (1) to heads that share no row (G)."""
-    if measured_group <= 1:
-        return 1.0
-    return round(1 + (union - 1) / (measured_group - 1) * (group - 1), 3)
 
 
 def fused_launches(pipe: oa.Pipeline, cuda: bool = False) -> int:
@@ -330,17 +204,31 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                 # each case's union of the group's shortlists (Triton's listing reads a K row once for the rows
                 # that list it); the flash pass reads each selection row's own rows whatever the heads share
                 heads = G if gqa == "per_head" else 1.0
-                cases = {"shared": 1.0} if gqa == "shared" else {"heads agree": 1.0, "heads disjoint": G}
+                bound = (1.0, 1.0)  # the selection reads every member list and the whole row of scores
+                cases = {"shared": (1.0, bound)} if gqa == "shared" else {"heads agree": (1.0, bound)}
+                cases.update({} if gqa == "shared" else {"heads disjoint": (G, bound)})
                 if gqa == "per_head":
                     for m in measured:
                         found = m["densities"].get(str(density))
                         if found:  # the measured share of the way from agreeing to disjoint, on this shape's G
-                            cases[f"measured on {m['model']}"] = transfer(
-                                found["shortlist_union"], m["heads_per_group"], G
+                            union = transfer(found["shortlist_union"], m["heads_per_group"], G)
+                            reads = (
+                                (found["member_lists"], found["score_sectors"]) if "member_lists" in found else bound
                             )
-                for case, short in cases.items():
+                            cases[f"measured on {m['model']}"] = (union, reads)
+                for case, (short, reads) in cases.items():
                     passes, short = (CUDA_SCORE_PASSES, heads) if cuda else (SCORE_PASSES, short)
-                    parts = step_bytes(pipe, batch, context, *KV_SHAPE, short, heads, score_passes=passes, per_row=True)
+                    parts = step_bytes(
+                        pipe,
+                        batch,
+                        context,
+                        *KV_SHAPE,
+                        short,
+                        heads,
+                        score_passes=passes,
+                        per_row=True,
+                        selection_reads=reads,
+                    )
                     rows.append(
                         {
                             "batch": batch,
@@ -350,6 +238,7 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                             "overlap": case,
                             "shortlist_union": short,
                             "selected_union": heads,
+                            "selection_reads": dict(zip(("member_lists", "score_sectors"), reads, strict=True)),
                             **byte_fields(parts),
                             "launches": launches,
                         }
@@ -389,6 +278,8 @@ def projections(pipe_for, measured: list[dict], design: str) -> list[dict]:
                     (found["candidates_bucketed"], found["reread_codes"]) if design == "one_program" else (0.0, 0.0)
                 )
                 chosen = {"candidates": candidates, "reread": reread, "cluster_ids": design == "cluster"}
+                if "member_lists" in found:  # the one-program design keeps the built selection and its lists' reads
+                    chosen["selection_reads"] = (found["member_lists"], 1.0)
                 parts = step_bytes(pipe, batch, context, *KV_SHAPE, short, sel, **chosen)
                 rows.append(
                     {
@@ -427,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     def pipe_for(density: float, gqa: str) -> oa.Pipeline:
         return oa.build({**base, "budget": {"density": density}, "gqa": gqa})
 
-    measured = [] if args.no_measure else [measure(model, DENSITIES) for model in (None, "gemma3-270m")]
+    measured = [] if args.no_measure else [measure(model, DENSITIES) for model in MEASURE["tokens"]]
     rows = configs(pipe_for, measured)
     cuda_rows = configs(pipe_for, measured, cuda=True)
     designed = {design: projections(pipe_for, measured, design) for design in DESIGNS}

@@ -10,6 +10,7 @@ import torch
 import oa_core as oa
 from conftest import make_inputs, relative_error
 from oa_core.static import StaticState
+from oa_core.testing.fused import decode_side_by_side, reference_rows
 from oa_plugins.allocators import errorgate
 from oa_plugins.kernels.flash_step import PQSScoring, QGSScoring
 
@@ -37,77 +38,20 @@ def triton_allocation():
     errorgate.INTERPRET_ON_CPU = previous
 
 
-def _rows(index):
-    return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]
-
-
 PQS = {"name": "pq", "rerank": 0}  # the default's selector, without its re-rank (as SPEC's QGS)
 
 
-def run_fused(
-    spec, tokens=140, steps=8, room=0, dtype=torch.float32, seed=0, repeat=None, group=3, static=True, dim=32
-):
-    """Decode ``steps`` tokens through the reference pipeline, a composed static state and a fused one → per step
-    (reference rows, fused rows, reference output, fused output), and the two static states at the end. At every
-    step the fused index — sink, window, each cluster's run, padding — and its runs are the composed step's, column
-    for column. ``repeat`` (a slice): those keys repeated right after them (tied scores and logits); ``group``: query
-    heads per KV head. ``static=False``: the reference pipeline alone, on the same inputs → its rows per step."""
-    keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype, group=group, dim=dim)
-    if repeat is not None:
-        keys[:, :, repeat.stop : 2 * repeat.stop - repeat.start] = keys[:, :, repeat]
-    B, H, _, D = keys.shape
-    Hq = prefill.shape[1]
-    mask = torch.ones(B, tokens, dtype=torch.bool)
-    mask[1, :25] = False
-    pipe = oa.build(spec)
-    capacity = tokens + steps + room
-    reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
-    gen = torch.Generator().manual_seed(seed + 1)
-
-    def query_at(n):
-        return (
-            keys[:, torch.arange(Hq) // (Hq // H), n : n + 1].float() * 1.1
-            + 0.3 * torch.randn(B, Hq, 1, D, generator=gen)
-        ).to(dtype)
-
+def run_fused(spec, static=True, **inputs):
+    """``decode_side_by_side`` (the reference pipeline, the composed and the fused static steps on the same inputs)
+    → per step (reference rows, fused rows, reference output, fused output), and the two static states at the end;
+    at every step the fused index — sink, window, each cluster's run, padding — and its runs are the composed
+    step's, column for column. ``static=False``: the reference pipeline alone → its rows per step."""
     if not static:
-        rows = []
-        for step in range(steps):
-            n = tokens + step
-            reference.append(keys[:, :, n : n + 1], values[:, :, n : n + 1])
-            rows.append(_rows(pipe.explain(query_at(n), reference).selection.index))
-        return rows
-    composed, fused = (
-        StaticState.from_state(pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask), capacity)
-        for _ in range(2)
-    )
-    assert fused.fused is not None
-    composed.fused = None
-    cache_k, cache_v = keys.new_zeros(B, H, capacity, D), values.new_zeros(B, H, capacity, D)
-    cache_k[:, :, :tokens], cache_v[:, :, :tokens] = keys[:, :, :tokens], values[:, :, :tokens]
-    steps_seen = []
-    for step in range(steps):
-        n = tokens + step
-        reference.append(keys[:, :, n : n + 1], values[:, :, n : n + 1])
-        cache_k[:, :, n], cache_v[:, :, n] = keys[:, :, n], values[:, :, n]
-        composed.length += 1
-        fused.length += 1
-        query = query_at(n)
-        composed.grow(cache_k, cache_v)
-        out, selection = fused.fused.run(fused, query, cache_k, cache_v)
-        composed_selection = composed.selection(query, cache_k)
-        assert torch.equal(selection.index, composed_selection.index)
-        assert torch.equal(selection.runs, composed_selection.runs)
-        assert not selection.log_weight.any()
-        steps_seen.append(
-            (
-                _rows(pipe.explain(query, reference).selection.index),
-                _rows(selection.index),
-                pipe.attend(query, reference),
-                out,
-            )
-        )
-    return steps_seen, composed, fused
+        return reference_rows(spec, **{k: v for k, v in inputs.items() if k != "room"})
+    records, composed, fused = decode_side_by_side(spec, **inputs)
+    for record in records:
+        assert record.same_layout and not record.weighted
+    return [(r.reference_rows, r.rows, r.reference_out, r.out) for r in records], composed, fused
 
 
 def assert_same_state(composed, fused):

@@ -3,6 +3,7 @@ factors measure how far a GQA group's heads read the same rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import oa_core as oa
 from conftest import load_benchmark
 
 step_cost = load_benchmark("step_cost")
+measures = load_benchmark("step_cost_measure")
 
 
 def _pipe(density: float = 0.01, **spec) -> oa.Pipeline:
@@ -89,9 +91,9 @@ def _state(pipe, heads_alike: bool):
 def test_a_group_of_identical_heads_has_union_factor_one_and_distinct_heads_more():
     pipe = oa.build({"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"})
     state, same = _state(pipe, heads_alike=True)
-    assert step_cost.union_factors(step_cost.decisions(pipe, state, same)) == pytest.approx((1.0, 1.0))
+    assert measures.union_factors(measures.decisions(pipe, state, same)) == pytest.approx((1.0, 1.0))
     state, different = _state(pipe, heads_alike=False)
-    shortlist, selected = step_cost.union_factors(step_cost.decisions(pipe, state, different))
+    shortlist, selected = measures.union_factors(measures.decisions(pipe, state, different))
     assert 1.2 < shortlist <= 4.0 and 1.2 < selected <= 4.0
 
 
@@ -134,16 +136,16 @@ def test_the_cuda_shortlist_step_counts_two_score_passes_and_each_rows_k_rows():
 
 
 def test_running_candidates_hold_the_shortlist_and_follow_the_order_of_the_scores():
-    C, length = step_cost.CHUNKS, 5
+    C, length = measures.CHUNKS, 5
     N = C * 8
     best_first = torch.arange(N, 0, -1).float()[None]
-    assert int(step_cost.running_candidates(best_first, length).sum()) == length  # later chunks fall below the cut
+    assert int(measures.running_candidates(best_first, length).sum()) == length  # later chunks fall below the cut
     best_last = torch.arange(N).float()[None]
-    assert int(step_cost.running_candidates(best_last, length).sum()) == C * length  # each chunk beats the cut
+    assert int(measures.running_candidates(best_last, length).sum()) == C * length  # each chunk beats the cut
     scores = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
     scores[:, :7] = -math.inf  # not selectable: never written
-    written = step_cost.running_candidates(scores, 40)
-    bucketed = step_cost.running_candidates(scores, 40, bucket_bits=20)
+    written = measures.running_candidates(scores, 40)
+    bucketed = measures.running_candidates(scores, 40, bucket_bits=20)
     top = scores.topk(40, dim=-1).indices
     assert bool(written.gather(-1, top).all()) and bool((bucketed | ~written).all())  # shortlist ⊆ exact ⊆ bucketed
     assert not bool(bucketed[:, :7].any()) and 40 < int(written.sum(-1).min()) < 1000
@@ -152,11 +154,48 @@ def test_running_candidates_hold_the_shortlist_and_follow_the_order_of_the_score
 def test_a_shortlist_of_every_position_leaves_nothing_outside_it():
     spec = {"budget": {"density": 0.1}, "sink": 4, "local": 16, "gqa": "per_head"}
     whole = oa.build({**spec, "selector": {"name": "pq", "rerank": 100}})
-    found = step_cost.one_program_factors(step_cost.decisions(whole, *_state(whole, heads_alike=False)))
+    found = measures.one_program_factors(measures.decisions(whole, *_state(whole, heads_alike=False)))
     assert found["candidates"] == 1.0 and found["outside_shortlist"] == 0.0 and found["reread_codes"] == 0.0
     narrow = oa.build({**spec, "budget": {"density": 0.05}})
-    found = step_cost.one_program_factors(step_cost.decisions(narrow, *_state(narrow, heads_alike=False)))
+    found = measures.one_program_factors(measures.decisions(narrow, *_state(narrow, heads_alike=False)))
     assert 0 < found["candidates"] <= found["candidates_bucketed"] < 1
+
+
+def test_the_selection_reads_the_lists_of_clusters_with_a_quota_and_the_sectors_of_partial_ones():
+    spec = {"sink": 4, "local": 16, "gqa": "per_head"}
+    narrow = oa.build({**spec, "budget": {"density": 0.05}})
+    decided = measures.decisions(narrow, *_state(narrow, heads_alike=False))
+    found = measures.selection_factors(decided)
+    quotas, allocation = decided.explanation.quotas, decided.explanation.allocation
+    C = quotas.shape[-1]
+    # one selection row by hand: (batch row 0, KV head 1, head 2, query 0)
+    row, cluster = quotas[0, 1, 2, 0], allocation.assignment[0, 1]
+    counts = allocation.counts[0, 1]
+    inside = cluster < C
+    quota_at = row[cluster.clamp_max(C - 1)]
+    partial = inside & (quota_at > 0) & (quota_at < counts[cluster.clamp_max(C - 1)])
+    one = measures.selection_factors(decided._replace(explanation=_one_row(decided.explanation, (0, 1, 2, 0))))
+    assert one["member_lists"] == pytest.approx(float((inside & (quota_at > 0)).sum() / inside.sum()))
+    sectors = {int(p) // 8 for p in partial.nonzero().flatten()}
+    assert one["score_sectors"] == pytest.approx(len(sectors) / math.ceil(cluster.shape[-1] / 8))
+    assert 0 < found["score_sectors"] < 1 and 0 < found["member_lists"] < 1
+    wide = oa.build({**spec, "budget": {"density": 0.3}})  # more clusters with a quota: more lists read
+    assert (
+        measures.selection_factors(measures.decisions(wide, *_state(wide, heads_alike=False)))["member_lists"]
+        > (found["member_lists"])
+    )
+
+
+def _one_row(explanation, at):
+    """The explanation cut to one selection row ``at`` (batch row, KV head, head, query)."""
+    b, h, g, t = at
+    allocation = dataclasses.replace(
+        explanation.allocation,
+        assignment=explanation.allocation.assignment[b : b + 1, h : h + 1],
+        counts=explanation.allocation.counts[b : b + 1, h : h + 1],
+    )
+    quotas = explanation.quotas[b : b + 1, h : h + 1, g : g + 1, t : t + 1]
+    return dataclasses.replace(explanation, quotas=quotas, allocation=allocation)
 
 
 def test_the_designs_differ_in_the_scores_the_codes_and_the_member_lists_only():
