@@ -175,6 +175,21 @@ def run_model(name: str, args, scores=form_scores, multiples: dict[str, float] |
     return {"model": model_label(name), "head_dim": head_dim(model.config), "layers": layers, "summary": summary}
 
 
+def study_arguments(argv: list[str] | None, doc: str, out: Path, samples: int = 12) -> argparse.Namespace:
+    """The needle studies' arguments: ``--model`` (both offline models), ``--samples``, ``--tokens`` (4096),
+    ``--densities`` (1% and 3%) and ``--out`` (``out``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    parser.add_argument("--samples", type=int, default=samples)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args(argv)
+    if args.samples < 1 or args.tokens < 256:
+        parser.error("--samples at least 1 and --tokens at least 256")
+    return args
+
+
 def study_main(
     argv: list[str] | None,
     doc: str,
@@ -185,15 +200,7 @@ def study_main(
 ) -> int:
     """The command line of a study of shortlists on needle prompts (this one's, ``shared_shortlist_recall``'s):
     ``run_model`` on each model, the JSON written to ``--out`` (``out`` by default) and a line per form printed."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    parser.add_argument("--samples", type=int, default=12)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
-    parser.add_argument("--out", type=Path, default=out)
-    args = parser.parse_args(argv)
-    if args.samples < 1 or args.tokens < 256:
-        parser.error("--samples at least 1 and --tokens at least 256")
+    args = study_arguments(argv, doc, out)
     torch.manual_seed(0)
     start = time.perf_counter()
     models = [run_model(name, args, scores, multiples) for name in args.model]

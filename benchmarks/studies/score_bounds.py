@@ -24,7 +24,6 @@ query head; the mean share and the largest (the worst head).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -37,7 +36,9 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oa_core as oa  # noqa: E402
+from code_forms_recall import study_arguments  # noqa: E402
 from oa_core.analysis import needle  # noqa: E402
 from oa_core.analysis.offline_model import capture_attention, load_offline_model, model_label  # noqa: E402
 from oa_core.analysis.provenance import provenance  # noqa: E402
@@ -141,15 +142,8 @@ def run_model(name: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", nargs="+", default=["smollm2-135m", "gemma3-270m"])
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.03])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "studies" / "results" / "score_bounds.json")
-    args = parser.parse_args(argv)
-    if args.samples < 1 or args.tokens < 256:
-        parser.error("--samples at least 1 and --tokens at least 256")
+    out = ROOT / "benchmarks" / "studies" / "results" / "score_bounds.json"
+    args = study_arguments(argv, __doc__ or "", out, samples=8)
     start = time.perf_counter()
     models = [run_model(name, args) for name in args.model]
     result = {
