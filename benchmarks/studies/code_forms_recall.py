@@ -190,6 +190,25 @@ def study_arguments(argv: list[str] | None, doc: str, out: Path, samples: int = 
     return args
 
 
+def write_study(args: argparse.Namespace, doc: str, models: list[dict], start: float, **fields) -> None:
+    """A needle study's JSON to ``args.out``: what it asks, ``fields``, its setting (samples, tokens, the shortlist,
+    sink and window), each model's results, its time since ``start`` and the provenance."""
+    result = {
+        "what": doc.split("\n\n")[0],
+        **fields,
+        "samples": args.samples,
+        "tokens": args.tokens,
+        "shortlist": f"{SHORTLIST} × the selectable budget",
+        "sink": SPARSE["sink"],
+        "local": SPARSE["local"],
+        "models": models,
+        "seconds": round(time.perf_counter() - start, 1),
+        "provenance": provenance(torch.device("cpu")),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def study_main(
     argv: list[str] | None,
     doc: str,
@@ -204,21 +223,7 @@ def study_main(
     torch.manual_seed(0)
     start = time.perf_counter()
     models = [run_model(name, args, scores, multiples) for name in args.model]
-    result = {
-        "what": doc.split("\n\n")[0],
-        "forms": forms,
-        "samples": args.samples,
-        "tokens": args.tokens,
-        "shortlist": f"{SHORTLIST} × the selectable budget",
-        **({"shortlist_multiples": multiples} if multiples else {}),
-        "sink": SPARSE["sink"],
-        "local": SPARSE["local"],
-        "models": models,
-        "seconds": round(time.perf_counter() - start, 1),
-        "provenance": provenance(torch.device("cpu")),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_study(args, doc, models, start, forms=forms, **({"shortlist_multiples": multiples} if multiples else {}))
     for entry in models:
         for density, found in entry["summary"].items():
             for form, s in found.items():

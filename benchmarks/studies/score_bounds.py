@@ -24,7 +24,6 @@ query head; the mean share and the largest (the worst head).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import sys
@@ -38,10 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oa_core as oa  # noqa: E402
-from code_forms_recall import study_arguments  # noqa: E402
+from code_forms_recall import study_arguments, write_study  # noqa: E402
 from oa_core.analysis import needle  # noqa: E402
 from oa_core.analysis.offline_model import capture_attention, load_offline_model, model_label  # noqa: E402
-from oa_core.analysis.provenance import provenance  # noqa: E402
 from oa_core.components import group_queries  # noqa: E402
 from oa_plugins.selectors.pq import unpack_codes  # noqa: E402
 from retrieval import SPARSE, WINDOW, full_attention_layers  # noqa: E402
@@ -146,19 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = study_arguments(argv, __doc__ or "", out, samples=8)
     start = time.perf_counter()
     models = [run_model(name, args) for name in args.model]
-    result = {
-        "what": __doc__.split("\n\n")[0],
-        "samples": args.samples,
-        "tokens": args.tokens,
-        "shortlist": f"{SHORTLIST} × the selectable budget",
-        "sink": SPARSE["sink"],
-        "local": SPARSE["local"],
-        "models": models,
-        "seconds": round(time.perf_counter() - start, 1),
-        "provenance": provenance(torch.device("cpu")),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_study(args, __doc__ or "", models, start)
     for entry in models:
         for density, found in entry["summary"].items():
             for bound, s in found.items():
