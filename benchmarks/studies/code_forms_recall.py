@@ -134,11 +134,10 @@ def layer_shares(
     return shares
 
 
-def run_model(name: str, args, scores=form_scores, multiples: dict[str, float] | None = None) -> dict:
-    """One offline model's shares over ``args.samples`` needle prompts; ``scores(query, keys, outside)``: each form's
-    scores (``form_scores``); ``multiples``: shortlists of other lengths than ``SHORTLIST`` (``layer_shares``)."""
+def needle_prompts(name: str, args: argparse.Namespace) -> tuple:
+    """An offline model, its full-attention layers and ``args.samples`` needle prompts of ``args.tokens`` tokens (a
+    number, a word pair or a UUID in turn, in the essays, Python's docs or its source in turn; seed 0)."""
     model, tokenizer = load_offline_model(name)
-    layers = full_attention_layers(model)
     samples = needle.make_samples(
         tokenizer,
         args.samples,
@@ -147,6 +146,13 @@ def run_model(name: str, args, scores=form_scores, multiples: dict[str, float] |
         kinds=needle.KINDS,
         texts=("essays", "python-docs", "python-source"),
     )
+    return model, full_attention_layers(model), samples
+
+
+def run_model(name: str, args, scores=form_scores, multiples: dict[str, float] | None = None) -> dict:
+    """One offline model's shares over ``args.samples`` needle prompts; ``scores(query, keys, outside)``: each form's
+    scores (``form_scores``); ``multiples``: shortlists of other lengths than ``SHORTLIST`` (``layer_shares``)."""
+    model, layers, samples = needle_prompts(name, args)
     collected: dict[float, dict[str, list]] = {d: {} for d in args.densities}
     for sample in tqdm(samples, desc=name, unit="sample"):
         ids = torch.cat([sample.context_ids, sample.question_ids], 1)

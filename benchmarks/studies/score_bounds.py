@@ -37,12 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import oa_core as oa  # noqa: E402
-from code_forms_recall import study_arguments, write_study  # noqa: E402
-from oa_core.analysis import needle  # noqa: E402
-from oa_core.analysis.offline_model import capture_attention, load_offline_model, model_label  # noqa: E402
+from code_forms_recall import needle_prompts, study_arguments, write_study  # noqa: E402
+from oa_core.analysis.offline_model import capture_attention, model_label  # noqa: E402
 from oa_core.components import group_queries  # noqa: E402
 from oa_plugins.selectors.pq import unpack_codes  # noqa: E402
-from retrieval import SPARSE, WINDOW, full_attention_layers  # noqa: E402
+from retrieval import SPARSE, WINDOW  # noqa: E402
 
 SHORTLIST = 4  # the default's rerank: the shortlist is 4 × the selectable budget
 SHARES = (0.125, 0.25, 0.5)  # k/M: the sub-spaces looked up
@@ -91,16 +90,7 @@ def _group_share(tables, codes, group, cut, clusterable, total) -> torch.Tensor:
 
 
 def run_model(name: str, args) -> dict:
-    model, tokenizer = load_offline_model(name)
-    layers = full_attention_layers(model)
-    samples = needle.make_samples(
-        tokenizer,
-        args.samples,
-        args.tokens,
-        seed=0,
-        kinds=needle.KINDS,
-        texts=("essays", "python-docs", "python-source"),
-    )
+    model, layers, samples = needle_prompts(name, args)
     pipe = oa.build({**oa.load_spec(ROOT / "specs" / "openattention.yaml").model_dump(), **SPARSE, "kernel": "torch"})
     clusters = pipe.clusterer.config.num_clusters
     collected: dict[float, dict[str, list[float]]] = {d: {} for d in args.densities}
