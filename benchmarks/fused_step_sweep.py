@@ -10,7 +10,7 @@ tokens with a left-padded batch row, 2–5 decode steps, and 0–9 spare slots. 
 pipeline, the composed static step and the fused one (``oa_core.testing.fused.decode_side_by_side``) and records, per
 configuration, the steps whose rows differ from the reference's, the largest relative output error, and whether the
 fused index and runs were the composed step's at every step. A configuration a static state cannot serve (the budget
-covers a row: it is read dense), or whose step the fused one declines (its reason recorded), is counted apart.
+covers a row: it is read dense), or whose step the kernel composes instead of fusing, is counted apart.
 
 On the CPU the kernels run under Triton's interpreter (set here); on a GPU they run compiled, with the CUDA shortlist
 where the GPU has one. There sums run in another order than on the CPU, so a key within rounding of a tie may go the
@@ -84,7 +84,7 @@ def run_one(config: dict, device: str) -> dict:
         records, _, _ = decode_side_by_side(config["spec"], **inputs)
     except StaticUnsupported as error:
         return {"outcome": "dense", "why": str(error)}
-    except ValueError as error:  # the fused step declines the spec (it composes its step): its reason
+    except ValueError as error:  # the kernel composes this spec's step: nothing fused to compare
         if not str(error).startswith("no fused step"):
             raise
         return {"outcome": "not fused", "why": str(error)}

@@ -10,6 +10,7 @@ from conftest import load_benchmark
 from oa_core.ops import triton_path
 from oa_core.static import StaticState
 from oa_core.testing import make_inputs
+from oa_core.testing.fused import selected_rows
 from oa_plugins.kernels import pq_shortlist_cuda
 from oa_plugins.kernels.flash_step import FusedStep, PQSScoring
 
@@ -269,11 +270,7 @@ def test_the_fused_step_with_it_reads_the_reference_rows(gqa):
         query = query + 0.3 * torch.randn(query.shape, generator=gen, device="cuda")
         out, selection = state.fused.run(state, query, cache_k, cache_v)
         expected = pipe.explain(query, reference).selection.index
-        assert _rows(selection.index) == _rows(expected), f"step {step}"
+        assert selected_rows(selection.index) == selected_rows(expected), f"step {step}"
         ref_out = pipe.attend(query, reference)
         assert float((out - ref_out).norm() / ref_out.norm()) < 1e-4
     assert "pq_shortlist" in state.fused.launches(state)
-
-
-def _rows(index):
-    return [sorted(i for i in row.tolist() if i >= 0) for row in index.reshape(-1, index.shape[-1])]

@@ -54,8 +54,8 @@ def decode_side_by_side(
     heads of ``group`` query heads and ``dim`` dimensions), then decode ``steps`` more through the three decodes, in a
     static cache of ``room`` slots to spare → (a record per step, the composed and the fused static states at the
     end). ``repeat``: those keys repeated right after them (ties in the scores and logits). Raises
-    ``StaticUnsupported`` where a static state cannot serve the spec, and ``ValueError`` where the fused step cannot
-    (with its reason)."""
+    ``StaticUnsupported`` where a static state cannot serve the spec, and ``ValueError`` where the kernel has no fused
+    step for it."""
     pipe = oa.build(spec)
     keys, values, prefill, mask, query_at = _inputs(tokens, steps, dtype, seed, repeat, group, dim, device)
     B, H, _, D = keys.shape
@@ -66,9 +66,7 @@ def decode_side_by_side(
         for _ in range(2)
     )
     if fused.fused is None:
-        from oa_plugins.kernels.flash_step import fused_unsupported
-
-        raise ValueError(f"no fused step: {fused_unsupported(fused)}")
+        raise ValueError(f"no fused step: kernel {pipe.kernel.name!r} composes this spec's step (Kernel.static_step)")
     composed.fused = None
     cache_k, cache_v = keys.new_zeros(B, H, capacity, D), values.new_zeros(B, H, capacity, D)
     cache_k[:, :, :tokens], cache_v[:, :, :tokens] = keys[:, :, :tokens], values[:, :, :tokens]
