@@ -582,6 +582,13 @@ MUTATIONS = [
         "the Triton water-filling ranks remainders ascending",
     ),
     mutation(
+        "water-fill-triton-full-by-lambda",
+        "oa_core/ops/water_filling.py",
+        [("quotas = tl.where(passed, cap, tl.minimum(cap, lam * p))", "quotas = tl.minimum(cap, lam * p)")],
+        WATER_FILL_TESTS,
+        "the Triton water-filling fills a passed cluster by λ, which rounding makes 0 at a breakpoint",
+    ),
+    mutation(
         "mass-without-cluster-size",
         "plugins/allocators/mass.py",
         [("log_mass = torch.log(counts) + inputs.mean_logit", "log_mass = inputs.mean_logit")],

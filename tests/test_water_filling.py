@@ -66,3 +66,19 @@ def test_the_triton_water_fill_matches_the_torch_one_at_other_sizes(C):
     budget = torch.randint(0, 40 * C, (rows,), generator=gen).double()
     budget[1] = 0
     assert torch.equal(water_fill_triton(log_priority, capacity, budget), water_fill(log_priority, capacity, budget))
+
+
+def test_a_budget_that_fills_the_leading_clusters_exactly_fills_them():
+    """Two clusters hold nearly all the priority (e^40 over the rest) and their sizes, 6 + 9, are the budget: the
+    target lies on the second one's breakpoint. The Triton kernel once found that breakpoint passed by rounding,
+    took λ = 0 and emptied every cluster (then one row each by remainders), where the torch ops keep 6 and 9."""
+    pytest.importorskip("triton")
+    from oa_core.ops.water_filling import water_fill_triton
+
+    log_priority = torch.full((1, 13), -45.0, dtype=torch.float64)
+    log_priority[0, 8], log_priority[0, 11] = -0.5494, -1.1656
+    capacity = torch.tensor([[9.0, 12, 11, 15, 18, 10, 10, 15, 6, 19, 10, 9, 10]], dtype=torch.float64)
+    for budget in (14, 15, 16):
+        expected = water_fill(log_priority, capacity, torch.tensor([budget]))
+        assert torch.equal(water_fill_triton(log_priority, capacity, torch.tensor([float(budget)])), expected)
+    assert water_fill(log_priority, capacity, torch.tensor([15]))[0].tolist() == [0] * 8 + [6, 0, 0, 9, 0]

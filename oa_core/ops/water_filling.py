@@ -110,7 +110,9 @@ if triton is not None:
         full = tl.sum(tl.where(passed, cap, 0.0), axis=0)
         slope = tl.sum(tl.where(passed | ~ok, 0.0, p), axis=0)
         lam = (target - full) / tl.maximum(slope, 1e-300)
-        quotas = tl.minimum(cap, lam * p)
+        # A passed cluster is full. (Not min(n_b, λ p_b): where the target falls on a breakpoint that rounding put
+        # below it, λ comes out 0 and would empty the full clusters too.)
+        quotas = tl.where(passed, cap, tl.minimum(cap, lam * p))
         floor = tl.minimum(tl.floor(quotas), cap)
         remainder = tl.floor(target - tl.sum(tl.where(ok, floor, 0.0), axis=0) + 0.5)  # an integer in float64
         fraction = tl.where((floor < cap) & ok, quotas - floor, -1.0)
