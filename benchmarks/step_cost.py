@@ -205,9 +205,10 @@ def configs(pipe_for, measured: list[dict], cuda: bool = False) -> list[dict]:
                 # that list it); the flash pass reads each selection row's own rows whatever the heads share
                 heads = G if gqa == "per_head" else 1.0
                 bound = (1.0, 1.0)  # the selection reads every member list and the whole row of scores
-                cases = {"shared": (1.0, bound)} if gqa == "shared" else {"heads agree": (1.0, bound)}
-                cases.update({} if gqa == "shared" else {"heads disjoint": (G, bound)})
-                if gqa == "per_head":
+                if gqa == "shared":
+                    cases = {"shared": (1.0, bound)}
+                else:
+                    cases = {"heads agree": (1.0, bound), "heads disjoint": (G, bound)}
                     for m in measured:
                         found = m["densities"].get(str(density))
                         if found:  # the measured share of the way from agreeing to disjoint, on this shape's G

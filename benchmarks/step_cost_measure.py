@@ -143,8 +143,9 @@ def selection_factors(decided: Decisions) -> dict[str, float]:
     assignment = explanation.allocation.assignment[:, :, None, None, :].expand(*quotas.shape[:-1], -1)
     clustered = assignment < C
     place = assignment.clamp_max(C - 1)
-    read = clustered & (quotas.gather(-1, place) > 0)
-    partial = read & (quotas.gather(-1, place) < counts[:, :, None, None, :].expand_as(quotas).gather(-1, place))
+    quota = quotas.gather(-1, place)  # each position's cluster's quota
+    read = clustered & (quota > 0)
+    partial = read & (quota < counts[:, :, None, None, :].expand_as(quotas).gather(-1, place))
     per_sector = SECTOR // 4
     N = assignment.shape[-1]
     padded = torch.nn.functional.pad(partial, (0, -N % per_sector))

@@ -39,25 +39,15 @@ def selected_rows(index: Tensor) -> list[list[int]]:
 
 
 def decode_side_by_side(
-    spec: dict,
-    tokens: int = 140,
-    steps: int = 8,
-    room: int = 0,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    repeat: slice | None = None,
-    group: int = 3,
-    dim: int = 32,
-    device: str | torch.device = "cpu",
+    spec: dict, tokens: int = 140, steps: int = 8, room: int = 0, **inputs
 ) -> tuple[list[FusedStepRecord], StaticState, StaticState]:
-    """Prefill ``tokens`` of ``make_inputs``' clustered cache (2 batch rows, the second left-padded by 25, 2 KV
-    heads of ``group`` query heads and ``dim`` dimensions), then decode ``steps`` more through the three decodes, in a
-    static cache of ``room`` slots to spare → (a record per step, the composed and the fused static states at the
-    end). ``repeat``: those keys repeated right after them (ties in the scores and logits). Raises
-    ``StaticUnsupported`` where a static state cannot serve the spec, and ``ValueError`` where the kernel has no fused
-    step for it."""
+    """Prefill ``tokens`` of ``make_inputs``' clustered cache (``_inputs``: its keywords ``dtype``, ``seed``,
+    ``repeat``, ``group``, ``dim`` and ``device``), then decode ``steps`` more through the three decodes, in a static
+    cache of ``room`` slots to spare → (a record per step, the composed and the fused static states at the end).
+    Raises ``StaticUnsupported`` where a static state cannot serve the spec, and ``ValueError`` where the kernel has no
+    fused step for it."""
     pipe = oa.build(spec)
-    keys, values, prefill, mask, query_at = _inputs(tokens, steps, dtype, seed, repeat, group, dim, device)
+    keys, values, prefill, mask, query_at = _inputs(tokens, steps, **inputs)
     B, H, _, D = keys.shape
     capacity = tokens + steps + room
     reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
@@ -98,10 +88,10 @@ def _same(a: Tensor | None, b: Tensor | None) -> bool:
 
 
 def reference_rows(spec: dict, tokens: int = 140, steps: int = 8, **inputs) -> list[list[list[int]]]:
-    """The reference pipeline alone on ``decode_side_by_side``'s inputs and queries (the same keyword arguments, but
-    ``room``) → its rows per step."""
+    """The reference pipeline alone on ``decode_side_by_side``'s inputs and queries (``_inputs``' keywords) → its rows
+    per step."""
     pipe = oa.build(spec)
-    keys, values, prefill, mask, query_at = _inputs(tokens, steps, **{**_DEFAULTS, **inputs})
+    keys, values, prefill, mask, query_at = _inputs(tokens, steps, **inputs)
     reference = pipe.prepare(keys[:, :, :tokens], values[:, :, :tokens], prefill, mask=mask)
     rows = []
     for n in range(tokens, tokens + steps):
@@ -110,11 +100,19 @@ def reference_rows(spec: dict, tokens: int = 140, steps: int = 8, **inputs) -> l
     return rows
 
 
-_DEFAULTS = {"dtype": torch.float32, "seed": 0, "repeat": None, "group": 3, "dim": 32, "device": "cpu"}
-
-
-def _inputs(tokens, steps, dtype, seed, repeat, group, dim, device):
-    """The cache, prefill queries and padding mask on ``device``, and the decode query at position n (its KV head's
+def _inputs(
+    tokens: int,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    repeat: slice | None = None,
+    group: int = 3,
+    dim: int = 32,
+    device: str | torch.device = "cpu",
+) -> tuple:
+    """``tokens + steps`` positions of ``make_inputs``' cache (2 batch rows, the second left-padded by 25; 2 KV heads of
+    ``group`` query heads and ``dim`` dimensions; ``repeat``: those keys repeated right after them, ties in the scores
+    and logits), its prefill queries and padding mask on ``device``, and the decode query at position n (its KV head's
     key there × 1.1 plus noise, drawn on the CPU from a generator seeded ``seed + 1``, one draw per call in order)."""
     keys, values, prefill, _ = make_inputs(tokens=tokens + steps, seed=seed, dtype=dtype, group=group, dim=dim)
     if repeat is not None:
