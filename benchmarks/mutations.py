@@ -582,6 +582,20 @@ MUTATIONS = [
         "the Triton water-filling ranks remainders ascending",
     ),
     mutation(
+        "pq-tables-float32",
+        "plugins/selectors/pq.py",
+        [("return tables.float().clamp(-HALF_MAX, HALF_MAX).half().float()", "return tables.float()")],
+        PQ_TESTS,
+        "PQS scores from float32 tables where the GPU's shortlist holds float16 ones (and past float16's range)",
+    ),
+    mutation(
+        "fused-pq-tables-float32",
+        "plugins/kernels/flash_step_programs.py",
+        [("entry.to(tl.float16).to(tl.float32),", "entry,")],
+        FUSED_TESTS,
+        "the fused prologue's PQS tables are not rounded to float16 as the selector's are",
+    ),
+    mutation(
         "water-fill-triton-full-by-lambda",
         "oa_core/ops/water_filling.py",
         [("quotas = tl.where(passed, cap, tl.minimum(cap, lam * p))", "quotas = tl.minimum(cap, lam * p)")],

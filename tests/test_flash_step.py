@@ -401,6 +401,30 @@ def test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles():
     assert torch.equal(kept, encode(cache_k[:, :, 120:121], centroids)[:, :, 0])
 
 
+def test_the_prologues_pqs_tables_are_the_selectors_rounded_to_float16():
+    """The fused step's tables are PQS's (``half_tables``): q_m·c_{m,j} rounded to float16 — what the CUDA shortlist
+    keeps two heads a 32-bit word — and ±65504 past its range (a head's query scaled 10^6), never ±inf."""
+    from oa_plugins.selectors.pq import HALF_MAX
+
+    keys, values, prefill, _ = make_inputs(tokens=140, group=2)
+    pipe = oa.build({**SPEC, "selector": PQS})
+    state = StaticState.from_state(pipe.prepare(keys[:, :, :120], values[:, :, :120], prefill), 130)
+    B, H, _, D = keys.shape
+    query = keys[:, torch.arange(2 * H) // 2, 120:121] * 1.1
+    query[:, 1] *= 1e6
+    state.length += 1
+    tables = state.fused.prologue(state, query, keys[:, :, :130].clone(), values[:, :, :130].clone())[0]
+    M, C, dims = state.index.centroids.shape[2:]
+    entries = torch.einsum("bhgmd,bhmcd->bhgmc", query.view(B, H, 2, M, dims).double(), state.index.centroids.double())
+    assert tables.shape == entries.shape and tables.isfinite().all()
+    assert torch.equal(tables, tables.half().float())  # float16 values
+    saturated = entries.abs() > HALF_MAX
+    assert saturated[:, 0, 1].any() and bool((tables[saturated].abs() == HALF_MAX).all())
+    inside = ~saturated
+    assert (tables[inside].double() - entries[inside]).abs().le(2.0**-11 * entries[inside].abs() + 1e-7).all()
+    assert (tables[inside].double() - entries[inside]).abs().max() > 1e-7  # (rounded, not float32's entries)
+
+
 def test_the_new_rows_4_bit_pqs_codes_are_packed_as_the_index_keeps_them():
     """With 16 centroids (the default) ``pq_project`` writes the new row's codes two a byte, as ``encode`` packs
     them, over an odd count of sub-spaces (the last byte's high nibble 0)."""

@@ -95,8 +95,8 @@ if triton is not None:
     ):
         """(batch row, KV head) ``head``: the new row's PQS codes — in each of the M sub-spaces the nearest of the C
         centroids, as prepare codes every key (``oa_plugins.selectors.pq_programs.nearest_code``), stored as the index
-        keeps them (``store_codes``) — and the G query heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums), a
-        tile of BLOCK_C centroids at a time."""
+        keeps them (``store_codes``) — and the G query heads' tables q_m·μ_{m,c} (what ``group_lut_scores`` sums),
+        rounded to float16 as the selector's (``half_tables``), a tile of BLOCK_C centroids at a time."""
         b = head // Hkv
         h = head % Hkv
         newest = tl.load(LENGTH).to(tl.int64) - 1
@@ -119,9 +119,11 @@ if triton is not None:
             )  # [BLOCK_M, BLOCK_C, BLOCK_DIMS]
             for j in tl.static_range(G):
                 q = tl.load(Q + b * sq_b + (h * G + j) * sq_h + sub, mask=sub_ok, other=0.0).to(tl.float32)
+                # ``half_tables``: rounded to float16, saturating at its largest value
+                entry = tl.minimum(tl.maximum(tl.sum(q[:, None, :] * centre, axis=2), -65504.0), 65504.0)
                 tl.store(
                     TABLES + ((head * G + j) * M + offs_m[:, None]) * C + offs_c[None, :],
-                    tl.sum(q[:, None, :] * centre, axis=2),
+                    entry.to(tl.float16).to(tl.float32),
                     mask=m_ok[:, None] & c_ok[None, :],
                 )
 

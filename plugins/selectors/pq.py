@@ -7,7 +7,12 @@ quantization for nearest neighbor search", TPAMI 2011) covers every dimension in
 into M = D / ``dims`` sub-spaces; in each, 2^``bits`` centroids are learnt from the context's keys (k-means,
 ``oa_core.ops.kmeans``) and a key is coded by its nearest centroid's number. A query scores a key by table lookup,
 z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
-s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query.
+s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query. The tables' entries
+are rounded to float16 (``half_tables``; the sums stay float32): the GPU's shortlist keeps two query heads' entries in
+one 32-bit word of shared memory, half the lookups (``plugins/kernels/pq_shortlist.cu``), and every path rounds them
+alike, so that each reads the same rows. The rounding moves an entry by at most 2^-11 of it, far inside the codes'
+error: on both offline models the shortlists keep the rows of float32 tables
+(``benchmarks/studies/shared_shortlist_recall.py``).
 
 The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte, as the index
 keeps them): 1/16 of a
@@ -64,12 +69,18 @@ class PQSConfig(BaseModel):
 # hold more than LUT_CODES of the block's codes (``lut_block``).
 LUT_BLOCK = 128
 LUT_CODES = 64
+HALF_MAX = 65504.0  # float16's largest finite value: the tables saturate there instead of overflowing to inf
 
 
 @dataclass
 class PQSIndex:
     centroids: Tensor  # [B, Hkv, M, 2^bits, dims] float32
     codes: Tensor  # [B, Hkv, N, W] uint8: 4-bit codes two a byte (W = ⌈M/2⌉, ``pack_codes``), 8-bit a byte (W = M)
+
+
+def half_tables(tables: Tensor) -> Tensor:
+    """Table entries q_m·c_{m,j} rounded to float16, to nearest (ties to even), saturating at ±``HALF_MAX``; float32."""
+    return tables.float().clamp(-HALF_MAX, HALF_MAX).half().float()
 
 
 def packed(centroids: int) -> bool:
@@ -184,7 +195,8 @@ class ProductQuantisedSelector(ExactRerank, Selector):
         B, Hkv, Gs, G, T, D = query.shape
         M, C, dims = index.centroids.shape[2:]
         sub = query.float().reshape(B, Hkv, Gs * G * T, M, dims)  # rows (selection head, query head, query)
-        tables = torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids)  # q_m·c_{m,j}: [B, Hkv, rows, M, C]
+        # q_m·c_{m,j}, rounded to float16: [B, Hkv, rows, M, C]
+        tables = half_tables(torch.einsum("bhrmd,bhmcd->bhrmc", sub, index.centroids))
         if triton_path.unavailable_reason(query.device) is None and scale > 0:
             return group_lut_scores(tables, index.codes, scale, T, G).view(B, Hkv, Gs, T, -1)
         # Each key a bag of its M table entries (head h's sub-space m's code j at (h·M + m)·C + j), summed by one
@@ -210,11 +222,11 @@ def group_lut_scores(
     num_warps: int = 4,
     out: Tensor | None = None,
 ) -> Tensor:
-    """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (rows ordered
-    (head in the KV group, query), T = ``queries``), codes ``[B, Hkv, N, W]`` uint8 (``PQSIndex``), ``scale``
-    s > 0; ``group``: the heads that share one selection → ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group; into
-    ``out``, contiguous, where given): s·max over the selection head's group of Σ_m table[m, code_m]. Launches one
-    kernel and waits for nothing."""
+    """The selection scores in one pass over the codes: tables ``[B, Hkv, g·T, M, C]`` float32 (``half_tables``'s,
+    as the selector makes them; rows ordered (head in the KV group, query), T = ``queries``), codes
+    ``[B, Hkv, N, W]`` uint8 (``PQSIndex``), ``scale`` s > 0; ``group``: the heads that share one selection →
+    ``[B, Hkv, Gs·T, N]`` float32 (Gs = g/group; into ``out``, contiguous, where given): s·max over the selection
+    head's group of Σ_m table[m, code_m]. Launches one kernel and waits for nothing."""
     B, Hkv, Q, M, C = tables.shape
     N, W = codes.shape[2:]
     pack = packed(C)

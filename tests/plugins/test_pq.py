@@ -32,6 +32,14 @@ def _reconstructed(index):
     return picked.permute(0, 1, 3, 2, 4).reshape(B, Hkv, -1, M * dims)
 
 
+def _rounding(query, keys, dims, scale):
+    """How far the tables' float16 rounding may move a score: 2^-11 of each entry, s·Σ_m |q_m·k_m| for queries
+    ``[B, Hkv, ..., T, D]`` over keys (their codes' centroids) ``[B, Hkv, N, D]`` → ``[B, Hkv, ..., T, N]``."""
+    split = (-1, dims)
+    products = torch.einsum("bh...tmd,bhnmd->bh...tnm", query.unflatten(-1, split), keys.unflatten(-1, split))
+    return scale * 2.0**-11 * products.abs().sum(-1)
+
+
 @pytest.mark.parametrize("bits, tokens", [(8, 200), (4, 16)])
 def test_a_sub_space_of_at_most_its_centroids_keys_is_coded_exactly(bits, tokens):
     """With no more keys than 2^bits centroids, every key is a centroid: the scores are the exact logits."""
@@ -43,9 +51,10 @@ def test_a_sub_space_of_at_most_its_centroids_keys_is_coded_exactly(bits, tokens
     assert index.codes.dtype == torch.uint8 and index.codes.shape == (2, 2, tokens, 4 if bits == 8 else 2)
     assert index.centroids.shape == (2, 2, 4, 2**bits, 8)
     assert torch.allclose(_reconstructed(index), keys)
-    assert torch.allclose(
-        selector.score(query, index, keys, 0.25), OracleSelector().score(query, None, keys, 0.25), atol=1e-5
-    )
+    exact = OracleSelector().score(query, None, keys, 0.25)
+    # The exact logits but for the tables' float16 rounding: at most 2^-11 of each sub-space's |q_m·k_m|.
+    rounding = _rounding(query, keys, 8, 0.25).amax(3)  # (the max over a selection head's G heads: 1 here)
+    assert ((selector.score(query, index, keys, 0.25) - exact).abs() <= rounding + 1e-5).all()
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
@@ -73,6 +82,8 @@ def test_scores_are_the_logits_of_the_centroids_within_their_distance(interpret,
         per_head.unflatten(-1, (-1, dims)).norm(dim=-1),
         error.unflatten(-1, (-1, dims)).norm(dim=-1),
     )
+    # and the tables' float16 rounding
+    bound += _rounding(per_head, _reconstructed(index), dims, 0.3)
     if shared:  # |max_j a_j − max_j b_j| ≤ max_j |a_j − b_j|
         exact, bound = exact.amax(2, keepdim=True), bound.amax(2, keepdim=True)
     assert scores.shape == exact.shape == (B, Hkv, 1 if shared else g, T, N)
@@ -100,10 +111,40 @@ def test_the_fused_scores_match_the_torch_path(bits, monkeypatch):
     query = group_queries(torch.randn(B, Hkv * g, T, D, generator=gen), Hkv, shared=True)
     selector = ProductQuantisedSelector(PQSConfig(dims=4, bits=bits))
     index = selector.build(keys, None, _everywhere(B, Hkv, N))
-    tables = torch.einsum("bhrmd,bhmcd->bhrmc", query.reshape(B, Hkv, g * T, 3, 4), index.centroids)
+    tables = pq.half_tables(torch.einsum("bhrmd,bhmcd->bhrmc", query.reshape(B, Hkv, g * T, 3, 4), index.centroids))
     fused = pq.group_lut_scores(tables, index.codes, 0.5, T, g, block_n=16).view(B, Hkv, 1, T, N)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert torch.allclose(fused, selector.score(query, index, keys, 0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"], ids=["torch path", "triton path"])
+def test_the_tables_are_rounded_to_float16_saturating_at_its_largest_value(interpret, monkeypatch):
+    """The scores sum float16 table entries (in float32): each entry q_m·c_{m,j} rounded to nearest, and beyond
+    float16's range ±65504 instead of ±inf — on the torch path and on the Triton kernel."""
+    if interpret == "1":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    from oa_plugins.selectors.pq import HALF_MAX
+
+    gen = torch.Generator().manual_seed(6)
+    B, Hkv, g, N, D = 1, 2, 2, 40, 8
+    keys = torch.randn(B, Hkv, N, D, generator=gen)
+    decode = torch.randn(B, Hkv * g, 1, D, generator=gen)
+    decode[:, 0] *= 1e6  # head 0's entries far past float16's range
+    selector = ProductQuantisedSelector(PQSConfig(dims=4, bits=4))
+    index = selector.build(keys, None, _everywhere(B, Hkv, N))
+    scores = selector.score(group_queries(decode, Hkv, shared=False), index, keys, 0.5)  # [B, Hkv, g, 1, N]
+    entries = torch.einsum(
+        "bhgmd,bhmcd->bhgmc", decode.double().view(B, Hkv, g, 2, 4), index.centroids.double()
+    )  # [B, Hkv, g, M, C]
+    rounded = entries.clamp(-HALF_MAX, HALF_MAX).half().double()
+    codes = _codes(index).permute(0, 1, 3, 2)[:, :, None].expand(B, Hkv, g, 2, N)  # [B, Hkv, g, M, N]
+    expected = 0.5 * rounded.gather(-1, codes).sum(3)  # [B, Hkv, g, N]
+    assert scores.isfinite().all()
+    assert torch.allclose(scores[:, :, :, 0].double(), expected, rtol=1e-6, atol=1e-6)
+    unrounded = 0.5 * entries.gather(-1, codes).sum(3)
+    assert (expected[0, 0, 1] - unrounded[0, 0, 1]).abs().max() > 1e-5  # the rounding moved some in-range score
+    assert (entries[0, 0, 0].abs() > HALF_MAX).any()  # and head 0's saturated
 
 
 @pytest.mark.parametrize("sub_spaces", [1, 4, 7])
