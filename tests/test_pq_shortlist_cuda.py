@@ -145,9 +145,7 @@ def test_the_kernel_compiles_for_sm_90(tmp_path, monkeypatch, capsys):
         assert "compiling the CUDA shortlist for sm_90" in capsys.readouterr().err
         assert not isinstance(lib, str), lib
         smem = lib.oa_pq_shortlist_smem  # (heads, rows, M, CC, capacity, blocks): a block's 2048 positions here
-        # the tables two heads a 32-bit word (an odd count's last word half empty), the scores, the histograms
-        assert smem(4, 4, 64, 16, 16384, 8) == 4 * (2 * 64 * 16 + 4 * 2048 + 2 * 4 * 256)
-        assert smem(3, 3, 64, 16, 16384, 8) == 4 * (2 * 64 * 16 + 3 * 2048 + 2 * 3 * 256)
+        assert smem(4, 4, 64, 16, 16384, 8) == 4 * (4 * 64 * 16 + 4 * 2048 + 2 * 4 * 256)
         assert len(list(tmp_path.glob("oa_pq_shortlist_*.so"))) == 1
     finally:
         pq_shortlist_cuda.library.cache_clear()

@@ -10,9 +10,7 @@
 //
 // One cluster per (batch row b, KV head h) = bh; each block owns `chunk` consecutive positions (block rank r:
 // [r·chunk, (r + 1)·chunk)). Per selection row s of the head (GS of them, each the max over G query heads):
-//   1. scores: s·max_j Σ_m table[s, j, m, code_m] (sub-spaces summed in order, in float32, from the tables' float16
-//      entries held two heads a 32-bit word: half the shared-memory reads of float32 entries, which bound this
-//      phase; ``benchmarks/studies/half_table_scores.py``), -inf outside the clusters (the sink,
+//   1. scores: s·max_j Σ_m table[s, j, m, code_m] (sub-spaces summed in order), -inf outside the clusters (the sink,
 //      the local window, padding — but the row leaving the window is inside: it joins a cluster in this step; the
 //      clustered positions are the range [start + sink, n - 1 - local], no per-key read: ``StaticState``), kept
 //      in shared memory; each row's histogram of the first 8-bit digit of the scores' order keys;
@@ -37,7 +35,6 @@
 // registers. `stop` (a study's knob, 0 in the step) ends the launch after a phase: 1 the scores, 2 the cut.
 
 #include <cooperative_groups.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -119,24 +116,18 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     const int first = rank * a.chunk;
     const int len = (int)max((int64_t)0, min((int64_t)a.chunk, n - first));
     const int table_size = a.M * a.CC;
-    constexpr int PAIRS = (HEADS + 1) / 2;  // query heads' tables two a 32-bit word (heads 2p, 2p + 1)
 
     extern __shared__ __align__(16) unsigned char smem[];
-    __half2* table = reinterpret_cast<__half2*>(smem);                    // PAIRS · M · CC
-    float* value = reinterpret_cast<float*>(table + PAIRS * table_size);  // GS · chunk: the scores
+    float* table = reinterpret_cast<float*>(smem);                        // HEADS · M · CC
+    float* value = table + HEADS * table_size;                            // GS · chunk: the scores
     unsigned* hist = reinterpret_cast<unsigned*>(value + GS * a.chunk);   // GS · 256: this block's
     unsigned* total = hist + GS * 256;                                    // GS · 256: the cluster's
     __shared__ unsigned prefix[GS], rest[GS], digit[GS], wanted[GS];
     __shared__ unsigned above[GS], tied[GS], above_before[GS], tied_before[GS];
     __shared__ unsigned warp_above[GS][WARPS], warp_tied[GS][WARPS];
 
-    // The entries are float16 values already (PQS's ``half_tables``): the conversion is exact.
     const float* tables = a.tables + (size_t)bh * HEADS * table_size;
-    for (int i = threadIdx.x; i < PAIRS * table_size; i += THREADS) {
-        const int pair = i / table_size, entry = i - pair * table_size;
-        const float second = 2 * pair + 1 < HEADS ? tables[(2 * pair + 1) * table_size + entry] : 0.f;
-        table[i] = __floats2half2_rn(tables[2 * pair * table_size + entry], second);
-    }
+    for (int i = threadIdx.x; i < HEADS * table_size; i += THREADS) table[i] = tables[i];
     for (int i = threadIdx.x; i < GS * 256; i += THREADS) hist[i] = 0;
     if (threadIdx.x < GS) prefix[threadIdx.x] = digit[threadIdx.x] = 0;  // (the listing writes above and tied)
     __syncthreads();
@@ -147,9 +138,9 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
     for (int i = threadIdx.x; i < len; i += THREADS) {
         const int64_t pos = first + i;
         const bool inside = pos >= lowest && pos <= leaving;
-        float sums[2 * PAIRS];  // (an odd count's last one unused)
+        float sums[HEADS];
 #pragma unroll
-        for (int j = 0; j < 2 * PAIRS; ++j) sums[j] = 0.f;
+        for (int j = 0; j < HEADS; ++j) sums[j] = 0.f;
         if (inside) {
             const uint8_t* code = a.codes + ((size_t)bh * a.cap + pos) * a.W;
             // Four code bytes, the first of them byte `first_byte` of the key's: sub-spaces in order.
@@ -157,23 +148,17 @@ __global__ void __launch_bounds__(THREADS) pq_shortlist(Args a) {
 #pragma unroll
                 for (int byte = 0; byte < 4; ++byte) {
                     const unsigned c = (word >> (8 * byte)) & 0xFF;
-                    // One 32-bit read a sub-space and pair of heads; each head's sum in float32, in sub-space order.
                     if (a.packed) {
-                        const __half2* entry = table + 2 * (first_byte + byte) * a.CC;
+                        const float* entry = table + 2 * (first_byte + byte) * a.CC;
 #pragma unroll
-                        for (int p = 0; p < PAIRS; ++p) {
-                            const float2 low = __half22float2(entry[p * table_size + (c & 15)]);
-                            const float2 high = __half22float2(entry[p * table_size + a.CC + (c >> 4)]);
-                            sums[2 * p] += low.x, sums[2 * p + 1] += low.y;
-                            sums[2 * p] += high.x, sums[2 * p + 1] += high.y;
+                        for (int j = 0; j < HEADS; ++j) {
+                            sums[j] += entry[j * table_size + (c & 15)];
+                            sums[j] += entry[j * table_size + a.CC + (c >> 4)];
                         }
                     } else {
-                        const __half2* entry = table + (first_byte + byte) * a.CC;
+                        const float* entry = table + (first_byte + byte) * a.CC;
 #pragma unroll
-                        for (int p = 0; p < PAIRS; ++p) {
-                            const float2 both = __half22float2(entry[p * table_size + c]);
-                            sums[2 * p] += both.x, sums[2 * p + 1] += both.y;
-                        }
+                        for (int j = 0; j < HEADS; ++j) sums[j] += entry[j * table_size + c];
                     }
                 }
             };
@@ -365,7 +350,7 @@ static int chunk_of(int cap, int CL) { return ((cap + CL - 1) / CL + THREADS - 1
 // The dynamic shared memory a block of a CL-block cluster needs over `cap` positions (the scores of its positions,
 // the tables, histograms).
 size_t oa_pq_shortlist_smem(int heads, int GS, int M, int CC, int cap, int CL) {
-    return sizeof(__half2) * (size_t)((heads + 1) / 2) * M * CC + sizeof(float) * (size_t)GS * chunk_of(cap, CL) +
+    return sizeof(float) * ((size_t)heads * M * CC + (size_t)GS * chunk_of(cap, CL)) +
            sizeof(unsigned) * 2 * GS * 256;
 }
 
