@@ -586,7 +586,7 @@ MUTATIONS = [
         "plugins/selectors/pq.py",
         [("return tables.float().clamp(-HALF_MAX, HALF_MAX).half().float()", "return tables.float()")],
         PQ_TESTS,
-        "PQS scores from float32 tables where the GPU's shortlist holds float16 ones (and past float16's range)",
+        "PQS scores from float32 tables, not float16 ones as every path rounds them (and past float16's range)",
     ),
     mutation(
         "fused-pq-tables-float32",

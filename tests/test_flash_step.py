@@ -402,8 +402,8 @@ def test_the_new_rows_pqs_codes_are_the_first_nearest_centroid_across_tiles():
 
 
 def test_the_prologues_pqs_tables_are_the_selectors_rounded_to_float16():
-    """The fused step's tables are PQS's (``half_tables``): q_m·c_{m,j} rounded to float16 — what the CUDA shortlist
-    keeps two heads a 32-bit word — and ±65504 past its range (a head's query scaled 10^6), never ±inf."""
+    """The fused step's tables are PQS's (``half_tables``): q_m·c_{m,j} rounded to float16 — what lets the CUDA
+    shortlist keep two heads a 32-bit word — and ±65504 past its range (a head's query scaled 10^6), never ±inf."""
     from oa_plugins.selectors.pq import HALF_MAX
 
     keys, values, prefill, _ = make_inputs(tokens=140, group=2)

@@ -8,11 +8,11 @@ into M = D / ``dims`` sub-spaces; in each, 2^``bits`` centroids are learnt from 
 ``oa_core.ops.kmeans``) and a key is coded by its nearest centroid's number. A query scores a key by table lookup,
 z̃_i = s·Σ_m q_m·c_{m, code_im}, the table of q_m·c_{m,j} made once per query: the score's error is
 s·Σ_m q_m·(k_im − c_{m, code_im}), within s·Σ_m ‖q_m‖·‖k_im − c_{m, code_im}‖ whatever the query. The tables' entries
-are rounded to float16 (``half_tables``; the sums stay float32), alike on every path, so that each reads the same rows:
-what lets the GPU's shortlist (``plugins/kernels/pq_shortlist.cu``) hold two query heads' entries in one 32-bit word of
-shared memory, half its lookups (built in 10d7d78, reverted until a GPU runs its tests). The rounding moves an entry
-by at most 2^-11 of it, far inside the codes' error: on both offline models the shortlists keep the rows of float32
-tables (``benchmarks/studies/shared_shortlist_recall.py``).
+are rounded to float16 (``half_tables``; the sums stay float32), alike on every path, so that each reads the same rows
+and the GPU's shortlist (``plugins/kernels/pq_shortlist.cu``) may hold two query heads' entries in one 32-bit word of
+shared memory, half its lookups (docs/results.md says where that stands). The rounding moves an entry by at most 2^-11
+of it, far inside the codes' error: on both offline models the shortlists keep the rows of float32 tables
+(``benchmarks/studies/shared_shortlist_recall.py``).
 
 The default, 16 centroids of each pair of dimensions, reads D/4 bytes per key (two 4-bit codes a byte, as the index
 keeps them): 1/16 of a
